@@ -1,0 +1,95 @@
+"""Attention backends: the one place where model code meets the paged KV cache.
+
+Contract for every backend (``torch`` here, ``triton`` in attention_triton.py):
+
+* ``prepare(meta)`` runs once per step before the first layer; it may cache derived tensors
+  (gather indices, masks) on ``meta.backend_state``. It must not touch the KV pools.
+* ``forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)`` first writes the step's new
+  keys/values into their slots (``meta.slot_mapping``; slot -1 is skipped), then returns the
+  attention output ``[T, H, D]`` where token ``i`` of sequence ``b`` (tokens ordered sequence by
+  sequence, as in ``meta.cu_seqlens_q``) attends causally to keys ``0 .. pos`` of that sequence,
+  ``pos = seq_lens[b] - q_len[b] + i``, restricted to the last ``sliding_window`` keys when set.
+
+Sequences are ordered decodes first (``q_len == 1``), then prefills/chunks, and
+``meta.num_decodes`` says how many decodes lead, so backends can take a fast path for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flat token batch, built once by the model runner.
+
+    Tensors live on the model's device. ``block_tables`` is ``[B, max_blocks]`` int32, padded
+    with 0 beyond each sequence's ``ceil(seq_len / block_size)`` blocks.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, keys per sequence including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # leading sequences with q_len == 1
+    num_decode_tokens: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Return the backend for ``name`` ("auto" | "torch" | "triton") on ``device``.
+
+    "auto" picks triton on CUDA when Triton imports, else torch.
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        from engine.attention_torch import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        if not _triton_available():
+            raise ValueError("attention_backend 'triton' needs the triton package "
+                             "(pip install 'kvserve[triton]')")
+        from engine.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True

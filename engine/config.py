@@ -1,0 +1,131 @@
+"""Engine configuration: one frozen, validated dataclass shared by every part of the engine.
+
+Field names follow vLLM's engine arguments, so that users can carry their flags over.
+Validation happens at construction and raises ``ValueError`` with a message a user can act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def parse_bytes(value: int | float | str | None) -> int | None:
+    """Parse ``4GiB``, ``512MiB``, ``1e9`` or an integer number of bytes; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size in bytes, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative: {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read {value!r} as a size: use bytes or a number with a unit such as 4GiB, 512MiB"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine. Frozen: build a new one with :meth:`replace`.
+
+    ``model=None`` selects the embedded default model (SmolLM2-135M-Instruct).
+    ``kv_cache_memory`` sizes the KV pool in bytes (or "4GiB"); when ``None`` the CPU default is
+    a share of RAM and CUDA uses ``gpu_memory_utilization`` after a profiling pass.
+    ``max_model_len=None`` takes the model's own context length.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 0.0
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    max_waiting_requests: int = 1024
+    max_logprobs: int = 20
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1; got {self.block_size}")
+        if self.block_size > 256:
+            raise ValueError(f"block_size must be at most 256; got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
+                             f"got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space (GiB) cannot be negative; got {self.swap_space}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)};"
+                             f" got {self.attention_backend!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1; got {self.max_waiting_requests}")
+        if not 0 <= self.max_logprobs <= 100:
+            raise ValueError(f"max_logprobs must be in [0, 100]; got {self.max_logprobs}")
+        # Normalise the size once so that every reader sees bytes.
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_overrides(cls, model: str | None = None, **overrides: Any) -> EngineConfig:
+        """Build from keyword overrides, naming any unknown key in the error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(names - {'extra'}))}")
+        return cls(model=model, **overrides)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * 1024**3)
+
+    def resolved_num_threads(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover - non-Linux
+            return max(1, os.cpu_count() or 1)

@@ -1,0 +1,102 @@
+"""Per-request sampling and stopping parameters (vLLM's ``SamplingParams`` shape).
+
+Validated at construction: every bad value raises ``ValueError`` naming the field, which the
+server turns into an OpenAI-style 400 error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the continuation of one prompt and when to stop.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k. ``seed`` makes the
+    samples of this request reproducible whatever else shares its batch. ``logprobs=k`` returns
+    the chosen token's log-probability and the top ``k`` alternatives per generated token;
+    ``prompt_logprobs=k`` does the same for the prompt tokens. ``stop`` strings end generation and
+    are removed from the text (unless ``include_stop_str_in_output``).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k is None or self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}; got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "must be -1 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be >= 0")
+        if self.logit_bias:
+            for tok, val in self.logit_bias.items():
+                if tok < 0:
+                    raise ValueError(f"logit_bias has a negative token id {tok}")
+                if not -100.0 <= val <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100]; got {val} "
+                                     f"for token {tok}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must hold non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
