@@ -1,0 +1,130 @@
+"""PyTorch attention backend: paged KV on any device, tuned for the CPU path.
+
+Per step (``prepare``) it derives, once for all layers: the block gather indices and key masks of
+the decode group (one padded batch, a single SDPA call per layer) and, per prefill sequence, its
+block list and causal mask. Per layer it stores the new K/V, gathers whole blocks (contiguous
+``block_size × kv_heads × head_dim`` chunks, cheaper than per-token gathers) and runs SDPA with
+grouped-query heads sharing their K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+
+
+@dataclass
+class _DecodeGroup:
+    block_tables: torch.Tensor  # [Bd, MB]
+    key_pos: torch.Tensor  # [1, MB * BS]
+    seq_lens: torch.Tensor  # [Bd, 1]
+    num_keys: int
+
+
+@dataclass
+class _PrefillSeq:
+    token_start: int
+    token_end: int
+    blocks: torch.Tensor  # [nb]
+    seq_len: int
+    query_pos: torch.Tensor  # [q_len, 1]
+    key_pos: torch.Tensor  # [1, seq_len]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        state = meta.backend_state
+        bs = meta.block_size
+        device = meta.block_tables.device
+        nd = meta.num_decodes
+        if nd:
+            max_len = max(meta.seq_lens_cpu[:nd])
+            mb = -(-max_len // bs)
+            state["decode"] = _DecodeGroup(
+                block_tables=meta.block_tables[:nd, :mb].long(),
+                key_pos=torch.arange(mb * bs, device=device).unsqueeze(0),
+                seq_lens=meta.seq_lens[:nd].long().unsqueeze(1),
+                num_keys=mb * bs,
+            )
+        prefills = []
+        start = meta.num_decode_tokens
+        for b in range(nd, meta.num_seqs):
+            q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+            nb = -(-seq_len // bs)
+            prefills.append(_PrefillSeq(
+                token_start=start,
+                token_end=start + q_len,
+                blocks=meta.block_tables[b, :nb].long(),
+                seq_len=seq_len,
+                query_pos=torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1),
+                key_pos=torch.arange(seq_len, device=device).unsqueeze(0),
+            ))
+            start += q_len
+        state["prefills"] = prefills
+        state["masks"] = {}
+        state["store_all"] = not bool((meta.slot_mapping < 0).any())
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        state = meta.backend_state
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping, state["store_all"])
+        out = torch.empty_like(q)
+        masks = state["masks"].setdefault(sliding_window, {})
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, state["decode"], masks, scale,
+                                    sliding_window)
+        for i, seq in enumerate(state["prefills"]):
+            out[seq.token_start:seq.token_end] = self._prefill(
+                q[seq.token_start:seq.token_end], k_cache, v_cache, seq, masks, i, scale,
+                sliding_window)
+        return out
+
+    @staticmethod
+    def _store(k, v, k_cache, v_cache, slots, store_all: bool) -> None:
+        kvh, d = k_cache.shape[-2:]
+        if not store_all:
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
+        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, group: _DecodeGroup, masks, scale, window):
+        mask = masks.get("decode")
+        if mask is None:
+            valid = group.key_pos < group.seq_lens
+            if window is not None:
+                valid &= group.key_pos >= group.seq_lens - window
+            mask = masks["decode"] = valid[:, None, None, :]  # [Bd, 1, 1, L]
+        bd = q.shape[0]
+        kvh, d = k_cache.shape[-2:]
+        keys = k_cache[group.block_tables].view(bd, group.num_keys, kvh, d).transpose(1, 2)
+        vals = v_cache[group.block_tables].view(bd, group.num_keys, kvh, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=True)
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, seq: _PrefillSeq, masks, idx, scale, window):
+        mask = masks.get(idx)
+        if mask is None:
+            valid = seq.key_pos <= seq.query_pos
+            if window is not None:
+                valid &= seq.key_pos > seq.query_pos - window
+            mask = masks[idx] = valid
+        kvh, d = k_cache.shape[-2:]
+        keys = k_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len].transpose(0, 1)
+        vals = v_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len].transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=True)
+        return out.transpose(0, 1)

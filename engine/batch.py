@@ -1,0 +1,114 @@
+"""Flattening one step's scheduled sequences into the model's packed input.
+
+Every sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
+Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
+with tensor ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache.manager import KVCacheManager
+from engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class PromptLogitRows:
+    """Rows ``[row_start, row_end)`` of the prompt-logit block belong to ``seq_index`` and
+    predict prompt tokens ``first_target .. first_target + (row_end - row_start) - 1``."""
+
+    seq_index: int
+    row_start: int
+    row_end: int
+    first_target: int
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] flat token rows whose logits are sampled
+    sample_seq_indices: list[int]  # which scheduled entry each sampled row belongs to
+    prompt_indices: torch.Tensor  # [P] flat rows needing prompt logits
+    prompt_rows: list[PromptLogitRows]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _needs_prompt_logits(s: ScheduledSeq) -> bool:
+    req = s.seq.request
+    return (s.seq.index == 0 and req.wants_prompt_logprobs
+            and s.start < req.num_prompt_tokens - 1
+            and (req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens))
+
+
+def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager,
+                      device: torch.device) -> ModelInput:
+    bs = kv.block_size
+    ids: list[int] = []
+    q_lens: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    sample_seq_indices: list[int] = []
+    prompt_rows: list[PromptLogitRows] = []
+    prompt_flat: list[int] = []
+    num_decodes = 0
+    for i, s in enumerate(scheduled):
+        seq, start, n = s.seq, s.start, s.num_new_tokens
+        if n == 1 and num_decodes == i:
+            num_decodes += 1
+        flat_start = len(ids)
+        ids.extend(seq.token_ids[start:start + n])
+        q_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(kv.block_table(seq.seq_id))
+        if s.sample:
+            sample_seq_indices.append(i)
+        if _needs_prompt_logits(s):
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            row_start = len(prompt_flat)
+            prompt_flat.extend(range(flat_start, flat_start + last - start))
+            prompt_rows.append(PromptLogitRows(i, row_start, len(prompt_flat), start + 1))
+
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    block_tables = torch.tensor(padded, dtype=torch.int32)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    torch.cumsum(q_lens_t, 0, out=cu[1:])
+    num_tokens = len(ids)
+    seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
+    positions = (torch.arange(num_tokens) - cu[seq_idx] + (seq_lens_t - q_lens_t)[seq_idx])
+    slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+    sample_indices = cu[1:][torch.tensor(sample_seq_indices, dtype=torch.int64)] - 1
+
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        cu_seqlens_q=cu.to(torch.int32).to(device),
+        seq_lens=seq_lens_t.to(torch.int32).to(device),
+        block_tables=block_tables.to(device),
+        block_size=bs,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return ModelInput(
+        input_ids=torch.tensor(ids, dtype=torch.int64).to(device),
+        positions=positions.to(device),
+        meta=meta,
+        sample_indices=sample_indices.to(device),
+        sample_seq_indices=sample_seq_indices,
+        prompt_indices=torch.tensor(prompt_flat, dtype=torch.int64).to(device),
+        prompt_rows=prompt_rows,
+    )

@@ -1,0 +1,229 @@
+"""EngineCore: one synchronous engine step = schedule, run the model, sample, update.
+
+Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
+``check_request`` (pure) may be called from elsewhere. An accepted request always ends with a
+final ``RequestOutput`` (finish_reason stop, length or abort); its KV blocks are freed exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from engine.batch import build_model_input
+from engine.config import EngineConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.loader import default_generation_eos, iter_weights, load_config, load_tokenizer, \
+    resolve_model
+from engine.model_runner import ModelRunner
+from engine.output_builder import build_request_output, record_prompt_logprobs, \
+    record_sample_logprobs
+from engine.outputs import RequestOutput
+from engine.request import Request, Sequence
+from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stop import SequenceTextState
+
+logger = logging.getLogger("kvserve.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.resolved_num_threads())
+        self.files = resolve_model(config.model)
+        self.hf_config = load_config(self.files)
+        self.tokenizer = load_tokenizer(self.files) if config.tokenizer is None else \
+            load_tokenizer(resolve_model(config.tokenizer))
+        self.model_name = config.served_model_name or self.files.name
+        self.max_model_len = _max_model_len(config, self.hf_config)
+        self.runner = ModelRunner(config, self.hf_config, iter_weights(self.files),
+                                  self.max_model_len)
+        num_blocks = self.runner.allocate_kv_cache()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.sampler = Sampler(seed=config.seed)
+        self.vocab_size = self.runner.arch.vocab_size
+        self.eos_token_ids = frozenset(default_generation_eos(self.files))
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._finished_unreported: list[Request] = []
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
+        self._log_startup()
+
+    def _log_startup(self) -> None:
+        r = self.runner
+        tokens = r.num_blocks * self.config.block_size
+        logger.info(
+            "model %s | dtype %s | device %s | attention %s | max_model_len %d | KV cache: %d "
+            "blocks x %d tokens = %d tokens, %d bytes/token, %.2f GiB | max concurrency at "
+            "max_model_len: %.2fx", self.model_name, str(r.dtype).removeprefix("torch."),
+            r.device, r.backend.name, self.max_model_len, r.num_blocks, self.config.block_size,
+            tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (user-facing) if this request can never be served. Pure."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else \
+            self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the "
+                f"completion). Please reduce the prompt or max_tokens.")
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({n} tokens) leaves no room to generate within the "
+                             f"maximum context length of {self.max_model_len} tokens")
+        pool_tokens = self.kv.num_blocks * self.kv.block_size
+        if n + max_tokens > pool_tokens:
+            raise ValueError(f"the request needs {n + max_tokens} tokens of KV cache but the whole "
+                             f"pool holds {pool_tokens}; raise kv_cache_memory or shorten it")
+        for k in (params.logprobs, params.prompt_logprobs):
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"at most {self.config.max_logprobs} logprobs may be asked for; "
+                                 f"got {k}")
+        if params.logit_bias:
+            for tok in params.logit_bias:
+                if tok >= self.vocab_size:
+                    raise ValueError(f"logit_bias names token {tok}, outside the vocabulary "
+                                     f"(0..{self.vocab_size - 1})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, prompt: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = list(prompt_token_ids)
+        self.check_request(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
+        req = Request(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                      params=params, priority=priority, arrival_order=next(self._arrivals))
+        if arrival_time is not None:
+            req.metrics.arrival_time = arrival_time
+        if params.cache_salt:
+            req.cache_extra_keys = (("salt", params.cache_salt),)
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device="cpu").manual_seed(params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req.seqs.append(Sequence(
+                seq_id=seq_id, index=i, request=req, token_ids=list(prompt_token_ids),
+                text_state=SequenceTextState(self.tokenizer, prompt_token_ids, params,
+                                             self.eos_token_ids),
+                generator=generator,
+                logprobs=[] if params.logprobs is not None else None))
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Finish the named requests with reason "abort" (unknown or finished ids: no-op)."""
+        for rid in list(request_ids):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                self.scheduler.finish_seq(seq, "abort")
+            self._finished_unreported.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration. Returns the (cumulative) outputs of requests that progressed."""
+        touched: dict[str, Request] = {r.request_id: r for r in self._finished_unreported}
+        self._finished_unreported = []
+        out = self.scheduler.schedule()
+        if not out.empty:
+            self._run(out, touched)
+        outputs = []
+        for req in touched.values():
+            outputs.append(build_request_output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
+        now = time.time()
+        self.counters["num_steps"] += 1
+        for s in out.scheduled:
+            m = s.seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        inp = build_model_input(out.scheduled, self.kv, self.runner.device)
+        result = self.runner.execute(inp)
+        self.scheduler.update_after_step(out)
+        if result.prompt_logits is not None:
+            record_prompt_logprobs(out.scheduled, inp.prompt_rows, result.prompt_logits,
+                                   self.tokenizer)
+        if not inp.sample_seq_indices:
+            return
+        seqs = [out.scheduled[i].seq for i in inp.sample_seq_indices]
+        rows = [SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
+                            output_token_ids=s.output_token_ids, generator=s.generator,
+                            eos_token_ids=self.eos_token_ids) for s in seqs]
+        sampled = self.sampler(result.sample_logits, rows)
+        now = time.time()
+        for i, seq in enumerate(seqs):
+            token = sampled.token_ids[i]
+            seq.token_ids.append(token)
+            self.counters["generation_tokens"] += 1
+            record_sample_logprobs(seq, sampled, i, self.tokenizer)
+            m = seq.request.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            finish = seq.text_state.append(token)
+            if finish is not None:
+                self.scheduler.finish_seq(seq, finish.reason, finish.stop_reason)
+            touched[seq.request.request_id] = seq.request
+        for req in touched.values():
+            if req.finished and req.metrics.finished_time is None:
+                req.metrics.finished_time = now
+
+    # ---- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        kv = self.kv.stats()
+        return {
+            "num_requests_running": len({s.request.request_id for s in self.scheduler.running}),
+            "num_requests_waiting": len({s.request.request_id for s in self.scheduler.waiting}),
+            "kv_cache_usage_perc": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.counters["prompt_tokens"],
+            "generation_tokens": self.counters["generation_tokens"],
+            "num_steps": self.counters["num_steps"],
+            "num_blocks_total": kv.num_blocks,
+            "num_blocks_free": kv.num_free_blocks,
+            "num_blocks_used": kv.num_used_blocks,
+            "num_blocks_cached": kv.num_cached_blocks,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+        }
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's "
+                         f"{model_max} positions")
+    return config.max_model_len

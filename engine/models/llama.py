@@ -1,0 +1,172 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
+
+The batch is packed: every sequence's new tokens of a step side by side (``[T]``), with no
+padding. Attention reads and writes the paged KV pool through an attention backend; everything
+else is a handful of matmuls per layer with Q/K/V fused into one projection and gate/up into one.
+Weights are loaded from HF parameter names (``model.layers.N.self_attn.q_proj.weight`` …).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.models.arch import ModelArch
+from engine.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as HF: normalise in fp32, cast back, then scale.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
+        self.layer_idx = layer_idx
+        self.sliding_window = arch.sliding_windows[layer_idx]
+        self.scale = d ** -0.5
+        self.input_layernorm = RMSNorm(h, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, arch.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=arch.o_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, h, bias=arch.mlp_bias)
+        self.intermediate_size = arch.intermediate_size
+        if arch.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(d, arch.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(d, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        residual = x
+        x = self.input_layernorm(x)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                               self.sliding_window)
+        x = residual + self.o_proj(attn.reshape(t, self.q_size))
+        residual = x
+        x = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return residual + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder over packed tokens. ``forward`` returns final hidden states ``[T, hidden]``;
+    ``compute_logits`` projects only the rows that are sampled."""
+
+    def __init__(self, arch: ModelArch, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim,
+                                      max_positions or arch.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        backend.prepare(meta)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises ValueError naming any
+        parameter that is missing or has the wrong shape."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embeddings
+            target = name.removeprefix("model.")
+            target = target.replace(".self_attn.", ".").replace(".mlp.", ".")
+            parts = target.split(".")
+            if len(parts) >= 3 and parts[-2] in fused:
+                fused_name, shard = fused[parts[-2]]
+                target = ".".join([*parts[:-2], fused_name, parts[-1]])
+                self._load_shard(params, target, shard, tensor)
+                loaded.add(f"{target}#{shard}")
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint has an unexpected parameter {name!r}")
+            self._copy(params[target], tensor, name)
+            loaded.add(target)
+        missing = [n for n in params if n not in loaded and not self._fully_sharded(n, loaded)]
+        if missing:
+            raise ValueError(f"checkpoint lacks parameters: {', '.join(missing[:5])}"
+                             + (" …" if len(missing) > 5 else ""))
+
+    def _shard_sizes(self, fused_name: str) -> list[int]:
+        layer = self.layers[0]
+        if fused_name == "qkv_proj":
+            return [layer.q_size, layer.kv_size, layer.kv_size]
+        return [layer.intermediate_size, layer.intermediate_size]
+
+    def _load_shard(self, params: dict[str, nn.Parameter], target: str, shard: int,
+                    tensor: torch.Tensor) -> None:
+        if target not in params:
+            raise ValueError(f"checkpoint has an unexpected parameter for {target!r}")
+        sizes = self._shard_sizes(target.split(".")[-2])
+        start = sum(sizes[:shard])
+        self._copy(params[target].data.narrow(0, start, sizes[shard]), tensor, target)
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(src.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src.to(dst.dtype))
+
+    def _fully_sharded(self, name: str, loaded: set[str]) -> bool:
+        fused_name = name.split(".")[-2]
+        if fused_name not in ("qkv_proj", "gate_up_proj"):
+            return False
+        return all(f"{name}#{i}" in loaded for i in range(len(self._shard_sizes(fused_name))))

@@ -1,0 +1,27 @@
+"""Maps an HF config's architecture to kvserve's model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.arch import ModelArch
+from engine.models.llama import LlamaForCausalLM
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(hf_config: Any, max_positions: int | None = None) -> LlamaForCausalLM:
+    """Instantiate (uninitialised weights) the model class for ``hf_config``."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    known = [a for a in archs if a in _ARCHITECTURES]
+    if archs and not known:
+        raise ValueError(f"unsupported architecture {archs[0]!r}; kvserve runs "
+                         f"{', '.join(sorted(_ARCHITECTURES))}")
+    arch = ModelArch.from_hf_config(hf_config)
+    cls = _ARCHITECTURES[known[0]] if known else LlamaForCausalLM
+    return cls(arch, max_positions=max_positions)

@@ -1,0 +1,58 @@
+"""Rotary position embeddings (HF's rotate-half layout), with linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.arch import RopeSpec
+
+
+def inv_frequencies(spec: RopeSpec, rotary_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (spec.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64)
+                                     .to(torch.float32) / rotary_dim))
+    if spec.rope_type == "linear":
+        inv_freq = inv_freq / spec.factor
+    elif spec.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
+        # between interpolated smoothly.
+        old_len = spec.original_max_position_embeddings
+        low_wavelen = old_len / spec.low_freq_factor
+        high_wavelen = old_len / spec.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / spec.factor, inv_freq)
+        smooth = (old_len / wavelen - spec.low_freq_factor) / (
+            spec.high_freq_factor - spec.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin tables; ``cos_sin(positions)`` is taken once per step for all layers."""
+
+    def __init__(self, spec: RopeSpec, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = inv_frequencies(spec, head_dim)
+        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim]`` in ``dtype`` for the given positions."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} is beyond the RoPE table "
+                             f"({self.cos.shape[0]} positions)")
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[T, heads, D]``; rotate-half convention as in HF Llama."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

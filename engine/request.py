@@ -1,0 +1,93 @@
+"""Requests and the sequences the scheduler moves around.
+
+A ``Request`` is what a client asked for (one prompt, ``n`` samples). Each sample is a
+``Sequence``: the scheduling and KV-allocation unit, with its own block table (keyed by
+``seq_id``), its own generated tokens and its own text state. With ``n > 1`` the samples share
+the prompt's full KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.outputs import PositionLogprobs, RequestMetrics
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.stop import SequenceTextState
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    index: int
+    request: Request
+    token_ids: list[int]  # prompt followed by generated tokens
+    text_state: SequenceTextState
+    generator: torch.Generator | None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    admit_order: int = -1  # when it was last admitted to the running set (for preemption)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_order: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    cache_extra_keys: tuple = ()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None

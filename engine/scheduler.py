@@ -1,0 +1,199 @@
+"""Iteration-level scheduler: which sequences run this step, and how many tokens each.
+
+Policy, whole (one screen):
+
+1. Running sequences advance first, in admission order: a decode takes one token, a chunked
+   prefill takes its next chunk; each takes from the step's token budget
+   (``max_num_batched_tokens``). When the KV pool cannot hold a running sequence's new tokens,
+   the lowest-priority, most recently admitted running sequence is preempted (by recompute: its
+   blocks are freed, and its full blocks usually survive in the prefix cache, which makes
+   re-admission cheap); a sequence may end up preempting itself.
+2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order while
+   the budget, the sequence cap (``max_num_seqs``) and the pool allow. Each admission first
+   looks up the prefix cache; the rest of its tokens is its prefill, chunked to the budget.
+   Samples 2..n of a request wait until sample 1 has computed the prompt, then share its full
+   blocks.
+
+The scheduler owns the waiting and running sets and every call to the KV manager's
+allocate/free; the engine core calls ``schedule`` then ``update_after_step``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache.manager import KVCacheManager, PrefixHit
+from engine.request import Request, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []  # sorted by _queue_key
+        self.running: list[Sequence] = []  # admission order
+        self._admit_counter = 0
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------
+
+    @staticmethod
+    def _queue_key(seq: Sequence) -> tuple[int, int, int]:
+        return (seq.request.priority, seq.request.arrival_order, seq.index)
+
+    def add_request(self, request: Request) -> None:
+        for seq in request.seqs:
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        keys = [self._queue_key(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._queue_key(seq)), seq)
+
+    def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Take ``seq`` out of the queues and free its blocks (exactly once)."""
+        if seq.finished:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
+            budget -= num_new
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        # Decodes first: the attention backends take a fast path for the leading q_len == 1 run.
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    @staticmethod
+    def _samples(seq: Sequence, num_new: int) -> bool:
+        return seq.num_computed_tokens + num_new == seq.num_tokens
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        while self.kv.allocate(seq.seq_id, num_tokens) is None:
+            victim = max(self.running, key=lambda s: (s.request.priority, s.admit_order))
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self._enqueue(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._waits_for_sibling(seq):
+                skipped.append(self.waiting.pop(0))
+                continue
+            prefix = self._prefix_for(seq)
+            num_new = seq.num_tokens - prefix.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate(seq.seq_id, prefix.num_tokens + num_new, prefix) is None:
+                break
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed_tokens = prefix.num_tokens
+            seq.admit_order = self._admit_counter
+            self._admit_counter += 1
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = prefix.num_tokens
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
+            budget -= num_new
+        for seq in skipped:
+            self._enqueue(seq)
+        return budget
+
+    @staticmethod
+    def _waits_for_sibling(seq: Sequence) -> bool:
+        if seq.index == 0:
+            return False
+        first = seq.request.seqs[0]
+        return (first.status is SeqStatus.RUNNING
+                and first.num_computed_tokens < seq.num_prompt_tokens)
+
+    def _prefix_for(self, seq: Sequence) -> PrefixHit:
+        request = seq.request
+        if request.wants_prompt_logprobs and (
+                request.prompt_logprobs is None
+                or len(request.prompt_logprobs) < request.num_prompt_tokens):
+            return PrefixHit(block_ids=[], num_tokens=0)  # every prompt position needs logits
+        hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys)
+        first = request.seqs[0]
+        if seq.index > 0 and first.status is SeqStatus.RUNNING:
+            # Share the first sample's full prompt blocks (also with prefix caching off).
+            bs = self.kv.block_size
+            n_blocks = min((seq.num_prompt_tokens - 1) // bs, first.num_computed_tokens // bs)
+            if n_blocks * bs > hit.num_tokens:
+                table = self.kv.block_table(first.seq_id)[:n_blocks]
+                hit = PrefixHit(block_ids=list(table), num_tokens=n_blocks * bs)
+        return hit
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` of every scheduled sequence and register its newly
+        full blocks in the prefix cache. Sampled tokens are appended by the caller first."""
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if not seq.finished:
+                self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                               seq.request.cache_extra_keys)

@@ -1,0 +1,69 @@
+"""Tiny randomly initialised Llama-family checkpoints for tests (no download).
+
+Each gets a byte-level tokenizer (256 byte tokens + <s>, </s>) with a ChatML-like template, so
+the engine can load the directory exactly as it would load a real HF checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 260  # 256 bytes + specials + spare
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, bos_token_id=256, eos_token_id=257,
+                  tie_word_embeddings=False)
+    common.update(overrides)
+    if model_type == "llama":
+        return LlamaConfig(**common)
+    if model_type == "mistral":
+        common.setdefault("sliding_window", 8)
+        return MistralConfig(**common)
+    if model_type == "qwen2":
+        return Qwen2Config(**common)
+    if model_type == "qwen3":
+        common.setdefault("head_dim", 32)
+        return Qwen3Config(**common)
+    raise ValueError(model_type)
+
+
+def make_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0,
+                        **overrides) -> Path:
+    """Write a tiny random checkpoint (config, safetensors, tokenizer) into ``path``."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
+    return path
