@@ -17,11 +17,19 @@ import torch
 from engine.batch import build_model_input
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
-from engine.loader import default_generation_eos, iter_weights, load_config, load_tokenizer, \
-    resolve_model
+from engine.loader import (
+    default_generation_eos,
+    iter_weights,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+)
 from engine.model_runner import ModelRunner
-from engine.output_builder import build_request_output, record_prompt_logprobs, \
-    record_sample_logprobs
+from engine.output_builder import (
+    build_request_output,
+    record_prompt_logprobs,
+    record_sample_logprobs,
+)
 from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
 from engine.sampler import Sampler, SamplingRow

@@ -7,6 +7,7 @@ server turns into an OpenAI-style 400 error.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -46,10 +47,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not all(isinstance(s, str) for s in (self.stop or [])):
+            raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                # JSON object keys arrive as strings ("50256"): accept any integer spelling.
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers; got "
+                                 f"{self.logit_bias!r}") from e
         if self.top_k is None or self.top_k == 0:
             self.top_k = -1
         self._validate()
@@ -58,7 +66,24 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}; got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                raise bad(name, "must be an integer")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            v = getattr(self, name)
+            if v is not None and not is_int(v):
+                raise bad(name, "must be an integer or None")
+        if not all(is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integer token ids")
+        if self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
@@ -88,7 +113,7 @@ class SamplingParams:
             for tok, val in self.logit_bias.items():
                 if tok < 0:
                     raise ValueError(f"logit_bias has a negative token id {tok}")
-                if not -100.0 <= val <= 100.0:
+                if not -100.0 <= val <= 100.0:  # also rejects NaN
                     raise ValueError(f"logit_bias values must be in [-100, 100]; got {val} "
                                      f"for token {tok}")
         if any(t < 0 for t in self.stop_token_ids):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager, PrefixHit
-from engine.request import Request, Sequence, SeqStatus
+from engine.request import Request, SeqStatus, Sequence
 
 
 @dataclass
@@ -150,6 +150,7 @@ class Scheduler:
             if self.kv.allocate(seq.seq_id, prefix.num_tokens + num_new, prefix) is None:
                 break
             self.waiting.pop(0)
+            self.kv.record_prefix_stats(seq.num_tokens, prefix.num_tokens)
             seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = prefix.num_tokens
             seq.admit_order = self._admit_counter
@@ -177,7 +178,8 @@ class Scheduler:
                 request.prompt_logprobs is None
                 or len(request.prompt_logprobs) < request.num_prompt_tokens):
             return PrefixHit(block_ids=[], num_tokens=0)  # every prompt position needs logits
-        hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys)
+        hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys,
+                                  record_stats=False)
         first = request.seqs[0]
         if seq.index > 0 and first.status is SeqStatus.RUNNING:
             # Share the first sample's full prompt blocks (also with prefix caching off).

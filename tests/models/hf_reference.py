@@ -1,4 +1,4 @@
-"""HF transformers greedy generation: the independent truth for engine outputs."""
+"""HF transformers greedy decoding: the independent truth for engine outputs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,20 @@ def load_hf(path) -> torch.nn.Module:
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of one prompt, EOS ignored (exactly max_new_tokens tokens)."""
+    """Greedy continuation of one prompt through HF's own forward pass and KV cache, EOS
+    ignored (not suppressed): exactly ``max_new_tokens`` tokens, as ``ignore_eos=True`` gives.
+
+    (``generate`` is not used because it stops at the model's EOS even when told not to, and
+    ``min_new_tokens`` would suppress EOS instead of ignoring it.)
+    """
+    tokens: list[int] = []
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            if len(tokens) == max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return tokens

@@ -1,0 +1,377 @@
+"""AsyncEngine: the asyncio face of :class:`EngineCore`, for the HTTP server.
+
+The core is not thread-safe, so exactly one thread (the *engine thread*, started here) calls
+``add_request`` / ``abort_request`` / ``step``. The event loop never runs model code: it hands
+work to the engine thread through a locked inbox and receives outputs through one asyncio queue
+per request, fed with ``loop.call_soon_threadsafe``.
+
+Contracts:
+
+* :meth:`AsyncEngine.submit` validates synchronously (``ValueError`` with a user-facing message,
+  :class:`QueueFullError` when too many requests wait, :class:`EngineDeadError` once the loop has
+  died, :class:`EngineDrainingError` during shutdown) and returns a :class:`RequestStream`.
+* A stream yields cumulative :class:`RequestOutput` objects and ends after the finished one.
+  Consumers that fall behind see only the newest output (outputs are cumulative, so nothing is
+  lost). Aborting a stream (or cancelling/closing its consumer) aborts the engine request, whose
+  KV blocks are freed at the engine's next iteration.
+* If ``step`` raises, the engine is dead: every pending stream raises :class:`EngineDeadError`,
+  ``is_healthy`` turns false, and later submissions are refused.
+* The engine thread sleeps on a condition variable while it has nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped on an unexpected error; nothing more can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the client should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDrainingError(QueueFullError):
+    """The server is shutting down and accepts no new work."""
+
+
+class RequestAbortedError(RuntimeError):
+    """Raised by a stream that was aborted (client gone, shutdown timeout) before it finished."""
+
+
+class EngineObserver(Protocol):
+    """Receives engine events on the engine thread (metrics). Must be cheap and not raise."""
+
+    def on_add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None: ...
+
+    def on_step(self, outputs: list[RequestOutput], now: float) -> None: ...
+
+    def on_abort(self, request_id: str, now: float) -> None: ...
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    priority: int
+    arrival_time: float
+
+
+_ABORTED = object()
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs (see module docstring)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._done = False  # the finished output (or an error) was consumed
+        self._aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done or self._aborted
+
+    def _put(self, item: Any) -> None:  # runs on the event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._aborted:
+            raise RequestAbortedError(f"request {self.request_id} was aborted")
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # Outputs are cumulative: a consumer that fell behind only needs the newest one.
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if item is _ABORTED:
+            raise RequestAbortedError(f"request {self.request_id} was aborted")
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the engine request (idempotent; a no-op once the request finished)."""
+        if self.finished:
+            return
+        self._aborted = True
+        self._engine._abort(self.request_id)
+        self._queue.put_nowait(_ABORTED)  # wake a consumer blocked in __anext__
+
+    def __del__(self) -> None:
+        # Safety net for a stream dropped without being drained: free its KV blocks.
+        if not self._done and not self._aborted:
+            try:
+                self._engine._abort(self.request_id)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
+class AsyncEngine:
+    """Owns an :class:`EngineCore` and the thread that drives it."""
+
+    def __init__(self, config: EngineConfig | None = None, *, core: Any = None,
+                 observers: list[EngineObserver] | None = None, start: bool = True) -> None:
+        if core is None:
+            from engine.core import EngineCore  # heavy: torch and the model stack
+
+            core = EngineCore(config or EngineConfig())
+        self.core = core
+        self.config: EngineConfig = core.config
+        self.tokenizer = core.tokenizer
+        self.model_name: str = core.model_name
+        self.max_model_len: int = core.max_model_len
+        self.observers: list[EngineObserver] = list(observers or [])
+        self._cond = threading.Condition()
+        # Guarded by _cond (touched by both threads):
+        self._inbox: list[_Pending] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._waiting = 0  # requests the core holds that are not yet scheduled (upper bound)
+        self._stats: dict[str, int | float] = dict(core.stats())
+        self._stop = False
+        # Set once, read anywhere:
+        self._dead: BaseException | None = None
+        self._draining = False
+        # Engine thread only:
+        self._active: set[str] = set()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        if start:
+            self.start()
+
+    # ---- event-loop side ----------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
+    def stats(self) -> dict[str, int | float]:
+        """The engine counters as of the last step, waiting count including the inbox."""
+        with self._cond:
+            stats = dict(self._stats)
+            stats["num_requests_waiting"] = int(stats.get("num_requests_waiting", 0)) + len(
+                self._inbox)
+        return stats
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.core.check_request(prompt_token_ids, params)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None, *, prompt: str | None = None,
+               priority: int = 0) -> RequestStream:
+        """Queue a request for the engine thread; raises before anything is queued."""
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running; see the server log")
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        prompt_token_ids = list(prompt_token_ids)
+        self.core.check_request(prompt_token_ids, params)
+        request_id = request_id or self.new_request_id()
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            bound = self.config.max_waiting_requests
+            if self._waiting + len(self._inbox) >= bound:
+                raise QueueFullError(f"the server is overloaded: {bound} requests are already "
+                                     f"waiting; retry later")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            stream = RequestStream(self, request_id, loop)
+            self._streams[request_id] = stream
+            self._inbox.append(_Pending(request_id, prompt_token_ids, params, prompt, priority,
+                                        time.time()))
+            self._cond.notify()
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, *, prompt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs; closing or cancelling the consumer aborts the request."""
+        stream = self.submit(prompt_token_ids, params, request_id, prompt=prompt,
+                             priority=priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (the first step of a graceful shutdown)."""
+        self._draining = True
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting work, let requests in flight finish for up to ``timeout`` seconds,
+        abort the rest and stop the engine thread."""
+        self.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.num_in_flight and loop.time() < deadline and self.is_healthy:
+            await asyncio.sleep(0.05)
+        with self._cond:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.abort()
+        await asyncio.to_thread(self.stop)
+
+    def stop(self, join_timeout: float = 30.0) -> None:
+        """Abort everything in the core and stop the engine thread (blocking)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(join_timeout)
+
+    # ---- called from any thread ------------------------------------------------------------
+
+    def _abort(self, request_id: str) -> None:
+        with self._cond:
+            self._streams.pop(request_id, None)
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        has_work = False
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._aborts or self._stop or has_work):
+                        self._cond.wait()
+                    if self._stop:
+                        break
+                    new, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                    self._waiting += len(new)
+                self._process_aborts(aborts)
+                self._process_adds(new)
+                if self.core.has_unfinished_requests():
+                    outputs = self.core.step()
+                    self._deliver(outputs)
+                has_work = self.core.has_unfinished_requests()
+                stats = dict(self.core.stats())
+                with self._cond:
+                    self._stats = stats
+                    self._waiting = int(stats.get("num_requests_waiting", 0))
+            if self._active:
+                self.core.abort_request(list(self._active))
+                self.core.step()  # lets the core release the aborted requests' blocks
+                self._active.clear()
+            with self._cond:
+                streams = list(self._streams.values())
+                self._streams.clear()
+                self._inbox.clear()
+            for stream in streams:
+                self._send(stream, RequestAbortedError("the engine was stopped"))
+        except BaseException as exc:  # noqa: BLE001 - the loop must report, whatever happened
+            self._die(exc)
+
+    def _process_aborts(self, aborts: list[str]) -> None:
+        live = [rid for rid in aborts if rid in self._active]
+        if not live:
+            return
+        self.core.abort_request(live)
+        now = time.time()
+        for rid in live:
+            self._active.discard(rid)
+            self._notify("on_abort", rid, now)
+
+    def _process_adds(self, new: list[_Pending]) -> None:
+        for p in new:
+            with self._cond:
+                stream = self._streams.get(p.request_id)
+            if stream is None:  # aborted before the engine saw it
+                continue
+            try:
+                self.core.add_request(p.request_id, p.prompt_token_ids, p.params,
+                                      prompt=p.prompt, arrival_time=p.arrival_time,
+                                      priority=p.priority)
+            except Exception as exc:  # a bad request must not stop the engine
+                if not isinstance(exc, ValueError):
+                    logger.exception("add_request failed for %s", p.request_id)
+                with self._cond:
+                    self._streams.pop(p.request_id, None)
+                self._send(stream, exc)
+                continue
+            self._active.add(p.request_id)
+            self._notify("on_add", p.request_id, p.arrival_time, len(p.prompt_token_ids))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            rid = out.request_id
+            with self._cond:
+                stream = self._streams.get(rid)
+                if out.finished:
+                    self._streams.pop(rid, None)
+            if out.finished:
+                self._active.discard(rid)
+            if stream is not None:
+                self._send(stream, out)
+        if outputs:
+            self._notify("on_step", outputs, time.time())
+
+    def _send(self, stream: RequestStream, item: Any) -> None:
+        try:
+            stream._loop.call_soon_threadsafe(stream._put, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _notify(self, method: str, *args: Any) -> None:
+        for obs in self.observers:
+            try:
+                getattr(obs, method)(*args)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("engine observer %s.%s failed", type(obs).__name__, method)
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("engine loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        with self._cond:
+            self._dead = exc
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._inbox.clear()
+        for stream in streams:
+            self._send(stream, EngineDeadError("the engine stopped on an internal error; see "
+                                               "the server log"))

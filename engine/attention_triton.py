@@ -1,0 +1,89 @@
+"""Triton attention backend: the paged KV pool read by kernels/ on NVIDIA GPUs.
+
+Per layer: ``store_kv`` writes the step's keys/values, then the leading decodes (``q_len == 1``)
+go through ``paged_decode_attention`` (GQA-grouped loads, split-K over long contexts) and the
+remaining prefills / chunks through ``paged_attention``. ``prepare`` derives, once per step,
+the per-group views and host-side maxima so that no layer needs a device->host sync.
+
+On a CPU the kernels only run under ``TRITON_INTERPRET=1`` (slow; used by the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from kernels.paged_attention import paged_attention
+from kernels.paged_decode import paged_decode_attention
+from kernels.store_kv import store_kv
+
+
+@dataclass
+class _DecodePart:
+    num_tokens: int
+    block_tables: torch.Tensor  # [Bd, max_blocks]
+    seq_lens: torch.Tensor  # [Bd]
+    max_seq_len: int
+
+
+@dataclass
+class _PrefillPart:
+    token_start: int
+    block_tables: torch.Tensor  # [Bp, max_blocks]
+    cu_seqlens_q: torch.Tensor  # [Bp + 1], rebased to start at 0
+    seq_lens: torch.Tensor  # [Bp]
+    max_query_len: int
+
+
+@dataclass
+class _TritonStepState:
+    decode: _DecodePart | None
+    prefill: _PrefillPart | None
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        nd = meta.num_decodes
+        decode = prefill = None
+        if nd:
+            decode = _DecodePart(
+                num_tokens=meta.num_decode_tokens,
+                block_tables=meta.block_tables[:nd],
+                seq_lens=meta.seq_lens[:nd],
+                max_seq_len=max(meta.seq_lens_cpu[:nd]),
+            )
+        if meta.num_seqs > nd:
+            cu = meta.cu_seqlens_q[nd:]
+            prefill = _PrefillPart(
+                token_start=meta.num_decode_tokens,
+                block_tables=meta.block_tables[nd:],
+                cu_seqlens_q=cu - meta.num_decode_tokens if nd else cu,
+                seq_lens=meta.seq_lens[nd:],
+                max_query_len=max(meta.query_lens_cpu[nd:]),
+            )
+        meta.backend_state["triton"] = _TritonStepState(decode=decode, prefill=prefill)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        """Store this step's K/V, then attend; returns a fresh contiguous ``[T, H, D]``."""
+        state: _TritonStepState = meta.backend_state["triton"]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if state.decode is not None:
+            dec = state.decode
+            paged_decode_attention(
+                q[:dec.num_tokens], k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
+                sliding_window=sliding_window, max_seq_len=dec.max_seq_len,
+                out=out[:dec.num_tokens])
+        if state.prefill is not None:
+            pre = state.prefill
+            paged_attention(
+                q[pre.token_start:], k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q,
+                pre.seq_lens, scale, sliding_window, max_query_len=pre.max_query_len,
+                out=out[pre.token_start:])
+        return out

@@ -1,0 +1,306 @@
+"""One-time conversion of a GGUF checkpoint into a local Hugging Face model directory.
+
+The engine reads Hugging Face layouts only (config.json, safetensors, tokenizer files). A GGUF file
+is turned into one, once, with transformers' own GGUF reader (which dequantises every tensor and
+undoes llama.cpp's Q/K row permutation), and the result is kept in a cache directory.
+
+Contract of :func:`ensure_converted`:
+- The target directory either does not exist or is complete: conversion writes into a temporary
+  sibling and renames it into place, so an interrupted conversion never leaves a half directory.
+  Completeness is marked by :data:`MARKER`, written last.
+- Two processes converting the same file at once: an advisory file lock makes the second wait and
+  then reuse the first one's result; without the lock (platforms lacking ``fcntl``) both convert
+  and the atomic rename lets exactly one win, the other discards its copy.
+- Weights are written in float32, so the dequantised values are kept exactly. Tied embeddings
+  (``tie_word_embeddings``, e.g. SmolLM2) are written once, under the input embedding's name:
+  ``lm_head.weight`` is absent from the safetensors, as in Hugging Face's own checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger("kvserve.loader")
+
+# Bump when the layout written below changes: it is part of the cache key, so old caches are
+# simply not found any more (and can be deleted by hand) instead of being misread.
+CONVERSION_FORMAT = 2
+MARKER = "kvserve-conversion.json"
+GGUF_MAGIC = b"GGUF"
+# Shard size for the written safetensors: small models get one file, big ones a few shards.
+MAX_SHARD_BYTES = 4 * 1024**3
+_CHAT_PROBE = [{"role": "user", "content": "ping"}]
+
+
+def is_gguf_file(path: Path) -> bool:
+    """True when ``path`` is a readable file that starts with the GGUF magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def cache_key(gguf_path: Path) -> str:
+    """A short key that changes when the file (resolved path, size, mtime) or our format changes."""
+    resolved = gguf_path.resolve()
+    st = resolved.stat()
+    text = f"{resolved}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERSION_FORMAT}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def converted_dir(gguf_path: Path, cache_root: Path) -> Path:
+    """Where the conversion of ``gguf_path`` lives: ``<cache_root>/models/<stem>-<key>``."""
+    return cache_root / "models" / f"{gguf_path.stem}-{cache_key(gguf_path)}"
+
+
+def is_complete(directory: Path) -> bool:
+    """A converted directory counts only once its marker (written last) is there."""
+    return (directory / MARKER).is_file()
+
+
+def ensure_converted(gguf_path: Path, target: Path, *, progress: bool | None = None) -> Path:
+    """Return ``target``, converting ``gguf_path`` into it first unless a complete copy exists.
+
+    Safe against interruption and against concurrent callers (see the module docstring).
+    """
+    if is_complete(target):
+        logger.debug("using cached conversion %s", target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.parent / f".{target.name}.lock") as locked:
+        if is_complete(target):
+            logger.info("another process converted %s meanwhile; reusing it", gguf_path.name)
+            return target
+        if locked:  # only under the lock is every temp dir known to be dead
+            _remove_stale_temps(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            start = time.perf_counter()
+            logger.info("converting %s into %s (one time only)", gguf_path, target)
+            convert_gguf(gguf_path, tmp, progress=progress)
+            _make_readable(tmp)
+            _publish(tmp, target)
+            logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None) -> None:
+    """Write a Hugging Face directory for ``gguf_path`` into the existing directory ``out_dir``.
+
+    Not atomic by itself (use :func:`ensure_converted`). Raises ``ValueError`` when transformers
+    cannot read the file (e.g. an architecture or tokenizer its GGUF reader does not know) and
+    ``RuntimeError`` when the written directory does not load back with a working chat template.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = gguf_path.resolve()
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    # progress=None lets tqdm decide (off when stderr is not a terminal).
+    disable = None if progress is None else not progress
+    with tqdm(total=5, desc=f"Converting {name}", unit="stage", disable=disable) as stages:
+        stages.set_postfix_str("tokenizer")
+        with _unreadable_as_value_error(gguf_path):
+            tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name,
+                                                      local_files_only=True)
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = _gguf_chat_template(gguf_path)
+        stages.update()
+
+        stages.set_postfix_str("dequantise weights")
+        with _unreadable_as_value_error(gguf_path):
+            model = AutoModelForCausalLM.from_pretrained(
+                src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
+            )
+        stages.update()
+
+        stages.set_postfix_str("write weights")
+        _write_weights(model, out_dir, disable=disable)
+        stages.update()
+
+        stages.set_postfix_str("config")
+        config = model.config
+        # The GGUF quantisation note would make transformers treat the fp32 directory as GGUF.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [type(model).__name__]
+        config.dtype = torch.float32
+        config.save_pretrained(out_dir)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(out_dir)
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit and tokenizer.model_max_length > limit:  # GGUF gives no limit: a 1e30 sentinel
+            tokenizer.model_max_length = limit
+        tokenizer.save_pretrained(out_dir)
+        stages.update()
+
+        stages.set_postfix_str("verify")
+        _verify(out_dir)
+        _write_marker(out_dir, gguf_path, model.config.model_type)
+        stages.update()
+
+
+@contextlib.contextmanager
+def _unreadable_as_value_error(gguf_path: Path) -> Iterator[None]:
+    try:
+        yield
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise ValueError(
+            f"cannot convert {gguf_path}: transformers' GGUF reader failed ({exc}). Pass a GGUF of an "
+            "architecture transformers can read (llama, mistral, qwen2, qwen3, ...) or a Hugging "
+            "Face directory"
+        ) from exc
+
+
+def _write_weights(model: torch.nn.Module, out_dir: Path, *, disable: bool | None) -> None:
+    """Save the state dict as safetensors (sharded above MAX_SHARD_BYTES), tied copies omitted."""
+    from safetensors.torch import save_file
+
+    tensors = dict(_tensors_to_save(model, disable=disable))
+    shards = _shard(tensors, MAX_SHARD_BYTES)
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out_dir / file, metadata={"format": "pt"})
+        for tname, tensor in shard.items():
+            weight_map[tname] = file
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _tensors_to_save(model: torch.nn.Module, *, disable: bool | None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    state = model.state_dict()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    embed = model.get_input_embeddings().weight
+    embed_name = next(n for n, p in model.named_parameters() if p is embed)
+    for tname, tensor in tqdm(state.items(), desc="tensors", unit="tensor", leave=False,
+                              disable=disable):
+        if tied and tname != embed_name and tensor.data_ptr() == embed.data_ptr():
+            # The tied output projection is the embedding itself; loaders re-tie it from config.
+            logger.debug("omitting %s: tied to %s", tname, embed_name)
+            continue
+        yield tname, tensor.detach().to("cpu").contiguous()
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for tname, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][tname] = tensor
+        size += nbytes
+    return shards
+
+
+def _gguf_chat_template(gguf_path: Path) -> str | None:
+    """The chat template from the GGUF metadata, for when transformers' tokenizer drops it."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.chat_template")
+    if field is None:
+        logger.warning("%s carries no chat template; chat requests will fail", gguf_path.name)
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _verify(out_dir: Path) -> None:
+    """Load the written directory back the way the engine will, and try the chat template."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    AutoConfig.from_pretrained(out_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    if tokenizer.chat_template:
+        try:
+            tokenizer.apply_chat_template(_CHAT_PROBE, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a broken template must not be cached
+            raise RuntimeError(f"the converted chat template does not render: {exc}") from exc
+
+
+def _write_marker(out_dir: Path, gguf_path: Path, model_type: str) -> None:
+    st = gguf_path.stat()
+    info = {
+        "format": CONVERSION_FORMAT,
+        "source": str(gguf_path),
+        "source_size": st.st_size,
+        "source_mtime_ns": st.st_mtime_ns,
+        "model_type": model_type,
+        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (out_dir / MARKER).write_text(json.dumps(info, indent=2))
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename the finished ``tmp`` to ``target``; if another process got there first, keep theirs."""
+    if target.exists() and not is_complete(target):
+        # Something incomplete sits at the target (not ours: we never write there directly).
+        trash = target.with_name(f".{target.name}.trash-{uuid.uuid4().hex[:8]}")
+        os.rename(target, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and is_complete(target):
+            logger.info("another process finished converting %s first; using it", target.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        raise
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only modes; the cached model is not a secret, and
+    who may reach it is decided by the modes of the cache directories above it."""
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Drop temp dirs left by interrupted conversions. Called under the lock: none is live."""
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        logger.info("removing leftover of an interrupted conversion: %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[bool]:
+    """Hold an advisory lock on ``lock_path``; yields False (no lock) where ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: the atomic rename alone keeps us safe
+        yield False
+        return
+    with open(lock_path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process converting the same model (%s)", lock_path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

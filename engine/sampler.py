@@ -1,0 +1,283 @@
+"""Vectorised next-token sampling for one engine step.
+
+``Sampler.__call__`` takes the logits of every row that samples this step and returns one token
+per row, plus the raw-distribution logprobs the rows asked for. Per step:
+
+1. logit processors (``engine.penalties``): logit bias, min-tokens masking, repetition penalty,
+   frequency/presence penalties — only on rows that use them;
+2. greedy rows (temperature 0, or top_k 1) take the argmax of the processed logits;
+3. the other rows: temperature, top-k, top-p, min-p, then inverse-CDF sampling: one uniform
+   ``u`` per row picks the first token whose cumulative probability reaches ``u``. A seeded row
+   draws its ``u`` from its own generator, so its tokens depend only on its seed, its logits and
+   how many tokens it has drawn: the same in any batch. Unseeded rows share the Sampler's
+   generator. (An exponential race, ``argmax(probs / Exponential(1))``, gives the same
+   guarantees but needs V random numbers per row: on a CPU that costs ~20x an argmax, while
+   one uniform plus a cumsum costs about one softmax.)
+
+Logprobs are those of the model's raw distribution (``log_softmax`` of the logits as passed in,
+before any processing: vLLM's default), and ``rank = 1 + #tokens with a strictly higher
+logprob``. When every row is greedy and unprocessed (the common case) a step costs one argmax,
+plus the logprob work only if some row asked for logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine import penalties
+from engine.outputs import Logprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the step's logits and what the sampler needs to know about its sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far by this row
+    generator: torch.Generator | None  # set iff params.seed is not None; advanced only by it
+    eos_token_ids: frozenset[int]  # masked (with stop_token_ids) while output < min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float] | None  # chosen token's raw logprob per row; None if nobody asked
+    ranks: list[int] | None  # chosen token's rank per row; None if nobody asked
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row its top-k, [] if it didn't ask
+
+    def position_logprobs(self, i: int, token_text: Callable[[int], str] | None = None,
+                          ) -> dict[int, Logprob] | None:
+        """Row ``i``'s entry for ``CompletionOutput.logprobs``: chosen token plus its top-k."""
+        if self.logprobs is None or self.ranks is None or self.top_logprobs is None:
+            return None
+        tok = self.token_ids[i]
+        entry = {tok: Logprob(self.logprobs[i], self.ranks[i],
+                              token_text(tok) if token_text else None)}
+        _add_top(entry, self.top_logprobs[i], token_text)
+        return entry
+
+
+def _add_top(entry: dict[int, Logprob], top: list[tuple[int, float]],
+             token_text: Callable[[int], str] | None) -> None:
+    """Add top-k entries whose ranks follow the same strict rule as the chosen token's.
+
+    Every token with a strictly higher logprob than a top-k member is itself in the top-k, so
+    counting within the list gives the exact rank.
+    """
+    for tok, lp in top:
+        if tok not in entry:
+            rank = 1 + sum(1 for _, other in top if other > lp)
+            entry[tok] = Logprob(lp, rank, token_text(tok) if token_text else None)
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    # top_k == 1 keeps only the argmax; routing it to the argmax makes it equal greedy exactly,
+    # ties included.
+    return p.greedy or p.top_k == 1
+
+
+class Sampler:
+    """Picks one token per row; holds the engine-wide generator used by unseeded rows."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        g = self._generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[device] = g
+        return g
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, V]; got "
+                             f"{tuple(logits.shape)}")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
+        process = any(penalties.needs_processing(r) for r in rows)
+
+        if len(greedy) == len(rows) and not process:
+            tokens = logits.argmax(dim=-1)
+        else:
+            x = logits.clone(memory_format=torch.contiguous_format)
+            if process:
+                penalties.apply_all(x, rows)
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if greedy:
+                g_idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+                tokens.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
+            sampled = [i for i in range(len(rows)) if not _is_greedy(rows[i].params)]
+            if sampled:
+                s_idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+                picked = self._sample(x.index_select(0, s_idx), [rows[i] for i in sampled])
+                tokens.index_copy_(0, s_idx, picked)
+        return self._with_logprobs(logits, tokens, rows)
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Sample one token per row of ``x`` (processed logits of non-greedy rows)."""
+        dev = x.device
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=dev)
+        x.div_(temps.unsqueeze(1))
+        _top_k_top_p(x, rows)
+        _min_p(x, rows)
+        cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
+        u = torch.empty(len(rows), dtype=cdf.dtype, device=dev)
+        shared = [k for k, r in enumerate(rows) if r.generator is None]
+        if len(shared) == len(rows):
+            u.uniform_(generator=self._generator(dev))
+        else:
+            if shared:
+                s_idx = torch.tensor(shared, dtype=torch.long, device=dev)
+                part = torch.empty(len(shared), dtype=cdf.dtype, device=dev)
+                u.index_copy_(0, s_idx, part.uniform_(generator=self._generator(dev)))
+            for k, r in enumerate(rows):
+                if r.generator is not None:
+                    g = r.generator
+                    u[k] = torch.empty(1, dtype=cdf.dtype, device=g.device).uniform_(
+                        generator=g).to(dev)[0]
+        # Inverse CDF: the first index whose cdf reaches v * total, with v = 1 - u in (0, 1].
+        # A token of zero probability is never that index (its cdf equals its predecessor's,
+        # and v > 0 excludes a zero-probability first token); v <= 1 keeps it inside the row.
+        target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
+        picked = torch.searchsorted(cdf, target).squeeze(1)
+        return picked.clamp_(max=x.shape[1] - 1)
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                       rows: Sequence[SamplingRow]) -> SamplerOutput:
+        want = [r.params.logprobs for r in rows]
+        if all(k is None for k in want):
+            return SamplerOutput(tokens.tolist(), None, None, None)
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(1, tokens.unsqueeze(1))
+        ranks = (lp > chosen).sum(dim=-1) + 1
+        k_max = min(max(k or 0 for k in want), lp.shape[1])
+        top: list[list[tuple[int, float]]] = [[] for _ in rows]
+        if k_max > 0:
+            vals, ids = lp.topk(k_max, dim=-1)
+            vals_l, ids_l = vals.tolist(), ids.tolist()
+            for i, k in enumerate(want):
+                if k:
+                    top[i] = list(zip(ids_l[i][:k], vals_l[i][:k], strict=True))
+        return SamplerOutput(tokens.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top)
+
+
+def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Mask (to -inf, in place) tokens outside each row's top-k and then its top-p nucleus.
+
+    top-k keeps every token whose logit ties the k-th. top-p keeps the smallest prefix of the
+    tokens sorted by probability whose mass reaches ``top_p`` (the token that crosses it stays).
+    """
+    vocab = x.shape[1]
+    sel = [k for k, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
+    if not sel:
+        return
+    dev = x.device
+    idx = torch.tensor(sel, dtype=torch.long, device=dev)
+    sub = x.index_select(0, idx)
+    ks = torch.tensor([rows[k].params.top_k if 0 < rows[k].params.top_k < vocab else vocab
+                       for k in sel], dtype=torch.long, device=dev)
+    ps = [rows[k].params.top_p for k in sel]
+    if all(p >= 1.0 for p in ps):
+        # top-k only: a partial selection is much cheaper than sorting the vocabulary.
+        kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+        sub.masked_fill_(sub < kth, float("-inf"))
+    else:
+        sub = _nucleus(sub, ks, torch.tensor(ps, dtype=x.dtype, device=dev))
+    x.index_copy_(0, idx, sub)
+
+
+# Sorting a 50k vocabulary costs ~50x an argmax on a CPU. The nucleus of a language model
+# almost always lies within its few hundred most likely tokens, so top-p first looks there
+# and sorts the whole row only when those candidates hold less than top_p of the mass.
+_NUCLEUS_CANDIDATES = 512
+
+
+def _nucleus(sub: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """Logits ``sub`` with everything outside top-k (``ks``), then top-p (``ps``), at -inf."""
+    vocab = sub.shape[1]
+    ks_list = ks.tolist()
+    n_cand = min(vocab, max([_NUCLEUS_CANDIDATES] + [k for k in ks_list if k < vocab]))
+    vals, order = sub.topk(n_cand, dim=-1)  # sorted, most likely first
+    kth = vals.gather(1, (ks.clamp(max=n_cand) - 1).unsqueeze(1))
+    vals.masked_fill_((vals < kth) & (ks < vocab).unsqueeze(1), float("-inf"))
+    # Probabilities under the top-k-restricted distribution: for a top-k row all its mass is
+    # among the candidates; otherwise normalise over the whole row.
+    lse = torch.where(ks < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(sub, dim=-1))
+    probs = (vals - lse.unsqueeze(1)).exp()
+    cum = probs.cumsum(dim=-1)
+    before = cum - probs  # mass of the strictly more likely candidates
+    # The first token always stays (before == 0 < top_p). Rows here only for their top-k must
+    # keep their whole tail: rounding can push a float cumsum to 1.0 early.
+    ps = torch.where(ps < 1.0, ps, torch.inf)
+    vals.masked_fill_(before >= ps.unsqueeze(1), float("-inf"))
+    out = torch.full_like(sub, float("-inf")).scatter_(1, order, vals)
+    short = ((ks >= vocab) & (cum[:, -1] < ps)).nonzero().flatten()
+    if short.numel():
+        # Candidates hold less than top_p of the mass: the nucleus needs the full sort.
+        s = sub.index_select(0, short)
+        srt, full_order = s.sort(dim=-1, descending=True)
+        p = torch.softmax(srt, dim=-1)
+        srt.masked_fill_(p.cumsum(dim=-1) - p >= ps[short].unsqueeze(1), float("-inf"))
+        out.index_copy_(0, short, torch.empty_like(s).scatter_(1, full_order, srt))
+    return out
+
+
+def _min_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Mask tokens whose probability is below ``min_p`` times the row's largest probability."""
+    sel = [k for k, r in enumerate(rows) if r.params.min_p > 0.0]
+    if not sel:
+        return
+    dev = x.device
+    idx = torch.tensor(sel, dtype=torch.long, device=dev)
+    sub = x.index_select(0, idx)
+    probs = torch.softmax(sub, dim=-1)
+    mins = torch.tensor([rows[k].params.min_p for k in sel], dtype=x.dtype, device=dev)
+    thresh = probs.max(dim=-1, keepdim=True).values * mins.unsqueeze(1)
+    sub.masked_fill_(probs < thresh, float("-inf"))
+    x.index_copy_(0, idx, sub)
+
+
+@torch.inference_mode()
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], k: int,
+                            token_text: Callable[[int], str] | None = None,
+                            ) -> list[dict[int, Logprob]]:
+    """Logprobs of a prompt's tokens under the model's raw distribution.
+
+    ``logits[j]`` (position j of the prompt) predicts ``target_ids[j]`` (prompt token j+1).
+    Returns, per position, the target's ``Logprob`` (with rank) plus the ``k`` most likely
+    tokens. ``token_text`` (optional) fills ``decoded_token``.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(f"logits must be [len(target_ids)={len(target_ids)}, V]; got "
+                         f"{tuple(logits.shape)}")
+    if not target_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(list(target_ids), dtype=torch.long, device=lp.device).unsqueeze(1)
+    tgt_lp = lp.gather(1, tgt)
+    ranks = ((lp > tgt_lp).sum(dim=-1) + 1).tolist()
+    tgt_lp_l = tgt_lp.squeeze(1).tolist()
+    k = min(k, lp.shape[1])
+    if k > 0:
+        vals, ids = lp.topk(k, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(),
+                                                             strict=True)]
+    else:
+        tops = [[] for _ in target_ids]
+    out: list[dict[int, Logprob]] = []
+    for j, tok in enumerate(target_ids):
+        entry = {tok: Logprob(tgt_lp_l[j], ranks[j], token_text(tok) if token_text else None)}
+        _add_top(entry, tops[j], token_text)
+        out.append(entry)
+    return out

