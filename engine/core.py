@@ -16,7 +16,10 @@ import torch
 
 from engine.batch import build_model_input
 from engine.config import EngineConfig
+from engine.detokenizer import token_text_fn
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.offload import SwapCostModel, offload_stats_dict
+from engine.kv_cache.tiered import TieredKVCacheManager
 from engine.loader import (
     default_generation_eos,
     iter_weights,
@@ -53,15 +56,26 @@ class EngineCore:
         self.runner = ModelRunner(config, self.hf_config, iter_weights(self.files),
                                   self.max_model_len)
         num_blocks = self.runner.allocate_kv_cache()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
+        self._block_bytes = self.runner.kv_bytes_per_token * config.block_size
+        self._host_tier: TieredKVCacheManager | None = None
+        if num_host_blocks:
+            self.kv = self._host_tier = TieredKVCacheManager(
+                num_blocks, config.block_size, num_host_blocks, config.enable_prefix_caching,
+                cost=SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
+                                             self._block_bytes))
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = self.runner.arch.vocab_size
         self.eos_token_ids = frozenset(default_generation_eos(self.files))
+        self.token_text = token_text_fn(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_unreported: list[Request] = []
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0,
+                         "computed_tokens": 0}
         self._log_startup()
 
     def _log_startup(self) -> None:
@@ -158,6 +172,8 @@ class EngineCore:
         touched: dict[str, Request] = {r.request_id: r for r in self._finished_unreported}
         self._finished_unreported = []
         out = self.scheduler.schedule()
+        if self._host_tier is not None:  # spills, load-backs, swaps: before the model runs
+            self._host_tier.flush_copies(self.runner.copy_kv_blocks)
         if not out.empty:
             self._run(out, touched)
         outputs = []
@@ -170,6 +186,7 @@ class EngineCore:
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         now = time.time()
         self.counters["num_steps"] += 1
+        self.counters["computed_tokens"] += out.num_batched_tokens
         for s in out.scheduled:
             m = s.seq.request.metrics
             if m.first_scheduled_time is None:
@@ -179,12 +196,12 @@ class EngineCore:
         self.scheduler.update_after_step(out)
         if result.prompt_logits is not None:
             record_prompt_logprobs(out.scheduled, inp.prompt_rows, result.prompt_logits,
-                                   self.tokenizer)
+                                   self.token_text)
         if not inp.sample_seq_indices:
             return
         seqs = [out.scheduled[i].seq for i in inp.sample_seq_indices]
         rows = [SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
-                            output_token_ids=s.output_token_ids, generator=s.generator,
+                            output_token_ids=s.text_state.token_ids, generator=s.generator,
                             eos_token_ids=self.eos_token_ids) for s in seqs]
         sampled = self.sampler(result.sample_logits, rows)
         now = time.time()
@@ -192,7 +209,7 @@ class EngineCore:
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
             self.counters["generation_tokens"] += 1
-            record_sample_logprobs(seq, sampled, i, self.tokenizer)
+            record_sample_logprobs(seq, sampled, i, self.token_text)
             m = seq.request.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -216,6 +233,8 @@ class EngineCore:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_preemptions_swap": self.scheduler.num_preemptions_swap,
+            "num_preemptions_recompute": self.scheduler.num_preemptions_recompute,
             "prompt_tokens": self.counters["prompt_tokens"],
             "generation_tokens": self.counters["generation_tokens"],
             "num_steps": self.counters["num_steps"],
@@ -224,6 +243,9 @@ class EngineCore:
             "num_blocks_used": kv.num_used_blocks,
             "num_blocks_cached": kv.num_cached_blocks,
             "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+            "computed_tokens": self.counters["computed_tokens"],
+            **offload_stats_dict(self._host_tier and self._host_tier.offload_stats(),
+                                 self._block_bytes),
         }
 
 

@@ -11,8 +11,10 @@ back until the character completes; ``flush()`` releases whatever is left when t
 Contract: the concatenation of everything ``add_token`` and ``flush`` return equals
 ``tokenizer.decode(output_ids, skip_special_tokens=...)`` for byte-level BPE tokenizers, and
 ``decode(prompt + output)`` minus ``decode(prompt)`` for SentencePiece ones (where the first
-output token's leading space is real text), provided the decoder is prefix-stable (every decoder
-of the Llama/Qwen/Mistral/GPT-2 families is).
+output token's leading space is real text), provided the decoder is prefix-stable: appending
+tokens never changes text decoded before. The decoders of the Llama/Qwen/Mistral/GPT-2 families
+are, with one exception no streaming decoder can follow: byte-fallback tokens forming invalid
+UTF-8 (a model emitting garbage), which ``ByteFallback`` turns into U+FFFD retroactively.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 # How many prompt tokens give the first output token its context (vLLM uses the same).
 _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+_MAX_CHAR_BYTES = 4  # a UTF-8 character spans at most 4 byte tokens
 
 
 def _make_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool):
@@ -56,7 +59,9 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text deltas.
 
     ``add_token`` returns the text that became certain with this token ("" while a multi-byte
-    character is incomplete). State is the token list and two offsets; nothing else grows.
+    character is incomplete). State: the recent token ids and two offsets into them. The decoded
+    window spans from the previous emission to now: a few tokens, more only during a run of
+    tokens that decode to nothing (skipped specials).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
@@ -64,16 +69,29 @@ class IncrementalDetokenizer:
         self._decode = _make_decode(tokenizer, skip_special_tokens,
                                     spaces_between_special_tokens)
         # Only the tail of the prompt is ever decoded again: keep just that.
-        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._ids, self._prefix_text = self._prompt_context(list(prompt_token_ids))
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        # decode(ids[prefix:read]), cached until the offsets move.
-        self._prefix_text: str | None = self._decode(self._ids) if self._ids else ""
-        if self._prefix_text.endswith(_REPLACEMENT):
-            # The prompt ends inside a character: the output's first bytes would complete it,
-            # and text belonging to the prompt would vanish from the diff. Decode the output
-            # on its own instead (a stray continuation byte shows as U+FFFD, as decode gives).
-            self._ids, self._read_offset, self._prefix_text = [], 0, ""
+
+    def _prompt_context(self, prompt: list[int]) -> tuple[list[int], str]:
+        """The last few prompt tokens and their text, the window starting on a whole character.
+
+        A window that starts inside a character decodes to U+FFFD (byte fallback even turns the
+        whole byte run into U+FFFD), so it is widened until its text ends cleanly. If the prompt
+        itself ends inside a character, the output's first bytes would complete it and the
+        diff would lose them: then the output is decoded on its own (a stray continuation byte
+        shows as U+FFFD, as ``decode`` of the output gives).
+        """
+        if not prompt:
+            return [], ""
+        for width in range(_PROMPT_CONTEXT, _PROMPT_CONTEXT + _MAX_CHAR_BYTES + 1):
+            context = prompt[-width:]
+            text = self._decode(context)
+            if not text.endswith(_REPLACEMENT) or width >= len(prompt):
+                break
+        if text.endswith(_REPLACEMENT):
+            return [], ""
+        return context, text
 
     def add_token(self, token_id: int) -> str:
         """Append one generated token; return the newly decoded text (possibly "")."""
@@ -92,11 +110,12 @@ class IncrementalDetokenizer:
         prefix_text = self._prefix_text
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT)):
-            # Nothing certain yet: a character is incomplete, or the token added no text
-            # (a skipped special token). Keep the window; it stays short because the next
-            # complete character moves it.
+            # Nothing certain yet: a character is incomplete (keep the window as it is), or the
+            # token added no text, e.g. a skipped special (move the read point past it but keep
+            # the window's start, whose text gives the next token its context).
             if len(new_text) <= len(prefix_text) and not new_text.endswith(_REPLACEMENT):
-                self._skip_empty()
+                self._read_offset = len(self._ids)
+                self._prefix_text = new_text
             return ""
         delta = new_text[len(prefix_text):]
         self._advance()
@@ -105,13 +124,6 @@ class IncrementalDetokenizer:
     def _advance(self) -> None:
         """Everything decoded so far is emitted: the new window starts at the old read point."""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_text = None
-        self._compact()
-
-    def _skip_empty(self) -> None:
-        """Tokens that decoded to nothing (e.g. skipped specials) are absorbed into the window's
-        read point so that a long run of them does not make the window grow."""
         self._read_offset = len(self._ids)
         self._prefix_text = None
         self._compact()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.batch import PromptLogitRows
-from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, Sequence
 from engine.sampler import SamplerOutput, compute_prompt_logprobs
 from engine.scheduler import ScheduledSeq
@@ -15,7 +17,7 @@ def build_request_output(req: Request) -> RequestOutput:
         outputs.append(CompletionOutput(
             index=seq.index,
             text=seq.text_state.text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=list(seq.text_state.token_ids),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
@@ -33,39 +35,26 @@ def build_request_output(req: Request) -> RequestOutput:
     )
 
 
-def _decode(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def record_sample_logprobs(seq: Sequence, sampled: SamplerOutput, row: int, tokenizer) -> None:
-    """Append the chosen token's logprob (+ top-k alternatives) for one sampled row."""
-    if seq.logprobs is None or sampled.logprobs is None:
+def record_sample_logprobs(seq: Sequence, sampled: SamplerOutput, row: int,
+                           token_text: Callable[[int], str]) -> None:
+    """Append the chosen token's logprob (+ its top-k alternatives) for one sampled row."""
+    if seq.logprobs is None:
         return
-    token = sampled.token_ids[row]
-    lp = sampled.logprobs[row]
-    entry: PositionLogprobs = {}
-    for rank, (tok, val) in enumerate(sampled.top_logprobs[row] if sampled.top_logprobs else [],
-                                      start=1):
-        entry[tok] = Logprob(val, rank, _decode(tokenizer, tok))
-    chosen = Logprob(lp, sampled.ranks[row] if sampled.ranks else None, _decode(tokenizer, token))
-    # The chosen token first, then the alternatives (OpenAI's order for logprobs.top_logprobs).
-    seq.logprobs.append({token: chosen, **{t: v for t, v in entry.items() if t != token}})
-    seq.cumulative_logprob += lp
+    entry = sampled.position_logprobs(row, token_text)
+    if entry is None:
+        return
+    seq.logprobs.append(entry)
+    seq.cumulative_logprob += sampled.logprobs[row]
 
 
 def record_prompt_logprobs(scheduled: list[ScheduledSeq], rows: list[PromptLogitRows],
-                           logits, tokenizer) -> None:
+                           logits, token_text: Callable[[int], str]) -> None:
+    """Append prompt logprobs (position 0 has none: ``None``) for the rows computed this step."""
     for r in rows:
-        seq = scheduled[r.seq_index].seq
-        req = seq.request
+        req = scheduled[r.seq_index].seq.request
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]
         n = r.row_end - r.row_start
         targets = req.prompt_token_ids[r.first_target:r.first_target + n]
-        entries = compute_prompt_logprobs(logits[r.row_start:r.row_end], targets,
-                                          req.params.prompt_logprobs or 0)
-        for entry in entries:
-            for tok, lp in entry.items():
-                if lp.decoded_token is None:
-                    lp.decoded_token = _decode(tokenizer, tok)
-        req.prompt_logprobs.extend(entries)
+        req.prompt_logprobs.extend(compute_prompt_logprobs(
+            logits[r.row_start:r.row_end], targets, req.params.prompt_logprobs or 0, token_text))

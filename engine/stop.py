@@ -9,7 +9,8 @@ whether the sequence is finished, in this order (vLLM's):
 2. A stop string completed by the new text -> ``"stop"``, ``stop_reason`` the string; the text
    is cut before it (after it with ``include_stop_str_in_output``). When several complete in
    the same step, the one that ends first wins (the earliest-starting of those on a tie).
-   Only the new tail is searched: an occurrence must end in the new text.
+   Only the new tail is searched: an occurrence must end in the new text. A stop token's own
+   text (kept with ``include_stop_str_in_output``) is not searched.
 3. ``max_tokens`` generated -> ``"length"``.
 
 ``text`` is what a client may see now. While running, the longest suffix that is a proper
@@ -152,7 +153,7 @@ class SequenceTextState:
             # earliest, which for a fixed string is also the one that ends first.
             i = text.find(stop, max(0, old_len - len(stop) + 1))
             if i >= 0 and (best is None or (i + len(stop), i) < best[:2]):
-                best = (i + len(stop), -i, stop)
+                best = (i + len(stop), i, stop)
         return None if best is None else (best[1], best[2])
 
     def _held_back(self) -> int:
