@@ -11,3 +11,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Triton kernels run under the interpreter on machines without a GPU. The variable only takes
+# effect if set before triton is first imported, so it is set here, before any test module.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
