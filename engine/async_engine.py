@@ -189,8 +189,8 @@ class AsyncEngine:
         """The engine counters as of the last step, waiting count including the inbox."""
         with self._cond:
             stats = dict(self._stats)
-            stats["num_requests_waiting"] = int(stats.get("num_requests_waiting", 0)) + len(
-                self._inbox)
+            # _waiting also covers requests taken from the inbox since the last snapshot.
+            stats["num_requests_waiting"] = self._waiting + len(self._inbox)
         return stats
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -296,9 +296,8 @@ class AsyncEngine:
                     self._stats = stats
                     self._waiting = int(stats.get("num_requests_waiting", 0))
             if self._active:
-                self.core.abort_request(list(self._active))
+                self._process_aborts(list(self._active))
                 self.core.step()  # lets the core release the aborted requests' blocks
-                self._active.clear()
             with self._cond:
                 streams = list(self._streams.values())
                 self._streams.clear()

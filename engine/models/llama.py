@@ -63,14 +63,15 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(x)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q = apply_rotary(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        else:
+            # Q and K heads side by side in the fused projection: rotate them in one pass.
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size]
+                              .view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                self.sliding_window)
         x = residual + self.o_proj(attn.reshape(t, self.q_size))

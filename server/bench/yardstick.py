@@ -1,0 +1,166 @@
+"""The useful-work yardstick (DESIGN.md): FLOPs a run had to do, and the machine's matmul peak.
+
+Useful FLOPs of a request with P prompt tokens (C of them served from the prefix cache) and O
+output tokens:
+
+* dense:     2 · N · (P − C + O − 1)   N = non-embedding parameters; the last sampled token is
+                                       never fed back, so O − 1 decode tokens are processed
+* logits:    2 · hidden · vocab · O    one vocabulary projection per sampled token
+* attention: Σ 4 · layers · ctx · q_dim over processed tokens, ctx = keys the token attends to
+             (its position + 1); q_dim = heads · head_dim (= hidden for Llama)
+
+Efficiency = useful FLOPs / wall time / matmul peak, the peak measured in the same run on the
+model's own matmul shapes at a large row count (256 on CPU). It bounds what any engine could do:
+padding, recomputation and overheads count as waste. Shared with benchmarks/.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.kv_calc import ModelShape
+
+
+@dataclass(frozen=True)
+class FlopsCount:
+    dense: float
+    logits: float
+    attention: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.logits + self.attention
+
+    def __add__(self, other: FlopsCount) -> FlopsCount:
+        return FlopsCount(self.dense + other.dense, self.logits + other.logits,
+                          self.attention + other.attention)
+
+
+ZERO = FlopsCount(0.0, 0.0, 0.0)
+
+
+def _sum_ctx(first: int, last: int) -> int:
+    """Σ (t + 1) for t in [first, last]; 0 when the range is empty."""
+    if last < first:
+        return 0
+    return (last + 1) * (last + 2) // 2 - first * (first + 1) // 2
+
+
+def request_flops(shape: ModelShape, prompt_tokens: int, output_tokens: int,
+                  cached_tokens: int = 0) -> FlopsCount:
+    """Useful FLOPs of one request (see the module docstring)."""
+    if prompt_tokens < 1 or output_tokens < 0 or cached_tokens < 0:
+        raise ValueError(f"bad token counts: prompt={prompt_tokens}, output={output_tokens}, "
+                         f"cached={cached_tokens}")
+    # A prompt's last token is always computed, whatever a server reports as cached.
+    cached_tokens = min(cached_tokens, prompt_tokens - 1)
+    if shape.hidden is None or shape.vocab is None:
+        raise ValueError(f"model {shape.name!r} lacks hidden/vocab sizes for the FLOPs count")
+    if output_tokens == 0:
+        last = prompt_tokens - 1
+        sampled = 0
+    else:
+        last = prompt_tokens + output_tokens - 2
+        sampled = output_tokens
+    processed = last - cached_tokens + 1
+    q_dim = shape.heads * shape.head_dim
+    return FlopsCount(
+        dense=2.0 * shape.non_embedding_params() * processed,
+        logits=2.0 * shape.hidden * shape.vocab * sampled,
+        attention=4.0 * shape.layers * q_dim * _sum_ctx(cached_tokens, last))
+
+
+def run_flops(shape: ModelShape, requests: Iterable[tuple[int, int, int]]) -> FlopsCount:
+    """Sum over ``(prompt_tokens, output_tokens, cached_tokens)`` triples."""
+    total = ZERO
+    for p, o, c in requests:
+        total = total + request_flops(shape, p, o, c)
+    return total
+
+
+@dataclass(frozen=True)
+class MatmulPeak:
+    """Best GFLOP/s of ``x[rows, k] @ W[k, n]`` over the probed shapes, with what was probed."""
+
+    gflops: float
+    dtype: str
+    device: str
+    rows: int
+    shape: tuple[int, int]
+    threads: int
+    probes: dict[str, float]
+
+
+def _probe_shapes(shape: ModelShape | None) -> list[tuple[int, int]]:
+    if shape is None or shape.hidden is None or shape.intermediate is None:
+        return [(576, 1536)]
+    h, f = shape.hidden, shape.intermediate
+    qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    # The engine fuses Q/K/V and gate/up (DESIGN.md), so those are the shapes it actually runs.
+    return [(h, qkv), (h, 2 * f), (f, h)]
+
+
+def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
+                        device: str = "cpu", rows: int | None = None,
+                        seconds: float = 0.25, repeats: int = 3) -> MatmulPeak:
+    """Time the model's dense matmuls and keep the best rate: the machine's compute limit.
+
+    ``dtype="auto"`` probes float32 and bfloat16 and keeps the faster (an engine free to choose
+    its dtype could reach it). Each probe is the best of ``repeats`` timed windows, which
+    discounts noise from other processes on a shared machine.
+    """
+    import torch
+
+    dtypes = ["float32", "bfloat16"] if dtype == "auto" else [str(dtype).removeprefix("torch.")]
+    rows = rows or (256 if device == "cpu" else 4096)
+    probes: dict[str, float] = {}
+    best = (0.0, dtypes[0], (0, 0))
+    with torch.inference_mode():
+        for dt_name in dtypes:
+            dt = getattr(torch, dt_name)
+            for k, n in _probe_shapes(shape):
+                x = torch.randn(rows, k, dtype=dt, device=device)
+                w = torch.randn(n, k, dtype=dt, device=device)
+                rate = 0.0
+                for _ in range(repeats):
+                    rate = max(rate, _time_linear(x, w, seconds))
+                probes[f"{dt_name} {rows}x{k}x{n}"] = rate / 1e9
+                if rate / 1e9 > best[0]:
+                    best = (rate / 1e9, dt_name, (k, n))
+    return MatmulPeak(best[0], best[1], device, rows, best[2], torch.get_num_threads(), probes)
+
+
+def _time_linear(x, w, seconds: float) -> float:
+    import torch
+
+    def sync() -> None:
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(2):
+        torch.nn.functional.linear(x, w)
+    sync()
+    iters, start = 0, time.perf_counter()
+    while True:
+        torch.nn.functional.linear(x, w)
+        iters += 1
+        if iters % 4 == 0:
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+    return 2.0 * x.shape[0] * x.shape[1] * w.shape[0] * iters / elapsed
+
+
+def efficiency_report(flops: FlopsCount, wall_s: float, peak: MatmulPeak) -> dict:
+    """The JSON-able efficiency block printed by the benches."""
+    achieved = flops.total / max(wall_s, 1e-9) / 1e9
+    return {"useful_gflop": flops.total / 1e9, "dense_gflop": flops.dense / 1e9,
+            "logits_gflop": flops.logits / 1e9, "attention_gflop": flops.attention / 1e9,
+            "wall_s": wall_s, "achieved_gflops": achieved, "peak_gflops": peak.gflops,
+            "peak_dtype": peak.dtype, "peak_device": peak.device, "peak_rows": peak.rows,
+            "peak_shape": list(peak.shape), "peak_threads": peak.threads,
+            "peak_probes": peak.probes,
+            "efficiency": achieved / peak.gflops if peak.gflops > 0 else float("nan")}

@@ -1,0 +1,171 @@
+"""``POST /v1/chat/completions``: the tokenizer's chat template, then generation.
+
+A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice, carries
+content deltas, ends each choice with its ``finish_reason``, then (with include_usage) a chunk
+with empty choices and the usage, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_engine import RequestAbortedError
+from engine.outputs import RequestOutput
+from server.errors import bad_request
+from server.logprobs import chat_logprobs
+from server.protocol import ChatCompletionRequest
+from server.serving import (
+    ServingContext,
+    abort_on_disconnect,
+    engine_error,
+    final_outputs,
+    new_id,
+    request_id_of,
+    submit_all,
+    usage_of,
+)
+from server.sse import DONE, event, sse_response
+
+logger = logging.getLogger("kvserve.server")
+
+
+def render_chat(tokenizer: Any, conversation: list[dict[str, str]], *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    """The prompt text and token ids for a conversation; ValueError when the template refuses.
+
+    The template already holds the special tokens, so encoding adds none of its own.
+    """
+    try:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+    except Exception as exc:  # jinja2 TemplateError, ValueError, ...
+        raise ValueError(f"the chat template could not render these messages: {exc}") from None
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request
+                                 ) -> Response:
+    xrid = request_id_of(raw)
+    model = ctx.check_model(req.model)
+    top = req.top_logprobs or 0
+    if req.logprobs and top > ctx.engine.config.max_logprobs:
+        raise bad_request(f"top_logprobs must be at most {ctx.engine.config.max_logprobs}",
+                          param="top_logprobs")
+    try:
+        text, ids = await asyncio.to_thread(
+            render_chat, ctx.tokenizer, req.conversation(),
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=req.chat_template_kwargs)
+        params = req.sampling_params(max_tokens=req.max_new_tokens,
+                                     logprobs=top if req.logprobs else None)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages" if "template" in str(exc) else None) \
+            from None
+    cid = new_id("chatcmpl")
+    try:
+        streams = submit_all(ctx, [(text, ids)], params, cid, req.priority)
+    except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
+        raise engine_error(exc, ctx, xrid) from None
+    logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid, cid,
+                len(ids), req.n, req.max_new_tokens, bool(req.stream))
+    writer = _ChatWriter(ctx, req, cid, model, xrid)
+    if req.stream:
+        return sse_response(writer.stream(raw, streams))
+    try:
+        finals = await final_outputs(raw, streams)
+    except RequestAbortedError:
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001
+        raise engine_error(exc, ctx, xrid) from None
+    return JSONResponse(writer.response(finals[0]))
+
+
+class _ChatWriter:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, cid: str, model: str,
+                 xrid: str) -> None:
+        self.ctx, self.req, self.cid, self.model, self.xrid = ctx, req, cid, model, xrid
+        self.created = int(time.time())
+        self.top = req.top_logprobs or 0
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.cid, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, c: Any, start: int) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(self.ctx.tokenizer, list(c.token_ids[start:]),
+                             list((c.logprobs or [])[start:]), self.top)
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in out.outputs]
+        return {**self._base("chat.completion"), "choices": choices, "usage": usage_of([out]),
+                "system_fingerprint": None}
+
+    def _chunk(self, choice: dict[str, Any]) -> str:
+        body = {**self._base("chat.completion.chunk"), "choices": [choice]}
+        if self.req.include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last
+        return event(body)
+
+    async def stream(self, raw: Request, streams: list) -> AsyncIterator[str]:
+        n = self.req.n
+        sent_text = [0] * n
+        sent_tokens = [0] * n
+        done = [False] * n
+        final: RequestOutput | None = None
+        try:
+            for i in range(n):
+                yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None})
+            async with abort_on_disconnect(raw, streams), contextlib.aclosing(
+                    _iterate(streams[0])) as outputs:
+                async for out in outputs:
+                    for c in out.outputs:
+                        i = c.index
+                        if done[i]:
+                            continue
+                        delta = c.text[sent_text[i]:]
+                        has_lp = self.req.logprobs and len(c.token_ids) > sent_tokens[i]
+                        if not delta and not c.finish_reason and not has_lp:
+                            continue
+                        lp = self._logprobs(c, sent_tokens[i])
+                        sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                        done[i] = c.finish_reason is not None
+                        yield self._chunk({"index": i, "delta": {"content": delta} if delta
+                                           else {}, "logprobs": lp,
+                                           "finish_reason": c.finish_reason,
+                                           "stop_reason": c.stop_reason})
+                    if out.finished:
+                        final = out
+            if self.req.include_usage and final is not None:
+                yield event({**self._base("chat.completion.chunk"), "choices": [],
+                             "usage": usage_of([final])})
+        except RequestAbortedError:
+            return
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI does
+            yield event(engine_error(exc, self.ctx, self.xrid).body())
+        finally:
+            for s in streams:
+                s.abort()
+        yield DONE
+
+
+async def _iterate(stream: Any) -> AsyncIterator[RequestOutput]:
+    async for out in stream:
+        yield out

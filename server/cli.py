@@ -1,0 +1,195 @@
+"""``kvserve``: the command line.
+
+    kvserve serve [MODEL] [--config FILE.yaml] [--host H] [--port P] [engine flags]
+    kvserve generate [MODEL] --prompt TEXT [--chat] [--max-tokens N] [sampling/engine flags]
+    kvserve bench ... / kvserve kv-calc ...   (registered by server/bench/cli.py when present)
+
+MODEL defaults to the embedded SmolLM2-135M-Instruct. Engine flags are named as vLLM names them;
+a config file holds the same keys, and flags given on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from server.config_file import (
+    ServerSettings,
+    add_engine_arguments,
+    add_server_arguments,
+    as_yaml_dict,
+    resolve,
+)
+
+logger = logging.getLogger("kvserve.cli")
+
+_NOT_FLAGS = {"command", "func", "config", "print_config", "prompt", "chat", "system",
+              "max_tokens", "temperature", "top_p", "top_k", "sampling_seed", "stop"}
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in _NOT_FLAGS}
+
+
+def _settings(args: argparse.Namespace):
+    flags = _flags(args)
+    if "api_key" not in flags and os.environ.get("KVSERVE_API_KEY"):
+        flags["api_key"] = os.environ["KVSERVE_API_KEY"]
+    return resolve(flags, getattr(args, "config", None))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    engine_config, settings = _settings(args)
+    if args.print_config:
+        import yaml
+
+        shown = as_yaml_dict(engine_config, settings)
+        if shown.get("api-key"):
+            shown["api-key"] = "***"
+        print(yaml.safe_dump(shown, sort_keys=True), end="")
+        return 0
+    from server.logs import configure_logging
+
+    configure_logging(settings.log_level)
+    from server.app import build_app, version
+
+    logger.info("kvserve %s: loading %s", version(), engine_config.model or "the embedded model")
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(engine_config)
+    app = build_app(engine, settings)
+    run_server(app, engine, settings)
+    return 0
+
+
+def run_server(app: Any, engine: Any, settings: ServerSettings) -> None:
+    """Serve until SIGINT/SIGTERM; then refuse new work, let requests in flight finish for up to
+    ``settings.shutdown_timeout`` seconds, and stop the engine."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                logger.info("signal %d: draining requests in flight (up to %.0fs)", sig,
+                            settings.shutdown_timeout)
+            engine.begin_drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            log_level=settings.log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=settings.shutdown_timeout)
+    _Server(config).run()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Offline generation printed as it comes (no server), e.g. to try a model quickly."""
+    engine_config, settings = _settings(args)
+    from server.logs import configure_logging
+
+    configure_logging("warning" if settings.log_level == "info" else settings.log_level)
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    core = EngineCore(engine_config)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            stop=list(args.stop or []))
+    if args.chat:
+        from server.chat import render_chat
+
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        text, ids = render_chat(core.tokenizer, messages)
+    else:
+        text, ids = args.prompt, list(core.tokenizer.encode(args.prompt))
+    core.add_request("generate-0", ids, params, prompt=text)
+    start, printed, final = time.perf_counter(), 0, None
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    while core.has_unfinished_requests():
+        for out in core.step():
+            piece = out.outputs[0].text
+            print(piece[printed:], end="", flush=True)
+            printed = len(piece)
+            if out.finished:
+                final = out
+    print(flush=True)
+    if final is not None:
+        c = final.outputs[0]
+        secs = time.perf_counter() - start
+        print(f"[{len(ids)} prompt tokens, {len(c.token_ids)} generated, finish_reason="
+              f"{c.finish_reason}, {secs:.2f}s, {len(c.token_ids) / max(secs, 1e-9):.1f} tok/s]",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible LLM server "
+                                     "built around a paged KV cache.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    _model_and_config(serve)
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the resolved settings as YAML and exit")
+    add_server_arguments(serve)
+    add_engine_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate from a prompt without a server")
+    _model_and_config(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="seed of this request's sampling (--seed seeds the engine)")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--log-level", dest="log_level", default=argparse.SUPPRESS,
+                     choices=("critical", "error", "warning", "info", "debug"))
+    add_engine_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    _register_plugins(sub)
+    return parser
+
+
+def _model_and_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=argparse.SUPPRESS,
+                   help="model directory, .gguf file or name (default: embedded SmolLM2-135M)")
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="YAML file of options (keys are the flag names); flags override it")
+
+
+def _register_plugins(sub: Any) -> None:
+    """Subcommands living elsewhere (bench, kv-calc); absent modules are skipped."""
+    try:
+        from server.bench.cli import register
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("server.bench", "server.bench.cli"):
+            raise
+        return
+    register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad settings: a usage error, not a traceback
+        parser.exit(2, f"kvserve: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

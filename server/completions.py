@@ -1,0 +1,183 @@
+"""``POST /v1/completions``: OpenAI's legacy completions, streaming and not.
+
+Choice ``index`` is ``prompt_index * n + sample_index``. With ``echo`` the prompt text (and its
+logprobs, when asked for) precedes the completion; in a stream it goes in the choice's first
+chunk. Usage counts each prompt once, whatever ``n`` is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_engine import RequestAbortedError
+from engine.outputs import RequestOutput
+from server.errors import bad_request
+from server.logprobs import CompletionLogprobs
+from server.protocol import CompletionRequest
+from server.serving import (
+    ServingContext,
+    abort_on_disconnect,
+    engine_error,
+    final_outputs,
+    merge_streams,
+    new_id,
+    request_id_of,
+    submit_all,
+    usage_of,
+)
+from server.sse import DONE, event, sse_response
+
+logger = logging.getLogger("kvserve.server")
+
+
+def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest
+                      ) -> list[tuple[str | None, list[int]]]:
+    out: list[tuple[str | None, list[int]]] = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            out.append((p, list(ctx.tokenizer.encode(p, add_special_tokens=req.add_special_tokens))))
+        else:
+            out.append((None, list(p)))
+    return out
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request
+                            ) -> Response:
+    xrid = request_id_of(raw)
+    model = ctx.check_model(req.model)
+    if req.logprobs is not None and req.logprobs > ctx.engine.config.max_logprobs:
+        raise bad_request(f"logprobs must be at most {ctx.engine.config.max_logprobs}",
+                          param="logprobs")
+    prompts = await asyncio.to_thread(_tokenize_prompts, ctx, req)
+    try:
+        params = req.sampling_params(
+            max_tokens=req.max_tokens, logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    cid = new_id("cmpl")
+    try:
+        streams = submit_all(ctx, prompts, params, cid, req.priority)
+    except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
+        raise engine_error(exc, ctx, xrid) from None
+    logger.info("request_id=%s %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%s, "
+                "stream=%s", xrid, cid, len(prompts), [len(ids) for _, ids in prompts], req.n,
+                req.max_tokens, bool(req.stream))
+    prompt_texts = [text if text is not None or not req.echo else
+                    ctx.tokenizer.decode(ids, skip_special_tokens=False) for text, ids in prompts]
+    writer = _Writer(ctx, req, cid, model, prompt_texts, xrid)
+    if req.stream:
+        return sse_response(writer.stream(raw, streams))
+    try:
+        finals = await final_outputs(raw, streams)
+    except RequestAbortedError:
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001
+        raise engine_error(exc, ctx, xrid) from None
+    return JSONResponse(writer.response(finals))
+
+
+@dataclass
+class _ChoiceState:
+    text_len: int = 0
+    num_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+    logprobs: CompletionLogprobs | None = None
+
+
+class _Writer:
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, cid: str, model: str,
+                 prompt_texts: list[str | None], xrid: str) -> None:
+        self.ctx, self.req, self.cid, self.model, self.xrid = ctx, req, cid, model, xrid
+        self.prompt_texts = prompt_texts
+        self.created = int(time.time())
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.cid, "object": "text_completion", "created": self.created,
+                "model": self.model}
+
+    def _echo_logprobs(self, out: RequestOutput) -> tuple[list[int], list[Any]]:
+        if not self.req.echo or out.prompt_logprobs is None:
+            return [], []
+        positions = list(out.prompt_logprobs)
+        positions += [None] * (len(out.prompt_token_ids) - len(positions))
+        return list(out.prompt_token_ids), positions[:len(out.prompt_token_ids)]
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for pi, out in enumerate(finals):
+            for c in out.outputs:
+                prefix = (self.prompt_texts[pi] or "") if self.req.echo else ""
+                lp = None
+                if self.req.logprobs is not None:
+                    ids, positions = self._echo_logprobs(out)
+                    lp = CompletionLogprobs(self.ctx.tokenizer, self.req.logprobs).build(
+                        ids + list(c.token_ids), positions + list(c.logprobs or []))
+                choices.append({"index": pi * self.req.n + c.index, "text": prefix + c.text,
+                                "logprobs": lp, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        choices.sort(key=lambda ch: ch["index"])
+        return {**self._base(), "choices": choices, "usage": usage_of(finals),
+                "system_fingerprint": None}
+
+    async def stream(self, raw: Request, streams: list) -> AsyncIterator[str]:
+        n = self.req.n
+        states = [_ChoiceState() for _ in range(len(streams) * n)]
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async with abort_on_disconnect(raw, streams), \
+                    contextlib.aclosing(merge_streams(streams)) as merged:
+                async for pi, out in merged:
+                    for c in out.outputs:
+                        chunk = self._delta(pi, out, c, states[pi * n + c.index])
+                        if chunk is not None:
+                            yield event({**self._base(), "choices": [chunk]})
+                    if out.finished:
+                        finals[pi] = out
+            if self.req.include_usage:
+                yield event({**self._base(), "choices": [],
+                             "usage": usage_of([finals[i] for i in sorted(finals)])})
+        except RequestAbortedError:
+            return  # the client is gone: nobody to tell
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI does
+            yield event(engine_error(exc, self.ctx, self.xrid).body())
+        finally:
+            for s in streams:  # a consumer that stopped early (disconnect) frees its blocks
+                s.abort()
+        yield DONE
+
+    def _delta(self, pi: int, out: RequestOutput, c: Any, st: _ChoiceState
+               ) -> dict[str, Any] | None:
+        if st.finished:
+            return None
+        text = c.text[st.text_len:]
+        new_ids = list(c.token_ids[st.num_tokens:])
+        ids: list[int] = []
+        positions: list[Any] = []
+        if not st.started and self.req.echo:
+            text = (self.prompt_texts[pi] or "") + text
+            ids, positions = self._echo_logprobs(out)
+        if not text and not c.finish_reason and not (self.req.logprobs is not None and new_ids):
+            return None  # nothing to say yet (text held back while a stop string may match)
+        lp = None
+        if self.req.logprobs is not None:
+            if st.logprobs is None:
+                st.logprobs = CompletionLogprobs(self.ctx.tokenizer, self.req.logprobs)
+            lp = st.logprobs.build(ids + new_ids,
+                                   positions + list((c.logprobs or [])[st.num_tokens:]))
+        st.started = True
+        st.text_len = len(c.text)
+        st.num_tokens = len(c.token_ids)
+        st.finished = c.finish_reason is not None
+        return {"index": pi * self.req.n + c.index, "text": text, "logprobs": lp,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

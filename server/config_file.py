@@ -1,0 +1,205 @@
+"""Server and engine options: one table feeds the command-line flags, the YAML config files and
+the settings objects, so that a key in ``configs/*.yaml`` is exactly a flag's name.
+
+Precedence: built-in defaults < ``--config FILE.yaml`` < flags given on the command line.
+Unknown keys in a file are rejected, naming the known ones. Flag names follow vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the HTTP layer needs besides the engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+    shutdown_timeout: float = 30.0
+    disable_log_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535; got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown-timeout cannot be negative; got {self.shutdown_timeout}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log-level must be one of {', '.join(LOG_LEVELS)}; "
+                             f"got {self.log_level!r}")
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # flag / YAML key, without the leading dashes
+    field: str  # EngineConfig or ServerSettings attribute
+    target: str  # "engine" | "server"
+    type: Callable[[Any], Any]
+    help: str
+    choices: tuple[str, ...] | None = None
+    boolean: bool = False
+    nullable: bool = False
+
+
+def _size(value: Any) -> Any:
+    return value if isinstance(value, int) else str(value)
+
+
+ENGINE_OPTIONS = [
+    Option("tokenizer", "tokenizer", "engine", str, "tokenizer path (default: the model's)",
+           nullable=True),
+    Option("served-model-name", "served_model_name", "engine", str,
+           "name the API reports and accepts (default: the model's name)", nullable=True),
+    Option("dtype", "dtype", "engine", str, "weights and activations dtype", choices=DTYPES),
+    Option("device", "device", "engine", str, "auto, cpu, cuda or cuda:N"),
+    Option("max-model-len", "max_model_len", "engine", int,
+           "context length (default: the model's)", nullable=True),
+    Option("block-size", "block_size", "engine", int, "tokens per KV block"),
+    Option("kv-cache-memory", "kv_cache_memory", "engine", _size,
+           "KV pool size, e.g. 512MiB or 4GiB (CUDA default: from --gpu-memory-utilization)",
+           nullable=True),
+    Option("gpu-memory-utilization", "gpu_memory_utilization", "engine", float,
+           "fraction of GPU memory for weights + KV cache"),
+    Option("swap-space", "swap_space", "engine", float, "host KV tier in GiB (0 = off)"),
+    Option("max-num-seqs", "max_num_seqs", "engine", int, "sequences per step"),
+    Option("max-num-batched-tokens", "max_num_batched_tokens", "engine", int,
+           "tokens per step"),
+    Option("enable-prefix-caching", "enable_prefix_caching", "engine", bool,
+           "share KV blocks between prompts with a common prefix", boolean=True),
+    Option("enable-chunked-prefill", "enable_chunked_prefill", "engine", bool,
+           "split long prompts across steps", boolean=True),
+    Option("preemption-mode", "preemption_mode", "engine", str,
+           "what to do with a request when blocks run out", choices=PREEMPTION_MODES),
+    Option("attention-backend", "attention_backend", "engine", str, "attention kernels",
+           choices=ATTENTION_BACKENDS),
+    Option("seed", "seed", "engine", int, "engine seed for unseeded sampling"),
+    Option("num-threads", "num_threads", "engine", int,
+           "CPU threads for torch (default: the cores available)", nullable=True),
+    Option("max-waiting-requests", "max_waiting_requests", "engine", int,
+           "waiting requests beyond which new ones get 503 + Retry-After"),
+    Option("max-logprobs", "max_logprobs", "engine", int, "largest logprobs a request may ask"),
+]
+SERVER_OPTIONS = [
+    Option("host", "host", "server", str, "address to listen on"),
+    Option("port", "port", "server", int, "port to listen on"),
+    Option("api-key", "api_key", "server", str,
+           "require 'Authorization: Bearer KEY' on /v1/* (also $KVSERVE_API_KEY)",
+           nullable=True),
+    Option("log-level", "log_level", "server", str, "log level", choices=LOG_LEVELS),
+    Option("shutdown-timeout", "shutdown_timeout", "server", float,
+           "seconds to let requests in flight finish after SIGTERM"),
+    Option("disable-log-requests", "disable_log_requests", "server", bool,
+           "no log line per request", boolean=True),
+]
+_BY_NAME = {o.name: o for o in ENGINE_OPTIONS + SERVER_OPTIONS}
+_BY_NAME["model"] = Option("model", "model", "engine", str, "model path or name",
+                           nullable=True)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags (defaults suppressed, so that only flags given override a config file)."""
+    _add(parser, ENGINE_OPTIONS, "engine")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    _add(parser, SERVER_OPTIONS, "server")
+
+
+def _add(parser: argparse.ArgumentParser, options: Iterable[Option], title: str) -> None:
+    group = parser.add_argument_group(f"{title} options")
+    for o in options:
+        kwargs: dict[str, Any] = {"dest": o.field, "default": argparse.SUPPRESS, "help": o.help}
+        if o.boolean:
+            group.add_argument(f"--{o.name}", action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            group.add_argument(f"--{o.name}", type=o.type, choices=o.choices,
+                               metavar=o.name.upper().replace("-", "_") if not o.choices
+                               else None, **kwargs)
+
+
+def _convert(option: Option, value: Any, source: str) -> Any:
+    where = f"{source}: {option.name}"
+    if value is None:
+        if option.nullable:
+            return None
+        raise ValueError(f"{where} cannot be null")
+    if option.boolean:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false; got {value!r}")
+        return value
+    if option.type in (int, float) and isinstance(value, bool):
+        raise ValueError(f"{where} must be a number; got {value!r}")
+    try:
+        converted = option.type(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} must be of type {option.type.__name__}; got {value!r}") \
+            from None
+    if option.type is int and isinstance(value, float) and value != converted:
+        raise ValueError(f"{where} must be an integer; got {value!r}")
+    if option.choices and converted not in option.choices:
+        raise ValueError(f"{where} must be one of {', '.join(option.choices)}; got {value!r}")
+    return converted
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML preset into ``{field: value}``; keys are flag names (``max-model-len``;
+    ``max_model_len`` is accepted too)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option: value")
+    names = {str(k): str(k).replace("_", "-") for k in data}
+    unknown = sorted(k for k, n in names.items() if n not in _BY_NAME)
+    if unknown:
+        raise ValueError(f"unknown key(s) in config file {path}: {', '.join(unknown)}. "
+                         f"Known keys: {', '.join(sorted(_BY_NAME))}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        option = _BY_NAME[names[str(key)]]
+        out[option.field] = _convert(option, value, str(path))
+    return out
+
+
+def resolve(flags: dict[str, Any], config_file: str | Path | None = None
+            ) -> tuple[EngineConfig, ServerSettings]:
+    """Merge defaults < file < flags into validated settings (ValueError on any bad value)."""
+    merged: dict[str, Any] = load_config_file(config_file) if config_file else {}
+    merged.update({k: v for k, v in flags.items() if k in _FIELDS})
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    server_fields = {f.name for f in dataclasses.fields(ServerSettings)}
+    engine = EngineConfig(**{k: v for k, v in merged.items() if k in engine_fields})
+    server = ServerSettings(**{k: v for k, v in merged.items() if k in server_fields})
+    return engine, server
+
+
+_FIELDS = {o.field for o in _BY_NAME.values()}
+
+
+def as_yaml_dict(engine: EngineConfig, server: ServerSettings) -> dict[str, Any]:
+    """Settings as a config file would hold them (for ``--print-config`` and round trips)."""
+    out: dict[str, Any] = {}
+    for name, o in sorted(_BY_NAME.items()):
+        src = engine if o.target == "engine" else server
+        out[name] = getattr(src, o.field)
+    return out

@@ -1,0 +1,226 @@
+"""Prometheus metrics, named ``kvserve:*`` after vLLM's ``vllm:*`` so dashboards translate.
+
+Two sources feed one private registry (one per app, so tests can build many apps):
+
+* engine counters and gauges (running/waiting requests, KV usage, prefix-cache tokens,
+  preemptions, token totals, block counts) are read from ``AsyncEngine.stats()`` at scrape time
+  by :class:`_EngineCollector`;
+* per-request histograms and the finished-request counter are observed on the engine thread by
+  :class:`ServerMetrics`, an ``EngineObserver`` (prometheus_client metrics are thread-safe).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Gauges: (stats key, metric name, help). Keys the engine does not report are skipped.
+_GAUGES = [
+    ("num_requests_running", "kvserve:num_requests_running",
+     "Number of requests in the running batch."),
+    ("num_requests_waiting", "kvserve:num_requests_waiting",
+     "Number of requests waiting to be scheduled."),
+    ("num_swapped_seqs", "kvserve:num_requests_swapped",
+     "Sequences whose KV blocks are swapped out to the host tier."),
+    ("kv_cache_usage_perc", "kvserve:kv_cache_usage_perc",
+     "KV-cache usage: fraction of blocks in use (0..1)."),
+    ("num_blocks_total", "kvserve:kv_cache_num_blocks", "Blocks in the device KV pool."),
+    ("num_blocks_free", "kvserve:kv_cache_free_blocks",
+     "Blocks held by no request (cached ones included: they are evictable)."),
+    ("num_blocks_used", "kvserve:kv_cache_used_blocks", "Blocks held by at least one request."),
+    ("num_blocks_cached", "kvserve:kv_cache_cached_blocks",
+     "Free blocks that still hold a reusable prefix."),
+    ("kv_bytes_per_token", "kvserve:kv_cache_bytes_per_token",
+     "KV-cache bytes per token (2 x layers x KV heads x head dim x dtype bytes)."),
+    ("host_blocks_total", "kvserve:host_kv_cache_num_blocks",
+     "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
+    ("host_blocks_used", "kvserve:host_kv_cache_used_blocks", "Host-tier blocks in use."),
+    ("host_blocks_cached", "kvserve:host_kv_cache_cached_blocks",
+     "Host-tier blocks holding a reusable prefix."),
+    ("host_kv_usage_perc", "kvserve:host_kv_cache_usage_perc",
+     "Host-tier usage: fraction of blocks in use (0..1)."),
+]
+# Counters: (metric name, help, label name or None, [(stats key, label value)]);
+# prometheus_client appends "_total" to the names.
+_COUNTERS = [
+    ("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", None,
+     [("prefix_cache_queries", None)]),
+    ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", None,
+     [("prefix_cache_hits", None)]),
+    ("kvserve:prefix_cache_host_hits", "Prompt tokens found in the host tier's prefix cache.",
+     None, [("prefix_cache_host_hits", None)]),
+    ("kvserve:num_preemptions", "Cumulative number of preemptions.", None,
+     [("num_preemptions", None)]),
+    ("kvserve:num_preemptions_by_mode", "Preemptions by how the KV was given up.", "mode",
+     [("num_preemptions_swap", "swap"), ("num_preemptions_recompute", "recompute")]),
+    ("kvserve:prompt_tokens", "Prompt tokens of accepted requests.", None,
+     [("prompt_tokens", None)]),
+    ("kvserve:generation_tokens", "Generated tokens.", None, [("generation_tokens", None)]),
+    ("kvserve:computed_tokens", "Tokens run through the model (prefill chunks and decodes).",
+     None, [("computed_tokens", None)]),
+    ("kvserve:engine_steps", "Engine iterations that ran the model.", None,
+     [("num_steps", None)]),
+    ("kvserve:kv_offload_blocks", "KV blocks copied between the device pool and the host tier.",
+     "direction", [("offload_blocks_d2h", "device_to_host"),
+                   ("offload_blocks_h2d", "host_to_device")]),
+    ("kvserve:kv_offload_bytes", "KV bytes copied between the device pool and the host tier.",
+     "direction", [("offload_bytes_d2h", "device_to_host"),
+                   ("offload_bytes_h2d", "host_to_device")]),
+    ("kvserve:host_kv_cache_evictions", "Blocks evicted from the host tier.", None,
+     [("host_evictions", None)]),
+    ("kvserve:kv_offload_spills", "Cached device blocks written back to the host on eviction.",
+     None, [("offload_spills", None)]),
+]
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float]],
+                 healthy: Callable[[], bool]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+        self.healthy = healthy
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        for key, name, doc in _GAUGES:
+            if key in stats:
+                g = GaugeMetricFamily(name, doc, labels=["model_name"])
+                g.add_metric([self.model_name], float(stats[key]))
+                yield g
+        for name, doc, label, sources in _COUNTERS:
+            present = [(key, value) for key, value in sources if key in stats]
+            if not present:
+                continue
+            c = CounterMetricFamily(name, doc, labels=["model_name"] + ([label] if label else []))
+            for key, value in present:
+                c.add_metric([self.model_name] + ([value] if label else []), float(stats[key]))
+            yield c
+        up = GaugeMetricFamily("kvserve:engine_healthy",
+                               "1 while the engine loop runs, 0 once it has died.",
+                               labels=["model_name"])
+        up.add_metric([self.model_name], 1.0 if self.healthy() else 0.0)
+        yield up
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # dynamic: do not let the registry call collect() at registration
+
+
+@dataclass
+class _Track:
+    arrival: float
+    num_prompt_tokens: int
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+
+class ServerMetrics:
+    """The registry behind ``GET /metrics``; also the engine observer for request metrics."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float]],
+                 healthy: Callable[[], bool] = lambda: True) -> None:
+        self.model_name = model_name
+        # No "*_created" series (as vLLM): they double the output and dashboards ignore them.
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = ["model_name"]
+        reg = self.registry
+        self.request_success = Counter(
+            "kvserve:request_success", "Finished requests, by finish reason.",
+            labels + ["finished_reason"], registry=reg)
+        self.ttft = Histogram(
+            "kvserve:time_to_first_token_seconds", "Time from arrival to the first token.",
+            labels, buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram(
+            "kvserve:inter_token_latency_seconds", "Time between successive output tokens.",
+            labels, buckets=_LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram(
+            "kvserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
+            labels, buckets=_REQUEST_BUCKETS, registry=reg)
+        self.queue_time = Histogram(
+            "kvserve:request_queue_time_seconds", "Time from arrival to first scheduling.",
+            labels, buckets=_REQUEST_BUCKETS, registry=reg)
+        self.prompt_len = Histogram(
+            "kvserve:request_prompt_tokens", "Prompt length of finished requests.",
+            labels, buckets=_TOKEN_BUCKETS, registry=reg)
+        self.gen_len = Histogram(
+            "kvserve:request_generation_tokens", "Generated tokens of finished requests.",
+            labels, buckets=_TOKEN_BUCKETS, registry=reg)
+        self.rejected = Counter(
+            "kvserve:request_rejected", "Requests refused before reaching the engine.",
+            labels + ["reason"], registry=reg)
+        reg.register(_EngineCollector(model_name, stats, healthy))
+        self._tracks: dict[str, _Track] = {}
+        self._lock = threading.Lock()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    # ---- EngineObserver (engine thread) ----------------------------------------------------
+
+    def on_add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
+        with self._lock:
+            self._tracks[request_id] = _Track(arrival_time, num_prompt_tokens)
+
+    def on_abort(self, request_id: str, now: float) -> None:
+        with self._lock:
+            track = self._tracks.pop(request_id, None)
+        if track is not None:
+            self._finish(track, "abort", now, None)
+
+    def on_step(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            with self._lock:
+                track = self._tracks.get(out.request_id)
+                if track is not None and out.finished:
+                    del self._tracks[out.request_id]
+            if track is None:
+                continue  # aborted (already counted) or not added through us
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            if num_tokens > track.num_tokens:
+                if track.last_token_time is None:
+                    first = out.metrics.first_token_time if out.metrics else None
+                    self.ttft.labels(self.model_name).observe(
+                        max(0.0, (first or now) - track.arrival))
+                else:
+                    self.itl.labels(self.model_name).observe(max(0.0, now - track.last_token_time))
+                track.last_token_time = now
+                track.num_tokens = num_tokens
+            if out.finished:
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+                self._finish(track, reason, now, out)
+
+    def _finish(self, track: _Track, reason: str, now: float, out: RequestOutput | None) -> None:
+        name = self.model_name
+        self.request_success.labels(name, reason).inc()
+        m = out.metrics if out is not None else None
+        end = (m.finished_time if m and m.finished_time else None) or now
+        self.e2e.labels(name).observe(max(0.0, end - track.arrival))
+        if m is not None and m.first_scheduled_time is not None:
+            self.queue_time.labels(name).observe(max(0.0, m.first_scheduled_time - track.arrival))
+        self.prompt_len.labels(name).observe(track.num_prompt_tokens)
+        self.gen_len.labels(name).observe(track.num_tokens)

@@ -1,0 +1,85 @@
+"""Pure-ASGI middleware: request ids, the API key, one log line per request, and a last-resort
+500 that never shows a traceback.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses pass through
+untouched and a client disconnect still reaches the endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from server.auth import is_protected, key_matches
+from server.errors import APIError, internal_error
+
+logger = logging.getLogger("kvserve.server")
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# Polled by load balancers and Prometheus every few seconds: not worth an INFO line each.
+_QUIET_PATHS = frozenset({"/health", "/metrics"})
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's ``X-Request-Id`` when it is a safe token, else a fresh one."""
+    for name, value in headers:
+        if name.lower() == b"x-request-id":
+            candidate = value.decode("latin-1").strip()
+            if _SAFE_ID.fullmatch(candidate):
+                return candidate
+            break
+    return uuid.uuid4().hex
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: Any, api_key: str | None = None, log_requests: bool = True) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.log_requests = log_requests
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers", [])
+        rid = request_id_from(headers)
+        scope.setdefault("state", {})["request_id"] = rid
+        path, method = scope.get("path", ""), scope.get("method", "")
+        start = time.perf_counter()
+        status: list[int] = []
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            if self.api_key and is_protected(path) and \
+                    not key_matches(_header(headers, b"authorization"), self.api_key):
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                                    "<key>'.", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+                await err.response()(scope, receive, send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request_id=%s %s %s failed", rid, method, path)
+            if not status:  # nothing sent yet: answer in OpenAI's shape, without the traceback
+                await internal_error(rid).response()(scope, receive, send_with_id)
+        finally:
+            if self.log_requests and path not in _QUIET_PATHS:
+                code = status[0] if status else 499  # 499: the client went away first
+                logger.info("%s %s %d %.1fms request_id=%s", method, path, code,
+                            (time.perf_counter() - start) * 1000, rid)

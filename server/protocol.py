@@ -1,0 +1,235 @@
+"""Request bodies of the OpenAI-compatible API (pydantic v2), and their SamplingParams.
+
+Unknown fields are accepted and ignored (``extra="allow"``), as OpenAI's clients send fields
+that a server may not know. Fields that would change the meaning of a request and that we do not
+implement (``suffix``, ``tools``, non-text content, ...) are rejected with a clear 400 instead of
+being silently dropped. Responses are plain dicts built in completions.py / chat.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from engine.sampling_params import SamplingParams
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            for key, val in v.items():
+                try:
+                    tok = int(key)
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids; got {key!r}") from None
+                if tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0; got {key!r}")
+                if not -100.0 <= val <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100]; got {val}")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError (a 400) on inconsistent values."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else
+            self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias
+            else None,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            cache_salt=self.cache_salt,
+        )
+
+
+Prompt = StrictStr | list[StrictStr] | list[NonNegInt] | list[list[NonNegInt]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported (only best_of == n); got best_of="
+                             f"{self.best_of}, n={self.n}")
+        p = self.prompt
+        if isinstance(p, str) or not p:
+            if not p:
+                raise ValueError("prompt must not be empty")
+        elif isinstance(p[0], list) and any(not sub for sub in p):
+            raise ValueError("prompt must not hold an empty list of token ids")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list: strings, or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported; got type {kind!r}")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a text content part needs a string 'text'")
+        return v
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported by this server")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else \
+            self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them ("developer" is OpenAI's new "system")."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[NonNegInt]

@@ -1,0 +1,139 @@
+"""The HTTP layer over a real uvicorn server and the real AsyncEngine, with a fake core so that
+outputs are known exactly ("abcde..."): response shapes as the OpenAI SDK parses them, SSE
+framing, choice indices, echo/logprobs shapes, and the usage accounting."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import AsyncEngine
+from server.app import build_app
+from server.config_file import ServerSettings
+from server.sse import parse_events
+from tests.server.fakes import FakeCore
+from tests.server.helpers import ServerThread
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    core = FakeCore()
+    engine = AsyncEngine(core=core)
+    with ServerThread(build_app(engine, ServerSettings())) as srv:
+        srv.core = core
+        srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        yield srv
+    core.resume()
+
+
+def test_completion_matches_openai_shape(fake_server):
+    r = fake_server.client.completions.create(model="fake-model", prompt="Hi!", max_tokens=5)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == "fake-model"
+    assert [c.text for c in r.choices] == ["abcde"]
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 5, 8)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completion_stream_with_usage(fake_server):
+    chunks = list(fake_server.client.completions.create(
+        model="fake-model", prompt="Hi!", max_tokens=5, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == "abcde"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_raw_sse_framing_ends_with_done(fake_server):
+    with httpx.stream("POST", f"{fake_server.url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 3, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    blocks = body.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
+    assert all(b.startswith("data: ") for b in blocks[:-1])
+    events = parse_events(body)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "abc"
+
+
+def test_several_prompts_and_n_give_ordered_choices_and_usage_per_prompt(fake_server):
+    r = fake_server.client.completions.create(model="fake-model", prompt=["ab", "FGH"],
+                                              max_tokens=2, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.text == "ab" for c in r.choices)
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8
+    stream = fake_server.client.completions.create(
+        model="fake-model", prompt=["ab", "cd"], max_tokens=2, n=2, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: "ab", 1: "ab", 2: "ab", 3: "ab"}
+
+
+def test_stop_string_and_echo(fake_server):
+    r = fake_server.client.completions.create(model="fake-model", prompt="Q:", max_tokens=10,
+                                              stop=["d"], echo=True)
+    assert r.choices[0].text == "Q:abc" and r.choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_shape(fake_server):
+    r = fake_server.client.completions.create(model="fake-model", prompt="Q", max_tokens=3,
+                                              logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["a", "b", "c"] and lp.token_logprobs == [-0.5] * 3
+    assert lp.text_offset == [0, 1, 2]
+    assert lp.top_logprobs[0] == {"a": -0.5, "b": -2.0}  # the 2 most likely
+
+
+def test_chat_stream_opens_with_role_and_has_chat_logprobs(fake_server):
+    chunks = list(fake_server.client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        stream=True, logprobs=True, top_logprobs=1, stream_options={"include_usage": True}))
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content == ""
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "abc"
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.content]
+    assert [t.token for t in tokens] == ["a", "b", "c"]
+    assert [len(t.top_logprobs) for t in tokens] == [1, 1, 1] and tokens[0].bytes == [97]
+    assert chunks[-1].usage.prompt_tokens == len("<user>hi<assistant>")
+
+
+def test_chat_non_stream_n2(fake_server):
+    r = fake_server.client.chat.completions.create(
+        model="fake-model", messages=[{"role": "system", "content": "s"},
+                                      {"role": "user", "content": [{"type": "text",
+                                                                    "text": "hi"}]}],
+        max_completion_tokens=4, n=2)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert [(c.index, c.message.role, c.message.content) for c in r.choices] == \
+        [(0, "assistant", "abcd"), (1, "assistant", "abcd")]
+    assert r.usage.completion_tokens == 8
+
+
+def test_models_version_tokenize_detokenize(fake_server):
+    models = fake_server.client.models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+    assert httpx.get(f"{fake_server.url}/version").json()["version"]
+    tok = httpx.post(f"{fake_server.url}/tokenize", json={"prompt": "hey"}).json()
+    assert tok["tokens"] == [104, 101, 121] and tok["count"] == 3
+    assert tok["max_model_len"] == 256
+    chat = httpx.post(f"{fake_server.url}/tokenize",
+                      json={"messages": [{"role": "user", "content": "x"}]}).json()
+    assert chat["count"] == len("<user>x<assistant>")
+    assert httpx.post(f"{fake_server.url}/detokenize",
+                      json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+
+
+def test_request_id_is_echoed_or_generated(fake_server):
+    r = httpx.get(f"{fake_server.url}/v1/models", headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    r = httpx.get(f"{fake_server.url}/v1/models")
+    assert len(r.headers["x-request-id"]) == 32
+    r = httpx.get(f"{fake_server.url}/v1/models", headers={"X-Request-Id": "bad id\x01"})
+    assert r.headers["x-request-id"] != "bad id\x01"

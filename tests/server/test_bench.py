@@ -1,0 +1,269 @@
+"""`kvserve bench`: statistics, FLOPs yardstick and workloads against independent counts (fast),
+and the bench commands driving the real kvserve server on loopback (slow).
+
+Truths: numpy's percentiles; a brute-force FLOPs sum; the server's own usage reports and its
+/metrics token counters; the HTTP status of requests the server must refuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import numpy as np
+import pytest
+
+from engine.kv_calc import ModelShape, resolve_shape
+from server.bench.client import BenchClient, ClientConfig
+from server.bench.stats import Distribution, RequestRecord, percentile, summarize
+from server.bench.workloads import (
+    PromptMaker,
+    WorkloadConfig,
+    build_sessions,
+    poisson_arrivals,
+)
+from server.bench.yardstick import request_flops, run_flops
+
+SMALL = ModelShape("t", layers=3, heads=4, kv_heads=2, head_dim=8, hidden=32, intermediate=64,
+                   vocab=100)
+OPENAI_COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "stream", "n",
+                            "stop", "top_p", "seed", "logprobs", "echo", "suffix", "user",
+                            "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
+                            "stream_options"}
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_percentiles_match_numpy_and_are_ordered():
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100):
+        xs = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+        d = Distribution.of_seconds(xs)
+        assert d.min <= d.p50 <= d.p90 <= d.p99 <= d.max
+        assert d.min <= d.mean <= d.max and d.n == n
+    assert Distribution.of_seconds([]).n == 0
+
+
+def test_request_flops_equal_a_brute_force_count():
+    n_params = SMALL.non_embedding_params()
+    for prompt, out, cached in ((5, 1, 0), (7, 4, 0), (20, 6, 16), (3, 0, 0)):
+        dense = logits = attn = 0.0
+        # Feed every token the model actually computes: uncached prompt, then outputs but last.
+        processed = list(range(cached, prompt)) + list(range(prompt, prompt + out - 1))
+        for pos in processed:
+            dense += 2 * n_params
+            attn += 4 * SMALL.layers * (pos + 1) * SMALL.heads * SMALL.head_dim
+        logits = 2 * SMALL.hidden * SMALL.vocab * out
+        f = request_flops(SMALL, prompt, out, cached)
+        assert (f.dense, f.logits, f.attention) == pytest.approx((dense, logits, attn))
+    assert run_flops(SMALL, [(5, 1, 0), (7, 4, 0)]).total == pytest.approx(
+        request_flops(SMALL, 5, 1).total + request_flops(SMALL, 7, 4).total)
+
+
+class _CharTokenizer:
+    """One token per character: an independent, exactly additive tokenizer."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_workloads_have_the_asked_shape():
+    tok = _CharTokenizer()
+    sessions = build_sessions(WorkloadConfig("random", num_requests=5, input_len=40,
+                                             output_len=3, seed=1), tok)
+    assert [s.turns[0].prompt.token_ids == tok.encode(s.turns[0].prompt.text)
+            for s in sessions] == [True] * 5
+    assert all(len(s.turns[0].prompt.token_ids) == 40 for s in sessions)
+    assert len({tuple(s.turns[0].prompt.token_ids) for s in sessions}) == 5
+
+    shared = build_sessions(WorkloadConfig("shared-prefix", num_requests=6, input_len=10,
+                                           output_len=2, prefix_len=32, num_groups=2), tok)
+    ids = [s.turns[0].prompt.token_ids for s in shared]
+    assert all(len(i) == 42 for i in ids)
+    assert ids[0][:32] == ids[2][:32] == ids[4][:32] != ids[1][:32]
+    assert len({tuple(i[32:]) for i in ids}) == 6
+
+    chats = build_sessions(WorkloadConfig("multi-turn", num_requests=7, num_turns=3), None)
+    assert [len(s.turns) for s in chats] == [3, 3, 1] and all(s.chat for s in chats)
+    # The same seed gives the same prompts; the word fallback sizes prompts in words.
+    again = PromptMaker(None, 5).make(12)
+    assert again.text == PromptMaker(None, 5).make(12).text and len(again.text.split()) == 12
+
+
+def test_poisson_arrivals():
+    assert poisson_arrivals(4, None, 0) == [0.0] * 4
+    times = poisson_arrivals(2000, 10.0, 3)
+    assert times == sorted(times) and times[0] == 0.0
+    assert np.mean(np.diff(times)) == pytest.approx(0.1, rel=0.1)
+
+
+def _sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode()
+                    for e in events)
+
+
+def _run_client(handler, openai_only=False, chat=False):
+    seen = []
+
+    def capture(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return handler(request)
+
+    async def go():
+        cfg = ClientConfig("http://127.0.0.1:1", "m", openai_only=openai_only, timeout=5)
+        async with BenchClient(cfg, transport=httpx.MockTransport(capture)) as c:
+            if chat:
+                return await c.chat([{"role": "user", "content": "hi"}], 3)
+            return await c.complete("hi", 3, expected_prompt_tokens=1)
+
+    return asyncio.run(go()), seen
+
+
+def test_client_counts_tokens_and_usage():
+    def ok(_req):
+        body = _sse({"choices": [{"index": 0, "text": "a"}]},
+                    {"choices": [{"index": 0, "text": ""}]},  # held-back text: no token
+                    {"choices": [{"index": 0, "text": "b",
+                                  "logprobs": {"tokens": ["b", "c"]}}]},
+                    {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+                    {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 3,
+                                              "prompt_tokens_details": {"cached_tokens": 0}}},
+                    "[DONE]")
+        return httpx.Response(200, content=body)
+
+    rec, seen = _run_client(ok)
+    assert rec.ok and rec.text == "ab" and rec.stream_tokens == 3 and rec.output_tokens == 3
+    assert rec.usage_completion_tokens == 3 and rec.prompt_tokens == 1
+    assert rec.finish_reason == "length" and len(rec.itl) == 1 and rec.ttft is not None
+    assert seen[0]["ignore_eos"] is True and seen[0]["stream_options"]["include_usage"]
+
+
+def test_client_openai_only_sends_only_openai_fields_and_counts_the_stream():
+    def ok(_req):
+        return httpx.Response(200, content=_sse(
+            {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+            {"choices": [{"index": 0, "delta": {"content": "x"}}]},
+            {"choices": [{"index": 0, "delta": {"content": "y"}, "finish_reason": "stop"}]},
+            "[DONE]"))
+
+    rec, seen = _run_client(ok, openai_only=True, chat=True)
+    assert rec.ok and rec.output_tokens == rec.stream_tokens == 2 and rec.text == "xy"
+    assert rec.usage_completion_tokens is None
+    assert set(seen[0]) <= OPENAI_COMPLETION_FIELDS | {"messages"}
+    assert "ignore_eos" not in seen[0] and "stream_options" not in seen[0]
+
+
+@pytest.mark.parametrize("response, why", [
+    (httpx.Response(400, json={"error": {"message": "too long"}}), "HTTP 400: too long"),
+    (httpx.Response(200, content=_sse({"error": {"message": "boom"}})), "stream error: boom"),
+    (httpx.Response(200, content=_sse({"choices": [{"index": 0, "text": "a"}]})),
+     "without a finish_reason"),
+])
+def test_client_records_failures(response, why):
+    rec, _ = _run_client(lambda _req: response)
+    assert not rec.ok and why in rec.error
+    s = summarize([rec], 1.0, "x", {})
+    assert s.failed == 1 and s.completed == 0 and s.output_tokens == 0
+
+
+def test_summary_counts_only_successes():
+    recs = [RequestRecord(ok=True, start=0.0, end=1.0, ttft=0.2, itl=[0.1, 0.3],
+                          output_tokens=3, prompt_tokens=5),
+            RequestRecord(ok=False, start=0.0, end=0.1, error="HTTP 500: x")]
+    s = summarize(recs, 2.0, "x", {})
+    assert (s.completed, s.failed, s.output_tokens, s.prompt_tokens) == (1, 1, 3, 5)
+    assert s.tpot_ms.mean == pytest.approx(400.0) and s.output_throughput == 1.5
+    assert s.errors == ["HTTP 500: x"]
+
+
+# ----------------------------------------------------------------------------- slow: real server
+
+
+def _bench(real_server, tmp_path, *extra: str, name: str = "run") -> tuple[int, dict]:
+    from server.cli import main
+
+    out = tmp_path / f"{name}.json"
+    rc = main(["bench", "serve", "--base-url", real_server.url, "--model", "smol-e2e",
+               "--api-key", "e2e-key", "--model-config", "SmolLM2-135M-Instruct",
+               "--no-progress", "--warmup", "0", "--json", str(out), *extra])
+    return rc, json.loads(out.read_text())
+
+
+def _generated(real_server) -> float:
+    from tests.server.helpers import sample, scrape
+
+    return sample(scrape(real_server.url, real_server.headers),
+                  "kvserve:request_generation_tokens_sum")
+
+
+def _ordered(d: dict) -> bool:
+    return d["min"] <= d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
+
+
+@pytest.mark.slow
+def test_bench_serve_figures_agree_with_the_server(real_server, tmp_path):
+    before = _generated(real_server)
+    rc, res = _bench(real_server, tmp_path, "--num-requests", "6", "--input-len", "24",
+                     "--output-len", "5", "--concurrency", "1,3", "--seed", "7",
+                     "--plot", str(tmp_path / "plots"))
+    assert rc == 0 and len(res["runs"]) == 2
+    for run in res["runs"]:
+        assert (run["completed"], run["failed"]) == (6, 0)
+        assert run["prompt_tokens"] == 6 * 24  # the server's usage = the tokens we made
+        assert run["output_tokens"] == 6 * 5  # ignore_eos: exactly max_tokens each
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert _ordered(run[key]), key
+        assert run["ttft_ms"]["max"] <= run["e2e_ms"]["max"]
+        assert run["itl_ms"]["n"] <= 6 * 4
+        eff = run["efficiency"]
+        shape = resolve_shape(None)
+        assert eff["useful_gflop"] * 1e9 == pytest.approx(6 * request_flops(shape, 24, 5).total)
+        assert 0 < eff["efficiency"] and eff["peak_gflops"] > 0
+    # The server's own counter of generated tokens moved by exactly what the bench reports.
+    assert _generated(real_server) - before == sum(r["output_tokens"] for r in res["runs"])
+    assert (tmp_path / "plots" / "throughput_tpot_vs_concurrency.png").read_bytes()[:4] == \
+        b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_serve_shared_prefix_multi_turn_and_openai_only(real_server, tmp_path):
+    rc, res = _bench(real_server, tmp_path, "--workload", "shared-prefix", "--prefix-len",
+                     "32", "--num-groups", "2", "--num-requests", "4", "--input-len", "8",
+                     "--output-len", "2", "--concurrency", "1", name="prefix")
+    [run] = res["runs"]
+    assert rc == 0 and run["completed"] == 4 and run["prompt_tokens"] == 4 * 40
+    assert run["cached_tokens"] == 2 * 32  # the second request of each group hits the prefix
+
+    rc, res = _bench(real_server, tmp_path, "--workload", "multi-turn", "--num-requests", "4",
+                     "--num-turns", "2", "--input-len", "8", "--output-len", "3",
+                     "--request-rate", "20", name="chat")
+    [run] = res["runs"]
+    assert rc == 0 and run["completed"] == 4 and run["output_tokens"] == 12
+    assert run["prompt_tokens"] > 4 * 8 + 2 * 3  # later turns resend the conversation
+
+    before = _generated(real_server)
+    rc, res = _bench(real_server, tmp_path, "--openai-only", "--num-requests", "3",
+                     "--input-len", "16", "--output-len", "4", name="openai")
+    [run] = res["runs"]
+    assert rc == 0 and run["completed"] == 3 and run["output_tokens"] <= 12
+    # Counted from the stream alone; at most one EOS token per request is in the server's count.
+    assert 0 <= _generated(real_server) - before - run["output_tokens"] <= 3
+
+
+@pytest.mark.slow
+def test_bench_serve_counts_failures(real_server, tmp_path):
+    rc, res = _bench(real_server, tmp_path, "--num-requests", "3", "--input-len", "1100",
+                     "--output-len", "2", "--tokenizer", "none", "--no-yardstick")
+    [run] = res["runs"]
+    assert rc == 1  # the exit status says some requests failed
+    assert (run["completed"], run["failed"]) == (0, 3)
+    assert run["errors"] and all("HTTP 400" in e for e in run["errors"])
+    assert run["output_tokens"] == 0 and run["ttft_ms"]["n"] == 0

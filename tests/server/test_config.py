@@ -1,0 +1,143 @@
+"""Config files and flags: keys are flag names, flags override the file, unknown or mistyped
+keys are refused with a message naming them, and every shipped preset is valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.config import EngineConfig
+from server.cli import _settings, build_parser, main
+from server.config_file import ServerSettings, load_config_file, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def _parse(*argv: str) -> tuple[EngineConfig, ServerSettings]:
+    return _settings(build_parser().parse_args(["serve", *argv]))
+
+
+def test_file_values_reach_the_settings_and_flags_override_them(tmp_path):
+    f = _write(tmp_path, "max-model-len: 512\nmax_num_seqs: 3\nport: 9000\n"
+                         "enable-prefix-caching: false\nkv-cache-memory: 64MiB\n"
+                         "served-model-name: small\napi-key: k1\n")
+    engine, server = _parse("--config", str(f))
+    assert (engine.max_model_len, engine.max_num_seqs, engine.enable_prefix_caching) == \
+        (512, 3, False)
+    assert engine.kv_cache_memory == 64 * 2**20 and engine.served_model_name == "small"
+    assert (server.port, server.api_key) == (9000, "k1")
+    engine, server = _parse("some/model", "--config", str(f), "--max-num-seqs", "7",
+                            "--enable-prefix-caching", "--port", "9001")
+    assert (engine.model, engine.max_num_seqs, engine.enable_prefix_caching) == \
+        ("some/model", 7, True)
+    assert engine.max_model_len == 512 and server.port == 9001  # untouched keys stay
+
+
+def test_defaults_without_a_file():
+    engine, server = _parse()
+    assert engine == EngineConfig()
+    assert server == ServerSettings()
+
+
+def test_vllm_flag_names_map_onto_engine_fields():
+    engine, _ = _parse("--block-size", "32", "--max-num-batched-tokens", "256",
+                       "--gpu-memory-utilization", "0.5", "--swap-space", "2", "--dtype",
+                       "bfloat16", "--preemption-mode", "swap", "--attention-backend", "torch",
+                       "--seed", "5", "--no-enable-chunked-prefill", "--max-waiting-requests",
+                       "9")
+    assert (engine.block_size, engine.max_num_batched_tokens, engine.gpu_memory_utilization,
+            engine.swap_space, engine.dtype, engine.preemption_mode, engine.attention_backend,
+            engine.seed, engine.enable_chunked_prefill, engine.max_waiting_requests) == \
+        (32, 256, 0.5, 2.0, "bfloat16", "swap", "torch", 5, False, 9)
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("max-modle-len: 5\n", "unknown key(s) in config file"),
+    ("max-num-seqs: lots\n", "max-num-seqs must be of type int"),
+    ("max-num-seqs: 2.5\n", "must be an integer"),
+    ("enable-prefix-caching: 'yes'\n", "must be true or false"),
+    ("dtype: float64\n", "dtype must be one of"),
+    ("port: null\n", "port cannot be null"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_bad_files_are_refused_with_a_clear_message(tmp_path, text, fragment):
+    with pytest.raises(ValueError) as info:
+        load_config_file(_write(tmp_path, text))
+    assert fragment in str(info.value)
+
+
+def test_unknown_key_message_lists_the_known_ones(tmp_path):
+    with pytest.raises(ValueError) as info:
+        load_config_file(_write(tmp_path, "max-modle-len: 5\n"))
+    assert "max-modle-len" in str(info.value) and "max-model-len" in str(info.value)
+
+
+def test_engine_validation_errors_surface(tmp_path):
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        resolve({}, _write(tmp_path, "block-size: 12\n"))
+
+
+def test_cli_reports_config_errors_as_usage_errors(tmp_path, capsys):
+    f = _write(tmp_path, "bogus: 1\n")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--config", str(f)])
+    assert info.value.code == 2
+    assert "unknown key(s)" in capsys.readouterr().err
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    f = _write(tmp_path, "max-model-len: 300\nport: 1234\napi-key: secret\n")
+    assert main(["serve", "--config", str(f), "--block-size", "8", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "secret" not in printed  # the key is masked
+    data = yaml.safe_load(printed)
+    assert data["max-model-len"] == 300 and data["block-size"] == 8 and data["port"] == 1234
+    data.pop("api-key")
+    engine, server = resolve({}, _write(tmp_path, yaml.safe_dump(data)))
+    assert engine == EngineConfig(max_model_len=300, block_size=8)
+    assert server == ServerSettings(port=1234)
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
+    assert _parse()[1].api_key == "from-env"
+    assert _parse("--api-key", "flag")[1].api_key == "flag"
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_presets_are_valid(preset):
+    engine, server = resolve({}, preset)
+    assert isinstance(engine, EngineConfig) and isinstance(server, ServerSettings)
+
+
+def test_generate_prints_the_completion(monkeypatch, capsys):
+    import engine.core
+    from tests.server.fakes import FakeCore
+
+    monkeypatch.setattr(engine.core, "EngineCore", lambda config: FakeCore())
+    assert main(["generate", "--prompt", "Hi", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "Hiabcd\n" and "4 generated" in out.err
+    assert main(["generate", "--prompt", "Hi", "--chat", "--max-tokens", "3", "--stop",
+                 "c"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "ab\n" and "finish_reason=stop" in out.err
+
+
+def test_plugin_subcommands_are_registered_when_present():
+    parser = build_parser()
+    choices = set(parser._subparsers._group_actions[0].choices)  # argparse keeps them here
+    expected = {"serve", "generate"}
+    if (ROOT / "server" / "bench" / "cli.py").exists():
+        expected |= {"bench", "kv-calc"}
+    assert expected <= choices

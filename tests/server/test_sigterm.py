@@ -1,0 +1,73 @@
+"""SIGTERM: the server stops accepting, lets the request in flight finish, then exits; with a
+short timeout it aborts what is left instead of waiting. The real serving path (run_server)
+runs in a subprocess around a fake core that takes ``step_delay`` per token."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.sse import parse_events
+from tests.server.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.server.fake_server_main",
+                                 "--port", str(port), *args], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("timeout,tokens,finishes", [("30", 60, True), ("0.5", 4000, False)])
+def test_sigterm_drains_requests_in_flight_then_exits(tmp_path, timeout, tokens, finishes):
+    proc, url, log = _start(tmp_path, "--step-delay", "0.01", "--shutdown-timeout", timeout)
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "prompt": "x", "max_tokens": tokens, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(httpx.HTTPError):  # new connections are refused
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=5)
+                    time.sleep(0.05)
+            try:
+                rest = [line for line in lines if line]
+            except httpx.HTTPError:
+                rest = []  # the server closed the stream at the timeout
+        # uvicorn re-raises the signal once it has shut down, as a process killed by it would
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = parse_events("\n\n".join([first, *rest]) + "\n\n")
+    text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict))
+    if finishes:
+        assert events[-1] == "[DONE]" and len(text) == tokens
+    else:
+        assert len(text) < tokens
+    assert "draining requests in flight" in log.read_text()
