@@ -82,9 +82,17 @@ class TorchAttentionBackend:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, state["decode"], masks, scale,
                                     sliding_window)
         for i, seq in enumerate(state["prefills"]):
-            out[seq.token_start:seq.token_end] = self._prefill(
-                q[seq.token_start:seq.token_end], k_cache, v_cache, seq, masks, i, scale,
-                sliding_window)
+            lo, hi = seq.token_start, seq.token_end
+            if seq.seq_len == hi - lo and sliding_window is None:
+                # A whole prompt with nothing cached before it: its keys are this step's own
+                # K/V, so skip the gather and let SDPA's causal kernel run without a mask.
+                out[lo:hi] = F.scaled_dot_product_attention(
+                    q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1),
+                    v[lo:hi].transpose(0, 1), is_causal=True, scale=scale,
+                    enable_gqa=True).transpose(0, 1)
+                continue
+            out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, seq, masks, i, scale,
+                                       sliding_window)
         return out
 
     @staticmethod
