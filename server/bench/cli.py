@@ -152,9 +152,26 @@ def _add_serve(sub: Any) -> None:
     p.set_defaults(func=_run_serve)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from server.bench.serve import main_from_args
+def _missing_extra(exc: ModuleNotFoundError) -> int:
+    import sys
 
+    print(f"kvserve bench needs the package {exc.name!r}: pip install 'kvserve[bench]'",
+          file=sys.stderr)
+    return 2
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        from server.bench.serve import main_from_args
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("httpx", "tqdm"):
+            raise
+        return _missing_extra(exc)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError as exc:
+            return _missing_extra(exc)
     return main_from_args(args)
 
 
@@ -187,6 +204,15 @@ def _add_offline(sub: Any) -> None:
 
 
 def _run_offline(args: argparse.Namespace) -> int:
-    from server.bench.offline import main_from_args
-
+    try:
+        from server.bench.offline import main_from_args
+    except ModuleNotFoundError as exc:
+        if exc.name != "httpx":
+            raise
+        return _missing_extra(exc)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError as exc:
+            return _missing_extra(exc)
     return main_from_args(args)

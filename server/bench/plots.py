@@ -64,9 +64,10 @@ def plot_concurrency(runs: list[dict[str, Any]], path: Path) -> Path:
     for label, rs in _series(runs, "concurrency").items():
         xs = [_x(r, "concurrency") for r in rs]
         ax1.plot(xs, [r["output_throughput"] for r in rs], marker="o", label=label)
-        ax2.plot(xs, [r["tpot_ms"]["mean"] for r in rs], marker="o", label=f"{label} (mean)")
+        (line,) = ax2.plot(xs, [r["tpot_ms"]["mean"] for r in rs], marker="o",
+                           label=f"{label} (mean)")
         ax2.plot(xs, [r["tpot_ms"]["p99"] for r in rs], marker="x", ls="--",
-                 label=f"{label} (p99)")
+                 color=line.get_color(), label=f"{label} (p99)")
     for ax, ylabel, title in ((ax1, "output tokens/s", "Output throughput"),
                               (ax2, "ms per output token", "TPOT (time per output token)")):
         ax.set_xscale("log", base=2)
@@ -86,9 +87,10 @@ def plot_prefix_ttft(runs: list[dict[str, Any]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label, rs in _series(runs, "prefix_len").items():
         xs = [_x(r, "prefix_len") for r in rs]
-        ax.plot(xs, [r["ttft_ms"]["mean"] for r in rs], marker="o", label=f"{label} (mean)")
+        (line,) = ax.plot(xs, [r["ttft_ms"]["mean"] for r in rs], marker="o",
+                          label=f"{label} (mean)")
         ax.plot(xs, [r["ttft_ms"]["p50"] for r in rs], marker="x", ls="--",
-                label=f"{label} (p50)")
+                color=line.get_color(), label=f"{label} (p50)")
     ax.set_xlabel("shared prefix length (tokens)")
     ax.set_ylabel("time to first token (ms)")
     ax.set_title("TTFT vs shared-prefix length")
@@ -119,7 +121,8 @@ def plot_speedup(points: list[dict[str, Any]], path: Path) -> Path:
 
 def plot_offline_throughput(points: list[dict[str, Any]], path: Path) -> Path:
     plt = _plt()
-    systems = sorted({r["system"] for p in points for r in p["systems"] if not r["note"]})
+    systems = list(dict.fromkeys(r["system"] for p in points for r in p["systems"]
+                                 if not r["note"]))  # kvserve first, then the baselines
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     width = 0.8 / max(len(systems), 1)
     for i, name in enumerate(systems):

@@ -10,7 +10,8 @@ output tokens:
              (its position + 1); q_dim = heads · head_dim (= hidden for Llama)
 
 Efficiency = useful FLOPs / wall time / matmul peak, the peak measured in the same run on the
-model's own matmul shapes at a large row count (256 on CPU). It bounds what any engine could do:
+model's own matmul shapes at a large row count (256 on CPU), before and after the load (the
+higher of the two counts). It bounds what any engine could do:
 padding, recomputation and overheads count as waste. Shared with benchmarks/.
 """
 
@@ -164,3 +165,19 @@ def efficiency_report(flops: FlopsCount, wall_s: float, peak: MatmulPeak) -> dic
             "peak_shape": list(peak.shape), "peak_threads": peak.threads,
             "peak_probes": peak.probes,
             "efficiency": achieved / peak.gflops if peak.gflops > 0 else float("nan")}
+
+
+def best_peak(first: MatmulPeak, second: MatmulPeak) -> MatmulPeak:
+    """The higher of two probes (before and after the load): on a shared machine the lower one
+    was slowed by other work, and a low peak would overstate the efficiency."""
+    return first if first.gflops >= second.gflops else second
+
+
+def rescale(report: dict, peak: MatmulPeak) -> dict:
+    """An ``efficiency_report`` against another peak (same work, same wall time)."""
+    return report | {"peak_gflops": peak.gflops, "peak_dtype": peak.dtype,
+                     "peak_device": peak.device, "peak_rows": peak.rows,
+                     "peak_shape": list(peak.shape), "peak_threads": peak.threads,
+                     "peak_probes": peak.probes,
+                     "efficiency": report["achieved_gflops"] / peak.gflops
+                     if peak.gflops > 0 else float("nan")}

@@ -267,3 +267,38 @@ def test_bench_serve_counts_failures(real_server, tmp_path):
     assert (run["completed"], run["failed"]) == (0, 3)
     assert run["errors"] and all("HTTP 400" in e for e in run["errors"])
     assert run["output_tokens"] == 0 and run["ttft_ms"]["n"] == 0
+
+
+@pytest.mark.slow
+def test_bench_offline_against_its_baselines(tmp_path):
+    """A tiny random Llama: kvserve, HF and recompute agree on the greedy tokens; the sweeps
+    report what the engine did (prefix hits only with caching on)."""
+    from server.cli import main
+    from tests.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "tiny")
+    out = tmp_path / "offline.json"
+    rc = main(["bench", "offline", "--model", str(model), "--num-prompts", "3", "--input-len",
+               "8", "--output-len", "4,6", "--concurrency", "1,3", "--prefix-sweep", "16,32",
+               "--num-groups", "1", "--no-progress", "--json", str(out), "--plot",
+               str(tmp_path / "plots")])
+    res = json.loads(out.read_text())
+    assert rc == 0 and [p["output_len"] for p in res["throughput"]] == [4, 6]
+    for point in res["throughput"]:
+        systems = {r["system"].split(" (")[0]: r for r in point["systems"]}
+        assert set(systems) == {"kvserve LLM.generate", "HF transformers generate",
+                                "kvserve, KV cache off"}
+        assert all(r["output_tokens"] == 3 * point["output_len"] for r in systems.values())
+        assert point["hf_greedy_agreement"] == 1.0  # same weights, greedy: same tokens
+        assert point["recompute_greedy_agreement"] == 1.0
+        assert point["speedup_vs_recompute"] > 0 and point["ratio_vs_hf"] > 0
+    assert [r["params"]["concurrency"] for r in res["runs"]] == [1, 3]
+    assert all(r["completed"] == 3 and r["output_tokens"] == 12 for r in res["runs"])
+    hits = {(r["label"], r["params"]["prefix_len"]): r["cached_tokens"]
+            for r in res["prefix_runs"]}
+    # One group of 4 requests sent one by one: the last 3 find the whole prefix cached.
+    assert hits == {("prefix caching on", 16): 3 * 16, ("prefix caching on", 32): 3 * 32,
+                    ("prefix caching off", 16): 0, ("prefix caching off", 32): 0}
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["kv_cache_speedup_vs_length.png", "offline_throughput.png",
+                     "throughput_tpot_vs_concurrency.png", "ttft_vs_prefix_len.png"]

@@ -1,0 +1,113 @@
+"""The full serving benchmark of the README's "Performance" section, in one command.
+
+    python benchmarks/serving.py --out bench-results/        # CPU, embedded model
+
+Starts `kvserve serve` on a free loopback port (its own subprocess, so the client's measurements
+do not share the engine's interpreter), then runs `kvserve bench serve`:
+
+1. the target: 64 requests of ~280 prompt tokens and 64 output tokens at concurrency 16,
+   printing the efficiency against the matmul peak measured in the same run;
+2. a concurrency sweep (throughput and TPOT vs concurrency);
+3. a shared-prefix sweep (TTFT vs prefix length), then restarts the server with prefix caching
+   off and repeats it, so the plot shows both.
+
+Everything lands in --out: one JSON per step and the PNG plots. Extra server flags go after
+`--server-args` (e.g. `--server-args --dtype bfloat16`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from server.cli import main as kvserve  # noqa: E402
+from tests.server.helpers import free_port  # noqa: E402
+
+
+@contextlib.contextmanager
+def running_server(extra: list[str], log_path: Path, timeout: float = 900) -> Iterator[str]:
+    """`kvserve serve` on 127.0.0.1; yields its URL; SIGTERM on exit."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port",
+                                 str(port), *extra], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy after {timeout:.0f}s; see {log_path}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bench(url: str, out: Path, name: str, *args: str) -> int:
+    argv = ["bench", "serve", "--base-url", url, "--json", str(out / f"{name}.json"), *args]
+    print(f"\n$ kvserve {' '.join(argv)}", flush=True)
+    return kvserve(argv)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=280)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--prefix-lens", default="64,256,1024")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
+    a = p.parse_args()
+    if a.quick:
+        a.num_requests, a.input_len, a.output_len = 8, 32, 8
+        a.concurrency, a.prefix_lens = "1,4", "32,128"
+    a.out.mkdir(parents=True, exist_ok=True)
+    sizes = ["--num-requests", str(a.num_requests), "--input-len", str(a.input_len),
+             "--output-len", str(a.output_len)]
+    prefix = ["--workload", "shared-prefix", "--prefix-len", a.prefix_lens, "--num-groups", "4",
+              "--num-requests", "16", "--input-len", "64", "--output-len", "8",
+              "--concurrency", "1", "--no-yardstick"]
+    rc = 0
+    with running_server(a.server_args, a.out / "server-prefix-on.log") as url:
+        rc |= bench(url, a.out, "target", *sizes, "--concurrency", "16", "--label", "kvserve")
+        rc |= bench(url, a.out, "concurrency", *sizes, "--concurrency", a.concurrency,
+                    "--label", "kvserve", "--no-yardstick", "--plot", str(a.out))
+        rc |= bench(url, a.out, "prefix-on", *prefix, "--label", "prefix caching on")
+    with running_server(a.server_args + ["--no-enable-prefix-caching"],
+                        a.out / "server-prefix-off.log") as url:
+        rc |= bench(url, a.out, "prefix-off", *prefix, "--label", "prefix caching off",
+                    "--plot", str(a.out), "--compare", str(a.out / "prefix-on.json"))
+    print(f"\nresults in {a.out}/ (exit status {rc})")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
