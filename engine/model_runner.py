@@ -83,6 +83,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the host KV tier
+        self.num_host_blocks = 0
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: host-tier copies run here
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -148,6 +151,72 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.num_blocks = num_blocks
+
+    # ---- host KV tier (swap_space) -------------------------------------------------------
+
+    def allocate_host_kv_cache(self) -> int:
+        """Allocate the host pools (same layout as the device pools, pinned on CUDA) sized by
+        ``swap_space``; returns the number of host blocks, 0 when the tier is off.
+
+        ``torch.empty``, not zeros: a host block is only ever read after a copy filled it."""
+        block_bytes = self.kv_bytes_per_token * self.config.block_size
+        n = self.config.swap_space_bytes // block_bytes
+        if self.config.swap_space > 0 and n == 0:
+            logger.warning("swap_space %.3g GiB holds no block of %d bytes: host tier off",
+                           self.config.swap_space, block_bytes)
+        if n == 0:
+            if self.config.preemption_mode != "recompute":
+                logger.warning("preemption_mode=%s needs a host tier (swap_space > 0): "
+                               "preempted requests will be recomputed",
+                               self.config.preemption_mode)
+            return 0
+        a = self.arch
+        shape = (n, self.config.block_size, a.num_kv_heads, a.head_dim)
+        pin = self.device.type == "cuda"
+        self.host_kv_caches = [
+            (torch.empty(shape, dtype=self.dtype, pin_memory=pin),
+             torch.empty(shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(a.num_layers)
+        ]
+        self.num_host_blocks = n
+        self._copy_stream = torch.cuda.Stream(self.device) if pin else None
+        logger.info("host KV tier: %d blocks, %.2f GiB%s", n, n * block_bytes / 2**30,
+                    " pinned" if pin else "")
+        return n
+
+    def copy_kv_blocks(self, d2h: list[tuple[int, int]], h2d: list[tuple[int, int]]) -> None:
+        """One step's block moves: ``d2h`` (device block, host block) pairs, then ``h2d``
+        (host block, device block) pairs; one batched ``copy_blocks`` call per direction for
+        every layer's K and V.
+
+        On CUDA both run on a side stream that first waits for the work already queued (it
+        reads KV the last step wrote). The device->host call returns once the data is on the
+        host (``copy_blocks`` waits for it), so nothing else waits for it; the compute stream
+        waits on an event after the host->device copies only, since this step reads them.
+        """
+        from kernels.copy_blocks import copy_blocks  # here: the kernels package pulls in triton
+
+        dev = [t for kv in self.kv_caches for t in kv]
+        host = [t for kv in self.host_kv_caches for t in kv]
+        out = torch.tensor(d2h, dtype=torch.int64).reshape(-1, 2)
+        back = torch.tensor(h2d, dtype=torch.int64).reshape(-1, 2)
+        if self._copy_stream is None:
+            if d2h:
+                copy_blocks(dev, host, out)
+            if h2d:
+                copy_blocks(host, dev, back)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            if d2h:
+                copy_blocks(dev, host, out)
+            if h2d:
+                copy_blocks(host, dev, back)
+                loaded = torch.cuda.Event()
+                loaded.record(self._copy_stream)
+        if h2d:
+            compute.wait_event(loaded)
 
     def kv_pool_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size()

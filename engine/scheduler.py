@@ -5,14 +5,18 @@ Policy, whole (one screen):
 1. Running sequences advance first, in admission order: a decode takes one token, a chunked
    prefill takes its next chunk; each takes from the step's token budget
    (``max_num_batched_tokens``). When the KV pool cannot hold a running sequence's new tokens,
-   the lowest-priority, most recently admitted running sequence is preempted (by recompute: its
-   blocks are freed, and its full blocks usually survive in the prefix cache, which makes
-   re-admission cheap); a sequence may end up preempting itself.
+   the lowest-priority, most recently admitted running sequence is preempted; a sequence may
+   end up preempting itself. ``preemption_mode``: recompute frees its blocks (its full blocks
+   usually survive in the prefix cache, or spill to the host tier, which makes re-admission
+   cheap); swap moves its computed KV to the host tier; auto swaps when moving the blocks out
+   and back is expected to cost less than recomputing its tokens. Swap falls back to recompute
+   when there is no host tier or it has no room.
 2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order while
-   the budget, the sequence cap (``max_num_seqs``) and the pool allow. Each admission first
-   looks up the prefix cache; the rest of its tokens is its prefill, chunked to the budget.
-   Samples 2..n of a request wait until sample 1 has computed the prompt, then share its full
-   blocks.
+   the budget, the sequence cap (``max_num_seqs``) and the pool allow. A swapped-out sequence
+   is swapped back in and resumes where it stopped. Any other admission first looks up the
+   prefix cache (device, then host); the rest of its tokens is its prefill, chunked to the
+   budget. Samples 2..n of a request wait until sample 1 has computed the prompt, then share its
+   full blocks.
 
 The scheduler owns the waiting and running sets and every call to the KV manager's
 allocate/free; the engine core calls ``schedule`` then ``update_after_step``.
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager, PrefixHit
+from engine.kv_cache.tiered import TieredKVCacheManager
 from engine.request import Request, SeqStatus, Sequence
 
 
@@ -42,7 +47,9 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # either mode
+    swapped_out: list[Sequence] = field(default_factory=list)  # the preempted ones swapped
+    swapped_in: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -54,10 +61,14 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
+        self.tiered = kv if isinstance(kv, TieredKVCacheManager) else None
         self.waiting: list[Sequence] = []  # sorted by _queue_key
         self.running: list[Sequence] = []  # admission order
         self._admit_counter = 0
         self.num_preemptions = 0
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
 
     # ---- queue management --------------------------------------------------------------
 
@@ -127,18 +138,40 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        if self._swap_out(seq):
+            self.num_preemptions_swap += 1
+            out.swapped_out.append(seq)
+        else:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            self.num_preemptions_recompute += 1
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self._enqueue(seq)
 
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Swap ``seq`` out if the mode (and, for auto, the expected cost) says so and the host
+        has room; False means: recompute it. Its computed tokens stay computed."""
+        mode = self.config.preemption_mode
+        if self.tiered is None or mode == "recompute":
+            return False
+        if mode == "auto" and not self.tiered.swap_is_cheaper(seq.seq_id,
+                                                              seq.num_computed_tokens):
+            return False
+        return self.tiered.swap_out(seq.seq_id, seq.num_computed_tokens)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.tiered is not None and self.tiered.is_swapped(seq.seq_id):
+                num_new = self._swap_in(seq, budget, out)
+                if num_new is None:
+                    break
+                budget -= num_new
+                continue
             if self._waits_for_sibling(seq):
                 skipped.append(self.waiting.pop(0))
                 continue
@@ -151,18 +184,37 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.kv.record_prefix_stats(seq.num_tokens, prefix.num_tokens)
-            seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = prefix.num_tokens
-            seq.admit_order = self._admit_counter
-            self._admit_counter += 1
             if seq.request.num_cached_tokens is None:
-                seq.request.num_cached_tokens = prefix.num_tokens
-            self.running.append(seq)
+                seq.request.num_cached_tokens = prefix.num_tokens  # device and host hits
+            self._start_running(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
             budget -= num_new
         for seq in skipped:
             self._enqueue(seq)
         return budget
+
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Resume swapped ``seq`` (at the head of the queue) with its next tokens; returns how
+        many it computes this step, or None if it cannot run now (it keeps waiting)."""
+        assert self.tiered is not None
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if self.tiered.swap_in(seq.seq_id, seq.num_computed_tokens + num_new) is None:
+            return None
+        self.waiting.pop(0)
+        self._start_running(seq)
+        out.swapped_in.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
+        return num_new
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        seq.admit_order = self._admit_counter
+        self._admit_counter += 1
+        self.running.append(seq)
 
     @staticmethod
     def _waits_for_sibling(seq: Sequence) -> bool:

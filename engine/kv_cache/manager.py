@@ -27,15 +27,20 @@ class PrefixHit:
     still hold that KV: a hit found by :meth:`KVCacheManager.find_prefix` carries them. A prefix
     built by hand from a sibling's table (``PrefixHit(table[:k], k * block_size)``) leaves them
     empty; its blocks must then be in use or free-cached.
+
+    ``host_hashes`` names the blocks right after ``block_ids`` that only the host tier holds
+    (:class:`engine.kv_cache.tiered.TieredKVCacheManager` loads them back on ``allocate``);
+    ``num_tokens`` covers both parts. This manager has no host tier and refuses such a hit.
     """
 
     block_ids: list[int]
     num_tokens: int
     block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
+    host_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_ids)
+        return len(self.block_ids) + len(self.host_hashes)
 
 
 @dataclass
@@ -227,6 +232,9 @@ class KVCacheManager:
 
     def _prefix_blocks(self, have: int, prefix: PrefixHit | None) -> list[KVBlock]:
         """Validate ``prefix`` against the pool and return its blocks (no state change)."""
+        if prefix is not None and prefix.host_hashes:
+            raise ValueError("the prefix names host-tier blocks but this manager has no host "
+                             "tier; use TieredKVCacheManager (swap_space > 0)")
         if prefix is None or not prefix.block_ids:
             return []
         if have:
