@@ -23,6 +23,8 @@ class _DecodeGroup:
     key_pos: torch.Tensor  # [1, MB * BS]
     seq_lens: torch.Tensor  # [Bd, 1]
     num_keys: int
+    tables_i32: torch.Tensor  # [Bd, MB] contiguous, for the compiled CPU kernel
+    lens_i32: torch.Tensor  # [Bd]
 
 
 @dataclass
@@ -38,6 +40,21 @@ class _PrefillSeq:
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self) -> None:
+        self._cpu_kernel = None
+        self._cpu_kernel_tried = False
+
+    def _decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor):
+        """The compiled CPU paged-decode kernel when it applies (CPU, float32), else None."""
+        if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return None
+        if not self._cpu_kernel_tried:
+            from engine.cpu_decode import load
+
+            self._cpu_kernel = load()
+            self._cpu_kernel_tried = True
+        return self._cpu_kernel
+
     def prepare(self, meta: AttentionMetadata) -> None:
         state = meta.backend_state
         bs = meta.block_size
@@ -51,6 +68,8 @@ class TorchAttentionBackend:
                 key_pos=torch.arange(mb * bs, device=device).unsqueeze(0),
                 seq_lens=meta.seq_lens[:nd].long().unsqueeze(1),
                 num_keys=mb * bs,
+                tables_i32=meta.block_tables[:nd, :mb].to(torch.int32).contiguous(),
+                lens_i32=meta.seq_lens[:nd].to(torch.int32).contiguous(),
             )
         prefills = []
         start = meta.num_decode_tokens
@@ -79,8 +98,14 @@ class TorchAttentionBackend:
         masks = state["masks"].setdefault(sliding_window, {})
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, state["decode"], masks, scale,
-                                    sliding_window)
+            kernel = self._decode_kernel(q, k_cache)
+            if kernel is not None:
+                group = state["decode"]
+                out[:nd] = kernel.paged_decode_cpu(q[:nd], k_cache, v_cache, group.tables_i32,
+                                                   group.lens_i32, scale, sliding_window or 0)
+            else:
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, state["decode"], masks,
+                                        scale, sliding_window)
         for i, seq in enumerate(state["prefills"]):
             lo, hi = seq.token_start, seq.token_end
             if seq.seq_len == hi - lo and sliding_window is None:
