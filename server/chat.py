@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.async_engine import RequestAbortedError
 from engine.outputs import RequestOutput
@@ -26,13 +26,13 @@ from server.serving import (
     ServingContext,
     abort_on_disconnect,
     engine_error,
-    final_outputs,
     new_id,
     request_id_of,
-    submit_all,
+    respond,
+    submit_or_error,
     usage_of,
 )
-from server.sse import DONE, event, sse_response
+from server.sse import DONE, event
 
 logger = logging.getLogger("kvserve.server")
 
@@ -76,22 +76,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise bad_request(str(exc), param="messages" if "template" in str(exc) else None) \
             from None
     cid = new_id("chatcmpl")
-    try:
-        streams = submit_all(ctx, [(text, ids)], params, cid, req.priority)
-    except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
-        raise engine_error(exc, ctx, xrid) from None
+    streams = submit_or_error(ctx, [(text, ids)], params, cid, req.priority, xrid)
     logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid, cid,
                 len(ids), req.n, req.max_new_tokens, bool(req.stream))
     writer = _ChatWriter(ctx, req, cid, model, xrid)
-    if req.stream:
-        return sse_response(writer.stream(raw, streams))
-    try:
-        finals = await final_outputs(raw, streams)
-    except RequestAbortedError:
-        return Response(status_code=499)
-    except Exception as exc:  # noqa: BLE001
-        raise engine_error(exc, ctx, xrid) from None
-    return JSONResponse(writer.response(finals[0]))
+    return await respond(raw, streams, ctx, xrid,
+                         (lambda: writer.stream(raw, streams)) if req.stream else None,
+                         lambda finals: writer.response(finals[0]))
 
 
 class _ChatWriter:

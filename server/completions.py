@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.async_engine import RequestAbortedError
 from engine.outputs import RequestOutput
@@ -27,14 +27,14 @@ from server.serving import (
     ServingContext,
     abort_on_disconnect,
     engine_error,
-    final_outputs,
     merge_streams,
     new_id,
     request_id_of,
-    submit_all,
+    respond,
+    submit_or_error,
     usage_of,
 )
-from server.sse import DONE, event, sse_response
+from server.sse import DONE, event
 
 logger = logging.getLogger("kvserve.server")
 
@@ -65,25 +65,16 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     cid = new_id("cmpl")
-    try:
-        streams = submit_all(ctx, prompts, params, cid, req.priority)
-    except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
-        raise engine_error(exc, ctx, xrid) from None
+    streams = submit_or_error(ctx, prompts, params, cid, req.priority, xrid)
     logger.info("request_id=%s %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%s, "
                 "stream=%s", xrid, cid, len(prompts), [len(ids) for _, ids in prompts], req.n,
                 req.max_tokens, bool(req.stream))
     prompt_texts = [text if text is not None or not req.echo else
                     ctx.tokenizer.decode(ids, skip_special_tokens=False) for text, ids in prompts]
     writer = _Writer(ctx, req, cid, model, prompt_texts, xrid)
-    if req.stream:
-        return sse_response(writer.stream(raw, streams))
-    try:
-        finals = await final_outputs(raw, streams)
-    except RequestAbortedError:
-        return Response(status_code=499)
-    except Exception as exc:  # noqa: BLE001
-        raise engine_error(exc, ctx, xrid) from None
-    return JSONResponse(writer.response(finals))
+    return await respond(raw, streams, ctx, xrid,
+                         (lambda: writer.stream(raw, streams)) if req.stream else None,
+                         writer.response)
 
 
 @dataclass

@@ -9,23 +9,26 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineDrainingError,
     QueueFullError,
+    RequestAbortedError,
     RequestStream,
 )
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
+from server.sse import sse_response
 
 logger = logging.getLogger("kvserve.server")
 
@@ -163,6 +166,32 @@ async def abort_on_disconnect(raw: Request, streams: list[RequestStream]) -> Asy
         yield
     finally:
         watcher.cancel()
+
+
+def submit_or_error(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
+                    params: SamplingParams, base_id: str, priority: int,
+                    request_id: str) -> list[RequestStream]:
+    """``submit_all``, with any failure mapped to its HTTP error."""
+    try:
+        return submit_all(ctx, prompts, params, base_id, priority)
+    except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
+        raise engine_error(exc, ctx, request_id) from None
+
+
+async def respond(raw: Request, streams: list[RequestStream], ctx: ServingContext,
+                  request_id: str, sse: Callable[[], AsyncIterator[str]] | None,
+                  body: Callable[[list[RequestOutput]], dict[str, Any]]) -> Response:
+    """The endpoint's answer: an SSE response over ``sse()`` when streaming (``sse`` given),
+    else the JSON ``body`` of the finished outputs (499 if the client went away first)."""
+    if sse is not None:
+        return sse_response(sse())
+    try:
+        finals = await final_outputs(raw, streams)
+    except RequestAbortedError:
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001
+        raise engine_error(exc, ctx, request_id) from None
+    return JSONResponse(body(finals))
 
 
 async def final_outputs(raw: Request, streams: list[RequestStream]) -> list[RequestOutput]:
