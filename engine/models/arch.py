@@ -117,13 +117,9 @@ class ModelArch:
             hidden_act="silu",
         )
 
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 · layers · kv_heads · head_dim · dtype bytes."""
-        return self.kv_bytes_per_token_per_dtype_byte * dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @property
     def num_non_embedding_params(self) -> int:
