@@ -1,25 +1,171 @@
 // Paged decode attention for the CPU path: one query token per sequence, reading K/V straight
-// from the block pool through the block table (no gather copy), each row once for all heads.
-// fp32 in, fp32 accumulation.
+// from the block pool through the block table (no gather copy). fp32 in, fp32 accumulation.
+//
+// Work is split into one task per (sequence, KV head): the task computes the scores of that KV
+// head's G query heads, their softmax, and the weighted V sum. With AVX2+FMA and head_dim a
+// multiple of 16 the task runs on the vector path below; anything else takes the portable loop.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-// Eight independent partial sums: breaks the add dependency chain so the compiler keeps the
-// loop in vector registers (a single running sum is latency-bound and ~8x slower).
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (int j = 0; j < 8; j++) part[j] += a[d + j] * b[d + j];
-  }
-  float s = 0.0f;
-  for (; d < n; d++) s += a[d] * b[d];
-  for (int j = 0; j < 8; j++) s += part[j];
-  return s;
+#include "vec_math.h"
+
+namespace {
+
+struct Task {
+  const float* q;        // [G, D] the query heads of this KV head
+  float* out;            // [G, D]
+  const float* k_base;   // K pool + h * D  (rows are KVH * D apart)
+  const float* v_base;
+  const int32_t* table;  // this sequence's block table
+  int64_t start, len;    // keys [start, len)
+  int64_t G, D, BS, row_stride;
+  float scale;
+};
+
+inline const float* row_ptr(const float* base, const Task& t, int64_t pos) {
+  return base + (static_cast<int64_t>(t.table[pos / t.BS]) * t.BS + pos % t.BS) * t.row_stride;
 }
+
+// Portable path: any head_dim, any ISA.
+void run_generic(const Task& t) {
+  const int64_t n = t.len - t.start;
+  std::vector<float> scores(t.G * n);
+  for (int64_t i = 0; i < n; i++) {
+    const float* kr = row_ptr(t.k_base, t, t.start + i);
+    for (int64_t g = 0; g < t.G; g++) {
+      const float* qg = t.q + g * t.D;
+      float s = 0.0f;
+      for (int64_t d = 0; d < t.D; d++) s += qg[d] * kr[d];
+      scores[g * n + i] = s * t.scale;
+    }
+  }
+  for (int64_t g = 0; g < t.G; g++) {
+    float* sg = scores.data() + g * n;
+    const float m = *std::max_element(sg, sg + n);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += (sg[i] = std::exp(sg[i] - m));
+    float* o = t.out + g * t.D;
+    std::fill(o, o + t.D, 0.0f);
+    for (int64_t i = 0; i < n; i++) {
+      const float* vr = row_ptr(t.v_base, t, t.start + i);
+      const float w = sg[i] / sum;
+      for (int64_t d = 0; d < t.D; d++) o[d] += w * vr[d];
+    }
+  }
+}
+
+#ifdef KVSERVE_AVX2
+using kvserve::exp256;
+
+constexpr int64_t kAhead = 32;  // rows prefetched this far ahead of use
+
+// Lane i of the result is the horizontal sum of a[i].
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// out[g] += sum_i w[g][i] * v_i[c .. c+16) for GC query heads at once: 2*GC accumulators in
+// registers, each V row's 64-byte slice loaded once for all GC heads.
+template <int GC>
+void pv_chunk(const float* const* vrows, int64_t n, const float* w, int64_t wstride,
+              const float* inv, int64_t c, float* out, int64_t D) {
+  __m256 a[GC][2];
+  for (int g = 0; g < GC; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i++) {
+    if (i + kAhead < n) _mm_prefetch(reinterpret_cast<const char*>(vrows[i + kAhead] + c), _MM_HINT_T0);
+    const __m256 v0 = _mm256_loadu_ps(vrows[i] + c), v1 = _mm256_loadu_ps(vrows[i] + c + 8);
+    for (int g = 0; g < GC; g++) {
+      const __m256 wg = _mm256_broadcast_ss(w + g * wstride + i);
+      a[g][0] = _mm256_fmadd_ps(wg, v0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(wg, v1, a[g][1]);
+    }
+  }
+  for (int g = 0; g < GC; g++) {
+    const __m256 s = _mm256_set1_ps(inv[g]);
+    _mm256_storeu_ps(out + g * D + c, _mm256_mul_ps(a[g][0], s));
+    _mm256_storeu_ps(out + g * D + c + 8, _mm256_mul_ps(a[g][1], s));
+  }
+}
+
+void run_avx2(const Task& t) {
+  const int64_t n = t.len - t.start, npad = (n + 7) / 8 * 8, G = t.G, D = t.D;
+  std::vector<const float*> krows(npad), vrows(n);
+  for (int64_t i = 0; i < n; i++) {
+    krows[i] = row_ptr(t.k_base, t, t.start + i);
+    vrows[i] = row_ptr(t.v_base, t, t.start + i);
+  }
+  for (int64_t i = n; i < npad; i++) krows[i] = krows[n - 1];  // padded lanes: ignored below
+  std::vector<float> scores(G * npad), inv(G);
+  const __m256 vscale = _mm256_set1_ps(t.scale);
+  // Scores, 8 keys at a time: 8 independent FMA chains, one horizontal-sum shuffle per 8 keys.
+  for (int64_t i0 = 0; i0 < npad; i0 += 8) {
+    const float* const* rows = krows.data() + i0;
+    if (i0 + kAhead + 8 <= npad) {  // block tables scatter rows: the hardware cannot guess ahead
+      for (int j = 0; j < 8; j++)
+        for (int64_t c = 0; c < D; c += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(krows[i0 + kAhead + j] + c), _MM_HINT_T0);
+    }
+    for (int64_t g = 0; g < G; g++) {
+      const float* qg = t.q + g * D;
+      __m256 acc[8];
+      for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + c);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + c), acc[j]);
+      }
+      _mm256_storeu_ps(scores.data() + g * npad + i0, _mm256_mul_ps(hsum8(acc), vscale));
+    }
+  }
+  // Softmax numerators in place; the 1/sum is applied to the output instead of every weight.
+  for (int64_t g = 0; g < G; g++) {
+    float* sg = scores.data() + g * npad;
+    for (int64_t i = n; i < npad; i++) sg[i] = -INFINITY;
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < npad; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + i));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < npad; i += 8) {
+      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
+      if (i + 8 > n) {  // zero the padded lanes exactly
+        const __m256 idx = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(i)),
+                                         _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+        e = _mm256_and_ps(e, _mm256_cmp_ps(idx, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ));
+      }
+      _mm256_storeu_ps(sg + i, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_storeu_ps(lanes, vsum);
+    float sum = 0.0f;
+    for (float l : lanes) sum += l;
+    inv[g] = 1.0f / sum;
+  }
+  // Weighted V: query heads in groups of up to 4, head_dim in 16-float (one cache line) slices.
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gc = std::min<int64_t>(4, G - g0);
+    const float* w = scores.data() + g0 * npad;
+    float* out = t.out + g0 * D;
+    for (int64_t c = 0; c < D; c += 16) {
+      switch (gc) {
+        case 1: pv_chunk<1>(vrows.data(), n, w, npad, inv.data() + g0, c, out, D); break;
+        case 2: pv_chunk<2>(vrows.data(), n, w, npad, inv.data() + g0, c, out, D); break;
+        case 3: pv_chunk<3>(vrows.data(), n, w, npad, inv.data() + g0, c, out, D); break;
+        default: pv_chunk<4>(vrows.data(), n, w, npad, inv.data() + g0, c, out, D); break;
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
 
 torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
@@ -43,58 +189,28 @@ torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int32_t* btp = block_tables.data_ptr<int32_t>();
   const int32_t* slp = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+#ifdef KVSERVE_AVX2
+  const bool vector_path = D % 16 == 0;
+#endif
 
-  // One task per sequence, all its KV heads together: a token's K (or V) row of every head is
-  // one contiguous KVH * D run, read once from memory instead of once per head.
 #pragma omp parallel for schedule(dynamic)
-  for (int64_t b = 0; b < B; b++) {
+  for (int64_t task = 0; task < B * KVH; task++) {
+    const int64_t b = task / KVH, h = task % KVH;
     const int64_t len = slp[b];
-    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t n = len - start;
-    std::vector<float> scores(H * n);  // [H][n], head hq = h * G + g
-    std::vector<float> acc(H * D, 0.0f);
-    const float* qb = qp + b * H * D;
-    for (int64_t j = start / BS; j * BS < len; j++) {
-      const float* kb = kp + static_cast<int64_t>(btp[b * MB + j]) * BS * KVH * D;
-      const int64_t lo = std::max(start, j * BS), hi = std::min(len, (j + 1) * BS);
-      for (int64_t t = lo; t < hi; t++) {
-        const float* krow = kb + (t - j * BS) * KVH * D;
-        for (int64_t hq = 0; hq < H; hq++) {
-          scores[hq * n + (t - start)] = dot(qb + hq * D, krow + (hq / G) * D, D) * fscale;
-        }
-      }
+    Task t{qp + (b * H + h * G) * D, op + (b * H + h * G) * D, kp + h * D, vp + h * D,
+           btp + b * MB, window > 0 ? std::max<int64_t>(0, len - window) : 0, len,
+           G, D, BS, KVH * D, static_cast<float>(scale)};
+    if (len <= t.start) {
+      std::fill(t.out, t.out + G * D, 0.0f);
+      continue;
     }
-    for (int64_t hq = 0; hq < H; hq++) {
-      float* sg = scores.data() + hq * n;
-      float m = -INFINITY;
-      for (int64_t i = 0; i < n; i++) m = std::max(m, sg[i]);
-      float sum = 0.0f;
-      for (int64_t i = 0; i < n; i++) {
-        sg[i] = std::exp(sg[i] - m);
-        sum += sg[i];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+#ifdef KVSERVE_AVX2
+    if (vector_path) {
+      run_avx2(t);
+      continue;
     }
-    for (int64_t j = start / BS; j * BS < len; j++) {
-      const float* vb = vp + static_cast<int64_t>(btp[b * MB + j]) * BS * KVH * D;
-      const int64_t lo = std::max(start, j * BS), hi = std::min(len, (j + 1) * BS);
-      for (int64_t t = lo; t < hi; t++) {
-        const float* vrow = vb + (t - j * BS) * KVH * D;
-        for (int64_t hq = 0; hq < H; hq++) {
-          const float w = scores[hq * n + (t - start)];
-          const float* __restrict vr = vrow + (hq / G) * D;
-          float* __restrict a = acc.data() + hq * D;
-          for (int64_t d = 0; d < D; d++) a[d] += w * vr[d];
-        }
-      }
-    }
-    std::copy(acc.begin(), acc.end(), op + b * H * D);
+#endif
+    run_generic(t);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)");
 }

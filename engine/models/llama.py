@@ -16,21 +16,23 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.arch import ModelArch
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.models.layer_ops import TorchLayerOps
+from engine.models.packed_linear import PackedLinear, pack_linears
+from engine.models.rope import RotaryEmbedding
+
+_TORCH_OPS = TorchLayerOps()
 
 
 class RMSNorm(nn.Module):
+    """Holds the scale and epsilon; the arithmetic is the layer ops' ``rms_norm``."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as HF: normalise in fp32, cast back, then scale.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps = _TORCH_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -55,30 +57,38 @@ class DecoderLayer(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend,
+                ops: TorchLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` in, ``(mlp_out, residual)`` out: the residual add of each block is
+        done by the next norm (fused there), the last one by the model's final norm."""
         t = x.shape[0]
-        residual = x
-        x = self.input_layernorm(x)
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x, ops)
+        else:
+            x, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight,
+                                           self.input_layernorm.eps)
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = apply_rotary(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
-            k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+            q = ops.rotary(self.q_norm(q.reshape(t, self.num_heads, self.head_dim), ops),
+                           cos, sin)
+            k = ops.rotary(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim), ops),
+                           cos, sin)
         else:
             # Q and K heads side by side in the fused projection: rotate them in one pass.
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size]
-                              .view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            qk = ops.rotary(qkv[:, :self.q_size + self.kv_size]
+                            .view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                self.sliding_window)
-        x = residual + self.o_proj(attn.reshape(t, self.q_size))
-        residual = x
-        x = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        x, residual = ops.add_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), residual,
+                                       self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,6 +105,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tied_head: PackedLinear | None = None  # set by pack_linears when embeddings are tied
+        self.ops: TorchLayerOps = _TORCH_OPS  # the runner may swap in the fused CPU ops
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim,
                                       max_positions or arch.max_position_embeddings)
 
@@ -104,13 +116,27 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         backend.prepare(meta)
+        ops = self.ops
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend, ops)
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_head is not None:
+            return self.tied_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def pack_linears(self) -> int:
+        """Move every projection (and a tied logits head) onto oneDNN packed weights; see
+        ``engine.models.packed_linear``. Returns the number of layers packed."""
+        n = pack_linears(self)
+        if self.lm_head is None:
+            self.tied_head = PackedLinear(self.embed_tokens.weight, None)
+            n += 1
+        return n
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -43,16 +43,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim]`` in ``dtype`` for the given positions."""
+        """cos, sin ``[T, head_dim]`` in ``dtype`` for the given positions."""
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond the RoPE table "
                              f"({self.cos.shape[0]} positions)")
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[T, heads, D]``; rotate-half convention as in HF Llama."""
+    """x ``[T, heads, D]``, cos/sin ``[T, 1, D]``; rotate-half convention as in HF Llama."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

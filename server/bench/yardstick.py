@@ -10,8 +10,8 @@ output tokens:
              (its position + 1); q_dim = heads · head_dim (= hidden for Llama)
 
 Efficiency = useful FLOPs / wall time / matmul peak, the peak measured in the same run on the
-model's own matmul shapes at a large row count (256 on CPU), before and after the load (the
-higher of the two counts). It bounds what any engine could do:
+model's own matmul shapes at large row counts (256 and 2048 on CPU), through both F.linear and
+oneDNN with packed weights, before and after the load (the highest rate counts). It bounds what any engine could do:
 padding, recomputation and overheads count as waste. Shared with benchmarks/.
 """
 
@@ -104,55 +104,84 @@ def _probe_shapes(shape: ModelShape | None) -> list[tuple[int, int]]:
 
 
 def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
-                        device: str = "cpu", rows: int | None = None,
+                        device: str = "cpu", rows: int | tuple[int, ...] | None = None,
                         seconds: float = 0.25, repeats: int = 3) -> MatmulPeak:
     """Time the model's dense matmuls and keep the best rate: the machine's compute limit.
 
     ``dtype="auto"`` probes float32 and bfloat16 and keeps the faster (an engine free to choose
-    its dtype could reach it). Each probe is the best of ``repeats`` timed windows, which
-    discounts noise from other processes on a shared machine.
+    its dtype could reach it). Every shape is timed through ``F.linear`` and, where PyTorch has
+    it, through oneDNN with a pre-packed weight (what the engine runs on CPU), at each row count
+    (CPU: 256 and 2048), and the fastest of all counts: a peak that any implementation here
+    reaches. Each probe is the best of ``repeats`` timed windows, which discounts noise from
+    other processes on a shared machine.
     """
     import torch
 
+    from engine.models.packed_linear import onednn_linear_available, pack_weight
+
     dtypes = ["float32", "bfloat16"] if dtype == "auto" else [str(dtype).removeprefix("torch.")]
-    rows = rows or (256 if device == "cpu" else 4096)
+    if rows is None:
+        rows = (256, 2048) if device == "cpu" else (4096,)
+    row_counts = (rows,) if isinstance(rows, int) else tuple(rows)
     probes: dict[str, float] = {}
-    best = (0.0, dtypes[0], (0, 0))
+    best = (0.0, dtypes[0], (0, 0), row_counts[0])
     with torch.inference_mode():
         for dt_name in dtypes:
             dt = getattr(torch, dt_name)
-            for k, n in _probe_shapes(shape):
-                x = torch.randn(rows, k, dtype=dt, device=device)
-                w = torch.randn(n, k, dtype=dt, device=device)
-                rate = 0.0
-                for _ in range(repeats):
-                    rate = max(rate, _time_linear(x, w, seconds))
-                probes[f"{dt_name} {rows}x{k}x{n}"] = rate / 1e9
-                if rate / 1e9 > best[0]:
-                    best = (rate / 1e9, dt_name, (k, n))
-    return MatmulPeak(best[0], best[1], device, rows, best[2], torch.get_num_threads(), probes)
+            impls = ["torch"]
+            if onednn_linear_available(torch.device(device), dt):
+                impls.append("onednn")
+            for r in row_counts:
+                for k, n in _probe_shapes(shape):
+                    x = torch.randn(r, k, dtype=dt, device=device)
+                    w = torch.randn(n, k, dtype=dt, device=device)
+                    for impl in impls:
+                        fn = _linear_fn(impl, w, pack_weight)
+                        rate = max(_time_linear(x, fn, seconds) for _ in range(repeats))
+                        probes[f"{dt_name} {impl} {r}x{k}x{n}"] = rate / 1e9
+                        if rate / 1e9 > best[0]:
+                            best = (rate / 1e9, dt_name, (k, n), r)
+    return MatmulPeak(best[0], best[1], device, best[3], best[2], torch.get_num_threads(),
+                      probes)
 
 
-def _time_linear(x, w, seconds: float) -> float:
+def _linear_fn(impl: str, w, pack_weight):
+    """``x -> x @ w.T`` through plain ``F.linear`` or oneDNN with ``w`` packed once."""
     import torch
+
+    if impl == "torch":
+        return lambda x: torch.nn.functional.linear(x, w)
+    packed = pack_weight(w)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _time_linear(x, fn, seconds: float) -> float:
+    """GFLOP/s·1e9 of ``fn(x)`` (a ``[rows, k] -> [rows, n]`` linear; ``fn`` may also be the
+    weight itself, timed through ``F.linear``)."""
+    import torch
+
+    if isinstance(fn, torch.Tensor):
+        w = fn
+        fn = lambda x: torch.nn.functional.linear(x, w)  # noqa: E731
+    n_out = fn(x).shape[-1]
 
     def sync() -> None:
         if x.device.type == "cuda":
             torch.cuda.synchronize()
 
     for _ in range(2):
-        torch.nn.functional.linear(x, w)
+        fn(x)
     sync()
     iters, start = 0, time.perf_counter()
     while True:
-        torch.nn.functional.linear(x, w)
+        fn(x)
         iters += 1
         if iters % 4 == 0:
             sync()
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 break
-    return 2.0 * x.shape[0] * x.shape[1] * w.shape[0] * iters / elapsed
+    return 2.0 * x.shape[0] * x.shape[1] * n_out * iters / elapsed
 
 
 def efficiency_report(flops: FlopsCount, wall_s: float, peak: MatmulPeak) -> dict:

@@ -1,0 +1,49 @@
+"""Small C++ (OpenMP, AVX2 where the CPU has it) kernels for the CPU path, built on first use.
+
+* ``paged_decode_cpu``: decode attention reading K/V once, straight from the block pool through
+  the block table. Decode attention on a CPU is bound by that read; the PyTorch route gathers
+  the blocks into a padded copy and runs SDPA over it, touching the data three times.
+* ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
+  one pass each (PyTorch runs each as 3-5 separate passes over the activations).
+
+They are compiled with torch's cpp_extension (gcc + ninja) into torch's extension cache the
+first time they are needed (about a minute), and used for float32 on CPU. If they cannot be
+built, ``load()`` returns None, a warning says why, and the engine keeps the PyTorch route.
+``KVSERVE_CPU_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger("kvserve.engine")
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp"]
+_module = None
+_failed = False
+
+
+def load():
+    """The compiled module, or None when it cannot be built or is disabled."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        _failed = True
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_ext
+
+        logger.info("building the CPU kernels (first use only, about a minute)")
+        _module = load_ext(name="kvserve_cpu_kernels",
+                           sources=[str(_CSRC / s) for s in _SOURCES],
+                           extra_include_paths=[str(_CSRC)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
+        logger.warning("CPU kernels unavailable (%s); using the PyTorch route",
+                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        _failed = True
+    return _module

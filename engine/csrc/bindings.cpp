@@ -1,0 +1,19 @@
+// The Python module of the CPU kernels (built on first use by engine/cpu_kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                               int64_t window);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                            double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU, fp32)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (CPU, fp32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over [gate | up] (CPU, fp32)");
+  m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, fp32)");
+}
