@@ -87,7 +87,7 @@ class EngineCore:
             "KV cache: %d "
             "blocks x %d tokens = %d tokens, %d bytes/token, %.2f GiB | max concurrency at "
             "max_model_len: %.2fx", self.model_name, str(r.dtype).removeprefix("torch."),
-            r.device, r.backend.name, "oneDNN packed" if r.onednn_linears else "torch",
+            r.device, r.backend.name, r.linear_backend,
             r.model.ops.name,
             self.max_model_len, r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)

@@ -19,7 +19,7 @@ from engine.batch import ModelInput
 from engine.config import EngineConfig
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import layer_ops_for
-from engine.models.packed_linear import onednn_linear_available
+from engine.models.packed_linear import linear_backend, linear_weight_bytes
 from engine.models.registry import build_model
 
 logger = logging.getLogger("kvserve.engine")
@@ -81,9 +81,10 @@ class ModelRunner:
         self.model.to(device=self.device, dtype=self.dtype)
         self.model.rotary.to(torch.float32)  # tables stay fp32; cast per step
         self.model.eval()
-        self.onednn_linears = 0
-        if onednn_linear_available(self.device, self.dtype):
-            self.onednn_linears = self.model.pack_linears()
+        self.linear_backend = linear_backend(self.device, self.dtype,
+                                             linear_weight_bytes(self.model)) or "torch"
+        if self.linear_backend != "torch":
+            self.model.pack_linears(self.linear_backend)
         self.model.ops = layer_ops_for(self.device, self.dtype)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.max_model_len = max_model_len

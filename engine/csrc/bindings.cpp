@@ -9,6 +9,10 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
                             double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor small_gemm_pack(torch::Tensor w);
+bool small_gemm_supported();
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
+                         c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)");
@@ -16,4 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (CPU, fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [gate | up] (CPU, fp32)");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, fp32)");
+  m.def("small_gemm_pack", &small_gemm_pack, "pack W [N, K] into 16-column panels");
+  m.def("small_gemm_supported", &small_gemm_supported, "built with AVX2+FMA");
+  m.def("small_gemm", &small_gemm, "x @ W^T (+ b) for few rows (CPU, fp32, AVX2)");
 }

@@ -129,12 +129,12 @@ class LlamaForCausalLM(nn.Module):
             return self.tied_head(hidden).float()
         return F.linear(hidden, self.embed_tokens.weight).float()
 
-    def pack_linears(self) -> int:
-        """Move every projection (and a tied logits head) onto oneDNN packed weights; see
-        ``engine.models.packed_linear``. Returns the number of layers packed."""
-        n = pack_linears(self)
+    def pack_linears(self, backend: str) -> int:
+        """Move every projection (and a tied logits head) onto packed weights for ``backend``;
+        see ``engine.models.packed_linear``. Returns the number of layers packed."""
+        n = pack_linears(self, backend)
         if self.lm_head is None:
-            self.tied_head = PackedLinear(self.embed_tokens.weight, None)
+            self.tied_head = PackedLinear(self.embed_tokens.weight, None, backend)
             n += 1
         return n
 

@@ -10,8 +10,8 @@ output tokens:
              (its position + 1); q_dim = heads · head_dim (= hidden for Llama)
 
 Efficiency = useful FLOPs / wall time / matmul peak, the peak measured in the same run on the
-model's own matmul shapes at large row counts (256 and 2048 on CPU), through both F.linear and
-oneDNN with packed weights, before and after the load (the highest rate counts). It bounds what any engine could do:
+model's own matmul shapes at large row counts (256 and 2048 on CPU), through F.linear and every
+packed linear the engine may use, before and after the load (the highest rate counts). It bounds what any engine could do:
 padding, recomputation and overheads count as waste. Shared with benchmarks/.
 """
 
@@ -109,15 +109,19 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
     """Time the model's dense matmuls and keep the best rate: the machine's compute limit.
 
     ``dtype="auto"`` probes float32 and bfloat16 and keeps the faster (an engine free to choose
-    its dtype could reach it). Every shape is timed through ``F.linear`` and, where PyTorch has
-    it, through oneDNN with a pre-packed weight (what the engine runs on CPU), at each row count
-    (CPU: 256 and 2048), and the fastest of all counts: a peak that any implementation here
-    reaches. Each probe is the best of ``repeats`` timed windows, which discounts noise from
-    other processes on a shared machine.
+    its dtype could reach it). Every shape is timed through ``F.linear`` and through each packed
+    linear the engine can use here (oneDNN, our AVX2 panel kernel; see
+    ``engine.models.packed_linear``) at each row count (CPU: 256 and 2048), and the fastest of
+    all counts: a peak that any implementation here reaches. Each probe is the best of
+    ``repeats`` timed windows, which discounts noise from other processes on a shared machine.
     """
     import torch
 
-    from engine.models.packed_linear import onednn_linear_available, pack_weight
+    from engine.models.packed_linear import (
+        PackedLinear,
+        onednn_linear_available,
+        panel_kernels_available,
+    )
 
     dtypes = ["float32", "bfloat16"] if dtype == "auto" else [str(dtype).removeprefix("torch.")]
     if rows is None:
@@ -131,12 +135,14 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
             impls = ["torch"]
             if onednn_linear_available(torch.device(device), dt):
                 impls.append("onednn")
+            if panel_kernels_available(torch.device(device), dt):
+                impls.append("avx2-panels")
             for r in row_counts:
                 for k, n in _probe_shapes(shape):
                     x = torch.randn(r, k, dtype=dt, device=device)
                     w = torch.randn(n, k, dtype=dt, device=device)
                     for impl in impls:
-                        fn = _linear_fn(impl, w, pack_weight)
+                        fn = w if impl == "torch" else PackedLinear(w, None, impl)
                         rate = max(_time_linear(x, fn, seconds) for _ in range(repeats))
                         probes[f"{dt_name} {impl} {r}x{k}x{n}"] = rate / 1e9
                         if rate / 1e9 > best[0]:
@@ -145,19 +151,9 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
                       probes)
 
 
-def _linear_fn(impl: str, w, pack_weight):
-    """``x -> x @ w.T`` through plain ``F.linear`` or oneDNN with ``w`` packed once."""
-    import torch
-
-    if impl == "torch":
-        return lambda x: torch.nn.functional.linear(x, w)
-    packed = pack_weight(w)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
 def _time_linear(x, fn, seconds: float) -> float:
-    """GFLOP/s·1e9 of ``fn(x)`` (a ``[rows, k] -> [rows, n]`` linear; ``fn`` may also be the
-    weight itself, timed through ``F.linear``)."""
+    """FLOP/s of ``fn(x)``, a ``[rows, k] -> [rows, n]`` linear (a module), or of
+    ``F.linear(x, fn)`` when ``fn`` is the weight itself."""
     import torch
 
     if isinstance(fn, torch.Tensor):
