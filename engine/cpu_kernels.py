@@ -28,11 +28,10 @@ _failed = False
 def load():
     """The compiled module, or None when it cannot be built or is disabled."""
     global _module, _failed
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return None  # read on every call: an engine started with it off stays off
     if _module is not None or _failed:
         return _module
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
-        _failed = True
-        return None
     try:
         from torch.utils.cpp_extension import load as load_ext
 
