@@ -108,8 +108,10 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
                         seconds: float = 0.25, repeats: int = 3) -> MatmulPeak:
     """Time the model's dense matmuls and keep the best rate: the machine's compute limit.
 
-    ``dtype="auto"`` probes float32 and bfloat16 and keeps the faster (an engine free to choose
-    its dtype could reach it). Every shape is timed through ``F.linear`` and through each packed
+    ``dtype="auto"`` probes float32 and, where the device runs it natively (CUDA, or a CPU with
+    AVX-512 BF16 or AMX: the same test as the engine's ``dtype="auto"``), bfloat16, and keeps
+    the faster (an engine free to choose its dtype could reach it); emulated bf16 on other CPUs
+    measured ~6x slower than fp32 and would only make the probe slow. Every shape is timed through ``F.linear`` and through each packed
     linear the engine can use here (oneDNN, our AVX2 panel kernel; see
     ``engine.models.packed_linear``) at each row count (CPU: 256 and 2048), and the fastest of
     all counts: a peak that any implementation here reaches. Each probe is the best of
@@ -117,13 +119,17 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
     """
     import torch
 
+    from engine.model_runner import cpu_has_bf16
     from engine.models.packed_linear import (
         PackedLinear,
         onednn_linear_available,
         panel_kernels_available,
     )
 
-    dtypes = ["float32", "bfloat16"] if dtype == "auto" else [str(dtype).removeprefix("torch.")]
+    if dtype == "auto":
+        dtypes = ["float32"] + (["bfloat16"] if device != "cpu" or cpu_has_bf16() else [])
+    else:
+        dtypes = [str(dtype).removeprefix("torch.")]
     if rows is None:
         rows = (256, 2048) if device == "cpu" else (4096,)
     row_counts = (rows,) if isinstance(rows, int) else tuple(rows)
@@ -165,14 +171,14 @@ def _time_linear(x, fn, seconds: float) -> float:
         if x.device.type == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(2):
-        fn(x)
+    fn(x)
     sync()
+    every = 4 if x.device.type == "cuda" else 1  # CPU calls are synchronous: check each time
     iters, start = 0, time.perf_counter()
     while True:
         fn(x)
         iters += 1
-        if iters % 4 == 0:
+        if iters % every == 0:
             sync()
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:

@@ -237,21 +237,21 @@ def test_bench_serve_figures_agree_with_the_server(real_server, tmp_path):
 def test_bench_serve_shared_prefix_multi_turn_and_openai_only(real_server, tmp_path):
     rc, res = _bench(real_server, tmp_path, "--workload", "shared-prefix", "--prefix-len",
                      "32", "--num-groups", "2", "--num-requests", "4", "--input-len", "8",
-                     "--output-len", "2", "--concurrency", "1", name="prefix")
+                     "--output-len", "2", "--concurrency", "1", "--no-yardstick", name="prefix")
     [run] = res["runs"]
     assert rc == 0 and run["completed"] == 4 and run["prompt_tokens"] == 4 * 40
     assert run["cached_tokens"] == 2 * 32  # the second request of each group hits the prefix
 
     rc, res = _bench(real_server, tmp_path, "--workload", "multi-turn", "--num-requests", "4",
                      "--num-turns", "2", "--input-len", "8", "--output-len", "3",
-                     "--request-rate", "20", name="chat")
+                     "--request-rate", "20", "--no-yardstick", name="chat")
     [run] = res["runs"]
     assert rc == 0 and run["completed"] == 4 and run["output_tokens"] == 12
     assert run["prompt_tokens"] > 4 * 8 + 2 * 3  # later turns resend the conversation
 
     before = _generated(real_server)
     rc, res = _bench(real_server, tmp_path, "--openai-only", "--num-requests", "3",
-                     "--input-len", "16", "--output-len", "4", name="openai")
+                     "--input-len", "16", "--output-len", "4", "--no-yardstick", name="openai")
     [run] = res["runs"]
     assert rc == 0 and run["completed"] == 3 and run["output_tokens"] <= 12
     # Counted from the stream alone; at most one EOS token per request is in the server's count.
