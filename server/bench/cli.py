@@ -9,6 +9,7 @@ fast and works without the optional benchmark dependencies.
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
 
@@ -161,18 +162,7 @@ def _missing_extra(exc: ModuleNotFoundError) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    try:
-        from server.bench.serve import main_from_args
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("httpx", "tqdm"):
-            raise
-        return _missing_extra(exc)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ModuleNotFoundError as exc:
-            return _missing_extra(exc)
-    return main_from_args(args)
+    return _run_bench("server.bench.serve", ("httpx", "tqdm"), args)
 
 
 def _add_offline(sub: Any) -> None:
@@ -204,10 +194,16 @@ def _add_offline(sub: Any) -> None:
 
 
 def _run_offline(args: argparse.Namespace) -> int:
+    return _run_bench("server.bench.offline", ("httpx",), args)
+
+
+def _run_bench(module: str, extras: tuple[str, ...], args: argparse.Namespace) -> int:
+    """``module.main_from_args(args)``, or the install hint when an optional extra it needs
+    (one of ``extras``, or matplotlib for ``--plot``) is missing."""
     try:
-        from server.bench.offline import main_from_args
+        main_from_args = importlib.import_module(module).main_from_args
     except ModuleNotFoundError as exc:
-        if exc.name != "httpx":
+        if exc.name not in extras:
             raise
         return _missing_extra(exc)
     if args.plot:

@@ -32,6 +32,15 @@ def run(m, p, seq, tokens, salt=()):
     return hit
 
 
+def spill(m, p, seq, tokens):
+    """Run ``seq``, finish it, then fill the device pool so its cached blocks spill to host."""
+    run(m, p, seq, tokens)
+    m.free(seq)
+    m.allocate("hog", 16)
+    p.flush()
+    m.free("hog")
+
+
 def test_evicted_cached_blocks_spill_to_host_and_load_back():
     m, p = make()
     a = list(range(9))  # two full blocks and a partial one
@@ -76,11 +85,7 @@ def test_device_hit_continues_on_host():
 def test_spill_is_skipped_when_host_has_the_hash():
     m, p = make()
     a = list(range(5))
-    run(m, p, "a", a)
-    m.free("a")
-    m.allocate("hog", 16)
-    p.flush()
-    m.free("hog")
+    spill(m, p, "a", a)
     run(m, p, "b", a)  # loaded back from the host
     m.free("b")
     m.allocate("hog", 16)
@@ -183,11 +188,7 @@ def test_abort_of_a_swapped_sequence_leaves_nothing_behind():
 def test_swapping_out_a_block_still_waiting_for_its_load_uses_the_load_source():
     m, p = make(num_blocks=4, host_blocks=8)
     a = list(range(9))
-    run(m, p, "a", a)
-    m.free("a")
-    m.allocate("hog", 16)
-    p.flush()
-    m.free("hog")
+    spill(m, p, "a", a)
     hit = m.find_prefix("b", a)
     assert len(hit.host_hashes) == 2
     m.allocate("b", 9, hit)  # two loads pending
