@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch_config import prefill_launch_config
+
 LOG2E = 1.4426950408889634
 
 
@@ -70,7 +72,11 @@ def _attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
     return acc, m_new, l_i
 
 
-@triton.jit
+# Kept out of Triton's per-value specialisation (see kernels/paged_decode.py): the window, the
+# block-table row stride (the table is as wide as the step's longest sequence) and the
+# alignment of the index tensors, which the backend passes as row slices at any offset.
+@triton.jit(do_not_specialize=["window", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_q_ptr", "seq_lens_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_ptr, seq_lens_ptr,
     scale_log2, window,
@@ -199,10 +205,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query = query.to(k_cache.dtype).contiguous()
     block_d = triton.next_power_of_2(head_dim)
     rows = max_query_len * group
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 or block_d > 128 else 64)
-    block_n = 64 if block_d <= 128 else 32
-    if not k_cache.is_cuda:
-        block_n = 32  # the interpreter pays per op: few, mid-sized tiles
+    cfg = prefill_launch_config(head_dim, k_cache.dtype, k_cache.is_cuda, rows)
+    block_m, block_n = cfg.block_m, cfg.block_n
     block_size = k_cache.shape[1]
     dot_f32, prec = dot_options(k_cache)
     grid = (batch, k_cache.shape[2], triton.cdiv(rows, block_m))
@@ -215,7 +219,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         G=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         SINGLE_PAGE=block_n <= block_size, USE_WINDOW=sliding_window is not None,
         DOT_F32=dot_f32, PREC=prec,
-        num_warps=8 if block_m * block_d >= 8192 else 4, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

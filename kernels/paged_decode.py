@@ -19,18 +19,26 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch_config import decode_launch_config
 from kernels.paged_attention import LOG2E, _attend_kv_tile, check_kv_layout, dot_options
 
 # A split shorter than this spends more on its launch share and merge than it saves.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Decode programs resident per SM. An estimate from the sm_90 build (D=128: ~100 registers x
-# 128 threads, ~37 KiB shared memory for two stages of K/V tiles => 4); tune it with
-# benchmarks/kernels.py.
+# Decode programs resident per SM at the default launch choices (head_dim 128); the value in
+# use comes from kernels.launch_config.decode_launch_config (per head_dim, env-overridable).
 PROGRAMS_PER_SM = 4
 
 
-@triton.jit
+# Triton compiles one variant per distinct specialisation of the integer arguments (== 1,
+# divisible by 16) and of pointer alignment (16 bytes). Arguments that change from step to
+# step are kept out of it, so that serving never meets a new variant: the split count and
+# window, the block-table row stride (the table is as wide as the step's longest sequence),
+# and the index tensors, which arrive as row slices of the step's tables at any offset (they
+# are only read one scalar at a time, so their alignment buys nothing). Strides of the query,
+# output and pools and head_dim are fixed per model and stay specialised.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr,
@@ -96,7 +104,7 @@ def _decode_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, num_splits, stride_ob, stride_oh, head_dim,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -128,16 +136,32 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the CPU interpreter: any small nominal machine keeps the heuristic exercised
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      *, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> int:
     """Split count for a decode batch: 1 when the (sequence, KV head) programs already fill
     the GPU; otherwise the fewest splits whose programs fill whole waves of resident programs
-    about as well as any count can, with no split shorter than MIN_KEYS_PER_SPLIT keys."""
-    programs = max(1, batch * num_kv_heads)
-    slots = PROGRAMS_PER_SM * _num_sms(device)
+    about as well as any count can, with no split shorter than MIN_KEYS_PER_SPLIT keys.
+
+    ``head_dim``/``dtype`` select the launch config whose ``programs_per_sm`` counts the
+    resident programs. Cheap: a few dictionary look-ups after the first call per shape (the
+    result depends only on the program count, ``max_seq_len // MIN_KEYS_PER_SPLIT`` capped at
+    MAX_SPLITS, and the device), so it may run every step; a CUDA-graph capture calls it once
+    per batch bucket and passes the result as ``num_splits``.
+    """
+    pps = decode_launch_config(head_dim, dtype, device.type == "cuda").programs_per_sm
+    return _choose_splits(batch * num_kv_heads, max_seq_len, device, pps)
+
+
+def _choose_splits(programs: int, max_seq_len: int, device: torch.device,
+                   programs_per_sm: int) -> int:
+    limit = max(1, min(max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return _splits_for(max(1, programs), limit, programs_per_sm * _num_sms(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits_for(programs: int, limit: int, slots: int) -> int:
     if programs >= slots:
         return 1
-    limit = max(1, min(max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
     fills = [programs * s / (triton.cdiv(programs * s, slots) * slots)
              for s in range(1, limit + 1)]
     good_enough = 0.95 * max(fills)  # a few % of fill is not worth more splits to merge
@@ -153,7 +177,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``seq_lens[b] - 1``, its K/V already stored) over the paged cache; returns ``[B, H, D]``.
 
     ``num_splits=None`` picks a split count from batch size and context length
-    (``max_seq_len``, read from ``seq_lens`` when not given, which costs a device sync).
+    (``max_seq_len``, read from ``seq_lens`` when not given, which costs a device sync); a
+    caller that needs a fixed launch shape (a CUDA-graph capture) passes its own count.
+    Changing ``num_splits``, the window or the block-table width between calls reuses the
+    compiled kernels (only ``num_splits == 1`` vs more, and the merge's power-of-two bucket
+    of ``num_splits``, are separate variants).
     The result does not depend on ``num_splits`` beyond float rounding.
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
@@ -169,19 +197,19 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
+    cfg = decode_launch_config(head_dim, k_cache.dtype, k_cache.is_cuda)
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())
         if sliding_window is not None:
             max_seq_len = min(max_seq_len, sliding_window)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, query.device)
+        num_splits = _choose_splits(batch * num_kv_heads, max_seq_len, query.device,
+                                    cfg.programs_per_sm)
     if query.dtype != k_cache.dtype or query.stride(-1) != 1:
         query = query.to(k_cache.dtype).contiguous()
 
     block_d = triton.next_power_of_2(head_dim)
-    block_n = 64 if block_d <= 128 else 32
-    if not k_cache.is_cuda:
-        block_n = 32  # the interpreter pays per op: few, mid-sized tiles
+    block_n = cfg.block_n
     one_pass = num_splits == 1
     if one_pass:
         part_acc = part_ml = out  # unused by the kernel; any tensor will do
@@ -200,7 +228,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, BLOCK_D=block_d, SINGLE_PAGE=block_n <= block_size,
         USE_WINDOW=sliding_window is not None, ONE_PASS=one_pass,
-        DOT_F32=dot_f32, PREC=prec, num_warps=4, num_stages=2,
+        DOT_F32=dot_f32, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not one_pass:
         _merge_kernel[(batch, num_heads)](

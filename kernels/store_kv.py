@@ -7,7 +7,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Every integer argument is fixed per model (strides of the fused QKV views and pools, head
+# counts), so none varies while serving. The slot mapping is read one scalar per program:
+# its alignment buys nothing, so a slice at any offset must not make a new variant.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
