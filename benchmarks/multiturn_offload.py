@@ -30,8 +30,9 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.device import resolve_device  # noqa: E402
 from engine.loader import load_config, resolve_model  # noqa: E402
-from engine.model_runner import resolve_device, resolve_dtype  # noqa: E402
+from engine.model_runner import resolve_dtype  # noqa: E402
 from engine.models.arch import ModelArch  # noqa: E402
 
 

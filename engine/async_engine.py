@@ -276,6 +276,9 @@ class AsyncEngine:
     def _run(self) -> None:
         has_work = False
         try:
+            bind = getattr(self.core, "bind_thread", None)
+            if bind is not None:  # CUDA: this thread launches on the engine's device
+                bind()
             while True:
                 with self._cond:
                     while not (self._inbox or self._aborts or self._stop or has_work):

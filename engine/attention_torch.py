@@ -87,7 +87,9 @@ class TorchAttentionBackend:
             start += q_len
         state["prefills"] = prefills
         state["masks"] = {}
-        state["store_all"] = not bool((meta.slot_mapping < 0).any())
+        valid = meta.all_slots_valid
+        state["store_all"] = valid if valid is not None else \
+            not bool((meta.slot_mapping < 0).any())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -26,6 +26,7 @@ class _DecodePart:
     block_tables: torch.Tensor  # [Bd, max_blocks]
     seq_lens: torch.Tensor  # [Bd]
     max_seq_len: int
+    num_splits: int | None  # fixed (CUDA-graph bucket) or None: the kernel chooses
 
 
 @dataclass
@@ -55,6 +56,7 @@ class TritonAttentionBackend:
                 block_tables=meta.block_tables[:nd],
                 seq_lens=meta.seq_lens[:nd],
                 max_seq_len=max(meta.seq_lens_cpu[:nd]),
+                num_splits=meta.decode_num_splits,
             )
         if meta.num_seqs > nd:
             cu = meta.cu_seqlens_q[nd:]
@@ -78,8 +80,8 @@ class TritonAttentionBackend:
             dec = state.decode
             paged_decode_attention(
                 q[:dec.num_tokens], k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
-                sliding_window=sliding_window, max_seq_len=dec.max_seq_len,
-                out=out[:dec.num_tokens])
+                num_splits=dec.num_splits, sliding_window=sliding_window,
+                max_seq_len=dec.max_seq_len, out=out[:dec.num_tokens])
         if state.prefill is not None:
             pre = state.prefill
             paged_attention(

@@ -1,8 +1,10 @@
-"""Flattening one step's scheduled sequences into the model's packed input.
+"""Flattening one step's scheduled sequences into the model's packed input, on the host.
 
 Every sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
 Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
-with tensor ops.
+with tensor ops. Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves
+it to its device in one copy (``engine.device_input``), or into a captured CUDA graph's static
+buffers (``engine.cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.kv_cache.manager import KVCacheManager
 from engine.scheduler import ScheduledSeq
 
@@ -29,17 +30,39 @@ class PromptLogitRows:
 
 @dataclass
 class ModelInput:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [S] flat token rows whose logits are sampled
+    """One step's packed batch, host tensors only.
+
+    ``block_tables`` is ``[B, max_blocks]`` int32 padded with 0 beyond each sequence's
+    ``ceil(seq_len / block_size)`` blocks; ``slot_mapping`` has no -1 entries.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_size: int
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    num_decodes: int  # leading sequences with one new token
+    sample_indices: torch.Tensor  # [S] int64 flat token rows whose logits are sampled
     sample_seq_indices: list[int]  # which scheduled entry each sampled row belongs to
-    prompt_indices: torch.Tensor  # [P] flat rows needing prompt logits
+    prompt_indices: torch.Tensor  # [P] int64 flat rows needing prompt logits
     prompt_rows: list[PromptLogitRows]
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every sequence decodes one token and only sampled rows need logits."""
+        return self.num_decodes == self.num_seqs and not self.prompt_rows
 
 
 def _needs_prompt_logits(s: ScheduledSeq) -> bool:
@@ -49,8 +72,7 @@ def _needs_prompt_logits(s: ScheduledSeq) -> bool:
             and (req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens))
 
 
-def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager,
-                      device: torch.device) -> ModelInput:
+def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ModelInput:
     bs = kv.block_size
     ids: list[int] = []
     q_lens: list[int] = []
@@ -85,30 +107,28 @@ def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager,
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
     torch.cumsum(q_lens_t, 0, out=cu[1:])
     num_tokens = len(ids)
-    seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
-    positions = (torch.arange(num_tokens) - cu[seq_idx] + (seq_lens_t - q_lens_t)[seq_idx])
-    slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+    if num_decodes == len(q_lens):  # decode only: one token per sequence
+        positions = seq_lens_t - 1
+        slots = block_tables[torch.arange(num_tokens), positions // bs].long() * bs \
+            + positions % bs
+    else:
+        seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
+        positions = (torch.arange(num_tokens) - cu[seq_idx] + (seq_lens_t - q_lens_t)[seq_idx])
+        slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
     sample_indices = cu[1:][torch.tensor(sample_seq_indices, dtype=torch.int64)] - 1
-
-    meta = AttentionMetadata(
-        slot_mapping=slots.to(device),
-        cu_seqlens_q=cu.to(torch.int32).to(device),
-        seq_lens=seq_lens_t.to(torch.int32).to(device),
-        block_tables=block_tables.to(device),
-        block_size=bs,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-    )
     return ModelInput(
-        input_ids=torch.tensor(ids, dtype=torch.int64).to(device),
-        positions=positions.to(device),
-        meta=meta,
-        sample_indices=sample_indices.to(device),
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=positions,
+        slot_mapping=slots,
+        cu_seqlens_q=cu.to(torch.int32),
+        seq_lens=seq_lens_t.to(torch.int32),
+        block_tables=block_tables,
+        block_size=bs,
+        query_lens=q_lens,
+        seq_lens_list=seq_lens,
+        num_decodes=num_decodes,
+        sample_indices=sample_indices,
         sample_seq_indices=sample_seq_indices,
-        prompt_indices=torch.tensor(prompt_flat, dtype=torch.int64).to(device),
+        prompt_indices=torch.tensor(prompt_flat, dtype=torch.int64),
         prompt_rows=prompt_rows,
     )

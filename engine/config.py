@@ -19,6 +19,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def parse_bytes(value: int | float | str | None) -> int | None:
@@ -47,6 +48,9 @@ class EngineConfig:
     ``kv_cache_memory`` sizes the KV pool in bytes (or "4GiB"); when ``None`` the CPU default is
     a share of RAM and CUDA uses ``gpu_memory_utilization`` after a profiling pass.
     ``max_model_len=None`` takes the model's own context length.
+    ``load_format="dummy"`` gives random weights of the model's shape (only ``config.json`` is
+    read; the tokenizer is the model directory's, else ``tokenizer``, else the embedded
+    model's). ``enforce_eager`` turns CUDA graphs off.
     """
 
     model: str | None = None
@@ -65,6 +69,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: float = 0.0
     attention_backend: str = "auto"
+    load_format: str = "auto"
+    enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
     max_waiting_requests: int = 1024
@@ -96,6 +102,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)};"
                              f" got {self.attention_backend!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; "
+                             f"got {self.load_format!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
         if self.max_waiting_requests < 1:

@@ -17,6 +17,7 @@ import torch
 from engine.batch import build_model_input
 from engine.config import EngineConfig
 from engine.detokenizer import token_text_fn
+from engine.device import set_device_for_thread
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel, offload_stats_dict
 from engine.kv_cache.tiered import TieredKVCacheManager
@@ -41,6 +42,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop import SequenceTextState
 
 logger = logging.getLogger("kvserve.engine")
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class EngineCore:
@@ -49,14 +51,14 @@ class EngineCore:
         torch.set_num_threads(config.resolved_num_threads())
         self.files = resolve_model(config.model)
         self.hf_config = load_config(self.files)
-        self.tokenizer = load_tokenizer(self.files) if config.tokenizer is None else \
-            load_tokenizer(resolve_model(config.tokenizer))
+        self.tokenizer = load_tokenizer(_tokenizer_files(config, self.files))
         self.model_name = config.served_model_name or self.files.name
         self.max_model_len = _max_model_len(config, self.hf_config)
         self.runner = ModelRunner(config, self.hf_config, iter_weights(self.files),
                                   self.max_model_len)
         num_blocks = self.runner.allocate_kv_cache()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
+        self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
         self._block_bytes = self.runner.kv_bytes_per_token * config.block_size
         self._host_tier: TieredKVCacheManager | None = None
         if num_host_blocks:
@@ -179,13 +181,37 @@ class EngineCore:
         if self._host_tier is not None:  # spills, load-backs, swaps: before the model runs
             self._host_tier.flush_copies(self.runner.copy_kv_blocks)
         if not out.empty:
-            self._run(out, touched)
+            try:
+                self._run(out, touched)
+            except _OUT_OF_MEMORY:
+                self._fail_step(out, touched)
         outputs = []
         for req in touched.values():
             outputs.append(build_request_output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def bind_thread(self) -> None:
+        """Call on the thread that will drive ``step``: kernels launch on the engine's device
+        (``cuda:N``), not on the thread's default device 0."""
+        set_device_for_thread(self.runner.device)
+
+    def _fail_step(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
+        """The device ran out of memory inside this step: its requests end ("abort", told
+        why in the log) and free their blocks; the engine serves the others."""
+        ids = sorted({s.seq.request.request_id for s in out.scheduled})
+        logger.error("out of device memory in a step of %d tokens; aborting its %d "
+                     "request(s): %s", out.num_batched_tokens, len(ids), ", ".join(ids[:8]))
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                self.scheduler.finish_seq(seq, "abort")
+            touched[rid] = req
 
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         now = time.time()
@@ -195,7 +221,7 @@ class EngineCore:
             m = s.seq.request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        inp = build_model_input(out.scheduled, self.kv, self.runner.device)
+        inp = build_model_input(out.scheduled, self.kv)
         result = self.runner.execute(inp)
         self.scheduler.update_after_step(out)
         if result.prompt_logits is not None:
@@ -251,6 +277,18 @@ class EngineCore:
             **offload_stats_dict(self._host_tier and self._host_tier.offload_stats(),
                                  self._block_bytes),
         }
+
+
+def _tokenizer_files(config: EngineConfig, files):
+    """``tokenizer`` when given; else the model's own; a dummy-weights model directory that
+    holds only ``config.json`` borrows the embedded model's tokenizer."""
+    if config.tokenizer is not None:
+        return resolve_model(config.tokenizer)
+    if config.load_format == "dummy" and not any(
+            (files.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        logger.info("%s has no tokenizer: using the embedded model's", files.path)
+        return resolve_model(None)
+    return files
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

@@ -9,18 +9,25 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention import AttentionMetadata, get_attention_backend
 from engine.batch import ModelInput
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.device import resolve_device, set_device_for_thread
+from engine.device_input import HostToDeviceStager, to_device
+from engine.host_copy import HostTierCopier
+from engine.host_pool import allocate_host_pools
 from engine.models.arch import ModelArch
-from engine.models.layer_ops import layer_ops_for
+from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import linear_backend, linear_weight_bytes
 from engine.models.registry import build_model
+from engine.models.rope import RotaryEmbedding
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -33,15 +40,6 @@ _CPU_DEFAULT_KV_CAP = 4 * 1024**3
 class ModelOutput:
     sample_logits: torch.Tensor  # [S, V] float32
     prompt_logits: torch.Tensor | None  # [P, V] float32
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA GPU is visible")
-    return device
 
 
 def cpu_has_bf16() -> bool:
@@ -74,12 +72,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        set_device_for_thread(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = build_model(hf_config, max_positions=max_model_len)
+        self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype)
         self.arch: ModelArch = self.model.arch
-        self.model.load_weights(weights)
-        self.model.to(device=self.device, dtype=self.dtype)
-        self.model.rotary.to(torch.float32)  # tables stay fp32; cast per step
+        if config.load_format == "dummy":
+            self.model.init_dummy_weights(seed=config.seed)
+        else:
+            self.model.load_weights(weights)
         self.model.eval()
         self.linear_backend = linear_backend(self.device, self.dtype,
                                              linear_weight_bytes(self.model)) or "torch"
@@ -92,7 +92,13 @@ class ModelRunner:
         self.num_blocks = 0
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the host KV tier
         self.num_host_blocks = 0
-        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: host-tier copies run here
+        self._host_copier: HostTierCopier | None = None
+        self._stager = HostToDeviceStager(self.device)
+        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -112,31 +118,38 @@ class ModelRunner:
         return int(min(total_ram_bytes() * _CPU_DEFAULT_KV_SHARE, _CPU_DEFAULT_KV_CAP))
 
     def _profile_cuda_budget(self) -> int:
-        """Free GPU memory under ``gpu_memory_utilization`` after a forward of the largest
-        step the scheduler may issue (activations peak), weights included."""
+        """Bytes for the KV pools: profile the largest step the engine may run (a prefill of
+        ``max_num_batched_tokens``, the sampler's sort over ``max_num_seqs`` rows and, when
+        logprobs are allowed, prompt logprobs for every token of the step), then size from
+        the device's free memory and ``gpu_memory_utilization`` (``engine.memory``)."""
+        from engine.memory import MemorySnapshot, kv_cache_budget
+
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         bs = self.config.block_size
         tmp_blocks = -(-n // bs)
         self._allocate(tmp_blocks)
-        meta = _profile_metadata(n, tmp_blocks, bs, self.device)
+        meta = _warmup_metadata([n], bs, tmp_blocks, self.device)
         with torch.inference_mode():
-            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                                torch.arange(n, device=self.device), self.kv_caches, meta,
-                                self.backend)
-            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+            hidden = self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
+                                   torch.arange(n, device=self.device), meta)
+            rows = min(n, self.config.max_num_seqs)
+            logits = self.model.compute_logits(hidden[-rows:])
+            probs = torch.softmax(logits, dim=-1)  # the sampler's top-p/top-k working set
+            torch.sort(probs, dim=-1, descending=True)[0].cumsum_(dim=-1)
+            del logits, probs
+            if self.config.max_logprobs > 0:  # prompt logprobs: every row of the step
+                lp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+                lp.topk(max(1, self.config.max_logprobs), dim=-1)
+                del lp
+            del hidden
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        if budget <= 0:
-            raise ValueError(f"no GPU memory left for the KV cache: the model's peak use is "
-                             f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB at "
-                             f"gpu_memory_utilization={self.config.gpu_memory_utilization}")
-        return budget
+        snap = MemorySnapshot.capture(self.device)
+        budget = kv_cache_budget(snap, self.config.gpu_memory_utilization)
+        logger.info("GPU memory: %s", budget.describe())
+        return budget.budget
 
     def allocate_kv_cache(self) -> int:
         """Size and allocate the pools once; returns the number of blocks."""
@@ -162,10 +175,9 @@ class ModelRunner:
     # ---- host KV tier (swap_space) -------------------------------------------------------
 
     def allocate_host_kv_cache(self) -> int:
-        """Allocate the host pools (same layout as the device pools, pinned on CUDA) sized by
-        ``swap_space``; returns the number of host blocks, 0 when the tier is off.
-
-        ``torch.empty``, not zeros: a host block is only ever read after a copy filled it."""
+        """Allocate the host pools (same layout as the device pools) sized by ``swap_space``;
+        returns the number of host blocks, 0 when the tier is off. Uninitialised: a host block
+        is only ever read after a copy filled it."""
         block_bytes = self.kv_bytes_per_token * self.config.block_size
         n = self.config.swap_space_bytes // block_bytes
         if self.config.swap_space > 0 and n == 0:
@@ -179,51 +191,23 @@ class ModelRunner:
             return 0
         a = self.arch
         shape = (n, self.config.block_size, a.num_kv_heads, a.head_dim)
-        pin = self.device.type == "cuda"
-        self.host_kv_caches = [
-            (torch.empty(shape, dtype=self.dtype, pin_memory=pin),
-             torch.empty(shape, dtype=self.dtype, pin_memory=pin))
-            for _ in range(a.num_layers)
-        ]
+        # One exact-size host buffer (not one pinned tensor per layer, which PyTorch's caching
+        # host allocator rounds up to a power of two each). Unpinned: the copier moves blocks
+        # through pinned staging buffers of its own (engine/host_copy.py).
+        pools = allocate_host_pools(a.num_layers, shape, self.dtype, pin=False)
+        self._host_pools = pools
+        self.host_kv_caches = pools.layers
         self.num_host_blocks = n
-        self._copy_stream = torch.cuda.Stream(self.device) if pin else None
-        logger.info("host KV tier: %d blocks, %.2f GiB%s", n, n * block_bytes / 2**30,
-                    " pinned" if pin else "")
+        self._host_copier = HostTierCopier(self.kv_caches, self.host_kv_caches, self.device)
+        logger.info("host KV tier: %d blocks, %.2f GiB", n, pools.nbytes / 2**30)
         return n
 
     def copy_kv_blocks(self, d2h: list[tuple[int, int]], h2d: list[tuple[int, int]]) -> None:
         """One step's block moves: ``d2h`` (device block, host block) pairs, then ``h2d``
-        (host block, device block) pairs; one batched ``copy_blocks`` call per direction for
-        every layer's K and V.
-
-        On CUDA both run on a side stream that first waits for the work already queued (it
-        reads KV the last step wrote). The device->host call returns once the data is on the
-        host (``copy_blocks`` waits for it), so nothing else waits for it; the compute stream
-        waits on an event after the host->device copies only, since this step reads them.
-        """
-        from kernels.copy_blocks import copy_blocks  # here: the kernels package pulls in triton
-
-        dev = [t for kv in self.kv_caches for t in kv]
-        host = [t for kv in self.host_kv_caches for t in kv]
-        out = torch.tensor(d2h, dtype=torch.int64).reshape(-1, 2)
-        back = torch.tensor(h2d, dtype=torch.int64).reshape(-1, 2)
-        if self._copy_stream is None:
-            if d2h:
-                copy_blocks(dev, host, out)
-            if h2d:
-                copy_blocks(host, dev, back)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self._copy_stream):
-            if d2h:
-                copy_blocks(dev, host, out)
-            if h2d:
-                copy_blocks(host, dev, back)
-                loaded = torch.cuda.Event()
-                loaded.record(self._copy_stream)
-        if h2d:
-            compute.wait_event(loaded)
+        (host block, device block) pairs, for every layer's K and V. On CUDA they run on a side
+        stream ordered after the queued work; the compute stream waits only for what this
+        step reads (see ``engine.host_copy.HostTierCopier``)."""
+        self._host_copier.copy(d2h, h2d)
 
     def kv_pool_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -231,24 +215,124 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------
 
+    def prepare_for_serving(self) -> None:
+        """After the KV pools are allocated: compile every kernel variant a step can launch
+        and, on CUDA with the Triton backend, capture the decode graphs (``enforce_eager``
+        turns them off). Nothing compiles later, while requests wait."""
+        use_graphs = (self.device.type == "cuda" and self.backend.name == "triton"
+                      and not self.config.enforce_eager)
+        if self.device.type != "cuda":
+            return
+        self._warm_up()
+        if not use_graphs:
+            return
+        sizes = capture_sizes(self.config.max_num_seqs)
+        kvh = self.arch.num_kv_heads
+
+        def num_splits(batch: int) -> int:
+            from kernels.paged_decode import choose_num_splits
+
+            return choose_num_splits(batch, kvh, self.max_model_len, self.device,
+                                     head_dim=self.arch.head_dim, dtype=self.dtype)
+
+        # Inside graphs the fused Triton layer ops win (one pass each, launches are free);
+        # in eager steps PyTorch's launch faster (measured on an H200: README, GPU).
+        ops = graph_layer_ops(self.device, self.dtype)
+
+        def forward(input_ids, positions, meta):
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend, ops)
+
+        self.graphs = DecodeGraphs(forward, self.device, sizes, self.config.block_size,
+                                   self.max_model_len, num_splits)
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        self.graphs.capture()
+        logger.info("CUDA graphs: %d decode batch sizes (1..%d) captured in %.1f s, %.0f MiB, "
+                    "layer ops %s", len(sizes), max(sizes), time.perf_counter() - start,
+                    max(0, torch.cuda.memory_reserved(self.device) - before) / 2**20,
+                    (ops or self.model.ops).name)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+
+    def _warm_up(self) -> None:
+        """Run steps of the shapes serving will see (a long prefill, short prefills after
+        decodes, decodes with one and several splits) so that Triton compiles its variants
+        now. Writes only to slots that no request owns yet (the pools are fresh)."""
+        bs = self.config.block_size
+        n = min(self.config.max_num_batched_tokens, self.max_model_len,
+                self.num_blocks * bs)
+        # (query lengths, decode splits): a full prefill; prefills after 1-2 decodes (their
+        # rows start at odd offsets); decodes in one pass and split.
+        shapes = [([n], None), ([1, 1, 3], None), ([1, 6], None), ([1, 20], None),
+                  ([1, 17, 40], None)]
+        shapes += [([1] * 3, splits) for splits in (1, 2, 4, 8, 16, 32, 64)]  # merge variants
+        with torch.inference_mode():
+            for q_lens, splits in shapes:
+                q_lens = [q for q in q_lens if q <= n] or [1]
+                meta = _warmup_metadata(q_lens, bs, self.num_blocks, self.device)
+                meta.decode_num_splits = splits
+                t = sum(q_lens)
+                self._forward(torch.zeros(t, dtype=torch.long, device=self.device),
+                              torch.zeros(t, dtype=torch.long, device=self.device), meta)
+        torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend)
-        n_sample = inp.sample_indices.numel()
-        if inp.prompt_indices.numel():
-            rows = torch.cat([inp.sample_indices, inp.prompt_indices])
+        """Run one step. ``inp`` is host data; pure decode steps replay a CUDA graph when one
+        was captured, everything else runs eagerly after one host->device copy."""
+        if self.graphs is not None and self.graphs.can_run(inp):
+            hidden = self.graphs.run(inp)
+            if inp.sample_indices.numel() != hidden.shape[0]:
+                hidden = hidden[inp.sample_indices.to(self.device)]
+            return ModelOutput(self.model.compute_logits(hidden), None)
+        dev = to_device(inp, self._stager)
+        hidden = self._forward(dev.input_ids, dev.positions, dev.meta)
+        n_sample = dev.sample_indices.numel()
+        if dev.prompt_indices.numel():
+            rows = torch.cat([dev.sample_indices, dev.prompt_indices])
             logits = self.model.compute_logits(hidden[rows])
             return ModelOutput(logits[:n_sample], logits[n_sample:])
-        return ModelOutput(self.model.compute_logits(hidden[inp.sample_indices]), None)
+        return ModelOutput(self.model.compute_logits(hidden[dev.sample_indices]), None)
 
 
-def _profile_metadata(n: int, num_blocks: int, bs: int, device: torch.device):
-    from engine.attention import AttentionMetadata
+def _build_on_device(hf_config: Any, max_model_len: int, device: torch.device,
+                     dtype: torch.dtype):
+    """The model with uninitialised weights allocated once, on ``device``, in ``dtype``:
+    built on the meta device (no host copy of the weights, no random init), then given
+    storage. The RoPE tables, computed at construction, are rebuilt in float32 on the device.
+    """
+    with torch.device("meta"):
+        model = build_model(hf_config, max_positions=max_model_len)
+    model = model.to(dtype).to_empty(device=device)
+    with torch.device(device):
+        model.rotary = RotaryEmbedding(model.arch.rope, model.arch.head_dim, max_model_len)
+    return model
 
+
+def _warmup_metadata(q_lens: list[int], bs: int, num_blocks: int, device: torch.device):
+    """Sequences with ``q_lens`` new tokens each and nothing cached, laid out over the pool's
+    first blocks (the contents are garbage and are overwritten before any request reads them)."""
+    seq_blocks = [-(-q // bs) for q in q_lens]
+    width = max(seq_blocks)
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    slots = []
+    nxt = 0
+    for i, (q, nb) in enumerate(zip(q_lens, seq_blocks)):
+        ids = [(nxt + j) % num_blocks for j in range(nb)]
+        nxt += nb
+        tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[p // bs] * bs + p % bs for p in range(q)]
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    nd = 0
+    while nd < len(q_lens) and q_lens[nd] == 1:
+        nd += 1
     return AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-        block_size=bs, max_query_len=n, max_seq_len=n, num_decodes=0, num_decode_tokens=0,
-        query_lens_cpu=[n], seq_lens_cpu=[n])
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(q_lens, dtype=torch.int32,
+                                                          device=device),
+        block_tables=tables.to(device), block_size=bs, max_query_len=max(q_lens),
+        max_seq_len=max(q_lens), num_decodes=nd, num_decode_tokens=nd,
+        query_lens_cpu=list(q_lens), seq_lens_cpu=list(q_lens), all_slots_valid=True)

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, EngineConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    EngineConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,11 @@ ENGINE_OPTIONS = [
            "what to do with a request when blocks run out", choices=PREEMPTION_MODES),
     Option("attention-backend", "attention_backend", "engine", str, "attention kernels",
            choices=ATTENTION_BACKENDS),
+    Option("load-format", "load_format", "engine", str,
+           "auto: read the checkpoint; dummy: random weights of config.json's shape (benchmarks)",
+           choices=LOAD_FORMATS),
+    Option("enforce-eager", "enforce_eager", "engine", bool,
+           "no CUDA graphs: every decode step launches its kernels one by one", boolean=True),
     Option("seed", "seed", "engine", int, "engine seed for unseeded sampling"),
     Option("num-threads", "num_threads", "engine", int,
            "CPU threads for torch (default: the cores available)", nullable=True),

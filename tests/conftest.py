@@ -21,3 +21,16 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _project_logs_reach_caplog(monkeypatch):
+    """A test that starts the CLI in-process runs ``configure_logging``, which stops our loggers
+    propagating to the root (where ``caplog`` listens); later tests must still see records."""
+    for name in ("kvserve", "engine", "server", "kernels"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)

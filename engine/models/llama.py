@@ -112,11 +112,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                backend: AttentionBackend, ops: TorchLayerOps | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]``; ``ops`` overrides the model's layer ops."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, meta.max_seq_len - 1)
         backend.prepare(meta)
-        ops = self.ops
+        ops = ops or self.ops
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend, ops)
@@ -139,6 +140,21 @@ class LlamaForCausalLM(nn.Module):
         return n
 
     # ---- weights -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """``--load-format dummy``: random weights of the model's shape, made where the
+        parameters already live (no checkpoint is read). Matrices ~ N(0, std), norm scales 1,
+        biases 0: enough for timing and memory sizing, not for meaningful text."""
+        device = next(self.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std, generator=gen)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises ValueError naming any

@@ -42,10 +42,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, head_dim]`` in ``dtype`` for the given positions."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} is beyond the RoPE table "
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, head_dim]`` in ``dtype`` for the given positions.
+
+        ``max_position`` (the largest position, known on the host) is checked against the
+        table; without it the check reads ``positions`` only when they are on the CPU, so a
+        GPU step never waits on a device->host read here."""
+        if max_position is None and positions.numel() and positions.device.type == "cpu":
+            max_position = int(positions.max())
+        if max_position is not None and max_position >= self.cos.shape[0]:
+            raise ValueError(f"position {max_position} is beyond the RoPE table "
                              f"({self.cos.shape[0]} positions)")
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 

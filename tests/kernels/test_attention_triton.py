@@ -66,5 +66,5 @@ def test_backend_matches_reference(seq_lens, q_lens, num_decodes, pad, window):
 
 
 def test_registry_returns_the_triton_backend():
-    backend = get_attention_backend("triton", torch.device("cpu"))
+    backend = get_attention_backend("triton", DEVICE)
     assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
