@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         tables = tables.view(b, per_seq).to(torch.int32)
         seq_lens = torch.full((b,), c, dtype=torch.int32, device="cuda")
         query = torch.randn(b, h, d, dtype=dtype, device="cuda")
-        splits = args.num_splits or choose_num_splits(b, kvh, c, query.device)
+        splits = args.num_splits or choose_num_splits(b, kvh, c, query.device, head_dim=d,
+                                                      dtype=dtype)
         out = torch.empty_like(query)
 
         def paged(query=query, tables=tables, seq_lens=seq_lens, out=out, splits=splits, c=c):
