@@ -2,20 +2,29 @@
 
 The core is not thread-safe, so exactly one thread (the *engine thread*, started here) calls
 ``add_request`` / ``abort_request`` / ``step``. The event loop never runs model code: it hands
-work to the engine thread through a locked inbox and receives outputs through one asyncio queue
-per request, fed with ``loop.call_soon_threadsafe``.
+work to the engine thread through a locked inbox and receives outputs through one slot per
+request, filled with ``loop.call_soon_threadsafe``.
 
 Contracts:
 
-* :meth:`AsyncEngine.submit` validates synchronously (``ValueError`` with a user-facing message,
-  :class:`QueueFullError` when too many requests wait, :class:`EngineDeadError` once the loop has
-  died, :class:`EngineDrainingError` during shutdown) and returns a :class:`RequestStream`.
+* :meth:`AsyncEngine.submit` validates synchronously and raises before anything is queued:
+  ``ValueError`` (user-facing, a 400) for a request that can never be served — including
+  ``n`` above ``config.seqs_per_request_cap`` or above ``max_waiting_requests``, and a
+  non-zero ``priority`` under ``scheduling_policy="fcfs"``; :class:`QueueFullError` (503,
+  retry) when the waiting queue, counted in SEQUENCES (``n`` per request), is momentarily
+  full; :class:`EngineDeadError` once the loop has died; :class:`EngineDrainingError` during
+  shutdown. It returns a :class:`RequestStream`.
 * A stream yields cumulative :class:`RequestOutput` objects and ends after the finished one.
-  Consumers that fall behind see only the newest output (outputs are cumulative, so nothing is
-  lost). Aborting a stream (or cancelling/closing its consumer) aborts the engine request, whose
-  KV blocks are freed at the engine's next iteration.
+  Each stream holds ONE slot with the newest output, replaced on every step: a reader that
+  stalls costs O(1) outputs of memory, never a backlog, and loses nothing (outputs are
+  cumulative). The finished output and an error are never replaced or dropped: the finished
+  output is always yielded last; an error (raised from ``__anext__``) supersedes a pending
+  unfinished output. Aborting a stream (or cancelling/closing its consumer) aborts the engine
+  request, whose KV blocks are freed at the engine's next iteration.
+* A request that the core ended on an internal error of its own finishes with
+  ``finish_reason == "abort"`` and ``RequestOutput.error`` set (a 500 for that request only).
 * If ``step`` raises, the engine is dead: every pending stream raises :class:`EngineDeadError`,
-  ``is_healthy`` turns false, and later submissions are refused.
+  ``is_healthy`` turns false, ``dead_reason`` says why, and later submissions are refused.
 * The engine thread sleeps on a condition variable while it has nothing to do.
 """
 
@@ -77,18 +86,21 @@ class _Pending:
     arrival_time: float
 
 
-_ABORTED = object()
-
-
 class RequestStream:
-    """Async iterator over one request's cumulative outputs (see module docstring)."""
+    """Async iterator over one request's cumulative outputs (see module docstring).
+
+    State (event loop only): ``_latest`` is the newest undelivered output, ``_error`` a
+    pending exception; ``_wake`` is set whenever either changes or the stream is aborted.
+    """
 
     def __init__(self, engine: AsyncEngine, request_id: str,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
         self._done = False  # the finished output (or an error) was consumed
         self._aborted = False
 
@@ -97,28 +109,34 @@ class RequestStream:
         return self._done or self._aborted
 
     def _put(self, item: Any) -> None:  # runs on the event loop
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            if self._error is None:
+                self._error = item
+        elif self._latest is None or not self._latest.finished:
+            self._latest = item  # cumulative: the newest output holds everything before it
+        self._wake.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._aborted:
-            raise RequestAbortedError(f"request {self.request_id} was aborted")
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        # Outputs are cumulative: a consumer that fell behind only needs the newest one.
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
-        if item is _ABORTED:
-            raise RequestAbortedError(f"request {self.request_id} was aborted")
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
+        while True:
+            if self._aborted:
+                raise RequestAbortedError(f"request {self.request_id} was aborted")
+            if self._done:
+                raise StopAsyncIteration
+            out = self._latest
+            if out is not None and out.finished:
+                self._latest, self._done = None, True
+                return out
+            if self._error is not None:
+                err, self._error, self._done = self._error, None, True
+                raise err
+            if out is not None:
+                self._latest = None
+                return out
+            self._wake.clear()
+            await self._wake.wait()
 
     def abort(self) -> None:
         """Abort the engine request (idempotent; a no-op once the request finished)."""
@@ -126,7 +144,7 @@ class RequestStream:
             return
         self._aborted = True
         self._engine._abort(self.request_id)
-        self._queue.put_nowait(_ABORTED)  # wake a consumer blocked in __anext__
+        self._wake.set()  # wake a consumer blocked in __anext__
 
     def __del__(self) -> None:
         # Safety net for a stream dropped without being drained: free its KV blocks.
@@ -157,7 +175,10 @@ class AsyncEngine:
         self._inbox: list[_Pending] = []
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
-        self._waiting = 0  # requests the core holds that are not yet scheduled (upper bound)
+        self._inbox_seqs = 0  # sum of n over the inbox
+        # What the core holds that is not yet scheduled (upper bounds between snapshots):
+        self._waiting = 0  # requests
+        self._waiting_seqs = 0  # sequences: what max_waiting_requests bounds
         self._stats: dict[str, int | float] = dict(core.stats())
         self._stop = False
         # Set once, read anywhere:
@@ -178,7 +199,16 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
+        """False once the engine loop died (or was stopped): nothing more can be served."""
         return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine loop died (``"<ExceptionType>: <message>"``), or None while it has
+        not. Fatal: a failed forward pass or corrupted engine state; the process should exit
+        (non-zero) so that a supervisor restarts it."""
+        exc = self._dead
+        return None if exc is None else f"{type(exc).__name__}: {exc}"
 
     @property
     def num_in_flight(self) -> int:
@@ -193,7 +223,13 @@ class AsyncEngine:
             stats["num_requests_waiting"] = self._waiting + len(self._inbox)
         return stats
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                      priority: int = 0) -> None:
+        """Raise ValueError (a 400) if this request can never be served: ``priority`` under
+        fcfs, ``params.n`` above ``config.seqs_per_request_cap`` or ``max_waiting_requests``,
+        and the core's checks (prompt, ids, lengths, pool). Pure; callable from any thread."""
+        self.config.check_priority(priority)
+        self.config.check_num_seqs(params.n)
         self.core.check_request(prompt_token_ids, params)
 
     def new_request_id(self, prefix: str = "req") -> str:
@@ -208,20 +244,22 @@ class AsyncEngine:
         if self._draining:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
         prompt_token_ids = list(prompt_token_ids)
-        self.core.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, priority=priority)
         request_id = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
         with self._cond:
             bound = self.config.max_waiting_requests
-            if self._waiting + len(self._inbox) >= bound:
-                raise QueueFullError(f"the server is overloaded: {bound} requests are already "
-                                     f"waiting; retry later")
+            waiting = self._waiting_seqs + self._inbox_seqs
+            if waiting + params.n > bound:
+                raise QueueFullError(f"the server is overloaded: {waiting} sequences are "
+                                     f"already waiting and the queue holds {bound}; retry later")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             stream = RequestStream(self, request_id, loop)
             self._streams[request_id] = stream
             self._inbox.append(_Pending(request_id, prompt_token_ids, params, prompt, priority,
                                         time.time()))
+            self._inbox_seqs += params.n
             self._cond.notify()
         return stream
 
@@ -288,6 +326,8 @@ class AsyncEngine:
                     new, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
                     self._waiting += len(new)
+                    self._waiting_seqs += self._inbox_seqs
+                    self._inbox_seqs = 0
                 self._process_aborts(aborts)
                 self._process_adds(new)
                 if self.core.has_unfinished_requests():
@@ -298,6 +338,7 @@ class AsyncEngine:
                 with self._cond:
                     self._stats = stats
                     self._waiting = int(stats.get("num_requests_waiting", 0))
+                    self._waiting_seqs = int(stats.get("num_seqs_waiting", self._waiting))
             if self._active:
                 self._process_aborts(list(self._active))
                 self.core.step()  # lets the core release the aborted requests' blocks
@@ -305,6 +346,7 @@ class AsyncEngine:
                 streams = list(self._streams.values())
                 self._streams.clear()
                 self._inbox.clear()
+                self._inbox_seqs = 0
             for stream in streams:
                 self._send(stream, RequestAbortedError("the engine was stopped"))
         except BaseException as exc:  # noqa: BLE001 - the loop must report, whatever happened
@@ -374,6 +416,7 @@ class AsyncEngine:
             streams = list(self._streams.values())
             self._streams.clear()
             self._inbox.clear()
+            self._inbox_seqs = 0
         for stream in streams:
             self._send(stream, EngineDeadError("the engine stopped on an internal error; see "
                                                "the server log"))

@@ -49,6 +49,8 @@ class ModelInput:
     sample_indices: torch.Tensor  # [S] int64 flat token rows whose logits are sampled
     sample_seq_indices: list[int]  # which scheduled entry each sampled row belongs to
     prompt_indices: torch.Tensor  # [P] int64 flat rows needing prompt logits
+    prompt_targets: torch.Tensor  # [P] int64 the prompt token each of those rows predicts
+    prompt_top_k: int  # the largest prompt_logprobs k among those rows (0 if none)
     prompt_rows: list[PromptLogitRows]
 
     @property
@@ -65,11 +67,21 @@ class ModelInput:
         return self.num_decodes == self.num_seqs and not self.prompt_rows
 
 
-def _needs_prompt_logits(s: ScheduledSeq) -> bool:
+def _prompt_logit_span(s: ScheduledSeq) -> tuple[int, int] | None:
+    """Positions ``[first, last)`` of this chunk whose prompt logprobs are still to record.
+
+    Position ``p`` predicts prompt token ``p + 1``; ``request.prompt_logprobs`` holds
+    ``None`` then one entry per recorded target, so positions below ``len - 1`` are done. A
+    recompute preemption during prefill restarts the chunk at 0: the rows already recorded
+    are not asked for again (they were once duplicated).
+    """
     req = s.seq.request
-    return (s.seq.index == 0 and req.wants_prompt_logprobs
-            and s.start < req.num_prompt_tokens - 1
-            and (req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens))
+    if s.seq.index != 0 or not req.wants_prompt_logprobs:
+        return None
+    done = len(req.prompt_logprobs) - 1 if req.prompt_logprobs else 0
+    first = max(s.start, done)
+    last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+    return (first, last) if first < last else None
 
 
 def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ModelInput:
@@ -81,6 +93,8 @@ def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Mode
     sample_seq_indices: list[int] = []
     prompt_rows: list[PromptLogitRows] = []
     prompt_flat: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_top_k = 0
     num_decodes = 0
     for i, s in enumerate(scheduled):
         seq, start, n = s.seq, s.start, s.num_new_tokens
@@ -93,11 +107,14 @@ def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Mode
         tables.append(kv.block_table(seq.seq_id))
         if s.sample:
             sample_seq_indices.append(i)
-        if _needs_prompt_logits(s):
-            last = min(start + n, seq.num_prompt_tokens - 1)
+        span = _prompt_logit_span(s)
+        if span is not None:
+            first, last = span
             row_start = len(prompt_flat)
-            prompt_flat.extend(range(flat_start, flat_start + last - start))
-            prompt_rows.append(PromptLogitRows(i, row_start, len(prompt_flat), start + 1))
+            prompt_flat.extend(range(flat_start + first - start, flat_start + last - start))
+            prompt_targets.extend(seq.request.prompt_token_ids[first + 1:last + 1])
+            prompt_rows.append(PromptLogitRows(i, row_start, len(prompt_flat), first + 1))
+            prompt_top_k = max(prompt_top_k, seq.request.params.prompt_logprobs or 0)
 
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -130,5 +147,7 @@ def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Mode
         sample_indices=sample_indices,
         sample_seq_indices=sample_seq_indices,
         prompt_indices=torch.tensor(prompt_flat, dtype=torch.int64),
+        prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64),
+        prompt_top_k=prompt_top_k,
         prompt_rows=prompt_rows,
     )

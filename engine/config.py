@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def parse_bytes(value: int | float | str | None) -> int | None:
@@ -51,6 +52,15 @@ class EngineConfig:
     ``load_format="dummy"`` gives random weights of the model's shape (only ``config.json`` is
     read; the tokenizer is the model directory's, else ``tokenizer``, else the embedded
     model's). ``enforce_eager`` turns CUDA graphs off.
+
+    Admission limits (a request beyond them is refused before anything is queued):
+    ``max_waiting_requests`` bounds the SEQUENCES waiting to be scheduled (a request counts
+    ``n``, a batch of prompts ``len(prompts) * n``): a request that does not fit right now gets
+    ``QueueFullError`` (503, retry), one that could never fit gets ``ValueError`` (400).
+    ``max_seqs_per_request`` caps the sequences of one request (``None``: ``max_num_seqs``;
+    see :attr:`seqs_per_request_cap`). ``scheduling_policy`` is ``"fcfs"`` (arrival order; a
+    non-zero request ``priority`` is refused) or ``"priority"`` (lower value first, and
+    preempted last; vLLM's semantics).
     """
 
     model: str | None = None
@@ -73,7 +83,9 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
-    max_waiting_requests: int = 1024
+    max_waiting_requests: int = 1024  # sequences (n per request), not requests
+    max_seqs_per_request: int | None = None
+    scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -109,6 +121,12 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1; got {self.max_waiting_requests}")
+        if self.max_seqs_per_request is not None and self.max_seqs_per_request < 1:
+            raise ValueError(f"max_seqs_per_request must be >= 1 (or None for max_num_seqs); "
+                             f"got {self.max_seqs_per_request}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)};"
+                             f" got {self.scheduling_policy!r}")
         if not 0 <= self.max_logprobs <= 100:
             raise ValueError(f"max_logprobs must be in [0, 100]; got {self.max_logprobs}")
         # Normalise the size once so that every reader sees bytes.
@@ -126,6 +144,36 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(names - {'extra'}))}")
         return cls(model=model, **overrides)
+
+    @property
+    def seqs_per_request_cap(self) -> int:
+        """The most sequences one request may ask for (``n``; ``len(prompts) * n`` for a batch):
+        ``max_seqs_per_request``, or ``max_num_seqs`` when that is ``None``. Independent of
+        ``max_waiting_requests``, which a request must also not exceed."""
+        if self.max_seqs_per_request is not None:
+            return self.max_seqs_per_request
+        return self.max_num_seqs
+
+    def check_num_seqs(self, num_seqs: int) -> None:
+        """Raise ValueError (a 400: retrying cannot help) when one request of ``num_seqs``
+        sequences could never be admitted: above :attr:`seqs_per_request_cap`, or above
+        ``max_waiting_requests`` (the whole waiting queue). Pure."""
+        cap = self.seqs_per_request_cap
+        if num_seqs > cap:
+            raise ValueError(f"this request asks for {num_seqs} sequences (n x prompts) but at "
+                             f"most {cap} are allowed per request (max_seqs_per_request); lower "
+                             f"n or send fewer prompts at once")
+        if num_seqs > self.max_waiting_requests:
+            raise ValueError(f"this request asks for {num_seqs} sequences (n x prompts) but the "
+                             f"waiting queue holds at most {self.max_waiting_requests} "
+                             f"(max_waiting_requests); lower n or send fewer prompts at once")
+
+    def check_priority(self, priority: int) -> None:
+        """Raise ValueError for a non-zero ``priority`` unless ``scheduling_policy`` is
+        ``"priority"``. Pure."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError("priority scheduling is off; start the server with "
+                             "--scheduling-policy priority")
 
     @property
     def swap_space_bytes(self) -> int:

@@ -3,6 +3,13 @@
 Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
 ``check_request`` (pure) may be called from elsewhere. An accepted request always ends with a
 final ``RequestOutput`` (finish_reason stop, length or abort); its KV blocks are freed exactly once.
+
+Failure isolation inside ``step``: the per-request work after the forward pass (prompt and
+sample logprobs, sampling, detokenising, stop checks, building the output) runs guarded; an
+exception there ends THAT request (finish_reason "abort", ``RequestOutput.error`` set, the
+traceback logged) and the step goes on for the others. Device out-of-memory in the step aborts
+the step's requests (``error`` set). Any other exception — the forward pass, the scheduler, the
+KV manager — propagates: the engine's state can no longer be trusted (``AsyncEngine`` dies).
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.admission import AdmissionLimits, check_request
 from engine.batch import build_model_input
 from engine.config import EngineConfig
-from engine.detokenizer import token_text_fn
+from engine.detokenizer import token_text_fn, tokenizer_size
 from engine.device import set_device_for_thread
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel, offload_stats_dict
@@ -30,13 +38,14 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner
 from engine.output_builder import (
+    bare_error_output,
     build_request_output,
     record_prompt_logprobs,
     record_sample_logprobs,
 )
 from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop import SequenceTextState
@@ -71,6 +80,13 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = self.runner.arch.vocab_size
+        # Ids a request may name: known to the model AND the tokenizer (Qwen pads the
+        # embedding past the tokenizer; those ids have no text).
+        self.token_id_bound = min(self.vocab_size, tokenizer_size(self.tokenizer))
+        self.limits = AdmissionLimits(
+            max_model_len=self.max_model_len, token_id_bound=self.token_id_bound,
+            block_size=config.block_size, num_blocks=num_blocks,
+            swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0)
         self.eos_token_ids = frozenset(default_generation_eos(self.files))
         self.token_text = token_text_fn(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -96,37 +112,11 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (user-facing) if this request can never be served. Pure."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        max_tokens = params.max_tokens if params.max_tokens is not None else \
-            self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the "
-                f"completion). Please reduce the prompt or max_tokens.")
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({n} tokens) leaves no room to generate within the "
-                             f"maximum context length of {self.max_model_len} tokens")
-        pool_tokens = self.kv.num_blocks * self.kv.block_size
-        if n + max_tokens > pool_tokens:
-            raise ValueError(f"the request needs {n + max_tokens} tokens of KV cache but the whole "
-                             f"pool holds {pool_tokens}; raise kv_cache_memory or shorten it")
-        for k in (params.logprobs, params.prompt_logprobs):
-            if k is not None and k > self.config.max_logprobs:
-                raise ValueError(f"at most {self.config.max_logprobs} logprobs may be asked for; "
-                                 f"got {k}")
-        if params.logit_bias:
-            for tok in params.logit_bias:
-                if tok >= self.vocab_size:
-                    raise ValueError(f"logit_bias names token {tok}, outside the vocabulary "
-                                     f"(0..{self.vocab_size - 1})")
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                      priority: int = 0) -> None:
+        """Raise ValueError (user-facing) if this request can never be served. Pure; see
+        ``engine.admission.check_request``."""
+        check_request(self.config, self.limits, prompt_token_ids, params, priority)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,
@@ -134,7 +124,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, priority=priority)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = Request(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
@@ -187,7 +177,11 @@ class EngineCore:
                 self._fail_step(out, touched)
         outputs = []
         for req in touched.values():
-            outputs.append(build_request_output(req))
+            try:
+                outputs.append(build_request_output(req))
+            except Exception as exc:  # noqa: BLE001 - that request ends, the others go on
+                self._fail_request(req, exc, {})
+                outputs.append(bare_error_output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
@@ -209,9 +203,30 @@ class EngineCore:
             req = self.requests.get(rid)
             if req is None:
                 continue
+            req.error = req.error or "out of device memory while running this request"
             for seq in req.seqs:
                 self.scheduler.finish_seq(seq, "abort")
             touched[rid] = req
+
+    def _fail_request(self, req: Request, exc: BaseException,
+                      touched: dict[str, Request]) -> None:
+        """End ``req`` after an internal error in its own work: finish_reason "abort", ``error``
+        set, blocks freed (once), traceback logged. The engine goes on."""
+        logger.error("request %s failed inside the engine step and is aborted: %s: %s",
+                     req.request_id, type(exc).__name__, exc, exc_info=exc)
+        req.error = req.error or f"internal error: {type(exc).__name__}: {exc}"
+        for seq in req.seqs:
+            self.scheduler.finish_seq(seq, "abort")
+        touched[req.request_id] = req
+
+    def _guarded(self, req: Request, touched: dict[str, Request], fn, *args) -> None:
+        """Run one request's share of the step; an exception ends that request only."""
+        if req.error is not None:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - isolation is the point
+            self._fail_request(req, exc, touched)
 
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         now = time.time()
@@ -222,35 +237,66 @@ class EngineCore:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         inp = build_model_input(out.scheduled, self.kv)
-        result = self.runner.execute(inp)
+        result = self.runner.execute(inp)  # a failure here is the engine's, not a request's
         self.scheduler.update_after_step(out)
-        if result.prompt_logits is not None:
-            record_prompt_logprobs(out.scheduled, inp.prompt_rows, result.prompt_logits,
-                                   self.token_text)
+        if result.prompt_logprobs is not None:
+            for rows in inp.prompt_rows:
+                req = out.scheduled[rows.seq_index].seq.request
+                self._guarded(req, touched, record_prompt_logprobs, req, rows,
+                              result.prompt_logprobs, self.token_text)
+                touched[req.request_id] = req
         if not inp.sample_seq_indices:
             return
         seqs = [out.scheduled[i].seq for i in inp.sample_seq_indices]
-        rows = [SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
-                            output_token_ids=s.text_state.token_ids, generator=s.generator,
-                            eos_token_ids=self.eos_token_ids) for s in seqs]
-        sampled = self.sampler(result.sample_logits, rows)
+        picks = self._sample(result.sample_logits, seqs, touched)
         now = time.time()
-        for i, seq in enumerate(seqs):
-            token = sampled.token_ids[i]
-            seq.token_ids.append(token)
-            self.counters["generation_tokens"] += 1
-            record_sample_logprobs(seq, sampled, i, self.token_text)
-            m = seq.request.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            finish = seq.text_state.append(token)
-            if finish is not None:
-                self.scheduler.finish_seq(seq, finish.reason, finish.stop_reason)
+        for seq, pick in zip(seqs, picks, strict=True):
+            if pick is not None and not seq.finished:
+                self._guarded(seq.request, touched, self._append_token, seq, pick[0], pick[1],
+                              now)
             touched[seq.request.request_id] = seq.request
         for req in touched.values():
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
+                ) -> list[tuple[SamplerOutput, int] | None]:
+        """One token per sequence: ``(sampler output, row)``, or None for a sequence whose
+        request failed. The batch is sampled at once; if that raises (a request's parameters
+        broke a logit processor), row by row, so that only the culprit's request ends."""
+        rows = [SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
+                            output_token_ids=s.text_state.token_ids, generator=s.generator,
+                            eos_token_ids=self.eos_token_ids, cache=s.request.sampler_cache)
+                for s in seqs]
+        try:
+            sampled = self.sampler(logits, rows)
+            return [(sampled, i) for i in range(len(rows))]
+        except _OUT_OF_MEMORY:
+            raise
+        except Exception:  # noqa: BLE001
+            logger.exception("sampling %d rows failed; sampling them one by one", len(rows))
+        picks: list[tuple[SamplerOutput, int] | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                picks.append((self.sampler(logits[i:i + 1], rows[i:i + 1]), 0))
+            except Exception as exc:  # noqa: BLE001
+                self._fail_request(seq.request, exc, touched)
+                picks.append(None)
+        return picks
+
+    def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, now: float) -> None:
+        """Append the sampled token: logprobs, text, stop checks, metrics. Per request."""
+        token = sampled.token_ids[row]
+        seq.token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        record_sample_logprobs(seq, sampled, row, self.token_text)
+        m = seq.request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        finish = seq.text_state.append(token)
+        if finish is not None:
+            self.scheduler.finish_seq(seq, finish.reason, finish.stop_reason)
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -258,7 +304,8 @@ class EngineCore:
         kv = self.kv.stats()
         return {
             "num_requests_running": len({s.request.request_id for s in self.scheduler.running}),
-            "num_requests_waiting": len({s.request.request_id for s in self.scheduler.waiting}),
+            "num_requests_waiting": self.scheduler.num_waiting_requests,
+            "num_seqs_waiting": self.scheduler.num_waiting_seqs,
             "kv_cache_usage_perc": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,

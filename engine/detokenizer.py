@@ -48,11 +48,32 @@ def _make_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between_speci
 
 
 def token_text_fn(tokenizer: Any):
-    """``id -> str`` giving one token's own text (for ``Logprob.decoded_token``), vLLM-style."""
+    """``id -> str`` giving one token's own text (for ``Logprob.decoded_token``), vLLM-style.
+
+    Never raises for an id the tokenizer does not know (a model whose embedding is padded past
+    the tokenizer, e.g. Qwen2/Qwen3, can still score or emit one): its text is "".
+    """
     def token_text(token_id: int) -> str:
-        toks = tokenizer.convert_ids_to_tokens([token_id])
-        return tokenizer.convert_tokens_to_string(toks)
+        try:
+            toks = tokenizer.convert_ids_to_tokens([token_id])
+            if not toks or toks[0] is None:
+                return ""
+            return tokenizer.convert_tokens_to_string(toks)
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError):
+            return ""
     return token_text
+
+
+def tokenizer_size(tokenizer: Any) -> int:
+    """One past the largest token id the tokenizer knows (added tokens included): ids from
+    here up to the model's vocabulary size exist in the embedding but decode to nothing."""
+    size = len(tokenizer)
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is not None:
+        ids = get_vocab().values()
+        if ids:
+            size = max(size, max(ids) + 1)
+    return size
 
 
 class IncrementalDetokenizer:

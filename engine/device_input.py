@@ -28,6 +28,7 @@ class DeviceBatch:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [S]
     prompt_indices: torch.Tensor  # [P]
+    prompt_targets: torch.Tensor  # [P]
 
 
 class HostToDeviceStager:
@@ -71,13 +72,13 @@ class HostToDeviceStager:
 
 
 def to_device(inp: ModelInput, stager: HostToDeviceStager) -> DeviceBatch:
-    ids, pos, slots, cu, lens, tables, sample, prompt = stager.stage([
+    ids, pos, slots, cu, lens, tables, sample, prompt, targets = stager.stage([
         inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q, inp.seq_lens,
-        inp.block_tables, inp.sample_indices, inp.prompt_indices])
+        inp.block_tables, inp.sample_indices, inp.prompt_indices, inp.prompt_targets])
     meta = AttentionMetadata(
         slot_mapping=slots, cu_seqlens_q=cu, seq_lens=lens, block_tables=tables,
         block_size=inp.block_size, max_query_len=max(inp.query_lens),
         max_seq_len=max(inp.seq_lens_list), num_decodes=inp.num_decodes,
         num_decode_tokens=inp.num_decodes, query_lens_cpu=inp.query_lens,
         seq_lens_cpu=inp.seq_lens_list, all_slots_valid=True)
-    return DeviceBatch(ids, pos, meta, sample, prompt)
+    return DeviceBatch(ids, pos, meta, sample, prompt, targets)

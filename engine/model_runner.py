@@ -1,8 +1,10 @@
 """Owns the model weights, the KV pools and the attention backend on one device.
 
-``execute`` runs one packed step and returns the logits of the rows that are sampled (and of
-prompt positions whose logprobs were asked for). The KV pools are allocated once, here, at
-start-up: one ``(K, V)`` pair per layer, each ``[num_blocks, block_size, kv_heads, head_dim]``.
+``execute`` runs one packed step and returns the logits of the rows that are sampled and, for
+prompt positions whose logprobs were asked for, their reduced logprobs (target logprob, rank,
+top-k), computed ``PROMPT_LOGPROB_CHUNK`` rows of logits at a time. The KV pools are allocated
+once, here, at start-up: one ``(K, V)`` pair per layer, each
+``[num_blocks, block_size, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import linear_backend, linear_weight_bytes
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
+from engine.prompt_logprobs import (
+    PROMPT_LOGPROB_CHUNK,
+    PromptLogprobs,
+    prompt_logprobs_in_chunks,
+    reduce_logits,
+)
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -39,7 +47,7 @@ _CPU_DEFAULT_KV_CAP = 4 * 1024**3
 @dataclass
 class ModelOutput:
     sample_logits: torch.Tensor  # [S, V] float32
-    prompt_logits: torch.Tensor | None  # [P, V] float32
+    prompt_logprobs: PromptLogprobs | None  # host; rows as ModelInput.prompt_indices
 
 
 def cpu_has_bf16() -> bool:
@@ -120,8 +128,9 @@ class ModelRunner:
     def _profile_cuda_budget(self) -> int:
         """Bytes for the KV pools: profile the largest step the engine may run (a prefill of
         ``max_num_batched_tokens``, the sampler's sort over ``max_num_seqs`` rows and, when
-        logprobs are allowed, prompt logprobs for every token of the step), then size from
-        the device's free memory and ``gpu_memory_utilization`` (``engine.memory``)."""
+        logprobs are allowed, one chunk of prompt logprobs — they are reduced chunk by chunk
+        while the sampled rows' logits are alive), then size from the device's free memory
+        and ``gpu_memory_utilization`` (``engine.memory``)."""
         from engine.memory import MemorySnapshot, kv_cache_budget
 
         torch.cuda.empty_cache()
@@ -136,13 +145,14 @@ class ModelRunner:
                                    torch.arange(n, device=self.device), meta)
             rows = min(n, self.config.max_num_seqs)
             logits = self.model.compute_logits(hidden[-rows:])
+            if self.config.max_logprobs > 0:  # prompt logprobs: one chunk at a time
+                chunk = min(n, PROMPT_LOGPROB_CHUNK)
+                reduce_logits(self.model.compute_logits(hidden[:chunk]),
+                              torch.zeros(chunk, dtype=torch.long, device=self.device),
+                              self.config.max_logprobs)
             probs = torch.softmax(logits, dim=-1)  # the sampler's top-p/top-k working set
             torch.sort(probs, dim=-1, descending=True)[0].cumsum_(dim=-1)
             del logits, probs
-            if self.config.max_logprobs > 0:  # prompt logprobs: every row of the step
-                lp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
-                lp.topk(max(1, self.config.max_logprobs), dim=-1)
-                del lp
             del hidden
         torch.cuda.synchronize(self.device)
         self.kv_caches = []
@@ -289,12 +299,13 @@ class ModelRunner:
             return ModelOutput(self.model.compute_logits(hidden), None)
         dev = to_device(inp, self._stager)
         hidden = self._forward(dev.input_ids, dev.positions, dev.meta)
-        n_sample = dev.sample_indices.numel()
+        sample_logits = self.model.compute_logits(hidden[dev.sample_indices])
+        prompt = None
         if dev.prompt_indices.numel():
-            rows = torch.cat([dev.sample_indices, dev.prompt_indices])
-            logits = self.model.compute_logits(hidden[rows])
-            return ModelOutput(logits[:n_sample], logits[n_sample:])
-        return ModelOutput(self.model.compute_logits(hidden[dev.sample_indices]), None)
+            prompt = prompt_logprobs_in_chunks(self.model.compute_logits, hidden,
+                                               dev.prompt_indices, dev.prompt_targets,
+                                               inp.prompt_top_k, chunk=PROMPT_LOGPROB_CHUNK)
+        return ModelOutput(sample_logits, prompt)
 
 
 def _build_on_device(hf_config: Any, max_model_len: int, device: torch.device,

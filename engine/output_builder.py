@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 from engine.batch import PromptLogitRows
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompt_logprobs import PromptLogprobs, position_entries
 from engine.request import Request, Sequence
-from engine.sampler import SamplerOutput, compute_prompt_logprobs
-from engine.scheduler import ScheduledSeq
+from engine.sampler import SamplerOutput
 
 
 def build_request_output(req: Request) -> RequestOutput:
@@ -32,7 +32,18 @@ def build_request_output(req: Request) -> RequestOutput:
         num_cached_tokens=req.num_cached_tokens or 0,
         prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         metrics=req.metrics,
+        error=req.error,
     )
+
+
+def bare_error_output(req: Request) -> RequestOutput:
+    """The final output of a request whose full output could not be built: every sample
+    "abort", no text, ``error`` set (the request must already be finished)."""
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        outputs=[CompletionOutput(index=s.index, finish_reason="abort") for s in req.seqs],
+        finished=True, num_cached_tokens=req.num_cached_tokens or 0, metrics=req.metrics,
+        error=req.error or "internal error")
 
 
 def record_sample_logprobs(seq: Sequence, sampled: SamplerOutput, row: int,
@@ -47,14 +58,18 @@ def record_sample_logprobs(seq: Sequence, sampled: SamplerOutput, row: int,
     seq.cumulative_logprob += sampled.logprobs[row]
 
 
-def record_prompt_logprobs(scheduled: list[ScheduledSeq], rows: list[PromptLogitRows],
-                           logits, token_text: Callable[[int], str]) -> None:
-    """Append prompt logprobs (position 0 has none: ``None``) for the rows computed this step."""
-    for r in rows:
-        req = scheduled[r.seq_index].seq.request
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None]
-        n = r.row_end - r.row_start
-        targets = req.prompt_token_ids[r.first_target:r.first_target + n]
-        req.prompt_logprobs.extend(compute_prompt_logprobs(
-            logits[r.row_start:r.row_end], targets, req.params.prompt_logprobs or 0, token_text))
+def record_prompt_logprobs(req: Request, rows: PromptLogitRows, reduced: PromptLogprobs,
+                           token_text: Callable[[int], str]) -> None:
+    """Append the prompt logprobs of ``rows`` (computed this step) to ``req.prompt_logprobs``
+    (position 0 has none: ``None``). Rows must continue exactly where the list ends, so an
+    entry is never recorded twice nor skipped; anything else raises RuntimeError."""
+    if req.prompt_logprobs is None:
+        req.prompt_logprobs = [None]
+    if rows.first_target != len(req.prompt_logprobs):
+        raise RuntimeError(f"prompt logprobs of request {req.request_id} out of order: rows "
+                           f"for target {rows.first_target}, {len(req.prompt_logprobs)} recorded")
+    n = rows.row_end - rows.row_start
+    targets = req.prompt_token_ids[rows.first_target:rows.first_target + n]
+    req.prompt_logprobs.extend(position_entries(
+        reduced, rows.row_start, rows.row_end, targets, req.params.prompt_logprobs or 0,
+        token_text))

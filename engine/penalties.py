@@ -14,7 +14,8 @@ Formulas (and the order ``Sampler`` applies them in, vLLM's):
 4. ``frequency_penalty`` / ``presence_penalty`` (OpenAI): over output tokens only,
    ``logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty``.
 
-Token ids outside ``[0, V)`` are ignored here: checking them against the vocabulary is the
+The logit-bias tensors of a row are built once per request (kept in ``SamplingRow.cache``),
+not every step. Token ids outside ``[0, V)`` are ignored here: checking them against the vocabulary is the
 server's job, and one bad request must not fail the step for everybody else.
 """
 
@@ -54,26 +55,28 @@ def _flat_index(pairs: Sequence[tuple[int, Sequence[int]]], vocab: int,
             torch.tensor(toks, dtype=torch.long, device=device))
 
 
+def _bias_tensors(row: SamplingRow, vocab: int, logits: torch.Tensor,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's ``(token ids, biases)`` on the logits' device, from its cache when built."""
+    key = ("logit_bias", logits.device, logits.dtype, vocab)
+    cache = row.cache
+    if cache is not None and cache.get("logit_bias_key") == key:
+        return cache["logit_bias"]
+    items = [(t, b) for t, b in row.params.logit_bias.items() if 0 <= t < vocab]
+    built = (torch.tensor([t for t, _ in items], dtype=torch.long, device=logits.device),
+             torch.tensor([b for _, b in items], dtype=logits.dtype, device=logits.device))
+    if cache is not None:
+        cache["logit_bias_key"], cache["logit_bias"] = key, built
+    return built
+
+
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     vocab = logits.shape[1]
-    r_idx: list[int] = []
-    t_idx: list[int] = []
-    vals: list[float] = []
     for i, row in enumerate(rows):
         if row.params.logit_bias:
-            for tok, bias in row.params.logit_bias.items():
-                if 0 <= tok < vocab:
-                    r_idx.append(i)
-                    t_idx.append(tok)
-                    vals.append(bias)
-    if not r_idx:
-        return
-    dev = logits.device
-    logits.index_put_(
-        (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-        torch.tensor(vals, dtype=logits.dtype, device=dev),
-        accumulate=True,
-    )
+            toks, vals = _bias_tensors(row, vocab, logits)
+            if toks.numel():
+                logits[i].index_add_(0, toks, vals)  # token ids are distinct (dict keys)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

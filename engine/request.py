@@ -71,6 +71,10 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cache_extra_keys: tuple = ()
+    error: str | None = None  # why the engine ended it, when an internal error did
+    # Per-request scratch of the logit processors (engine.penalties), e.g. the logit-bias
+    # tensors, built once instead of every step.
+    sampler_cache: dict = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from engine import penalties
 from engine.outputs import Logprob
+from engine.prompt_logprobs import add_top_entries, position_entries, reduce_logits
 from engine.sampling_params import SamplingParams
 
 
@@ -41,6 +42,9 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far by this row
     generator: torch.Generator | None  # set iff params.seed is not None; advanced only by it
     eos_token_ids: frozenset[int]  # masked (with stop_token_ids) while output < min_tokens
+    # Lives as long as the request: logit processors keep what they build once (the
+    # logit-bias tensors) here. None: build every call.
+    cache: dict | None = None
 
 
 @dataclass
@@ -58,21 +62,8 @@ class SamplerOutput:
         tok = self.token_ids[i]
         entry = {tok: Logprob(self.logprobs[i], self.ranks[i],
                               token_text(tok) if token_text else None)}
-        _add_top(entry, self.top_logprobs[i], token_text)
+        add_top_entries(entry, self.top_logprobs[i], token_text)
         return entry
-
-
-def _add_top(entry: dict[int, Logprob], top: list[tuple[int, float]],
-             token_text: Callable[[int], str] | None) -> None:
-    """Add top-k entries whose ranks follow the same strict rule as the chosen token's.
-
-    Every token with a strictly higher logprob than a top-k member is itself in the top-k, so
-    counting within the list gives the exact rank.
-    """
-    for tok, lp in top:
-        if tok not in entry:
-            rank = 1 + sum(1 for _, other in top if other > lp)
-            entry[tok] = Logprob(lp, rank, token_text(tok) if token_text else None)
 
 
 def _is_greedy(p: SamplingParams) -> bool:
@@ -252,7 +243,8 @@ def _min_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], k: int,
                             token_text: Callable[[int], str] | None = None,
                             ) -> list[dict[int, Logprob]]:
-    """Logprobs of a prompt's tokens under the model's raw distribution.
+    """Logprobs of a prompt's tokens under the model's raw distribution, in one piece (the
+    engine reduces in chunks: ``engine.prompt_logprobs``).
 
     ``logits[j]`` (position j of the prompt) predicts ``target_ids[j]`` (prompt token j+1).
     Returns, per position, the target's ``Logprob`` (with rank) plus the ``k`` most likely
@@ -263,21 +255,6 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], k: 
                          f"{tuple(logits.shape)}")
     if not target_ids:
         return []
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    tgt = torch.tensor(list(target_ids), dtype=torch.long, device=lp.device).unsqueeze(1)
-    tgt_lp = lp.gather(1, tgt)
-    ranks = ((lp > tgt_lp).sum(dim=-1) + 1).tolist()
-    tgt_lp_l = tgt_lp.squeeze(1).tolist()
-    k = min(k, lp.shape[1])
-    if k > 0:
-        vals, ids = lp.topk(k, dim=-1)
-        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(),
-                                                             strict=True)]
-    else:
-        tops = [[] for _ in target_ids]
-    out: list[dict[int, Logprob]] = []
-    for j, tok in enumerate(target_ids):
-        entry = {tok: Logprob(tgt_lp_l[j], ranks[j], token_text(tok) if token_text else None)}
-        _add_top(entry, tops[j], token_text)
-        out.append(entry)
-    return out
+    tgt = torch.tensor(list(target_ids), dtype=torch.long, device=logits.device)
+    reduced = reduce_logits(logits, tgt, k).to("cpu")
+    return position_entries(reduced, 0, len(target_ids), target_ids, k, token_text)

@@ -1,7 +1,9 @@
 """Per-request sampling and stopping parameters (vLLM's ``SamplingParams`` shape).
 
 Validated at construction: every bad value raises ``ValueError`` naming the field, which the
-server turns into an OpenAI-style 400 error.
+server turns into an OpenAI-style 400 error. Lists that cost engine work per generated token
+are capped (``MAX_*`` below): stop strings and stop token ids are checked every token, logit
+bias entries are applied every step.
 """
 
 from __future__ import annotations
@@ -9,6 +11,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 2048
 
 
 @dataclass
@@ -47,6 +54,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_caps()
         if not all(isinstance(s, str) for s in (self.stop or [])):
             raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
         self.stop = [s for s in (self.stop or []) if s]
@@ -61,6 +69,26 @@ class SamplingParams:
         if self.top_k is None or self.top_k == 0:
             self.top_k = -1
         self._validate()
+
+    def _check_caps(self) -> None:
+        """Refuse oversized lists before any per-element work (O(1) each, plus the stop
+        strings' lengths)."""
+        stop = self.stop if isinstance(self.stop, (list, tuple)) else []
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are "
+                             f"allowed")
+        for s in stop:
+            if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string has {len(s)} characters; at most "
+                                 f"{MAX_STOP_STRING_CHARS} are allowed")
+        ids = self.stop_token_ids
+        n_ids = len(ids) if isinstance(ids, (list, tuple)) else 0
+        if n_ids > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {n_ids} ids; at most {MAX_STOP_TOKEN_IDS} are "
+                             f"allowed")
+        if isinstance(self.logit_bias, dict) and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:

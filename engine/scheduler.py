@@ -5,32 +5,40 @@ Policy, whole (one screen):
 1. Running sequences advance first, in admission order: a decode takes one token, a chunked
    prefill takes its next chunk; each takes from the step's token budget
    (``max_num_batched_tokens``). When the KV pool cannot hold a running sequence's new tokens,
-   the lowest-priority, most recently admitted running sequence is preempted; a sequence may
-   end up preempting itself. ``preemption_mode``: recompute frees its blocks (its full blocks
-   usually survive in the prefix cache, or spill to the host tier, which makes re-admission
-   cheap); swap moves its computed KV to the host tier; auto swaps when moving the blocks out
-   and back is expected to cost less than recomputing its tokens. Swap falls back to recompute
-   when there is no host tier or it has no room.
-2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order while
-   the budget, the sequence cap (``max_num_seqs``) and the pool allow. A swapped-out sequence
-   is swapped back in and resumes where it stopped. Any other admission first looks up the
-   prefix cache (device, then host); the rest of its tokens is its prefill, chunked to the
-   budget. Samples 2..n of a request wait until sample 1 has computed the prompt, then share its
-   full blocks.
+   a victim is preempted (``_pick_victim``): among the running sequences of the lowest priority
+   class (every sequence is one class under ``scheduling_policy="fcfs"``), the request running
+   the MOST SEQUENCES gives back its most recently admitted one; on a tie, the most recently
+   admitted sequence goes (vLLM's LIFO rule: the least work lost). Why not plain LIFO: a
+   large-``n`` request admitted first would keep the whole pool while every newer request is
+   preempted in turn; charging per running sequence makes it yield its own samples first,
+   while single-sample requests keep LIFO. A sequence may end up preempting itself.
+   ``preemption_mode``: recompute frees its blocks (its full blocks usually survive in the
+   prefix cache, or spill to the host tier, which makes re-admission cheap); swap moves its
+   computed KV to the host tier; auto swaps when moving the blocks out and back is expected to
+   cost less than recomputing its tokens. Swap falls back to recompute when there is no host
+   tier or it has no room.
+2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order
+   (arrival only under fcfs) while the budget, the sequence cap (``max_num_seqs``) and the
+   pool allow. A swapped-out sequence is swapped back in and resumes where it stopped. Any
+   other admission first looks up the prefix cache (device, then host); the rest of its tokens
+   is its prefill, chunked to the budget. Samples 2..n of a request are parked outside the
+   queue until sample 1 has computed the prompt (then they share its full blocks), so they
+   cost nothing per step while they wait.
 
+The waiting queue is a heap (``engine.waiting_queue``): O(log n) per insert and admission.
 The scheduler owns the waiting and running sets and every call to the KV manager's
 allocate/free; the engine core calls ``schedule`` then ``update_after_step``.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager, PrefixHit
 from engine.kv_cache.tiered import TieredKVCacheManager
 from engine.request import Request, SeqStatus, Sequence
+from engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -63,8 +71,12 @@ class Scheduler:
         self.kv = kv
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
         self.tiered = kv if isinstance(kv, TieredKVCacheManager) else None
-        self.waiting: list[Sequence] = []  # sorted by _queue_key
+        self.use_priority = config.scheduling_policy == "priority"
+        self.waiting = WaitingQueue(self.use_priority)
         self.running: list[Sequence] = []  # admission order
+        # Samples 2..n waiting for sample 1 to compute the prompt, by request id.
+        self._parked: dict[str, list[Sequence]] = {}
+        self._num_parked = 0
         self._admit_counter = 0
         self.num_preemptions = 0
         self.num_preemptions_swap = 0
@@ -72,18 +84,27 @@ class Scheduler:
 
     # ---- queue management --------------------------------------------------------------
 
-    @staticmethod
-    def _queue_key(seq: Sequence) -> tuple[int, int, int]:
-        return (seq.request.priority, seq.request.arrival_order, seq.index)
-
     def add_request(self, request: Request) -> None:
-        for seq in request.seqs:
-            self._enqueue(seq)
+        first, *rest = request.seqs
+        self._enqueue(first)
+        if rest:
+            for seq in rest:
+                seq.status = SeqStatus.WAITING
+            self._parked[request.request_id] = rest
+            self._num_parked += len(rest)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        keys = [self._queue_key(s) for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, self._queue_key(seq)), seq)
+        self.waiting.push(seq)
+
+    def _release_parked(self, request: Request) -> None:
+        """Sample 1 has computed the prompt (or ended): queue the parked samples 2..n."""
+        parked = self._parked.pop(request.request_id, None)
+        if parked:
+            self._num_parked -= len(parked)
+            for seq in parked:
+                if not seq.finished:
+                    self._enqueue(seq)
 
     def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Take ``seq`` out of the queues and free its blocks (exactly once)."""
@@ -91,16 +112,35 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        elif not self.waiting.remove(seq):
+            parked = self._parked.get(seq.request.request_id)
+            if parked is not None and seq in parked:
+                parked.remove(seq)
+                self._num_parked -= 1
+                if not parked:
+                    del self._parked[seq.request.request_id]
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        if seq.index == 0:
+            self._release_parked(seq.request)  # they must now compute the prompt themselves
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences not running and not finished (queued, parked, swapped out)."""
+        return len(self.waiting) + self._num_parked
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests with at least one waiting sequence."""
+        extra = sum(1 for rid, seqs in self._parked.items()
+                    if seqs and seqs[0].request.seqs[0] not in self.waiting)
+        return self.waiting.num_requests + extra
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return self.num_waiting_seqs + len(self.running)
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -130,11 +170,29 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate(seq.seq_id, num_tokens) is None:
-            victim = max(self.running, key=lambda s: (s.request.priority, s.admit_order))
+            victim = self._pick_victim()
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _pick_victim(self) -> Sequence:
+        """The running sequence to preempt (policy point 1 of the module docstring): lowest
+        priority class first (priority policy only), then the request running the most
+        sequences, then the most recently admitted. O(running)."""
+        cands = self.running
+        if self.use_priority:
+            worst = max(s.request.priority for s in cands)
+            cands = [s for s in cands if s.request.priority == worst]
+        count: dict[str, int] = {}
+        newest: dict[str, Sequence] = {}
+        for s in cands:
+            rid = s.request.request_id
+            count[rid] = count.get(rid, 0) + 1
+            if rid not in newest or s.admit_order > newest[rid].admit_order:
+                newest[rid] = s
+        rid = max(count, key=lambda r: (count[r], newest[r].admit_order))
+        return newest[rid]
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -163,17 +221,13 @@ class Scheduler:
         return self.tiered.swap_out(seq.seq_id, seq.num_computed_tokens)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if self.tiered is not None and self.tiered.is_swapped(seq.seq_id):
                 num_new = self._swap_in(seq, budget, out)
                 if num_new is None:
                     break
                 budget -= num_new
-                continue
-            if self._waits_for_sibling(seq):
-                skipped.append(self.waiting.pop(0))
                 continue
             prefix = self._prefix_for(seq)
             num_new = seq.num_tokens - prefix.num_tokens
@@ -182,7 +236,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate(seq.seq_id, prefix.num_tokens + num_new, prefix) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop()
             self.kv.record_prefix_stats(seq.num_tokens, prefix.num_tokens)
             seq.num_computed_tokens = prefix.num_tokens
             if seq.request.num_cached_tokens is None:
@@ -190,8 +244,6 @@ class Scheduler:
             self._start_running(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
             budget -= num_new
-        for seq in skipped:
-            self._enqueue(seq)
         return budget
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
@@ -204,7 +256,7 @@ class Scheduler:
         num_new = min(num_new, budget)
         if self.tiered.swap_in(seq.seq_id, seq.num_computed_tokens + num_new) is None:
             return None
-        self.waiting.pop(0)
+        self.waiting.pop()
         self._start_running(seq)
         out.swapped_in.append(seq)
         out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
@@ -215,14 +267,6 @@ class Scheduler:
         seq.admit_order = self._admit_counter
         self._admit_counter += 1
         self.running.append(seq)
-
-    @staticmethod
-    def _waits_for_sibling(seq: Sequence) -> bool:
-        if seq.index == 0:
-            return False
-        first = seq.request.seqs[0]
-        return (first.status is SeqStatus.RUNNING
-                and first.num_computed_tokens < seq.num_prompt_tokens)
 
     def _prefix_for(self, seq: Sequence) -> PrefixHit:
         request = seq.request
@@ -251,3 +295,6 @@ class Scheduler:
             if not seq.finished:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_extra_keys)
+            if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                    and seq.request.request_id in self._parked):
+                self._release_parked(seq.request)

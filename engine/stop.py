@@ -56,6 +56,8 @@ class SequenceTextState:
         )
         # Held back text only matters when the stop string is cut away.
         self._hold = bool(self._stops) and not params.include_stop_str_in_output
+        # Per stop string: the longest suffix of the text that is a proper prefix of it.
+        self._held = [0] * len(self._stops)
         self.token_ids: list[int] = []
         self._text = ""  # everything decoded (cut at the stop string once one matched)
         self._visible = 0
@@ -114,7 +116,7 @@ class SequenceTextState:
         if info is not None:
             self._set_finished(info)
         elif self._hold:
-            self._visible = len(self._text) - self._held_back()
+            self._visible = len(self._text) - self._held_back(len(self._text) - old_len)
         else:
             self._visible = len(self._text)
         return info
@@ -156,20 +158,28 @@ class SequenceTextState:
                 best = (i + len(stop), i, stop)
         return None if best is None else (best[1], best[2])
 
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+    def _held_back(self, new_chars: int) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string.
+
+        Incremental: a stop's match can grow by at most the ``new_chars`` just appended (its
+        part before them was a match of the old text), so only the last ``held + new_chars``
+        characters are scanned per stop. Cost per token: amortised O(new text) per stop, not
+        O(len(stop)^2) per stop and token (64 stops of 1,000 characters are allowed).
+        """
         text = self._text
         longest = 0
-        for stop in self._stops:
-            span = min(len(stop) - 1, len(text))
-            if span <= longest:
-                continue
-            tail = text[len(text) - span:]
-            # Try start positions left to right: the first that fits is the longest suffix.
-            j = tail.find(stop[0])
-            while 0 <= j < span - longest:
-                if stop.startswith(tail[j:]):
-                    longest = span - j
-                    break
-                j = tail.find(stop[0], j + 1)
+        for i, stop in enumerate(self._stops):
+            span = min(len(stop) - 1, len(text), self._held[i] + new_chars)
+            held = 0
+            if span > 0:
+                tail = text[len(text) - span:]
+                # Start positions left to right: the first that fits is the longest suffix.
+                j = tail.find(stop[0])
+                while j >= 0:
+                    if stop.startswith(tail[j:]):
+                        held = span - j
+                        break
+                    j = tail.find(stop[0], j + 1)
+            self._held[i] = held
+            longest = max(longest, held)
         return longest

@@ -250,3 +250,16 @@ def test_window_stays_small_on_long_sequences():
     assert len(ids) > 1000
     assert longest <= 8  # decoded window, in tokens: O(1), not O(sequence)
     assert len(detok._ids) <= 64 + 8  # and the kept token list stays bounded too
+
+
+def test_token_text_of_an_id_the_tokenizer_does_not_know_is_empty():
+    """Qwen-style padded embeddings: ids past the tokenizer exist in the model (they can be
+    scored or sampled) but have no text; their text is "" instead of an exception."""
+    from engine.detokenizer import tokenizer_size
+    from tests.tiny_models import VOCAB, byte_tokenizer
+
+    tok = byte_tokenizer()
+    text = token_text_fn(tok)
+    assert tokenizer_size(tok) == 258 < VOCAB
+    assert text(72) == tok.decode([72]) != ""
+    assert text(259) == "" and text(10**9) == "" and text(-1) == ""

@@ -335,3 +335,32 @@ def test_top_k_top_p_mask_matches_reference(scale):
         assert got == _reference_keep(x[i], k, p), (k, p)
         kept = masked[i][torch.isfinite(masked[i])]
         assert torch.equal(kept, x[i][torch.isfinite(masked[i])])  # kept logits unchanged
+
+
+def test_logit_bias_tensors_are_built_once_per_request(monkeypatch):
+    """The bias of a request is turned into tensors at its first step and reused after."""
+    from engine import penalties
+
+    cache: dict = {}
+    r = SamplingRow(SamplingParams(temperature=0.0, logit_bias={3: 50.0, 7: -5.0, 900: 1.0}),
+                    [], [], None, EOS, cache=cache)
+    built = {"n": 0}
+    real = penalties._bias_tensors
+
+    def counting(*args, **kwargs):
+        result = real(*args, **kwargs)
+        built["n"] += 1
+        return result
+
+    x = logits(1, 20, seed=4)
+    want = x.clone()
+    want[0, 3] += 50.0
+    want[0, 7] -= 5.0
+    for _ in range(3):
+        y = x.clone()
+        penalties.apply_logit_bias(y, [r])
+        assert torch.equal(y, want)  # 900 is outside this vocabulary: ignored
+    first = cache["logit_bias"]
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("rebuilt the bias"))
+    penalties.apply_logit_bias(x.clone(), [r])
+    assert cache["logit_bias"] is first

@@ -61,3 +61,22 @@ def test_bad_logit_bias(bias):
 def test_bad_stop():
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=["ok", 3])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop has 65 strings; at most 64"),
+    ({"stop": ["x" * 1001]}, "1001 characters; at most 1000"),
+    ({"stop": "y" * 1001}, "1001 characters; at most 1000"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids has 1025 ids; at most 1024"),
+    ({"logit_bias": {i: 1.0 for i in range(2049)}}, "logit_bias has 2049 entries; at most 2048"),
+])
+def test_per_token_work_lists_are_capped(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_caps_allow_their_limits():
+    p = SamplingParams(stop=[f"{i:04d}" * 250 for i in range(64)],
+                       stop_token_ids=list(range(1024)),
+                       logit_bias={i: 1.0 for i in range(2048)})
+    assert len(p.stop) == 64 and len(p.stop_token_ids) == 1024 and len(p.logit_bias) == 2048

@@ -215,3 +215,27 @@ def test_stop_strings_never_leak_and_text_only_grows(data, include, max_tokens, 
     assert all(s.text.startswith(v) for v in seen)
     if not include:
         assert not any(stop in v for v in seen for stop in stops)
+
+
+class _CountingStop(str):
+    calls = 0
+
+    def startswith(self, *args):
+        _CountingStop.calls += 1
+        return str.startswith(self, *args)
+
+
+def test_held_back_scan_is_incremental_not_quadratic():
+    """Each token scans only what can extend a stop string's partial match: near-misses such
+    as "aaac" against "a"*50 + "b" used to cost a check per candidate start, every token."""
+    stop = _CountingStop("a" * 50 + "b")
+    s = state(stop=[stop], max_tokens=1000)
+    tokens = ids(b"a", b"a", b"a", b"c") * 60
+    _CountingStop.calls = 0
+    info, seen = feed(s, tokens)
+    assert info is None and seen[-1] == "aaac" * 60
+    assert _CountingStop.calls <= 2 * len(tokens)
+    # Still exact: a partial match is held back, then released.
+    s = state(stop=["xyzab"], max_tokens=100)
+    _, seen = feed(s, ids(b"c", b"xyz", b"a", b"c"))
+    assert seen == ["c", "c", "c", "cxyzac"]

@@ -1,0 +1,86 @@
+"""Admission: can a request ever be served? Pure checks, raising ``ValueError`` with a message
+a user can act on (the server's 400). What is only momentarily impossible (a full waiting
+queue) is not decided here: that is ``AsyncEngine.submit``'s ``QueueFullError`` (503).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """What an engine can hold, fixed at start-up."""
+
+    max_model_len: int
+    token_id_bound: int  # ids in [0, bound) are known to the model AND the tokenizer
+    block_size: int
+    num_blocks: int  # the device KV pool
+    swap_blocks: int  # host blocks samples may wait in under swap preemption (0: none)
+
+
+def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_ids: list[int],
+                  params: SamplingParams, priority: int = 0) -> None:
+    """Raise ValueError if this request can never be served: priority under fcfs, too many
+    samples (``config.check_num_seqs``), an empty prompt, a token id the tokenizer does not
+    know (prompt, ``logit_bias``, ``stop_token_ids``), beyond the context length, more KV
+    than the pool holds, more logprobs than ``max_logprobs``."""
+    config.check_priority(priority)
+    config.check_num_seqs(params.n)
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    _check_ids(limits, "the prompt", prompt_token_ids)
+    max_len = limits.max_model_len
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n
+    if n + max_tokens > max_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+            f"Please reduce the prompt or max_tokens.")
+    if max_tokens < 1:
+        raise ValueError(f"the prompt ({n} tokens) leaves no room to generate within the "
+                         f"maximum context length of {max_len} tokens")
+    _check_fits_pool(limits, n, max_tokens, params.n)
+    for k in (params.logprobs, params.prompt_logprobs):
+        if k is not None and k > config.max_logprobs:
+            raise ValueError(f"at most {config.max_logprobs} logprobs may be asked for; got {k}")
+    if params.logit_bias:
+        bound = limits.token_id_bound
+        bad = next((t for t in params.logit_bias if not 0 <= t < bound), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias names token {bad}, outside the vocabulary "
+                             f"(0..{bound - 1})")
+    _check_ids(limits, "stop_token_ids", params.stop_token_ids)
+
+
+def _check_ids(limits: AdmissionLimits, where: str, ids: list[int]) -> None:
+    bound = limits.token_id_bound
+    bad = next((t for t in ids if not 0 <= t < bound), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} in {where} is outside the vocabulary (0..{bound - 1})")
+
+
+def _check_fits_pool(limits: AdmissionLimits, prompt_len: int, max_tokens: int, n: int) -> None:
+    """One sample must fit the device pool, and all ``n`` samples at full length must fit at
+    once, even with nothing else running: sample 1 holds ``ceil(T / bs)`` blocks (T = prompt
+    + max_tokens), each other sample the same minus the prompt's full blocks it shares (the
+    last prompt token is always its own). Under swap preemption the host tier counts too:
+    samples wait there while another runs. (With recompute such a request could only finish
+    by preempting its own samples over and over: refused.)"""
+    bs, num_blocks = limits.block_size, limits.num_blocks
+    total = prompt_len + max_tokens
+    if total > num_blocks * bs:
+        raise ValueError(f"the request needs {total} tokens of KV cache but the whole pool "
+                         f"holds {num_blocks * bs}; raise kv_cache_memory or shorten it")
+    per_seq = -(-total // bs)
+    need = per_seq + (n - 1) * (per_seq - (prompt_len - 1) // bs)
+    capacity = num_blocks + limits.swap_blocks
+    if need > capacity:
+        raise ValueError(f"the request's {n} samples need {need} KV blocks of {bs} tokens at "
+                         f"full length ({prompt_len} prompt tokens, shared, and up to "
+                         f"{max_tokens} generated each) but the whole pool holds {capacity}; "
+                         f"lower n or max_tokens, or raise kv_cache_memory")

@@ -1,0 +1,50 @@
+"""EngineConfig admission limits: sequences per request, the waiting queue, the policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+
+
+def test_seqs_per_request_cap_defaults_to_max_num_seqs():
+    assert EngineConfig(max_num_seqs=8).seqs_per_request_cap == 8
+    assert EngineConfig(max_num_seqs=8, max_seqs_per_request=3).seqs_per_request_cap == 3
+    with pytest.raises(ValueError, match="max_seqs_per_request must be >= 1"):
+        EngineConfig(max_seqs_per_request=0)
+
+
+def test_check_num_seqs_refuses_what_could_never_be_admitted():
+    c = EngineConfig(max_num_seqs=16, max_waiting_requests=10)
+    c.check_num_seqs(10)
+    with pytest.raises(ValueError, match="asks for 11 sequences.*max_waiting_requests"):
+        c.check_num_seqs(11)
+    with pytest.raises(ValueError, match="asks for 17 sequences.*at most 16.*max_seqs_per_req"):
+        EngineConfig(max_num_seqs=16).check_num_seqs(17)
+
+
+def test_scheduling_policy():
+    assert EngineConfig().scheduling_policy == "fcfs"
+    EngineConfig().check_priority(0)
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        EngineConfig().check_priority(-1)
+    EngineConfig(scheduling_policy="priority").check_priority(-1)
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        EngineConfig(scheduling_policy="lifo")
+
+
+def test_admission_counts_prompt_sharing_and_the_swap_tier():
+    from engine.admission import AdmissionLimits, check_request
+    from engine.sampling_params import SamplingParams
+
+    limits = AdmissionLimits(max_model_len=512, token_id_bound=258, block_size=4,
+                             num_blocks=16, swap_blocks=0)
+    cfg = EngineConfig(max_num_seqs=8)
+    prompt = list(range(20))  # 4 full blocks shared by every sample (the 5th holds the last)
+    check_request(cfg, limits, prompt, SamplingParams(n=2, max_tokens=20))  # 10 + 6 = 16
+    with pytest.raises(ValueError, match="3 samples need 22 KV blocks"):
+        check_request(cfg, limits, prompt, SamplingParams(n=3, max_tokens=20))
+    swap = AdmissionLimits(512, 258, 4, 16, swap_blocks=6)
+    check_request(cfg, swap, prompt, SamplingParams(n=3, max_tokens=20))
+    with pytest.raises(ValueError, match=r"token id 258 in the prompt .*\(0\.\.257\)"):
+        check_request(cfg, limits, [1, 258], SamplingParams(max_tokens=2))
