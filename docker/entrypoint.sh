@@ -7,7 +7,10 @@
 #   serve|generate|bench|kv-calc … that kvserve subcommand
 #   any other program (sh, bash)   run it
 #
-# exec: kvserve becomes PID 1 and receives docker's SIGTERM itself (graceful drain).
+# exec: kvserve becomes PID 1 and receives docker's SIGTERM itself (graceful drain), and its
+# exit status is the container's: non-zero when the engine died, for `docker run --restart`.
+# KVSERVE_API_KEY (read by kvserve) requires 'Authorization: Bearer KEY' on /v1/*; without it,
+# kvserve on 0.0.0.0 logs a loud warning at start.
 set -eu
 
 HOST="${KVSERVE_HOST:-0.0.0.0}"

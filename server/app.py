@@ -2,13 +2,20 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
 ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``. The app owns no model code; the
-engine's own thread runs it. On lifespan shutdown (after uvicorn stopped accepting connections
-and let those in flight finish, bounded by its graceful-shutdown timeout) the engine is stopped.
+engine's own thread runs it, and tokenising runs on worker threads: the event loop only parses,
+validates and frames.
+
+Draining (:func:`begin_drain`, called on SIGTERM by ``run_server``): new requests get 503,
+``/health`` answers 503, and the requests in flight may finish. The drain is bounded ONCE, by
+``shutdown_timeout`` counted from its start: uvicorn's graceful wait and the engine's final
+wait at lifespan shutdown share that one budget.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +28,7 @@ from server.completions import create_completion
 from server.config_file import ServerSettings
 from server.errors import APIError, bad_request, install_error_handlers
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.middleware import RequestContextMiddleware
+from server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,32 +48,60 @@ def version() -> str:
         return "0.1.0"
 
 
+def begin_drain(app: FastAPI) -> None:
+    """Start the graceful shutdown (idempotent): refuse new requests, answer 503 on /health,
+    and start the clock of the one ``shutdown_timeout`` budget."""
+    ctx: ServingContext = app.state.ctx
+    if ctx.draining_since is None:
+        ctx.draining_since = time.monotonic()
+    app.state.engine.begin_drain()
+
+
+def drain_time_left(app: FastAPI) -> float:
+    """Seconds left of the drain budget (the whole ``shutdown_timeout`` if none began)."""
+    ctx: ServingContext = app.state.ctx
+    timeout = app.state.settings.shutdown_timeout
+    if ctx.draining_since is None:
+        return timeout
+    return max(0.0, timeout - (time.monotonic() - ctx.draining_since))
+
+
 def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     metrics = ServerMetrics(engine.model_name, engine.stats, lambda: engine.is_healthy)
     engine.observers.append(metrics)
     ctx = ServingContext(engine=engine, metrics=metrics,
                          served_model_names=[engine.model_name],
-                         model_root=engine.config.model)
+                         model_root=engine.config.model,
+                         stream_timeout=settings.stream_timeout,
+                         trust_request_chat_template=settings.trust_request_chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await engine.shutdown(timeout=settings.shutdown_timeout)
+        timeout = drain_time_left(app)  # what uvicorn's graceful wait left of the budget
+        begin_drain(app)
+        await engine.shutdown(timeout=timeout)
 
     app = FastAPI(title="kvserve", version=version(), lifespan=lifespan)
     app.state.ctx = ctx
     app.state.engine = engine
     app.state.settings = settings
     install_error_handlers(app)
+    # Added first = innermost: the API key is checked (and the request id set) before any body
+    # is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_size=settings.max_request_body_size)
     app.add_middleware(RequestContextMiddleware, api_key=settings.api_key,
                        log_requests=not settings.disable_log_requests)
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_healthy:
-            return Response(status_code=200)
-        return APIError(503, "the engine is not running", code="engine_dead").response()
+        if not engine.is_healthy:  # why (engine.dead_reason) is in the log, not shown here
+            return APIError(503, "the engine is not running", code="engine_dead").response()
+        if ctx.draining_since is not None:
+            return APIError(503, "the server is shutting down", code="shutting_down",
+                            headers={"Retry-After": "5"}).response()
+        return Response(status_code=200)
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:
@@ -95,30 +130,42 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         ctx.check_model(req.model)
-        tok = ctx.tokenizer
-        if req.messages is not None:
-            try:
-                _, ids = render_chat(tok, [{"role": "system" if m.role == "developer" else
-                                            m.role, "content": m.text()} for m in req.messages],
-                                     add_generation_prompt=req.add_generation_prompt)
-            except ValueError as exc:
-                raise bad_request(str(exc), param="messages") from None
-        else:
-            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len,
-                                "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return JSONResponse(body)
+        # Off the event loop: a megabyte of text takes the tokenizer a second or more.
+        return JSONResponse(await asyncio.to_thread(_tokenize, ctx, req))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         ctx.check_model(req.model)
-        vocab = getattr(engine.core, "vocab_size", None) or len(ctx.tokenizer)
-        bad = [t for t in req.tokens if t >= vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
-                              param="tokens")
-        return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+        return JSONResponse(await asyncio.to_thread(_detokenize, ctx, req))
 
     return app
+
+
+def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
+    tok = ctx.tokenizer
+    if req.messages is not None:
+        try:
+            _, ids = render_chat(tok, [{"role": "system" if m.role == "developer" else m.role,
+                                        "content": m.text()} for m in req.messages],
+                                 add_generation_prompt=req.add_generation_prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+    else:
+        ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.engine.max_model_len,
+                            "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return body
+
+
+def _detokenize(ctx: ServingContext, req: DetokenizeRequest) -> dict[str, Any]:
+    core = ctx.engine.core
+    # Ids the tokenizer knows: a model's embedding may be padded past them (Qwen).
+    vocab = getattr(core, "token_id_bound", None) or getattr(core, "vocab_size", None) or \
+        len(ctx.tokenizer)
+    bad = next((t for t in req.tokens if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                          param="tokens")
+    return {"prompt": ctx.tokenizer.decode(req.tokens)}

@@ -25,6 +25,8 @@ from server.protocol import ChatCompletionRequest
 from server.serving import (
     ServingContext,
     abort_on_disconnect,
+    aborted_on_error,
+    check_output,
     engine_error,
     new_id,
     request_id_of,
@@ -56,6 +58,50 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, str]], *,
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
+# apply_chat_template's own parameters: they change what it returns (token ids, tensors, a
+# dict), how it tokenises, or repeat a request field. Never taken from a request (vLLM refuses
+# ``tokenize`` and ``chat_template`` in chat_template_kwargs likewise).
+TEMPLATE_CALL_PARAMS = frozenset({
+    "conversation", "tokenize", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "padding", "truncation", "max_length", "add_generation_prompt",
+    "continue_final_message"})
+# What a request may hand the template only when the operator trusts requests' templates
+# (--trust-request-chat-template): a template of its own (arbitrary Jinja on this server: the
+# sandbox stops file access, not nested loops or huge strings), and tools/documents, which the
+# model's template renders but this server does not otherwise implement.
+TRUSTED_TEMPLATE_PARAMS = frozenset({"chat_template", "tools", "documents"})
+_TRUST_FLAG = "--trust-request-chat-template"
+
+
+def template_kwargs(req: ChatCompletionRequest, trusted: bool) -> dict[str, Any]:
+    """The extra keyword arguments for ``apply_chat_template`` from a request, or a 400: see
+    TEMPLATE_CALL_PARAMS and TRUSTED_TEMPLATE_PARAMS. Other ``chat_template_kwargs`` (such as
+    ``enable_thinking``) are variables for the template and pass through."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    for key in sorted(kwargs):
+        if key in TEMPLATE_CALL_PARAMS:
+            hint = (f"; set the request's own {key} field instead" if key in
+                    ("add_generation_prompt", "continue_final_message") else "")
+            raise bad_request(f"chat_template_kwargs may not set {key!r}: it is a parameter "
+                              f"of apply_chat_template that the server sets itself{hint}",
+                              param=f"chat_template_kwargs.{key}")
+        if key in TRUSTED_TEMPLATE_PARAMS and not trusted:
+            raise bad_request(f"chat_template_kwargs.{key} is refused: requests may not pass "
+                              f"{key!r} to the chat template unless the server was started "
+                              f"with {_TRUST_FLAG}", param=f"chat_template_kwargs.{key}")
+    for key in ("chat_template", "documents"):
+        value = getattr(req, key)
+        if value is None:
+            continue
+        if not trusted:
+            what = ("a chat template of its own" if key == "chat_template" else
+                    "documents for the chat template")
+            raise bad_request(f"{key} is refused: a request may bring {what} only when the "
+                              f"server was started with {_TRUST_FLAG}", param=key)
+        kwargs[key] = value
+    return kwargs
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request
                                  ) -> Response:
     xrid = request_id_of(raw)
@@ -64,12 +110,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.logprobs and top > ctx.engine.config.max_logprobs:
         raise bad_request(f"top_logprobs must be at most {ctx.engine.config.max_logprobs}",
                           param="top_logprobs")
+    ctx.check_limits(num_prompts=1, n=req.n, priority=req.priority)
+    kwargs = template_kwargs(req, ctx.trust_request_chat_template)
     try:
         text, ids = await asyncio.to_thread(
             render_chat, ctx.tokenizer, req.conversation(),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs)
+            template_kwargs=kwargs)
         params = req.sampling_params(max_tokens=req.max_new_tokens,
                                      logprobs=top if req.logprobs else None)
     except ValueError as exc:
@@ -77,12 +125,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             from None
     cid = new_id("chatcmpl")
     streams = submit_or_error(ctx, [(text, ids)], params, cid, req.priority, xrid)
-    logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid, cid,
-                len(ids), req.n, req.max_new_tokens, bool(req.stream))
-    writer = _ChatWriter(ctx, req, cid, model, xrid)
-    return await respond(raw, streams, ctx, xrid,
-                         (lambda: writer.stream(raw, streams)) if req.stream else None,
-                         lambda finals: writer.response(finals[0]))
+    with aborted_on_error(streams):
+        logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid,
+                    cid, len(ids), req.n, req.max_new_tokens, bool(req.stream))
+        writer = _ChatWriter(ctx, req, cid, model, xrid)
+        return await respond(raw, streams, ctx, xrid,
+                             (lambda: writer.stream(raw, streams)) if req.stream else None,
+                             lambda finals: writer.response(finals[0]))
 
 
 class _ChatWriter:
@@ -127,6 +176,7 @@ class _ChatWriter:
             async with abort_on_disconnect(raw, streams), contextlib.aclosing(
                     _iterate(streams[0])) as outputs:
                 async for out in outputs:
+                    check_output(out)
                     for c in out.outputs:
                         i = c.index
                         if done[i]:

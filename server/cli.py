@@ -62,27 +62,87 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = AsyncEngine(engine_config)
     app = build_app(engine, settings)
-    run_server(app, engine, settings)
-    return 0
+    return run_server(app, engine, settings)
 
 
-def run_server(app: Any, engine: Any, settings: ServerSettings) -> None:
-    """Serve until SIGINT/SIGTERM; then refuse new work, let requests in flight finish for up to
-    ``settings.shutdown_timeout`` seconds, and stop the engine."""
+ENGINE_DIED_EXIT_STATUS = 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def exposure_warning(settings: ServerSettings) -> str | None:
+    """The warning to log when the server listens beyond this machine with no API key."""
+    if settings.api_key or is_loopback(settings.host):
+        return None
+    return (f"kvserve listens on {settings.host}:{settings.port}, which is reachable from other "
+            "machines, and NO API KEY is set: anyone who can reach this port can use the model "
+            "and exhaust its capacity. Set --api-key KEY (or the KVSERVE_API_KEY environment "
+            "variable) to require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+            "/detokenize, or listen on 127.0.0.1 (--host).")
+
+
+def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
     import uvicorn
 
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                          log_level=settings.log_level, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=settings.shutdown_timeout,
+                          limit_concurrency=settings.limit_concurrency)
+
+
+def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
+    """Serve until SIGINT/SIGTERM or until the engine dies; then refuse new work (503, also on
+    /health), let requests in flight finish within ``settings.shutdown_timeout`` seconds
+    counted once from the start of the drain, and stop the engine.
+
+    Returns the process exit status: 0 after a signal, ``ENGINE_DIED_EXIT_STATUS`` when the
+    engine loop died (a failed forward pass): the process must end non-zero so that a
+    supervisor (Docker ``--restart``, Kubernetes) starts a fresh one.
+    """
+    import uvicorn
+
+    from server.app import begin_drain
+
+    warning = exposure_warning(settings)
+    if warning:
+        bar = "!" * 78
+        logger.warning("%s\n%s\n%s", bar, warning, bar)
+
     class _Server(uvicorn.Server):
+        engine_died = False
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
                 logger.info("signal %d: draining requests in flight (up to %.0fs)", sig,
                             settings.shutdown_timeout)
-            engine.begin_drain()
+            begin_drain(app)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            log_level=settings.log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=settings.shutdown_timeout)
-    _Server(config).run()
+        async def on_tick(self, counter: int) -> bool:
+            # Every 0.1 s on the server's loop: a dead engine can serve nothing again.
+            if not self.should_exit and not engine.is_healthy:
+                self.engine_died = True
+                logger.error("the engine died (%s): draining and exiting with status %d so "
+                             "that a supervisor restarts the server",
+                             engine.dead_reason or "its thread stopped",
+                             ENGINE_DIED_EXIT_STATUS)
+                begin_drain(app)
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    server = _Server(uvicorn_config(app, settings))
+    server.run()
+    return ENGINE_DIED_EXIT_STATUS if server.engine_died else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

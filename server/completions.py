@@ -26,6 +26,8 @@ from server.protocol import CompletionRequest
 from server.serving import (
     ServingContext,
     abort_on_disconnect,
+    aborted_on_error,
+    check_output,
     engine_error,
     merge_streams,
     new_id,
@@ -57,6 +59,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     if req.logprobs is not None and req.logprobs > ctx.engine.config.max_logprobs:
         raise bad_request(f"logprobs must be at most {ctx.engine.config.max_logprobs}",
                           param="logprobs")
+    ctx.check_limits(num_prompts=len(req.prompts()), n=req.n, priority=req.priority)
     prompts = await asyncio.to_thread(_tokenize_prompts, ctx, req)
     try:
         params = req.sampling_params(
@@ -66,15 +69,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise bad_request(str(exc)) from None
     cid = new_id("cmpl")
     streams = submit_or_error(ctx, prompts, params, cid, req.priority, xrid)
-    logger.info("request_id=%s %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%s, "
-                "stream=%s", xrid, cid, len(prompts), [len(ids) for _, ids in prompts], req.n,
-                req.max_tokens, bool(req.stream))
-    prompt_texts = [text if text is not None or not req.echo else
-                    ctx.tokenizer.decode(ids, skip_special_tokens=False) for text, ids in prompts]
-    writer = _Writer(ctx, req, cid, model, prompt_texts, xrid)
-    return await respond(raw, streams, ctx, xrid,
-                         (lambda: writer.stream(raw, streams)) if req.stream else None,
-                         writer.response)
+    with aborted_on_error(streams):
+        logger.info("request_id=%s %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%s, "
+                    "stream=%s", xrid, cid, len(prompts), [len(ids) for _, ids in prompts],
+                    req.n, req.max_tokens, bool(req.stream))
+        prompt_texts = [text if text is not None or not req.echo else
+                        ctx.tokenizer.decode(ids, skip_special_tokens=False)
+                        for text, ids in prompts]
+        writer = _Writer(ctx, req, cid, model, prompt_texts, xrid)
+        return await respond(raw, streams, ctx, xrid,
+                             (lambda: writer.stream(raw, streams)) if req.stream else None,
+                             writer.response)
 
 
 @dataclass
@@ -129,6 +134,7 @@ class _Writer:
             async with abort_on_disconnect(raw, streams), \
                     contextlib.aclosing(merge_streams(streams)) as merged:
                 async for pi, out in merged:
+                    check_output(out)
                     for c in out.outputs:
                         chunk = self._delta(pi, out, c, states[pi * n + c.index])
                         if chunk is not None:

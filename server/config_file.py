@@ -19,13 +19,24 @@ from engine.config import (
     DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
     EngineConfig,
+    parse_bytes,
 )
+
+MIB = 2**20
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What the HTTP layer needs besides the engine."""
+    """What the HTTP layer needs besides the engine.
+
+    Limits against hostile or careless clients: ``max_request_body_size`` (bytes, or "32MiB")
+    answers 413 above it; ``limit_concurrency`` (connections + requests in flight; None = no
+    limit) makes uvicorn answer 503 above it; ``stream_timeout`` (seconds; 0 = none) ends a
+    streaming response whose client stops reading for that long, aborting its engine request.
+    ``trust_request_chat_template`` lets requests bring their own chat template (vLLM's flag).
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -33,12 +44,29 @@ class ServerSettings:
     log_level: str = "info"
     shutdown_timeout: float = 30.0
     disable_log_requests: bool = False
+    max_request_body_size: int | str = 32 * MIB
+    limit_concurrency: int | None = 1024
+    stream_timeout: float = 60.0
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535; got {self.port}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown-timeout cannot be negative; got {self.shutdown_timeout}")
+        size = parse_bytes(self.max_request_body_size)
+        if size is None or size < 1024:
+            raise ValueError(f"max-request-body-size must be at least 1KiB; got "
+                             f"{self.max_request_body_size!r}")
+        object.__setattr__(self, "max_request_body_size", size)  # normalised once, as bytes
+        if self.limit_concurrency is not None and self.limit_concurrency < 0:
+            raise ValueError(f"limit-concurrency cannot be negative (0 or null: no limit); got "
+                             f"{self.limit_concurrency}")
+        if self.limit_concurrency == 0:
+            object.__setattr__(self, "limit_concurrency", None)
+        if not self.stream_timeout >= 0:  # also refuses NaN
+            raise ValueError(f"stream-timeout cannot be negative (0: no timeout); got "
+                             f"{self.stream_timeout}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log-level must be one of {', '.join(LOG_LEVELS)}; "
                              f"got {self.log_level!r}")
@@ -99,7 +127,16 @@ ENGINE_OPTIONS = [
     Option("num-threads", "num_threads", "engine", int,
            "CPU threads for torch (default: the cores available)", nullable=True),
     Option("max-waiting-requests", "max_waiting_requests", "engine", int,
-           "waiting requests beyond which new ones get 503 + Retry-After"),
+           "SEQUENCES (n per request, len(prompts) x n per batch) allowed to wait for the "
+           "scheduler: beyond it new requests get 503 + Retry-After; one request larger than "
+           "it gets 400"),
+    Option("max-seqs-per-request", "max_seqs_per_request", "engine", int,
+           "most sequences (n, or len(prompts) x n for a batch) one request may ask for; "
+           "above it: 400 (default: --max-num-seqs)", nullable=True),
+    Option("scheduling-policy", "scheduling_policy", "engine", str,
+           "fcfs: arrival order, a request's non-zero 'priority' is refused (400); priority: "
+           "lower 'priority' values are scheduled first and preempted last",
+           choices=SCHEDULING_POLICIES),
     Option("max-logprobs", "max_logprobs", "engine", int, "largest logprobs a request may ask"),
 ]
 SERVER_OPTIONS = [
@@ -113,6 +150,18 @@ SERVER_OPTIONS = [
            "seconds to let requests in flight finish after SIGTERM"),
     Option("disable-log-requests", "disable_log_requests", "server", bool,
            "no log line per request", boolean=True),
+    Option("max-request-body-size", "max_request_body_size", "server", _size,
+           "largest request body, e.g. 32MiB: above it 413 (checked from Content-Length "
+           "before reading, and while reading a chunked body)"),
+    Option("limit-concurrency", "limit_concurrency", "server", int,
+           "connections + requests in flight beyond which uvicorn answers 503 (0 or null: no "
+           "limit)", nullable=True),
+    Option("stream-timeout", "stream_timeout", "server", float,
+           "seconds a streaming response may wait for a client that stopped reading; then "
+           "its engine request is aborted (KV blocks freed) and the response closed (0: never)"),
+    Option("trust-request-chat-template", "trust_request_chat_template", "server", bool,
+           "let requests bring their own chat template ('chat_template', and 'tools' / "
+           "'documents' for the template): templates run on this server", boolean=True),
 ]
 _BY_NAME = {o.name: o for o in ENGINE_OPTIONS + SERVER_OPTIONS}
 _BY_NAME["model"] = Option("model", "model", "engine", str, "model path or name",

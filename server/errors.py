@@ -29,11 +29,12 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str | None = None,
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        message = printable(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _TYPES.get(status, "invalid_request_error")
-        self.param = param
+        self.param = printable(param) if param is not None else None
         self.code = code
         self.headers = headers
 
@@ -42,6 +43,16 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def printable(text: str) -> str:
+    """``text``, with any lone surrogate escaped: a message may quote what a client sent, and
+    such a string cannot be encoded as the UTF-8 of a JSON response."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def error_body(message: str, type: str, param: str | None = None,
@@ -91,6 +102,10 @@ def format_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | N
         loc = _clean_loc(err)
         groups.setdefault(loc[0] if loc else "", []).append(err)
     parts, first_param = [], None
+    for err in errors:  # our own FieldError names its parameter itself
+        param = getattr((err.get("ctx") or {}).get("error"), "param", None)
+        if param:
+            first_param = first_param or param
     for field, errs in groups.items():
         if len(errs) > 1 and field:
             # A union: prefer the errors about values over "wrong type for member X".

@@ -1,5 +1,5 @@
-"""Pure-ASGI middleware: request ids, the API key, one log line per request, and a last-resort
-500 that never shows a traceback.
+"""Pure-ASGI middleware: request ids, the API key, one log line per request, a last-resort
+500 that never shows a traceback, and the request body size limit (413).
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses pass through
 untouched and a client disconnect still reaches the endpoint.
@@ -83,3 +83,59 @@ class RequestContextMiddleware:
                 code = status[0] if status else 499  # 499: the client went away first
                 logger.info("%s %s %d %.1fms request_id=%s", method, path, code,
                             (time.perf_counter() - start) * 1000, rid)
+
+
+class _BodyTooLargeError(Exception):
+    pass
+
+
+class BodySizeLimitMiddleware:
+    """413 in OpenAI's shape for a body above ``max_body_size`` bytes: refused from its
+    ``Content-Length`` before a byte is read, and counted while reading (a chunked body has no
+    length), so that a huge body is never buffered or parsed. The 413 closes the connection:
+    the rest of the body is not read."""
+
+    def __init__(self, app: Any, max_body_size: int) -> None:
+        self.app = app
+        self.max_body_size = max_body_size
+
+    def _error(self) -> APIError:
+        return APIError(413, f"The request body is larger than this server accepts "
+                             f"({self.max_body_size} bytes, --max-request-body-size).",
+                        code="request_too_large", headers={"Connection": "close"})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_size
+        declared = _header(scope.get("headers", []), b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            await self._error().response()(scope, receive, send)
+            return
+        received = 0
+        too_large = started = False
+
+        async def counting_receive() -> dict:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    too_large = True
+                    raise _BodyTooLargeError
+            return message
+
+        async def guarded_send(message: dict) -> None:
+            nonlocal started
+            if not too_large:  # the app's own answer to the failed read gives way to the 413
+                started = True
+                await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large and not started:
+            await self._error().response()(scope, receive, send)

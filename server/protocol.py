@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic v2), and their SamplingParams.
 
 Unknown fields are accepted and ignored (``extra="allow"``), as OpenAI's clients send fields
-that a server may not know. Fields that would change the meaning of a request and that we do not
+that a server may not know. No string anywhere in a body may hold a lone UTF-16 surrogate
+(JSON's ``"\\ud800"``): it is not text, and no tokenizer or JSON encoder takes it (400). Fields that would change the meaning of a request and that we do not
 implement (``suffix``, ``tools``, non-text content, ...) are rejected with a clear 400 instead of
 being silently dropped. Responses are plain dicts built in completions.py / chat.py.
 """
@@ -24,10 +25,67 @@ from engine.sampling_params import SamplingParams
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
+# /tokenize and /detokenize: the most characters (over all messages) / token ids one call takes.
+MAX_TOKENIZE_CHARS = 1_000_000
+MAX_DETOKENIZE_IDS = 1_000_000
+
+
+class FieldError(ValueError):
+    """A validation error about one parameter (``param``, dotted), raised inside a model
+    validator, where pydantic would otherwise name no field."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+
+
+def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
+    """``(path, message)`` for the first string (value or key) in a JSON-like value that holds
+    a lone surrogate, else None. The message never holds the surrogate itself."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            bad = _surrogate_at(v)
+            if bad is not None:
+                return path, (f"holds a lone surrogate (U+{ord(v[bad]):04X} at character "
+                              f"{bad}), which is not valid Unicode: send well-formed UTF-8 text")
+        elif isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                key = str(k)
+                if _surrogate_at(key) is not None:
+                    return (path or None, "has a field name that holds a lone surrogate, which "
+                            "is not valid Unicode: send well-formed UTF-8 text")
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class _Request(_Body):
+    """A whole request body (not a nested part)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed_text(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            raise FieldError(*found)
+        return data
 
 
 class StreamOptions(_Body):
@@ -35,7 +93,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
@@ -75,6 +133,12 @@ class _SamplingFields(_Body):
                 if not -100.0 <= val <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100]; got {val}")
         return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "only allowed when stream is true")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -185,6 +249,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    documents: list[dict[str, Any]] | None = None  # likewise
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -215,7 +281,7 @@ class ChatCompletionRequest(_SamplingFields):
                 for m in self.messages]
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -227,9 +293,15 @@ class TokenizeRequest(_Body):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        chars = len(self.prompt) if self.prompt is not None else \
+            sum(len(m.text()) for m in self.messages or [])
+        if chars > MAX_TOKENIZE_CHARS:
+            raise FieldError("prompt" if self.prompt is not None else "messages",
+                             f"{chars} characters; /tokenize takes at most "
+                             f"{MAX_TOKENIZE_CHARS} per call")
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[NonNegInt]
+    tokens: list[NonNegInt] = Field(max_length=MAX_DETOKENIZE_IDS)

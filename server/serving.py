@@ -1,6 +1,13 @@
-"""What the completions and chat endpoints share: the serving context, model checks,
-submitting prompts to the engine, merging streams, watching for a client that went away, and
-turning engine exceptions into HTTP errors."""
+"""What the completions and chat endpoints share: the serving context, model checks, request
+limits, submitting prompts to the engine, merging streams, watching for a client that went away,
+and turning engine exceptions into HTTP errors.
+
+Ownership of engine requests: from ``submit_or_error`` on, the endpoint owns its streams and
+must abort them on any failure (``aborted_on_error``); once it returns a streaming response, the
+response owns them and aborts them however it ends (finished, client gone before or during the
+body, a client that stopped reading for ``stream_timeout`` seconds, an error). Abort is a no-op
+for a finished stream, so "abort everything at the end" is always safe.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +35,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
-from server.sse import sse_response
+from server.sse import SSEResponse
 
 logger = logging.getLogger("kvserve.server")
 
@@ -40,6 +47,9 @@ class ServingContext:
     served_model_names: list[str]
     model_root: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    stream_timeout: float = 60.0  # 0: a stalled streaming client is never timed out
+    trust_request_chat_template: bool = False
+    draining_since: float | None = None  # time.monotonic() when the drain began
 
     @property
     def tokenizer(self) -> Any:
@@ -56,6 +66,41 @@ class ServingContext:
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
                             f"{', '.join(repr(n) for n in self.served_model_names)}.",
                        type="invalid_request_error", param="model", code="model_not_found")
+
+    def check_limits(self, *, num_prompts: int, n: int, priority: int) -> None:
+        """400 for a request that no retry can serve: more sequences (``num_prompts x n``) than
+        one request may have or than the whole waiting queue holds, or a non-zero ``priority``
+        under fcfs scheduling. Cheap: called before any prompt is tokenised."""
+        config = self.engine.config
+        seqs = num_prompts * n
+        what = (f"{num_prompts} prompts x n={n} = {seqs} sequences" if num_prompts > 1
+                else f"n={n} sequences")
+        param = "prompt" if num_prompts > 1 else "n"
+        cap = config.seqs_per_request_cap
+        if seqs > cap:
+            raise bad_request(f"this request asks for {what}, but at most {cap} are allowed per "
+                              f"request (--max-seqs-per-request, default --max-num-seqs); lower "
+                              f"n or send fewer prompts at once", param=param)
+        if seqs > config.max_waiting_requests:
+            raise bad_request(f"this request asks for {what}, but the waiting queue holds at "
+                              f"most {config.max_waiting_requests} (--max-waiting-requests); "
+                              f"lower n or send fewer prompts at once", param=param)
+        if priority != 0 and config.scheduling_policy != "priority":
+            raise bad_request(f"priority {priority} is not allowed: this server schedules first "
+                              f"come, first served (start it with --scheduling-policy priority "
+                              f"to honour request priorities)", param="priority")
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended one request on an internal error of its own (``RequestOutput.error``);
+    the engine goes on serving the others. A 500 for that request."""
+
+
+def check_output(out: RequestOutput) -> RequestOutput:
+    """``out``, unless the engine ended its request on an internal error."""
+    if out.error:
+        raise RequestFailedError(f"request {out.request_id}: {out.error}")
+    return out
 
 
 def new_id(prefix: str) -> str:
@@ -79,6 +124,9 @@ def engine_error(exc: BaseException, ctx: ServingContext, request_id: str) -> AP
                         headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        logger.error("request_id=%s the engine could not finish: %s", request_id, exc)
+        return internal_error(request_id)
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     logger.error("request_id=%s engine error: %r", request_id, exc, exc_info=exc)
@@ -108,37 +156,45 @@ def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as they come: yields (prompt index, output)."""
+    """Interleave several requests' outputs as they come: yields (prompt index, output).
+
+    Pull-based: at most one read is pending per stream and each stream keeps only its newest
+    output (outputs are cumulative), so a consumer that stalls (a client that stopped reading)
+    holds O(len(streams)) outputs, never a backlog. Ends when every stream has ended; an error
+    from any stream is raised. However it ends, every stream is aborted (a no-op once finished).
+    """
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    end = object()
-
-    async def pump(i: int, stream: RequestStream) -> None:
         try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, exc))
+            async for out in streams[0]:
+                yield 0, out
         finally:
-            queue.put_nowait((i, end))
+            streams[0].abort()
+        return
+    reads: dict[asyncio.Future[RequestOutput], int] = {}
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    def read(i: int) -> None:
+        reads[asyncio.ensure_future(streams[i].__anext__())] = i
+
+    for i in range(len(streams)):
+        read(i)
     try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is end:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=reads.__getitem__):  # prompt order within a wake-up
+                i = reads.pop(fut)
+                try:
+                    out = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                read(i)
     finally:
-        for t in tasks:
-            t.cancel()
+        for fut in reads:
+            if fut.done():
+                if not fut.cancelled():
+                    fut.exception()  # retrieved: no "exception was never retrieved" warning
+            else:
+                fut.cancel()
         for s in streams:
             s.abort()
 
@@ -168,6 +224,18 @@ async def abort_on_disconnect(raw: Request, streams: list[RequestStream]) -> Asy
         watcher.cancel()
 
 
+@contextlib.contextmanager
+def aborted_on_error(streams: list[RequestStream]) -> Iterator[None]:
+    """Abort ``streams`` if the block raises (or is cancelled): between submitting and handing
+    the streams to a response, nothing may leave an engine request running for nobody."""
+    try:
+        yield
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+
+
 def submit_or_error(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
                     params: SamplingParams, base_id: str, priority: int,
                     request_id: str) -> list[RequestStream]:
@@ -182,9 +250,15 @@ async def respond(raw: Request, streams: list[RequestStream], ctx: ServingContex
                   request_id: str, sse: Callable[[], AsyncIterator[str]] | None,
                   body: Callable[[list[RequestOutput]], dict[str, Any]]) -> Response:
     """The endpoint's answer: an SSE response over ``sse()`` when streaming (``sse`` given),
-    else the JSON ``body`` of the finished outputs (499 if the client went away first)."""
+    else the JSON ``body`` of the finished outputs (499 if the client went away first). Either
+    way ``streams`` are aborted when the answer ends without finishing them."""
     if sse is not None:
-        return sse_response(sse())
+        def abort_all() -> None:
+            for s in streams:
+                s.abort()
+
+        return SSEResponse(sse(), send_timeout=ctx.stream_timeout or None, on_close=abort_all,
+                           request_id=request_id)
     try:
         finals = await final_outputs(raw, streams)
     except RequestAbortedError:
@@ -200,7 +274,7 @@ async def final_outputs(raw: Request, streams: list[RequestStream]) -> list[Requ
     async def last(stream: RequestStream) -> RequestOutput:
         final = None
         async for out in stream:
-            final = out
+            final = check_output(out)
         if final is None or not final.finished:
             raise RuntimeError(f"stream {stream.request_id} ended without a finished output")
         return final

@@ -1,13 +1,26 @@
 """Server-sent events as OpenAI streams them: ``data: {json}\\n\\n`` per chunk, then
-``data: [DONE]\\n\\n``. JSON is compact and never holds NaN/Infinity (invalid JSON)."""
+``data: [DONE]\\n\\n``. JSON is compact and never holds NaN/Infinity (invalid JSON).
+
+:class:`SSEResponse` bounds what a client that stops reading can cost: a send that cannot
+complete within ``send_timeout`` seconds ends the response, and ``on_close`` (the endpoint's
+"abort my engine requests") runs exactly once however the response ends — including a client
+that went away before the body's first byte, when the body iterator never even starts.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Iterable
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Message, Receive, Scope, Send
+
+logger = logging.getLogger("kvserve.server")
+_timeout = getattr(asyncio, "timeout", None)
 
 DONE = "data: [DONE]\n\n"
 
@@ -41,7 +54,50 @@ def parse_events(text: str | Iterable[str]) -> list[Any]:
     return events
 
 
-def sse_response(chunks: AsyncIterator[str], headers: dict[str, str] | None = None
-                 ) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **(headers or {})})
+class SendTimeoutError(Exception):
+    """The client did not take a chunk of the stream within the send timeout."""
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response over ``chunks``; see the module docstring."""
+
+    def __init__(self, chunks: AsyncIterator[str], *, headers: dict[str, str] | None = None,
+                 send_timeout: float | None = None, on_close: Callable[[], None] | None = None,
+                 request_id: str | None = None) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={**SSE_HEADERS, **(headers or {})})
+        self.send_timeout = send_timeout
+        self.on_close = on_close
+        self.request_id = request_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.send_timeout
+
+        async def timed_send(message: Message) -> None:
+            # uvicorn's send waits while the socket's write buffer is full: a client that stops
+            # reading blocks it here, with the engine request (and its KV blocks) held.
+            try:
+                if _timeout is not None:  # Python >= 3.11: no task per chunk
+                    async with _timeout(timeout):
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                raise SendTimeoutError from None
+
+        try:
+            await super().__call__(scope, receive, timed_send if timeout else send)
+        except SendTimeoutError:
+            # Returning without completing the response makes the server close the connection.
+            logger.warning("request_id=%s the client read nothing for %gs: stream aborted",
+                           self.request_id, timeout)
+        except ClientDisconnect:  # ASGI 2.4 servers: send raises once the client is gone
+            pass
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+            # Run the body iterator's own cleanup now rather than whenever it is collected.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+

@@ -4,7 +4,9 @@ the server's plumbing (errors, aborts, queue bounds, engine death) quickly and e
 Tokens are characters: token id = code point. Each step every running sequence emits the next
 letter of "abcdefghijklmnopqrstuvwxyz" (cycling) until max_tokens; a stop string ends it early
 with "stop". ``pause()`` / ``allow(k)`` / ``resume()`` let a test hold the engine inside
-``step`` (after ``k`` more steps), so that what happens meanwhile is deterministic.
+``step`` (after ``k`` more steps), so that what happens meanwhile is deterministic. A prompt
+holding ``FAIL_PROMPT`` ends its request, at its first step, with ``RequestOutput.error``
+set (as EngineCore does when its per-request work raises); the engine goes on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.sampling_params import SamplingParams
 
 VOCAB = 0x250
+FAIL_PROMPT = "!ERR"
 
 
 class FakeTokenizer:
@@ -49,6 +52,7 @@ class _Req:
     params: SamplingParams
     metrics: RequestMetrics
     outs: list[CompletionOutput] = field(default_factory=list)
+    fail: bool = False  # the prompt holds FAIL_PROMPT
 
 
 class FakeCore:
@@ -92,6 +96,7 @@ class FakeCore:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = _Req(request_id, list(prompt_token_ids), params,
                    RequestMetrics(arrival_time or time.time()))
+        req.fail = FAIL_PROMPT in "".join(map(chr, req.prompt))
         req.outs = [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None
                                      else None) for i in range(params.n)]
         self.requests[request_id] = req
@@ -136,6 +141,14 @@ class FakeCore:
         outputs = []
         for rid, req in list(self.requests.items())[:self.config.max_num_seqs]:
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+            if req.fail:
+                del self.requests[rid]
+                self.blocks_used -= 1
+                outputs.append(RequestOutput(
+                    request_id=rid, prompt=None, prompt_token_ids=req.prompt,
+                    outputs=[CompletionOutput(c.index, finish_reason="abort") for c in req.outs],
+                    finished=True, metrics=req.metrics, error="ValueError: secret internals"))
+                continue
             for c in req.outs:
                 if c.finish_reason:
                     continue

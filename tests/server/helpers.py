@@ -21,11 +21,12 @@ def free_port() -> int:
 class ServerThread:
     """A real uvicorn server for ``app`` on 127.0.0.1, run on a daemon thread."""
 
-    def __init__(self, app, port: int | None = None) -> None:
+    def __init__(self, app, port: int | None = None, **config_kwargs) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
-                                access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+                                access_log=False, lifespan="on",
+                                **{"timeout_graceful_shutdown": 5, **config_kwargs})
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

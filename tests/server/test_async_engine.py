@@ -114,7 +114,7 @@ def test_queue_bound_raises_queue_full():
             core.pause()
             streams = [engine.submit([65], SamplingParams(max_tokens=3), f"q{i}")
                        for i in range(2)]
-            with pytest.raises(QueueFullError, match="2 requests are already waiting") as info:
+            with pytest.raises(QueueFullError, match="2 sequences are already waiting") as info:
                 engine.submit([65], SamplingParams(max_tokens=3), "q-over")
             assert info.value.retry_after >= 1
             core.resume()
@@ -196,3 +196,132 @@ def test_shutdown_timeout_aborts_what_is_left():
     asyncio.run(run())
     assert "slow" in core.aborted and core.blocks_used == 0
     assert not engine._thread.is_alive()
+
+
+def test_queue_bound_counts_sequences_not_requests():
+    core = FakeCore(max_waiting_requests=4, max_num_seqs=4)
+    engine = AsyncEngine(core=core)
+    try:
+        async def run():
+            core.pause()
+            first = engine.submit([65], SamplingParams(n=3, max_tokens=2), "three")
+            with pytest.raises(QueueFullError, match="3 sequences are already waiting"):
+                engine.submit([65], SamplingParams(n=2, max_tokens=2), "two")
+            last = engine.submit([65], SamplingParams(max_tokens=2), "one")
+            with pytest.raises(QueueFullError):
+                engine.submit([65], SamplingParams(max_tokens=2), "over")
+            core.resume()
+            for s in (first, last):
+                outs = [o async for o in s]
+                assert outs[-1].finished and outs[-1].outputs[-1].text == "ab"
+
+        asyncio.run(run())
+    finally:
+        core.resume()
+        engine.stop()
+
+
+def test_requests_that_can_never_fit_are_value_errors_not_queue_full():
+    core = FakeCore(max_waiting_requests=3, max_num_seqs=8)
+    engine = AsyncEngine(core=core)
+    try:
+        assert engine.config is core.config and engine.config.seqs_per_request_cap == 8
+
+        async def run():
+            with pytest.raises(ValueError, match="asks for 4 sequences.*max_waiting_requests"):
+                engine.submit([65], SamplingParams(n=4, max_tokens=2), "a")
+            with pytest.raises(ValueError, match="asks for 4 sequences"):
+                engine.check_request([65], SamplingParams(n=4, max_tokens=2))
+
+        asyncio.run(run())
+        capped = AsyncEngine(core=FakeCore(max_num_seqs=8, max_seqs_per_request=2))
+        try:
+            with pytest.raises(ValueError, match="at most 2 are allowed per request"):
+                capped.check_request([65], SamplingParams(n=3, max_tokens=2))
+        finally:
+            capped.stop()
+    finally:
+        engine.stop()
+
+
+def test_priority_is_refused_unless_the_policy_is_priority():
+    fcfs = AsyncEngine(core=FakeCore())
+    prio = AsyncEngine(core=FakeCore(scheduling_policy="priority"))
+    try:
+        async def run():
+            with pytest.raises(ValueError, match="start the server with --scheduling-policy"):
+                fcfs.submit([65], SamplingParams(max_tokens=2), "p", priority=2)
+            with pytest.raises(ValueError, match="--scheduling-policy priority"):
+                fcfs.check_request([65], SamplingParams(max_tokens=2), priority=-1)
+            outs = [o async for o in prio.generate([65], SamplingParams(max_tokens=2), "q",
+                                                   priority=2)]
+            assert outs[-1].finished
+
+        asyncio.run(run())
+    finally:
+        fcfs.stop()
+        prio.stop()
+
+
+def test_a_stalled_reader_holds_one_output_not_a_backlog(engine):
+    """Outputs are cumulative: the stream keeps only the newest; the final is never lost."""
+    import gc
+
+    from engine.outputs import RequestOutput
+
+    async def run():
+        stream = engine.submit([65], SamplingParams(max_tokens=60), "stalled")
+        # Finished and every output handed to the loop; nobody read.
+        await _await_until(lambda: engine.core.generation_tokens == 60
+                           and not engine.num_in_flight)
+        await asyncio.sleep(0.05)  # let every delivery callback run
+        gc.collect()
+        held = [o for o in gc.get_objects()
+                if isinstance(o, RequestOutput) and o.request_id == "stalled"]
+        # The slot, plus the engine thread's last step (its locals): not one per step (60).
+        assert len(held) <= 3
+        outs = [o async for o in stream]
+        assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 60
+
+    asyncio.run(run())
+
+
+def test_an_error_supersedes_a_pending_output_and_is_never_dropped(engine):
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    async def run():
+        engine.core.pause()
+        stream = engine.submit([65], SamplingParams(max_tokens=5), "err")
+        partial = RequestOutput("err", None, [65], [CompletionOutput(0, "a", [97])])
+        stream._put(partial)
+        stream._put(RuntimeError("boom"))
+        stream._put(partial)  # a late output does not hide the error
+        with pytest.raises(RuntimeError, match="boom"):
+            await stream.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        final = RequestOutput("f", None, [65], [CompletionOutput(0, "ab", [97, 98], "stop")],
+                              finished=True)
+        other = engine.submit([65], SamplingParams(max_tokens=5), "f")
+        other._put(final)
+        other._put(partial)  # cannot replace the final output
+        other._put(RuntimeError("late"))
+        assert [o async for o in other] == [final]
+        engine.core.resume()
+
+    asyncio.run(run())
+
+
+def test_dead_reason_names_the_fatal_error(engine):
+    core = engine.core
+    assert engine.is_healthy and engine.dead_reason is None
+
+    async def run():
+        core.fail_next_step = RuntimeError("forward pass exploded")
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate([65], SamplingParams(max_tokens=3), "dies"):
+                pass
+
+    asyncio.run(run())
+    assert not engine.is_healthy
+    assert engine.dead_reason == "RuntimeError: forward pass exploded"

@@ -141,3 +141,38 @@ def test_plugin_subcommands_are_registered_when_present():
     if (ROOT / "server" / "bench" / "cli.py").exists():
         expected |= {"bench", "kv-calc"}
     assert expected <= choices
+
+
+def test_hardening_flags_and_keys(tmp_path):
+    engine, server = _parse()
+    assert (engine.max_seqs_per_request, engine.scheduling_policy) == (None, "fcfs")
+    assert engine.seqs_per_request_cap == engine.max_num_seqs
+    assert (server.max_request_body_size, server.limit_concurrency, server.stream_timeout,
+            server.trust_request_chat_template) == (32 * 2**20, 1024, 60.0, False)
+    engine, server = _parse("--max-seqs-per-request", "8", "--scheduling-policy", "priority",
+                            "--max-request-body-size", "1MiB", "--limit-concurrency", "0",
+                            "--stream-timeout", "5", "--trust-request-chat-template")
+    assert (engine.max_seqs_per_request, engine.seqs_per_request_cap,
+            engine.scheduling_policy) == (8, 8, "priority")
+    assert (server.max_request_body_size, server.limit_concurrency, server.stream_timeout,
+            server.trust_request_chat_template) == (2**20, None, 5.0, True)
+    f = _write(tmp_path, "max-seqs-per-request: 3\nscheduling-policy: fcfs\n"
+                         "max-request-body-size: 64KiB\nlimit-concurrency: null\n"
+                         "stream-timeout: 0\ntrust-request-chat-template: true\n")
+    engine, server = resolve({}, f)
+    assert (engine.max_seqs_per_request, server.max_request_body_size, server.limit_concurrency,
+            server.stream_timeout, server.trust_request_chat_template) == \
+        (3, 64 * 1024, None, 0.0, True)
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("max-request-body-size: 10\n", "max-request-body-size must be at least 1KiB"),
+    ("max-request-body-size: lots\n", "cannot read"),
+    ("limit-concurrency: -1\n", "limit-concurrency cannot be negative"),
+    ("stream-timeout: -1\n", "stream-timeout cannot be negative"),
+    ("scheduling-policy: lottery\n", "scheduling-policy must be one of"),
+    ("max-seqs-per-request: 0\n", "max_seqs_per_request must be >= 1"),
+])
+def test_bad_hardening_values_are_refused(tmp_path, text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        resolve({}, _write(tmp_path, text))

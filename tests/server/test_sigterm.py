@@ -1,6 +1,7 @@
 """SIGTERM: the server stops accepting, lets the request in flight finish, then exits; with a
-short timeout it aborts what is left instead of waiting. The real serving path (run_server)
-runs in a subprocess around a fake core that takes ``step_delay`` per token."""
+short timeout it aborts what is left instead of waiting. An engine that dies makes the process
+exit non-zero, for a supervisor to restart it. The real serving path (run_server) runs in a
+subprocess around a fake core that takes ``step_delay`` per token."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.cli import ENGINE_DIED_EXIT_STATUS
 from server.sse import parse_events
-from tests.server.helpers import free_port
+from tests.server.fake_server_main import DIE_PROMPT
+from tests.server.helpers import assert_error, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,3 +74,26 @@ def test_sigterm_drains_requests_in_flight_then_exits(tmp_path, timeout, tokens,
     else:
         assert len(text) < tokens
     assert "draining requests in flight" in log.read_text()
+
+
+def test_a_dead_engine_makes_the_process_exit_non_zero(tmp_path):
+    # Listening on every interface without a key: the start-up log says so, loudly.
+    proc, url, log = _start(tmp_path, "--host", "0.0.0.0")
+    try:
+        assert "NO API KEY" in log.read_text() and "WARNING" in log.read_text()
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "prompt": "x", "max_tokens": 4000, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            # a request that makes the step (the forward pass) fail: the engine loop dies
+            assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": DIE_PROMPT},
+                                    timeout=30), 503, code="engine_dead")
+            events = parse_events("\n\n".join(line for line in lines if line) + "\n\n")
+        assert events[-2]["error"]["code"] == "engine_dead" and events[-1] == "[DONE]"
+        assert proc.wait(60) == ENGINE_DIED_EXIT_STATUS != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "the engine died (RuntimeError: simulated forward-pass failure)" in text
+    assert "supervisor" in text
