@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py decode --out DIR    # 8B-shaped decode step, graphs on/off
     python benchmarks/gpu_check.py serve  --out DIR    # real server + load generator
 
-Everything runs on models made on the spot: tiny random HF checkpoints (``tests/tiny_models``)
+Everything runs on models made on the spot: tiny random HF checkpoints (``engine/models/tiny.py``)
 and the 8B shape in ``configs/models/llama-3.1-8b`` with ``--load-format dummy``, so nothing is
 downloaded and the 98 MB embedded GGUF is not needed. Each section writes ``DIR/<section>.json``
 and prints a short table.
@@ -85,29 +85,12 @@ def _workload(seed: int, n: int = 12):
     return prompts, [rng.randint(4, 20) for _ in range(n)]
 
 
-def _hf_greedy(model, prompt: list[int], k: int, device: str) -> list[int]:
-    from tests.models.hf_reference import hf_greedy
-
-    if device == "cpu":
-        return hf_greedy(model, prompt, k)
-    tokens: list[int] = []
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-        for _ in range(k):
-            token = int(out.logits[0, -1].argmax())
-            tokens.append(token)
-            if len(tokens) == k:
-                break
-            out = model(input_ids=torch.tensor([[token]], device=device),
-                        past_key_values=out.past_key_values, use_cache=True)
-    return tokens
-
-
 def cmd_parity(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
-    from tests.tiny_models import make_tiny_model_dir
+    from engine.models.hf_reference import hf_greedy
+    from engine.models.tiny import make_tiny_model_dir
 
     results, ok = [], True
     for i, (model_type, overrides) in enumerate(TINY_TYPES.items()):
@@ -115,7 +98,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
         prompts, lengths = _workload(i)
         params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in lengths]
         hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        truth = [_hf_greedy(hf32, p, k, "cpu") for p, k in zip(prompts, lengths)]
+        truth = [hf_greedy(hf32, p, k, "cpu") for p, k in zip(prompts, lengths)]
         for eager in (False, True):
             llm = LLM(str(path), dtype="float32", device="cuda", attention_backend="triton",
                       kv_cache_memory="64MiB", enforce_eager=eager, max_num_seqs=16)
@@ -126,7 +109,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
                             "identical_sequences": same, "sequences": len(truth)})
             del llm
         hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-        truth16 = [_hf_greedy(hf16, p, k, "cuda") for p, k in zip(prompts, lengths)]
+        truth16 = [hf_greedy(hf16, p, k, "cuda") for p, k in zip(prompts, lengths)]
         llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton",
                   kv_cache_memory="64MiB", max_num_seqs=16)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.model
     if args.tiny:
-        from tests.tiny_models import make_tiny_model_dir
+        from engine.models.tiny import make_tiny_model_dir
 
         model = str(make_tiny_model_dir(Path(tempfile.mkdtemp()) / "tiny", "llama",
                                         max_position_embeddings=4096))

@@ -45,9 +45,8 @@ def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_id
         raise ValueError(f"the prompt ({n} tokens) leaves no room to generate within the "
                          f"maximum context length of {max_len} tokens")
     _check_fits_pool(limits, n, max_tokens, params.n)
-    for k in (params.logprobs, params.prompt_logprobs):
-        if k is not None and k > config.max_logprobs:
-            raise ValueError(f"at most {config.max_logprobs} logprobs may be asked for; got {k}")
+    config.check_logprobs(params.logprobs)
+    config.check_logprobs(params.prompt_logprobs, "prompt_logprobs")
     if params.logit_bias:
         bound = limits.token_id_bound
         bad = next((t for t in params.logit_bias if not 0 <= t < bound), None)

@@ -26,6 +26,10 @@ Contracts:
 * If ``step`` raises, the engine is dead: every pending stream raises :class:`EngineDeadError`,
   ``is_healthy`` turns false, ``dead_reason`` says why, and later submissions are refused.
 * The engine thread sleeps on a condition variable while it has nothing to do.
+* :meth:`AsyncEngine.stats` is the :class:`~engine.stats.EngineStats` of the last step (the
+  waiting count including the inbox). With ``config``, ``tokenizer``, ``model_name``,
+  ``max_model_len`` and ``token_id_bound`` it is all the server reads: nothing reaches into
+  the core.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any, Protocol
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -156,7 +161,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns an :class:`EngineCore` and the thread that drives it."""
+    """Owns an :class:`EngineCore` and the thread that drives it; the whole interface the
+    server uses (``config``, ``tokenizer``, ``model_name``, ``max_model_len``,
+    ``token_id_bound``, ``stats()``, ``check_request``, ``submit``/``generate``, draining)."""
 
     def __init__(self, config: EngineConfig | None = None, *, core: Any = None,
                  observers: list[EngineObserver] | None = None, start: bool = True) -> None:
@@ -169,6 +176,9 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.model_name: str = core.model_name
         self.max_model_len: int = core.max_model_len
+        # Ids in [0, bound) are known to the model and the tokenizer (an embedding may be
+        # padded past the tokenizer, as Qwen's is).
+        self.token_id_bound: int = core.token_id_bound
         self.observers: list[EngineObserver] = list(observers or [])
         self._cond = threading.Condition()
         # Guarded by _cond (touched by both threads):
@@ -179,7 +189,7 @@ class AsyncEngine:
         # What the core holds that is not yet scheduled (upper bounds between snapshots):
         self._waiting = 0  # requests
         self._waiting_seqs = 0  # sequences: what max_waiting_requests bounds
-        self._stats: dict[str, int | float] = dict(core.stats())
+        self._stats: EngineStats = core.stats()
         self._stop = False
         # Set once, read anywhere:
         self._dead: BaseException | None = None
@@ -215,22 +225,18 @@ class AsyncEngine:
         with self._cond:
             return len(self._streams)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> EngineStats:
         """The engine counters as of the last step, waiting count including the inbox."""
         with self._cond:
-            stats = dict(self._stats)
             # _waiting also covers requests taken from the inbox since the last snapshot.
-            stats["num_requests_waiting"] = self._waiting + len(self._inbox)
-        return stats
+            return self._stats.replace(num_requests_waiting=self._waiting + len(self._inbox))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                       priority: int = 0) -> None:
-        """Raise ValueError (a 400) if this request can never be served: ``priority`` under
-        fcfs, ``params.n`` above ``config.seqs_per_request_cap`` or ``max_waiting_requests``,
-        and the core's checks (prompt, ids, lengths, pool). Pure; callable from any thread."""
-        self.config.check_priority(priority)
-        self.config.check_num_seqs(params.n)
-        self.core.check_request(prompt_token_ids, params)
+        """Raise ValueError (a 400) if this request can never be served: the core's checks
+        (``engine.admission.check_request``: priority under fcfs, ``params.n`` above the caps,
+        prompt, ids, lengths, pool). Pure; callable from any thread."""
+        self.core.check_request(prompt_token_ids, params, priority=priority)
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -334,11 +340,11 @@ class AsyncEngine:
                     outputs = self.core.step()
                     self._deliver(outputs)
                 has_work = self.core.has_unfinished_requests()
-                stats = dict(self.core.stats())
+                stats = self.core.stats()
                 with self._cond:
                     self._stats = stats
-                    self._waiting = int(stats.get("num_requests_waiting", 0))
-                    self._waiting_seqs = int(stats.get("num_seqs_waiting", self._waiting))
+                    self._waiting = stats.num_requests_waiting
+                    self._waiting_seqs = stats.num_seqs_waiting
             if self._active:
                 self._process_aborts(list(self._active))
                 self.core.step()  # lets the core release the aborted requests' blocks

@@ -1,6 +1,7 @@
-"""Flattening one step's scheduled sequences into the model's packed input, on the host.
+"""Flattening one step's plan (``engine.step_plan.StepPlan``) into the model's packed input.
 
-Every sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
+Plain data in, plain data out: this module sees neither sequences nor the KV manager. Every
+sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
 Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
 with tensor ops. Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves
 it to its device in one copy (``engine.device_input``), or into a captured CUDA graph's static
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.manager import KVCacheManager
-from engine.scheduler import ScheduledSeq
+from engine.step_plan import StepPlan
 
 
 @dataclass
@@ -67,25 +67,9 @@ class ModelInput:
         return self.num_decodes == self.num_seqs and not self.prompt_rows
 
 
-def _prompt_logit_span(s: ScheduledSeq) -> tuple[int, int] | None:
-    """Positions ``[first, last)`` of this chunk whose prompt logprobs are still to record.
-
-    Position ``p`` predicts prompt token ``p + 1``; ``request.prompt_logprobs`` holds
-    ``None`` then one entry per recorded target, so positions below ``len - 1`` are done. A
-    recompute preemption during prefill restarts the chunk at 0: the rows already recorded
-    are not asked for again (they were once duplicated).
-    """
-    req = s.seq.request
-    if s.seq.index != 0 or not req.wants_prompt_logprobs:
-        return None
-    done = len(req.prompt_logprobs) - 1 if req.prompt_logprobs else 0
-    first = max(s.start, done)
-    last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
-    return (first, last) if first < last else None
-
-
-def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ModelInput:
-    bs = kv.block_size
+def build_model_input(plan: StepPlan) -> ModelInput:
+    """Pack ``plan`` (at least one sequence) into one flat host batch, rows in plan order."""
+    bs = plan.block_size
     ids: list[int] = []
     q_lens: list[int] = []
     seq_lens: list[int] = []
@@ -96,25 +80,25 @@ def build_model_input(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Mode
     prompt_targets: list[int] = []
     prompt_top_k = 0
     num_decodes = 0
-    for i, s in enumerate(scheduled):
-        seq, start, n = s.seq, s.start, s.num_new_tokens
+    for i, s in enumerate(plan.seqs):
+        start, n = s.start, len(s.token_ids)
         if n == 1 and num_decodes == i:
             num_decodes += 1
         flat_start = len(ids)
-        ids.extend(seq.token_ids[start:start + n])
+        ids.extend(s.token_ids)
         q_lens.append(n)
         seq_lens.append(start + n)
-        tables.append(kv.block_table(seq.seq_id))
+        tables.append(s.block_table)
         if s.sample:
             sample_seq_indices.append(i)
-        span = _prompt_logit_span(s)
+        span = s.prompt_logits
         if span is not None:
-            first, last = span
+            first, last = span.first, span.last
             row_start = len(prompt_flat)
             prompt_flat.extend(range(flat_start + first - start, flat_start + last - start))
-            prompt_targets.extend(seq.request.prompt_token_ids[first + 1:last + 1])
+            prompt_targets.extend(span.targets)
             prompt_rows.append(PromptLogitRows(i, row_start, len(prompt_flat), first + 1))
-            prompt_top_k = max(prompt_top_k, seq.request.params.prompt_logprobs or 0)
+            prompt_top_k = max(prompt_top_k, span.top_k)
 
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]

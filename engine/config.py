@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -45,7 +45,8 @@ def parse_bytes(value: int | float | str | None) -> int | None:
 class EngineConfig:
     """Everything that shapes an engine. Frozen: build a new one with :meth:`replace`.
 
-    ``model=None`` selects the embedded default model (SmolLM2-135M-Instruct).
+    ``model=None`` (or "default", or any name ``engine.embedded_model`` knows) selects the
+    embedded default model (SmolLM2-135M-Instruct).
     ``kv_cache_memory`` sizes the KV pool in bytes (or "4GiB"); when ``None`` the CPU default is
     a share of RAM and CUDA uses ``gpu_memory_utilization`` after a profiling pass.
     ``max_model_len=None`` takes the model's own context length.
@@ -87,7 +88,6 @@ class EngineConfig:
     max_seqs_per_request: int | None = None
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -142,7 +142,7 @@ class EngineConfig:
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(names - {'extra'}))}")
+                             f"known: {', '.join(sorted(names))}")
         return cls(model=model, **overrides)
 
     @property
@@ -154,26 +154,35 @@ class EngineConfig:
             return self.max_seqs_per_request
         return self.max_num_seqs
 
-    def check_num_seqs(self, num_seqs: int) -> None:
+    def check_num_seqs(self, num_seqs: int, what: str | None = None) -> None:
         """Raise ValueError (a 400: retrying cannot help) when one request of ``num_seqs``
         sequences could never be admitted: above :attr:`seqs_per_request_cap`, or above
-        ``max_waiting_requests`` (the whole waiting queue). Pure."""
+        ``max_waiting_requests`` (the whole waiting queue). ``what`` describes the request in
+        the message (default ``"<num_seqs> sequences (n x prompts)"``). Pure."""
+        what = what or f"{num_seqs} sequences (n x prompts)"
         cap = self.seqs_per_request_cap
         if num_seqs > cap:
-            raise ValueError(f"this request asks for {num_seqs} sequences (n x prompts) but at "
-                             f"most {cap} are allowed per request (max_seqs_per_request); lower "
-                             f"n or send fewer prompts at once")
+            raise ValueError(f"this request asks for {what}, but at most {cap} are allowed per "
+                             f"request (--max-seqs-per-request / max_seqs_per_request, default "
+                             f"--max-num-seqs); lower n or send fewer prompts at once")
         if num_seqs > self.max_waiting_requests:
-            raise ValueError(f"this request asks for {num_seqs} sequences (n x prompts) but the "
-                             f"waiting queue holds at most {self.max_waiting_requests} "
-                             f"(max_waiting_requests); lower n or send fewer prompts at once")
+            raise ValueError(f"this request asks for {what}, but the waiting queue holds at "
+                             f"most {self.max_waiting_requests} (--max-waiting-requests / "
+                             f"max_waiting_requests); lower n or send fewer prompts at once")
+
+    def check_logprobs(self, k: int | None, name: str = "logprobs") -> None:
+        """Raise ValueError when ``k`` (sample or prompt logprobs per token) is above
+        ``max_logprobs``. Pure."""
+        if k is not None and k > self.max_logprobs:
+            raise ValueError(f"{name} must be at most {self.max_logprobs}; got {k}")
 
     def check_priority(self, priority: int) -> None:
         """Raise ValueError for a non-zero ``priority`` unless ``scheduling_policy`` is
         ``"priority"``. Pure."""
         if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError("priority scheduling is off; start the server with "
-                             "--scheduling-policy priority")
+            raise ValueError(f"priority {priority} is not allowed: this server schedules first "
+                             f"come, first served (priority scheduling is off; start the server "
+                             f"with --scheduling-policy priority to honour request priorities)")
 
     @property
     def swap_space_bytes(self) -> int:

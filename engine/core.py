@@ -1,5 +1,9 @@
 """EngineCore: one synchronous engine step = schedule, run the model, sample, update.
 
+The scheduler owns the KV manager and its host tier; what reaches the model runner is the
+scheduler's plain-data ``StepPlan`` (its copies first, then its packed forward pass). Sequences
+end through ``Scheduler.finish_seq``, which frees their blocks.
+
 Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
 ``check_request`` (pure) may be called from elsewhere. An accepted request always ends with a
 final ``RequestOutput`` (finish_reason stop, length or abort); its KV blocks are freed exactly once.
@@ -27,8 +31,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import token_text_fn, tokenizer_size
 from engine.device import set_device_for_thread
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.offload import SwapCostModel, offload_stats_dict
-from engine.kv_cache.tiered import TieredKVCacheManager
+from engine.kv_cache.offload import SwapCostModel
 from engine.loader import (
     default_generation_eos,
     iter_weights,
@@ -45,9 +48,11 @@ from engine.output_builder import (
 )
 from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
+from engine.sampling_row import SamplingRow
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import EngineStats, HostTierStats
 from engine.stop import SequenceTextState
 
 logger = logging.getLogger("kvserve.engine")
@@ -69,14 +74,13 @@ class EngineCore:
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
         self._block_bytes = self.runner.kv_bytes_per_token * config.block_size
-        self._host_tier: TieredKVCacheManager | None = None
-        if num_host_blocks:
-            self.kv = self._host_tier = TieredKVCacheManager(
-                num_blocks, config.block_size, num_host_blocks, config.enable_prefix_caching,
-                cost=SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
-                                             self._block_bytes))
-        else:
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
+                                        self._block_bytes) if num_host_blocks else None)
+        # The scheduler owns the manager (and its host tier): the core keeps a reference for
+        # stats and integrity checks only, and never allocates, frees or looks up through it.
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_host_blocks=num_host_blocks, cost=cost)
+        self._host_tier = self.kv if num_host_blocks else None  # offload stats
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = self.runner.arch.vocab_size
@@ -168,8 +172,12 @@ class EngineCore:
         touched: dict[str, Request] = {r.request_id: r for r in self._finished_unreported}
         self._finished_unreported = []
         out = self.scheduler.schedule()
-        if self._host_tier is not None:  # spills, load-backs, swaps: before the model runs
-            self._host_tier.flush_copies(self.runner.copy_kv_blocks)
+        copies = out.plan.copies
+        try:  # spills, load-backs, swaps: before the model runs
+            if copies:
+                self.runner.copy_kv_blocks(copies.d2h, copies.h2d)
+        finally:
+            self.scheduler.complete_copies()
         if not out.empty:
             try:
                 self._run(out, touched)
@@ -236,7 +244,7 @@ class EngineCore:
             m = s.seq.request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        inp = build_model_input(out.scheduled, self.kv)
+        inp = build_model_input(out.plan)
         result = self.runner.execute(inp)  # a failure here is the engine's, not a request's
         self.scheduler.update_after_step(out)
         if result.prompt_logprobs is not None:
@@ -300,30 +308,30 @@ class EngineCore:
 
     # ---- introspection -------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> EngineStats:
         kv = self.kv.stats()
-        return {
-            "num_requests_running": len({s.request.request_id for s in self.scheduler.running}),
-            "num_requests_waiting": self.scheduler.num_waiting_requests,
-            "num_seqs_waiting": self.scheduler.num_waiting_seqs,
-            "kv_cache_usage_perc": kv.usage,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_preemptions_swap": self.scheduler.num_preemptions_swap,
-            "num_preemptions_recompute": self.scheduler.num_preemptions_recompute,
-            "prompt_tokens": self.counters["prompt_tokens"],
-            "generation_tokens": self.counters["generation_tokens"],
-            "num_steps": self.counters["num_steps"],
-            "num_blocks_total": kv.num_blocks,
-            "num_blocks_free": kv.num_free_blocks,
-            "num_blocks_used": kv.num_used_blocks,
-            "num_blocks_cached": kv.num_cached_blocks,
-            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
-            "computed_tokens": self.counters["computed_tokens"],
-            **offload_stats_dict(self._host_tier and self._host_tier.offload_stats(),
-                                 self._block_bytes),
-        }
+        return EngineStats(
+            num_requests_running=len({s.request.request_id for s in self.scheduler.running}),
+            num_requests_waiting=self.scheduler.num_waiting_requests,
+            num_seqs_waiting=self.scheduler.num_waiting_seqs,
+            kv_cache_usage_perc=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions_swap=self.scheduler.num_preemptions_swap,
+            num_preemptions_recompute=self.scheduler.num_preemptions_recompute,
+            prompt_tokens=self.counters["prompt_tokens"],
+            generation_tokens=self.counters["generation_tokens"],
+            num_steps=self.counters["num_steps"],
+            num_blocks_total=kv.num_blocks,
+            num_blocks_free=kv.num_free_blocks,
+            num_blocks_used=kv.num_used_blocks,
+            num_blocks_cached=kv.num_cached_blocks,
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            computed_tokens=self.counters["computed_tokens"],
+            host=HostTierStats.from_offload(
+                self._host_tier and self._host_tier.offload_stats(), self._block_bytes),
+        )
 
 
 def _tokenizer_files(config: EngineConfig, files):

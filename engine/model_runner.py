@@ -1,5 +1,10 @@
 """Owns the model weights, the KV pools and the attention backend on one device.
 
+Below the scheduler: it receives plain data only — a step's packed ``ModelInput`` (built from
+the scheduler's ``engine.step_plan.StepPlan`` by ``engine.batch``) and the plan's block copy
+orders — and never sees a ``Sequence``, the scheduler or the KV manager. Which blocks a
+sequence owns is decided there; here they are only indices into the pools.
+
 ``execute`` runs one packed step and returns the logits of the rows that are sampled and, for
 prompt positions whose logprobs were asked for, their reduced logprobs (target logprob, rank,
 top-k), computed ``PROMPT_LOGPROB_CHUNK`` rows of logits at a time. The KV pools are allocated
@@ -12,12 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata, get_attention_backend
+from engine.attention import AttentionMetadata
+from engine.attention_backend import get_attention_backend
 from engine.batch import ModelInput
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -212,11 +219,12 @@ class ModelRunner:
         logger.info("host KV tier: %d blocks, %.2f GiB", n, pools.nbytes / 2**30)
         return n
 
-    def copy_kv_blocks(self, d2h: list[tuple[int, int]], h2d: list[tuple[int, int]]) -> None:
-        """One step's block moves: ``d2h`` (device block, host block) pairs, then ``h2d``
-        (host block, device block) pairs, for every layer's K and V. On CUDA they run on a side
-        stream ordered after the queued work; the compute stream waits only for what this
-        step reads (see ``engine.host_copy.HostTierCopier``)."""
+    def copy_kv_blocks(self, d2h: Sequence[tuple[int, int]],
+                       h2d: Sequence[tuple[int, int]]) -> None:
+        """One step's block moves (``StepPlan.copies``): ``d2h`` (device block, host block)
+        pairs, then ``h2d`` (host block, device block) pairs, for every layer's K and V. On
+        CUDA they run on a side stream ordered after the queued work; the compute stream waits
+        only for what this step reads (see ``engine.host_copy.HostTierCopier``)."""
         self._host_copier.copy(d2h, h2d)
 
     def kv_pool_bytes(self) -> int:

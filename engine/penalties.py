@@ -22,12 +22,10 @@ server's job, and one bad request must not fail the step for everybody else.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.sampler import SamplingRow
+from engine.sampling_row import SamplingRow
 
 
 def needs_processing(row: SamplingRow) -> bool:

@@ -31,20 +31,7 @@ from engine import penalties
 from engine.outputs import Logprob
 from engine.prompt_logprobs import add_top_entries, position_entries, reduce_logits
 from engine.sampling_params import SamplingParams
-
-
-@dataclass
-class SamplingRow:
-    """One row of the step's logits and what the sampler needs to know about its sequence."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far by this row
-    generator: torch.Generator | None  # set iff params.seed is not None; advanced only by it
-    eos_token_ids: frozenset[int]  # masked (with stop_token_ids) while output < min_tokens
-    # Lives as long as the request: logit processors keep what they build once (the
-    # logit-bias tensors) here. None: build every call.
-    cache: dict | None = None
+from engine.sampling_row import SamplingRow
 
 
 @dataclass

@@ -26,8 +26,12 @@ Policy, whole (one screen):
    cost nothing per step while they wait.
 
 The waiting queue is a heap (``engine.waiting_queue``): O(log n) per insert and admission.
-The scheduler owns the waiting and running sets and every call to the KV manager's
-allocate/free; the engine core calls ``schedule`` then ``update_after_step``.
+The scheduler owns the waiting and running sets and the KV manager with its host tier: every
+allocate, free, look-up and commit goes through it. The engine core calls ``schedule``, runs
+the copies of ``SchedulerOutput.plan`` and calls ``complete_copies``, runs the plan's forward
+pass, then calls ``update_after_step``; ``finish_seq`` ends a sequence and frees its blocks.
+What leaves the scheduler for the model side is ``SchedulerOutput.plan``
+(``engine.step_plan.StepPlan``): plain data, no ``Sequence`` and no KV manager.
 """
 
 from __future__ import annotations
@@ -36,13 +40,18 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager, PrefixHit
-from engine.kv_cache.tiered import TieredKVCacheManager
 from engine.request import Request, SeqStatus, Sequence
+from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
 from engine.waiting_queue import WaitingQueue
+
+_NO_COPIES = BlockCopyOrders()
 
 
 @dataclass
 class ScheduledSeq:
+    """The scheduler's own record of one scheduled sequence (the core's view); the model side
+    gets the matching :class:`~engine.step_plan.SeqChunk` of ``SchedulerOutput.plan``."""
+
     seq: Sequence
     num_new_tokens: int
     sample: bool  # the chunk reaches the last known token: sample the next one
@@ -59,6 +68,8 @@ class SchedulerOutput:
     swapped_out: list[Sequence] = field(default_factory=list)  # the preempted ones swapped
     swapped_in: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Plain data for the model side: ``scheduled`` in the same order, plus the step's copies.
+    plan: StepPlan = field(default_factory=lambda: StepPlan((), 1))
 
     @property
     def empty(self) -> bool:
@@ -68,9 +79,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
-        self.kv = kv
+        self.kv = kv  # owned: nothing outside the scheduler allocates, frees or looks up
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
-        self.tiered = kv if isinstance(kv, TieredKVCacheManager) else None
+        self.has_host_tier = kv.host is not None
         self.use_priority = config.scheduling_policy == "priority"
         self.waiting = WaitingQueue(self.use_priority)
         self.running: list[Sequence] = []  # admission order
@@ -138,10 +149,6 @@ class Scheduler:
                     if seqs and seqs[0].request.seqs[0] not in self.waiting)
         return self.waiting.num_requests + extra
 
-    @property
-    def num_unfinished(self) -> int:
-        return self.num_waiting_seqs + len(self.running)
-
     # ---- the step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -162,7 +169,33 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         # Decodes first: the attention backends take a fast path for the leading q_len == 1 run.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.plan = self._plan(out.scheduled)
         return out
+
+    def _plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
+        """The step as plain data: per sequence its new tokens, block table, sampling and prompt
+        logit rows; plus the block copies recorded while scheduling (their host blocks stay
+        pinned until ``complete_copies``)."""
+        kv = self.kv
+        table = kv.block_table
+        chunks = []
+        for s in scheduled:
+            seq = s.seq
+            start = seq.num_computed_tokens
+            chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens], start,
+                                   table(seq.seq_id), s.sample, _prompt_logit_span(s)))
+        seqs = tuple(chunks)
+        copies = kv.take_copies() if self.has_host_tier else None
+        if copies:
+            return StepPlan(seqs, kv.block_size, BlockCopyOrders(tuple(copies.d2h),
+                                                                 tuple(copies.h2d)))
+        return StepPlan(seqs, kv.block_size, _NO_COPIES)
+
+    def complete_copies(self) -> None:
+        """The copies of the last plan have run (or failed): release the host blocks they
+        pinned. Call once after every ``schedule``, before the next one."""
+        if self.has_host_tier:
+            self.kv.complete_copies()
 
     @staticmethod
     def _samples(seq: Sequence, num_new: int) -> bool:
@@ -213,17 +246,16 @@ class Scheduler:
         """Swap ``seq`` out if the mode (and, for auto, the expected cost) says so and the host
         has room; False means: recompute it. Its computed tokens stay computed."""
         mode = self.config.preemption_mode
-        if self.tiered is None or mode == "recompute":
+        if not self.has_host_tier or mode == "recompute":
             return False
-        if mode == "auto" and not self.tiered.swap_is_cheaper(seq.seq_id,
-                                                              seq.num_computed_tokens):
+        if mode == "auto" and not self.kv.swap_is_cheaper(seq.seq_id, seq.num_computed_tokens):
             return False
-        return self.tiered.swap_out(seq.seq_id, seq.num_computed_tokens)
+        return self.kv.swap_out(seq.seq_id, seq.num_computed_tokens)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
-            if self.tiered is not None and self.tiered.is_swapped(seq.seq_id):
+            if self.has_host_tier and self.kv.is_swapped(seq.seq_id):
                 num_new = self._swap_in(seq, budget, out)
                 if num_new is None:
                     break
@@ -249,12 +281,11 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Resume swapped ``seq`` (at the head of the queue) with its next tokens; returns how
         many it computes this step, or None if it cannot run now (it keeps waiting)."""
-        assert self.tiered is not None
         num_new = seq.num_tokens - seq.num_computed_tokens
         if num_new > budget and not self.config.enable_chunked_prefill:
             return None
         num_new = min(num_new, budget)
-        if self.tiered.swap_in(seq.seq_id, seq.num_computed_tokens + num_new) is None:
+        if self.kv.swap_in(seq.seq_id, seq.num_computed_tokens + num_new) is None:
             return None
         self.waiting.pop()
         self._start_running(seq)
@@ -298,3 +329,23 @@ class Scheduler:
             if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
                     and seq.request.request_id in self._parked):
                 self._release_parked(seq.request)
+
+
+def _prompt_logit_span(s: ScheduledSeq) -> PromptLogitSpan | None:
+    """Positions of this chunk whose prompt logprobs are still to record, or None.
+
+    Position ``p`` predicts prompt token ``p + 1``; ``request.prompt_logprobs`` holds
+    ``None`` then one entry per recorded target, so positions below ``len - 1`` are done. A
+    recompute preemption during prefill restarts the chunk at 0: the rows already recorded
+    are not asked for again (they were once duplicated).
+    """
+    req = s.seq.request
+    if s.seq.index != 0 or not req.wants_prompt_logprobs:
+        return None
+    done = len(req.prompt_logprobs) - 1 if req.prompt_logprobs else 0
+    first = max(s.start, done)
+    last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    return PromptLogitSpan(first, last, tuple(req.prompt_token_ids[first + 1:last + 1]),
+                           req.params.prompt_logprobs or 0)

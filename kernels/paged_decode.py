@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch_config import decode_launch_config
-from kernels.paged_attention import LOG2E, _attend_kv_tile, check_kv_layout, dot_options
+from kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options
 
 # A split shorter than this spends more on its launch share and merge than it saves.
 MIN_KEYS_PER_SPLIT = 256
@@ -84,7 +84,7 @@ def _decode_kernel(
         j = start + tl.arange(0, BLOCK_N)
         j_valid = (j < end_key) & (j >= lo)
         mask = j_valid[None, :] & h_valid[:, None]
-        acc, m_i, l_i = _attend_kv_tile(
+        acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, mask, j_valid, start, end_key, k_cache_ptr, v_cache_ptr, bt_row,
             head_off, d, d_valid, stride_blk, stride_slot, scale_log2,
             BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC)

@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
-from server.chat import create_chat_completion, render_chat
+from engine.chat_template import render_chat
+from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config_file import ServerSettings
 from server.errors import APIError, bad_request, install_error_handlers
@@ -34,6 +35,7 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    conversation,
 )
 from server.serving import ServingContext
 
@@ -145,8 +147,7 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
     tok = ctx.tokenizer
     if req.messages is not None:
         try:
-            _, ids = render_chat(tok, [{"role": "system" if m.role == "developer" else m.role,
-                                        "content": m.text()} for m in req.messages],
+            _, ids = render_chat(tok, conversation(req.messages),
                                  add_generation_prompt=req.add_generation_prompt)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
@@ -160,10 +161,7 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
 
 
 def _detokenize(ctx: ServingContext, req: DetokenizeRequest) -> dict[str, Any]:
-    core = ctx.engine.core
-    # Ids the tokenizer knows: a model's embedding may be padded past them (Qwen).
-    vocab = getattr(core, "token_id_bound", None) or getattr(core, "vocab_size", None) or \
-        len(ctx.tokenizer)
+    vocab = ctx.engine.token_id_bound
     bad = next((t for t in req.tokens if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})",

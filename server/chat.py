@@ -8,54 +8,32 @@ with empty choices and the usage, then ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.async_engine import RequestAbortedError
+from engine.chat_template import render_chat
 from engine.outputs import RequestOutput
 from server.errors import bad_request
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
 from server.serving import (
     ServingContext,
-    abort_on_disconnect,
     aborted_on_error,
-    check_output,
-    engine_error,
     new_id,
     request_id_of,
     respond,
+    stream_events,
     submit_or_error,
     usage_of,
 )
-from server.sse import DONE, event
+from server.sse import event
 
 logger = logging.getLogger("kvserve.server")
-
-
-def render_chat(tokenizer: Any, conversation: list[dict[str, str]], *,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
-    """The prompt text and token ids for a conversation; ValueError when the template refuses.
-
-    The template already holds the special tokens, so encoding adds none of its own.
-    """
-    try:
-        kwargs: dict[str, Any] = dict(template_kwargs or {})
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
-    except Exception as exc:  # jinja2 TemplateError, ValueError, ...
-        raise ValueError(f"the chat template could not render these messages: {exc}") from None
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
 # apply_chat_template's own parameters: they change what it returns (token ids, tensors, a
@@ -107,10 +85,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     xrid = request_id_of(raw)
     model = ctx.check_model(req.model)
     top = req.top_logprobs or 0
-    if req.logprobs and top > ctx.engine.config.max_logprobs:
-        raise bad_request(f"top_logprobs must be at most {ctx.engine.config.max_logprobs}",
-                          param="top_logprobs")
-    ctx.check_limits(num_prompts=1, n=req.n, priority=req.priority)
+    ctx.check_limits(num_prompts=1, n=req.n, priority=req.priority,
+                     logprobs=top if req.logprobs else None, logprobs_param="top_logprobs")
     kwargs = template_kwargs(req, ctx.trust_request_chat_template)
     try:
         text, ids = await asyncio.to_thread(
@@ -163,50 +139,34 @@ class _ChatWriter:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return event(body)
 
-    async def stream(self, raw: Request, streams: list) -> AsyncIterator[str]:
+    def stream(self, raw: Request, streams: list) -> AsyncIterator[str]:
         n = self.req.n
         sent_text = [0] * n
         sent_tokens = [0] * n
         done = [False] * n
-        final: RequestOutput | None = None
-        try:
-            for i in range(n):
-                yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None})
-            async with abort_on_disconnect(raw, streams), contextlib.aclosing(
-                    _iterate(streams[0])) as outputs:
-                async for out in outputs:
-                    check_output(out)
-                    for c in out.outputs:
-                        i = c.index
-                        if done[i]:
-                            continue
-                        delta = c.text[sent_text[i]:]
-                        has_lp = self.req.logprobs and len(c.token_ids) > sent_tokens[i]
-                        if not delta and not c.finish_reason and not has_lp:
-                            continue
-                        lp = self._logprobs(c, sent_tokens[i])
-                        sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                        done[i] = c.finish_reason is not None
-                        yield self._chunk({"index": i, "delta": {"content": delta} if delta
-                                           else {}, "logprobs": lp,
-                                           "finish_reason": c.finish_reason,
-                                           "stop_reason": c.stop_reason})
-                    if out.finished:
-                        final = out
-            if self.req.include_usage and final is not None:
+
+        def deltas(_: int, out: RequestOutput) -> Iterator[str]:
+            for c in out.outputs:
+                i = c.index
+                if done[i]:
+                    continue
+                delta = c.text[sent_text[i]:]
+                has_lp = self.req.logprobs and len(c.token_ids) > sent_tokens[i]
+                if not delta and not c.finish_reason and not has_lp:
+                    continue
+                lp = self._logprobs(c, sent_tokens[i])
+                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                done[i] = c.finish_reason is not None
+                yield self._chunk({"index": i, "delta": {"content": delta} if delta else {},
+                                   "logprobs": lp, "finish_reason": c.finish_reason,
+                                   "stop_reason": c.stop_reason})
+
+        def closing(finals: list[RequestOutput]) -> Iterator[str]:
+            if self.req.include_usage and finals:
                 yield event({**self._base("chat.completion.chunk"), "choices": [],
-                             "usage": usage_of([final])})
-        except RequestAbortedError:
-            return
-        except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI does
-            yield event(engine_error(exc, self.ctx, self.xrid).body())
-        finally:
-            for s in streams:
-                s.abort()
-        yield DONE
+                             "usage": usage_of(finals)})
 
-
-async def _iterate(stream: Any) -> AsyncIterator[RequestOutput]:
-    async for out in stream:
-        yield out
+        opening = [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}) for i in range(n)]
+        return stream_events(self.ctx, raw, streams, self.xrid, deltas=deltas, closing=closing,
+                             opening=opening)

@@ -4,8 +4,10 @@
     kvserve generate [MODEL] --prompt TEXT [--chat] [--max-tokens N] [sampling/engine flags]
     kvserve bench ... / kvserve kv-calc ...   (registered by server/bench/cli.py when present)
 
-MODEL defaults to the embedded SmolLM2-135M-Instruct. Engine flags are named as vLLM names them;
-a config file holds the same keys, and flags given on the command line override it.
+MODEL defaults to the embedded SmolLM2-135M-Instruct (also named ``default``: every spelling that
+``engine.embedded_model`` knows works for every subcommand). Engine flags are named as vLLM names
+them; a config file holds the same keys, and flags given on the command line override it.
+``generate`` runs through the offline API (``engine.LLM``), ``serve`` through ``AsyncEngine``.
 """
 
 from __future__ import annotations
@@ -27,16 +29,9 @@ from server.config_file import (
 
 logger = logging.getLogger("kvserve.cli")
 
-_NOT_FLAGS = {"command", "func", "config", "print_config", "prompt", "chat", "system",
-              "max_tokens", "temperature", "top_p", "top_k", "sampling_seed", "stop"}
-
-
-def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k not in _NOT_FLAGS}
-
-
 def _settings(args: argparse.Namespace):
-    flags = _flags(args)
+    # resolve() keeps only the option names it knows: the subcommand's own arguments drop out.
+    flags = dict(vars(args))
     if "api_key" not in flags and os.environ.get("KVSERVE_API_KEY"):
         flags["api_key"] = os.environ["KVSERVE_API_KEY"]
     return resolve(flags, getattr(args, "config", None))
@@ -151,32 +146,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from server.logs import configure_logging
 
     configure_logging("warning" if settings.log_level == "info" else settings.log_level)
-    from engine.core import EngineCore
+    from engine.chat_template import render_chat
+    from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    core = EngineCore(engine_config)
+    llm = LLM.from_config(engine_config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
                             stop=list(args.stop or []))
     if args.chat:
-        from server.chat import render_chat
-
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
-        text, ids = render_chat(core.tokenizer, messages)
+        text, ids = render_chat(llm.tokenizer, messages)
     else:
-        text, ids = args.prompt, list(core.tokenizer.encode(args.prompt))
-    core.add_request("generate-0", ids, params, prompt=text)
+        text, ids = args.prompt, list(llm.tokenizer.encode(args.prompt))
     start, printed, final = time.perf_counter(), 0, None
     if not args.chat:
         print(args.prompt, end="", flush=True)
-    while core.has_unfinished_requests():
-        for out in core.step():
-            piece = out.outputs[0].text
-            print(piece[printed:], end="", flush=True)
-            printed = len(piece)
-            if out.finished:
-                final = out
+    for out in llm.stream(ids, params, prompt=text):
+        piece = out.outputs[0].text
+        print(piece[printed:], end="", flush=True)
+        printed = len(piece)
+        final = out
     print(flush=True)
     if final is not None:
         c = final.outputs[0]

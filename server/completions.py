@@ -8,35 +8,30 @@ chunk. Usage counts each prompt once, whatever ``n`` is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.async_engine import RequestAbortedError
 from engine.outputs import RequestOutput
 from server.errors import bad_request
 from server.logprobs import CompletionLogprobs
 from server.protocol import CompletionRequest
 from server.serving import (
     ServingContext,
-    abort_on_disconnect,
     aborted_on_error,
-    check_output,
-    engine_error,
-    merge_streams,
     new_id,
     request_id_of,
     respond,
+    stream_events,
     submit_or_error,
     usage_of,
 )
-from server.sse import DONE, event
+from server.sse import event
 
 logger = logging.getLogger("kvserve.server")
 
@@ -56,10 +51,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                             ) -> Response:
     xrid = request_id_of(raw)
     model = ctx.check_model(req.model)
-    if req.logprobs is not None and req.logprobs > ctx.engine.config.max_logprobs:
-        raise bad_request(f"logprobs must be at most {ctx.engine.config.max_logprobs}",
-                          param="logprobs")
-    ctx.check_limits(num_prompts=len(req.prompts()), n=req.n, priority=req.priority)
+    ctx.check_limits(num_prompts=len(req.prompts()), n=req.n, priority=req.priority,
+                     logprobs=req.logprobs)
     prompts = await asyncio.to_thread(_tokenize_prompts, ctx, req)
     try:
         params = req.sampling_params(
@@ -126,32 +119,21 @@ class _Writer:
         return {**self._base(), "choices": choices, "usage": usage_of(finals),
                 "system_fingerprint": None}
 
-    async def stream(self, raw: Request, streams: list) -> AsyncIterator[str]:
+    def stream(self, raw: Request, streams: list) -> AsyncIterator[str]:
         n = self.req.n
         states = [_ChoiceState() for _ in range(len(streams) * n)]
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async with abort_on_disconnect(raw, streams), \
-                    contextlib.aclosing(merge_streams(streams)) as merged:
-                async for pi, out in merged:
-                    check_output(out)
-                    for c in out.outputs:
-                        chunk = self._delta(pi, out, c, states[pi * n + c.index])
-                        if chunk is not None:
-                            yield event({**self._base(), "choices": [chunk]})
-                    if out.finished:
-                        finals[pi] = out
+
+        def deltas(pi: int, out: RequestOutput) -> Iterator[str]:
+            for c in out.outputs:
+                chunk = self._delta(pi, out, c, states[pi * n + c.index])
+                if chunk is not None:
+                    yield event({**self._base(), "choices": [chunk]})
+
+        def closing(finals: list[RequestOutput]) -> Iterator[str]:
             if self.req.include_usage:
-                yield event({**self._base(), "choices": [],
-                             "usage": usage_of([finals[i] for i in sorted(finals)])})
-        except RequestAbortedError:
-            return  # the client is gone: nobody to tell
-        except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI does
-            yield event(engine_error(exc, self.ctx, self.xrid).body())
-        finally:
-            for s in streams:  # a consumer that stopped early (disconnect) frees its blocks
-                s.abort()
-        yield DONE
+                yield event({**self._base(), "choices": [], "usage": usage_of(finals)})
+
+        return stream_events(self.ctx, raw, streams, self.xrid, deltas=deltas, closing=closing)
 
     def _delta(self, pi: int, out: RequestOutput, c: Any, st: _ChoiceState
                ) -> dict[str, Any] | None:

@@ -4,7 +4,8 @@ Two sources feed one private registry (one per app, so tests can build many apps
 
 * engine counters and gauges (running/waiting requests, KV usage, prefix-cache tokens,
   preemptions, token totals, block counts) are read from ``AsyncEngine.stats()`` at scrape time
-  by :class:`_EngineCollector`;
+  by :class:`_EngineCollector`, which reads the fields of the typed
+  :class:`~engine.stats.EngineStats` snapshot (a misspelt field fails the scrape, loudly);
 * per-request histograms and the finished-request counter are observed on the engine thread by
   :class:`ServerMetrics`, an ``EngineObserver`` (prometheus_client metrics are thread-safe).
 """
@@ -26,65 +27,70 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
+from engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Gauges: (stats key, metric name, help). Keys the engine does not report are skipped.
+# Gauges: (EngineStats field, metric name, help).
 _GAUGES = [
-    ("num_requests_running", "kvserve:num_requests_running",
+    (lambda s: s.num_requests_running, "kvserve:num_requests_running",
      "Number of requests in the running batch."),
-    ("num_requests_waiting", "kvserve:num_requests_waiting",
+    (lambda s: s.num_requests_waiting, "kvserve:num_requests_waiting",
      "Number of requests waiting to be scheduled."),
-    ("num_swapped_seqs", "kvserve:num_requests_swapped",
+    (lambda s: s.host.num_swapped_seqs, "kvserve:num_requests_swapped",
      "Sequences whose KV blocks are swapped out to the host tier."),
-    ("kv_cache_usage_perc", "kvserve:kv_cache_usage_perc",
+    (lambda s: s.kv_cache_usage_perc, "kvserve:kv_cache_usage_perc",
      "KV-cache usage: fraction of blocks in use (0..1)."),
-    ("num_blocks_total", "kvserve:kv_cache_num_blocks", "Blocks in the device KV pool."),
-    ("num_blocks_free", "kvserve:kv_cache_free_blocks",
+    (lambda s: s.num_blocks_total, "kvserve:kv_cache_num_blocks", "Blocks in the device KV pool."),
+    (lambda s: s.num_blocks_free, "kvserve:kv_cache_free_blocks",
      "Blocks held by no request (cached ones included: they are evictable)."),
-    ("num_blocks_used", "kvserve:kv_cache_used_blocks", "Blocks held by at least one request."),
-    ("num_blocks_cached", "kvserve:kv_cache_cached_blocks",
+    (lambda s: s.num_blocks_used, "kvserve:kv_cache_used_blocks",
+     "Blocks held by at least one request."),
+    (lambda s: s.num_blocks_cached, "kvserve:kv_cache_cached_blocks",
      "Free blocks that still hold a reusable prefix."),
-    ("kv_bytes_per_token", "kvserve:kv_cache_bytes_per_token",
+    (lambda s: s.kv_bytes_per_token, "kvserve:kv_cache_bytes_per_token",
      "KV-cache bytes per token (2 x layers x KV heads x head dim x dtype bytes)."),
-    ("host_blocks_total", "kvserve:host_kv_cache_num_blocks",
+    (lambda s: s.host.host_blocks_total, "kvserve:host_kv_cache_num_blocks",
      "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
-    ("host_blocks_used", "kvserve:host_kv_cache_used_blocks", "Host-tier blocks in use."),
-    ("host_blocks_cached", "kvserve:host_kv_cache_cached_blocks",
+    (lambda s: s.host.host_blocks_used, "kvserve:host_kv_cache_used_blocks",
+     "Host-tier blocks in use."),
+    (lambda s: s.host.host_blocks_cached, "kvserve:host_kv_cache_cached_blocks",
      "Host-tier blocks holding a reusable prefix."),
-    ("host_kv_usage_perc", "kvserve:host_kv_cache_usage_perc",
+    (lambda s: s.host.host_kv_usage_perc, "kvserve:host_kv_cache_usage_perc",
      "Host-tier usage: fraction of blocks in use (0..1)."),
 ]
-# Counters: (metric name, help, label name or None, [(stats key, label value)]);
+# Counters: (metric name, help, label name or None, [(EngineStats field, label value)]);
 # prometheus_client appends "_total" to the names.
 _COUNTERS = [
     ("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", None,
-     [("prefix_cache_queries", None)]),
+     [(lambda s: s.prefix_cache_queries, None)]),
     ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", None,
-     [("prefix_cache_hits", None)]),
+     [(lambda s: s.prefix_cache_hits, None)]),
     ("kvserve:prefix_cache_host_hits", "Prompt tokens found in the host tier's prefix cache.",
-     None, [("prefix_cache_host_hits", None)]),
+     None, [(lambda s: s.host.prefix_cache_host_hits, None)]),
     ("kvserve:num_preemptions", "Cumulative number of preemptions.", None,
-     [("num_preemptions", None)]),
+     [(lambda s: s.num_preemptions, None)]),
     ("kvserve:num_preemptions_by_mode", "Preemptions by how the KV was given up.", "mode",
-     [("num_preemptions_swap", "swap"), ("num_preemptions_recompute", "recompute")]),
+     [(lambda s: s.num_preemptions_swap, "swap"),
+      (lambda s: s.num_preemptions_recompute, "recompute")]),
     ("kvserve:prompt_tokens", "Prompt tokens of accepted requests.", None,
-     [("prompt_tokens", None)]),
-    ("kvserve:generation_tokens", "Generated tokens.", None, [("generation_tokens", None)]),
+     [(lambda s: s.prompt_tokens, None)]),
+    ("kvserve:generation_tokens", "Generated tokens.", None,
+     [(lambda s: s.generation_tokens, None)]),
     ("kvserve:computed_tokens", "Tokens run through the model (prefill chunks and decodes).",
-     None, [("computed_tokens", None)]),
+     None, [(lambda s: s.computed_tokens, None)]),
     ("kvserve:engine_steps", "Engine iterations that ran the model.", None,
-     [("num_steps", None)]),
+     [(lambda s: s.num_steps, None)]),
     ("kvserve:kv_offload_blocks", "KV blocks copied between the device pool and the host tier.",
-     "direction", [("offload_blocks_d2h", "device_to_host"),
-                   ("offload_blocks_h2d", "host_to_device")]),
+     "direction", [(lambda s: s.host.offload_blocks_d2h, "device_to_host"),
+                   (lambda s: s.host.offload_blocks_h2d, "host_to_device")]),
     ("kvserve:kv_offload_bytes", "KV bytes copied between the device pool and the host tier.",
-     "direction", [("offload_bytes_d2h", "device_to_host"),
-                   ("offload_bytes_h2d", "host_to_device")]),
+     "direction", [(lambda s: s.host.offload_bytes_d2h, "device_to_host"),
+                   (lambda s: s.host.offload_bytes_h2d, "host_to_device")]),
     ("kvserve:host_kv_cache_evictions", "Blocks evicted from the host tier.", None,
-     [("host_evictions", None)]),
+     [(lambda s: s.host.host_evictions, None)]),
     ("kvserve:kv_offload_spills", "Cached device blocks written back to the host on eviction.",
-     None, [("offload_spills", None)]),
+     None, [(lambda s: s.host.offload_spills, None)]),
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -96,7 +102,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float]],
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats],
                  healthy: Callable[[], bool]) -> None:
         self.model_name = model_name
         self.stats = stats
@@ -104,18 +110,14 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
-        for key, name, doc in _GAUGES:
-            if key in stats:
-                g = GaugeMetricFamily(name, doc, labels=["model_name"])
-                g.add_metric([self.model_name], float(stats[key]))
-                yield g
+        for read, name, doc in _GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(read(stats)))
+            yield g
         for name, doc, label, sources in _COUNTERS:
-            present = [(key, value) for key, value in sources if key in stats]
-            if not present:
-                continue
             c = CounterMetricFamily(name, doc, labels=["model_name"] + ([label] if label else []))
-            for key, value in present:
-                c.add_metric([self.model_name] + ([value] if label else []), float(stats[key]))
+            for read, value in sources:
+                c.add_metric([self.model_name] + ([value] if label else []), float(read(stats)))
             yield c
         up = GaugeMetricFamily("kvserve:engine_healthy",
                                "1 while the engine loop runs, 0 once it has died.",
@@ -138,7 +140,7 @@ class _Track:
 class ServerMetrics:
     """The registry behind ``GET /metrics``; also the engine observer for request metrics."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, int | float]],
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats],
                  healthy: Callable[[], bool] = lambda: True) -> None:
         self.model_name = model_name
         # No "*_created" series (as vLLM): they double the output and dashboards ignore them.

@@ -276,9 +276,13 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them ("developer" is OpenAI's new "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return conversation(self.messages)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template expects them ("developer" is OpenAI's new "system")."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages]
 
 
 class TokenizeRequest(_Request):

@@ -1,6 +1,8 @@
 """What the completions and chat endpoints share: the serving context, model checks, request
-limits, submitting prompts to the engine, merging streams, watching for a client that went away,
-and turning engine exceptions into HTTP errors.
+limits (the engine config's own checks, as 400s naming the request's field), submitting prompts
+to the engine, merging streams, the SSE loop of both streaming endpoints (``stream_events``: each
+endpoint only says what events one output makes), watching for a client that went away, and
+turning engine exceptions into HTTP errors. The server talks to ``AsyncEngine`` only.
 
 Ownership of engine requests: from ``submit_or_error`` on, the endpoint owns its streams and
 must abort them on any failure (``aborted_on_error``); once it returns a streaming response, the
@@ -16,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +37,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
-from server.sse import SSEResponse
+from server.sse import DONE, SSEResponse, event
 
 logger = logging.getLogger("kvserve.server")
 
@@ -67,28 +69,29 @@ class ServingContext:
                             f"{', '.join(repr(n) for n in self.served_model_names)}.",
                        type="invalid_request_error", param="model", code="model_not_found")
 
-    def check_limits(self, *, num_prompts: int, n: int, priority: int) -> None:
-        """400 for a request that no retry can serve: more sequences (``num_prompts x n``) than
-        one request may have or than the whole waiting queue holds, or a non-zero ``priority``
-        under fcfs scheduling. Cheap: called before any prompt is tokenised."""
+    def check_limits(self, *, num_prompts: int, n: int, priority: int,
+                     logprobs: int | None = None, logprobs_param: str = "logprobs") -> None:
+        """400 for a request that no retry can serve: more logprobs than ``max_logprobs``,
+        more sequences (``num_prompts x n``) than one request may have or than the whole
+        waiting queue holds, or a non-zero ``priority`` under fcfs scheduling. The engine
+        config's checks, named after the request's fields. Cheap: called before any prompt is
+        tokenised."""
         config = self.engine.config
+        try:
+            config.check_logprobs(logprobs, logprobs_param)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=logprobs_param) from None
         seqs = num_prompts * n
         what = (f"{num_prompts} prompts x n={n} = {seqs} sequences" if num_prompts > 1
                 else f"n={n} sequences")
-        param = "prompt" if num_prompts > 1 else "n"
-        cap = config.seqs_per_request_cap
-        if seqs > cap:
-            raise bad_request(f"this request asks for {what}, but at most {cap} are allowed per "
-                              f"request (--max-seqs-per-request, default --max-num-seqs); lower "
-                              f"n or send fewer prompts at once", param=param)
-        if seqs > config.max_waiting_requests:
-            raise bad_request(f"this request asks for {what}, but the waiting queue holds at "
-                              f"most {config.max_waiting_requests} (--max-waiting-requests); "
-                              f"lower n or send fewer prompts at once", param=param)
-        if priority != 0 and config.scheduling_policy != "priority":
-            raise bad_request(f"priority {priority} is not allowed: this server schedules first "
-                              f"come, first served (start it with --scheduling-policy priority "
-                              f"to honour request priorities)", param="priority")
+        try:
+            config.check_num_seqs(seqs, what)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="prompt" if num_prompts > 1 else "n") from None
+        try:
+            config.check_priority(priority)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="priority") from None
 
 
 class RequestFailedError(RuntimeError):
@@ -197,6 +200,40 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
                 fut.cancel()
         for s in streams:
             s.abort()
+
+
+async def stream_events(ctx: ServingContext, raw: Request, streams: list[RequestStream],
+                        request_id: str, *,
+                        deltas: Callable[[int, RequestOutput], Iterable[str]],
+                        closing: Callable[[list[RequestOutput]], Iterable[str]],
+                        opening: Iterable[str] = ()) -> AsyncIterator[str]:
+    """The SSE loop that completions and chat share: ``opening`` events, then for every output
+    (prompt index, cumulative output) the events ``deltas`` makes of it, then the events
+    ``closing`` makes of the finished outputs (in prompt order; the usage chunk), then
+    ``[DONE]``. An engine error is reported in the stream (as OpenAI does); a client that went
+    away is told nothing. However it ends, every stream is aborted (frees its blocks)."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        for e in opening:
+            yield e
+        async with abort_on_disconnect(raw, streams), \
+                contextlib.aclosing(merge_streams(streams)) as merged:
+            async for pi, out in merged:
+                check_output(out)
+                for e in deltas(pi, out):
+                    yield e
+                if out.finished:
+                    finals[pi] = out
+        for e in closing([finals[i] for i in sorted(finals)]):
+            yield e
+    except RequestAbortedError:
+        return  # the client is gone: nobody to tell
+    except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI does
+        yield event(engine_error(exc, ctx, request_id).body())
+    finally:
+        for s in streams:  # a consumer that stopped early (disconnect) frees its blocks
+            s.abort()
+    yield DONE
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -1,5 +1,6 @@
-"""Paged KV cache bookkeeping: block pool, chained block hashes, per-sequence block tables,
-and the host tier (spill, load-back, swap) under them."""
+"""Paged KV cache bookkeeping: block pool, chained block hashes, per-sequence block tables
+(``KVCacheManager``, owned by the scheduler), and the host tier (``HostTier``: spill,
+load-back, swap) that the manager holds as a component."""
 
 from engine.kv_cache.block_pool import BlockPool, EvictCallback, FreeBlockQueue, KVBlock
 from engine.kv_cache.hashing import (
@@ -11,7 +12,7 @@ from engine.kv_cache.hashing import (
 )
 from engine.kv_cache.manager import KVCacheManager, KVCacheStats, PrefixHit
 from engine.kv_cache.offload import BlockCopies, HostKVCache, OffloadStats, SwapCostModel
-from engine.kv_cache.tiered import TieredKVCacheManager
+from engine.kv_cache.tiered import HostTier
 
 __all__ = [
     "ROOT_PARENT",
@@ -21,13 +22,13 @@ __all__ = [
     "EvictCallback",
     "FreeBlockQueue",
     "HostKVCache",
+    "HostTier",
     "KVBlock",
     "KVCacheManager",
     "KVCacheStats",
     "OffloadStats",
     "PrefixHit",
     "SwapCostModel",
-    "TieredKVCacheManager",
     "compute_block_hashes",
     "encode_extra_keys",
     "hash_block",

@@ -1,11 +1,22 @@
-"""KVCacheManager: per-sequence block tables over the device BlockPool, with prefix sharing.
+"""KVCacheManager: per-sequence block tables over the device BlockPool, with prefix sharing,
+and the host tier (``engine.kv_cache.tiered.HostTier``) as a component when there is one.
 
-The scheduler's view of the KV cache. Per step it calls, for every running sequence,
+The scheduler's view of the KV cache, and only the scheduler's: it alone calls allocate, free,
+look-up and commit; the model side receives block tables as plain data in the step plan.
+Per step the scheduler calls, for every running sequence,
 ``allocate`` (make room for the tokens about to be computed) and, after the forward pass,
 ``commit`` (register the blocks that became full and computed, so later requests can share them).
 Both cost O(new blocks), not O(table length): a decoding sequence that needs no new block pays a
 few integer operations. ``find_prefix`` + ``allocate(prefix=...)`` admit a request on top of
 cached blocks; ``free`` ends a sequence (finished, aborted, or preempted for recompute).
+
+With a host tier (``num_host_blocks > 0``) the manager also continues a device prefix hit with
+blocks the host holds (``PrefixHit.host_hashes``, loaded back by ``allocate``), spills evicted
+cached blocks to the host, and swaps preempted sequences out and in (``swap_out``, ``swap_in``).
+A sequence is then either live (a device table), swapped (its host table lives in the tier;
+its hashes and commit progress stay here), or unknown; ``free`` ends it in either state and
+releases everything exactly once. The copies all of that needs are recorded, not run:
+``take_copies`` hands them out once per step and ``complete_copies`` releases their pins.
 
 Block states and the free queue are described in :mod:`engine.kv_cache.block_pool`.
 """
@@ -17,6 +28,8 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import BlockPool, EvictCallback, KVBlock
 from engine.kv_cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
+from engine.kv_cache.offload import BlockCopies, OffloadStats, SwapCostModel
+from engine.kv_cache.tiered import CopyFn, HostTier
 
 
 @dataclass(frozen=True)
@@ -29,8 +42,8 @@ class PrefixHit:
     empty; its blocks must then be in use or free-cached.
 
     ``host_hashes`` names the blocks right after ``block_ids`` that only the host tier holds
-    (:class:`engine.kv_cache.tiered.TieredKVCacheManager` loads them back on ``allocate``);
-    ``num_tokens`` covers both parts. This manager has no host tier and refuses such a hit.
+    (``allocate`` loads them back); ``num_tokens`` covers both parts. A manager without a host
+    tier refuses such a hit.
     """
 
     block_ids: list[int]
@@ -85,7 +98,10 @@ class KVCacheManager:
     was looked up but never got blocks, or its remembered hashes stay behind.
 
     ``on_evict(block_id, block_hash)`` is called when a free-cached block is reused and loses its
-    hash, before the block is handed to its new owner (the hook of the host offload tier).
+    hash, before the block is handed to its new owner (after the host tier's spill, if any).
+
+    ``num_host_blocks > 0`` adds the host tier (``self.host``; None without one); ``cost``
+    drives :meth:`swap_is_cheaper`. ``check_integrity`` then covers the host pool too.
     """
 
     def __init__(
@@ -94,16 +110,33 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_evict: EvictCallback | None = None,
+        *,
+        num_host_blocks: int = 0,
+        cost: SwapCostModel | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, on_evict=on_evict)
+        self._user_on_evict = on_evict
+        self.pool = BlockPool(num_blocks, on_evict=self._spill if num_host_blocks else on_evict)
+        self.host: HostTier | None = (
+            HostTier(num_host_blocks, self.pool, block_size, cost) if num_host_blocks else None)
         self._seqs: dict[str, _SeqState] = {}
+        # Swapped-out sequences: their hashes and commit progress (the device table is empty).
+        self._swapped: dict[str, _SeqState] = {}
         self._queries = 0
         self._hits = 0
+
+    def _spill(self, block_id: int, block_hash: BlockHash) -> None:
+        self.host.prepare_store(block_id, block_hash)
+        if self._user_on_evict is not None:
+            self._user_on_evict(block_id, block_hash)
+
+    def _check_live(self, seq_id: str) -> None:
+        if seq_id in self._swapped:
+            raise ValueError(f"{seq_id} is swapped out: swap_in before anything else")
 
     # ----------------------------------------------------------------- queries
     @property
@@ -125,11 +158,6 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         return state.num_committed if state else 0
 
-    def block_hashes(self, seq_id: str) -> list[BlockHash]:
-        """The content hashes computed so far for ``seq_id``'s full blocks (a copy)."""
-        state = self._seqs.get(seq_id)
-        return list(state.hashes) if state else []
-
     # ------------------------------------------------------------ prefix lookup
     def find_prefix(
         self,
@@ -149,8 +177,10 @@ class KVCacheManager:
         admission of a request already counted). With prefix caching disabled: the empty hit,
         no stats change. Cost: every full block before the last token is hashed once (SHA-256,
         about 1.5 us a block) and remembered for ``commit``; a repeated lookup for the same
-        ``seq_id`` only does the dict lookups.
+        ``seq_id`` only does the dict lookups. With a host tier the device hit is continued by
+        blocks the host holds (``PrefixHit.host_hashes``).
         """
+        self._check_live(seq_id)
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         state = self._state_for(seq_id, extra_keys)
@@ -168,6 +198,12 @@ class KVCacheManager:
                 break
             block_ids.append(block.block_id)
         hit = PrefixHit(block_ids, len(block_ids) * bs, tuple(hashes[: len(block_ids)]))
+        if self.host is not None:
+            n = self.host.lookup(hashes[len(block_ids):max_blocks])
+            if n:
+                host_hashes = tuple(hashes[len(block_ids):len(block_ids) + n])
+                hit = PrefixHit(block_ids, hit.num_tokens + n * bs, hit.block_hashes,
+                                host_hashes)
         if record_stats:
             self.record_prefix_stats(len(token_ids), hit.num_tokens)
         return hit
@@ -184,7 +220,9 @@ class KVCacheManager:
         self, seq_id: str, num_tokens: int, prefix: PrefixHit | None = None
     ) -> int:
         """Blocks ``allocate`` would take from the free supply: fresh blocks plus prefix blocks
-        that are currently free-cached (taking them back removes them from the free queue)."""
+        that are currently free-cached (taking them back removes them from the free queue).
+        Host blocks of the hit need fresh device blocks: they count among the fresh ones."""
+        prefix = self._device_part(prefix)
         state = self._seqs.get(seq_id)
         have = len(state.block_ids) if state else 0
         prefix_blocks = self._prefix_blocks(have, prefix)
@@ -204,8 +242,13 @@ class KVCacheManager:
         ones leave the free queue (so they count against the free supply). Fresh blocks are then
         appended, evicting LRU free-cached blocks as needed. Returns the newly appended fresh
         block ids ([] if none were needed). If the pool cannot supply them, returns None and
-        changes nothing. Raises ValueError for a stale or malformed prefix.
+        changes nothing. Raises ValueError for a stale or malformed prefix. A hit's host blocks
+        get the first fresh device blocks, their hashes at once, and a host->device copy each
+        (counted as host prefix hits).
         """
+        self._check_live(seq_id)
+        if prefix is not None and prefix.host_hashes and self.host is not None:
+            return self._allocate_with_load(seq_id, num_tokens, prefix)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         state = self._seqs.get(seq_id)
@@ -230,11 +273,41 @@ class KVCacheManager:
         state.block_ids.extend(new_ids)
         return new_ids
 
+    def _allocate_with_load(self, seq_id: str, num_tokens: int,
+                            prefix: PrefixHit) -> list[int] | None:
+        bs = self.block_size
+        if prefix.num_tokens != prefix.num_blocks * bs or num_tokens < prefix.num_tokens:
+            raise ValueError(f"a prefix of {prefix.num_blocks} blocks must cover "
+                             f"{prefix.num_blocks * bs} tokens and lie within num_tokens")
+        if self.block_table(seq_id):
+            raise ValueError("a prefix can only start a block table: the sequence already "
+                             "has blocks")
+        if self.host.lookup(prefix.host_hashes) != len(prefix.host_hashes):
+            raise ValueError("stale prefix hit: a host block was evicted since find_prefix; "
+                             "call find_prefix again right before allocate")
+        device = self._device_part(prefix)
+        if not self.can_allocate(seq_id, num_tokens, device):
+            return None
+        host_blocks = self.host.prepare_load(prefix.host_hashes)  # spills must not evict them
+        new_ids = self.allocate(seq_id, num_tokens, device)
+        assert new_ids is not None and len(new_ids) >= len(host_blocks)
+        loaded = new_ids[:len(host_blocks)]
+        self.host.load(host_blocks, loaded)
+        for h, dev in zip(prefix.host_hashes, loaded):
+            self.pool.register(self.pool.blocks[dev], h)  # may stay a private duplicate
+        return new_ids
+
+    def _device_part(self, prefix: PrefixHit | None) -> PrefixHit | None:
+        if prefix is None or not prefix.host_hashes or self.host is None:
+            return prefix
+        return PrefixHit(prefix.block_ids, len(prefix.block_ids) * self.block_size,
+                         prefix.block_hashes)
+
     def _prefix_blocks(self, have: int, prefix: PrefixHit | None) -> list[KVBlock]:
         """Validate ``prefix`` against the pool and return its blocks (no state change)."""
         if prefix is not None and prefix.host_hashes:
             raise ValueError("the prefix names host-tier blocks but this manager has no host "
-                             "tier; use TieredKVCacheManager (swap_space > 0)")
+                             "tier (swap_space > 0)")
         if prefix is None or not prefix.block_ids:
             return []
         if have:
@@ -316,13 +389,20 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- release
     def free(self, seq_id: str) -> None:
-        """Drop ``seq_id``'s references and forget the sequence (idempotent).
+        """Drop ``seq_id``'s references and forget the sequence, live or swapped (idempotent).
 
         Blocks reaching ref 0 join the free queue, the table's last block first, so that among
         cached blocks the tail of a sequence is evicted before the head of its prefix (which is
         the part most likely shared). Uncached blocks go to the front of the queue instead: they
-        are reused before any cached block is evicted.
+        are reused before any cached block is evicted. A swapped sequence's host blocks are
+        released; named ones stay in the host prefix cache.
         """
+        if self.host is not None:
+            self.host.free(seq_id)
+            self._swapped.pop(seq_id, None)
+        self._free_device(seq_id)
+
+    def _free_device(self, seq_id: str) -> None:
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return
@@ -334,10 +414,91 @@ class KVCacheManager:
         """Drop the hash of every free block (their KV is forgotten, not written back).
 
         Returns True if no block holds a hash afterwards; False if blocks in use keep theirs
-        (they stay shareable until freed and reused). An offload tier resets its own map.
+        (they stay shareable until freed and reused). The host tier drops its free cached
+        blocks too.
         """
         self.pool.evict_cached_free_blocks()
-        return not self.pool.cached
+        if self.host is None:
+            return not self.pool.cached
+        self.host.reset()
+        return not self.pool.cached and not self.host.pool.cached
+
+    # ------------------------------------------------------------------- swap
+    def is_swapped(self, seq_id: str) -> bool:
+        return seq_id in self._swapped
+
+    def _swap_names(self, state: _SeqState, num_tokens: int) -> tuple[list[KVBlock], list]:
+        """The device blocks holding the first ``num_tokens`` tokens and the hash each one's KV
+        is known under (None: unnamed)."""
+        n = -(-num_tokens // self.block_size)
+        if n > len(state.block_ids):
+            raise ValueError(f"{num_tokens} tokens but a table of {len(state.block_ids)} blocks")
+        blocks = [self.pool.blocks[b] for b in state.block_ids[:n]]
+        named = min(state.num_committed, len(state.hashes), num_tokens // self.block_size)
+        names = [b.block_hash if b.block_hash is not None else
+                 (state.hashes[i] if i < named else None) for i, b in enumerate(blocks)]
+        return blocks, names
+
+    def swap_cost_blocks(self, seq_id: str, num_tokens: int) -> tuple[int, int]:
+        """(blocks to copy out, blocks to copy back in) if ``seq_id`` were swapped now."""
+        state = self._seqs.get(seq_id)
+        if state is None or self.host is None:
+            return 0, 0
+        return self.host.swap_cost_blocks(*self._swap_names(state, num_tokens))
+
+    def swap_is_cheaper(self, seq_id: str, num_tokens: int) -> bool:
+        """Whether swapping ``seq_id`` (``num_tokens`` computed) beats recomputing them."""
+        out, back = self.swap_cost_blocks(seq_id, num_tokens)
+        cost = self.host.cost if self.host is not None else SwapCostModel(1.0, 0.0)
+        return cost.swap_is_cheaper(num_tokens, out, back)
+
+    def swap_out(self, seq_id: str, num_tokens: int) -> bool:
+        """Move the KV of ``seq_id``'s first ``num_tokens`` tokens to the host and free all its
+        device blocks. Returns False and changes nothing when there is no host tier, the
+        sequence is not live, has nothing computed, or the host cannot make room (the caller
+        recomputes instead)."""
+        state = self._seqs.get(seq_id)
+        if self.host is None or state is None or num_tokens <= 0:
+            return False
+        blocks, names = self._swap_names(state, num_tokens)
+        if not self.host.swap_out(seq_id, blocks, names, num_tokens):
+            return False
+        self._swapped[seq_id] = state
+        self._free_device(seq_id)
+        state.block_ids = []
+        return True
+
+    def swap_in(self, seq_id: str, num_tokens: int) -> list[int] | None:
+        """Give swapped ``seq_id`` a device table covering ``num_tokens`` tokens (at least the
+        swapped ones). Returns the table, or None with nothing changed if the device pool is
+        short. Named blocks still on the device are shared; the rest are copied back."""
+        if self.host is None or seq_id not in self._swapped:
+            raise ValueError(f"{seq_id} is not swapped out")
+        table = self.host.swap_in(seq_id, num_tokens)
+        if table is None:
+            return None
+        state = self._swapped.pop(seq_id)
+        state.block_ids = table
+        self._seqs[seq_id] = state
+        return list(table)
+
+    # ----------------------------------------------------------------- copies
+    def take_copies(self) -> BlockCopies:
+        """The block copies recorded since the last call (spills, load-backs, swaps); their
+        host blocks stay pinned until :meth:`complete_copies`. Empty without a host tier."""
+        return self.host.take_copies() if self.host is not None else BlockCopies()
+
+    def complete_copies(self) -> None:
+        """The copies handed out by :meth:`take_copies` have run: release their pins."""
+        if self.host is not None:
+            self.host.complete_copies()
+
+    def flush_copies(self, copy_fn: CopyFn) -> BlockCopies:
+        """``take_copies``, run them through ``copy_fn(d2h, h2d)`` (device->host first),
+        ``complete_copies``: for callers that run the copies themselves (tests, tools)."""
+        if self.host is None:
+            return BlockCopies()
+        return self.host.flush_copies(copy_fn)
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> KVCacheStats:
@@ -355,8 +516,24 @@ class KVCacheManager:
             num_free_cached_blocks=self.pool.num_free_cached_blocks,
         )
 
+    def offload_stats(self) -> OffloadStats | None:
+        """The host tier's counters (None without one)."""
+        return self.host.stats() if self.host is not None else None
+
     def check_integrity(self) -> None:
-        """Assert every invariant (O(num_blocks + table lengths)); for tests and debugging."""
+        """Assert every invariant (O(num_blocks + table lengths)); for tests and debugging.
+        With a host tier also the host pool's, and: swapped sequences are not live and hold no
+        device table."""
+        self._check_device()
+        if self.host is None:
+            return
+        for seq_id, state in self._swapped.items():
+            assert seq_id not in self._seqs, f"{seq_id} is both live and swapped"
+            assert not state.block_ids, f"swapped {seq_id} still has a device table"
+        assert set(self._swapped) == self.host.swapped_ids(), "swapped sequences out of sync"
+        self.host.check_integrity(self.enable_prefix_caching)
+
+    def _check_device(self) -> None:
         self.pool.check_integrity()
         refs = [0] * self.num_blocks
         for seq_id, state in self._seqs.items():

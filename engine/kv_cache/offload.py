@@ -104,8 +104,8 @@ class OffloadStats:
 class HostKVCache:
     """Host block states, the host prefix cache (hash -> host block, LRU) and pending copies.
 
-    Knows nothing of sequences: :class:`engine.kv_cache.tiered.TieredKVCacheManager` keeps the
-    swapped-out sequences' host tables and decides what to spill, load or swap.
+    Knows nothing of sequences: :class:`engine.kv_cache.tiered.HostTier` keeps the swapped-out
+    sequences' host tables, and the device ``KVCacheManager`` decides what to spill, load or swap.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -258,22 +258,3 @@ class HostKVCache:
             spills=self.spills, spills_skipped=self.spills_skipped,
             spills_dropped=self.spills_dropped, num_swapped_seqs=num_swapped_seqs,
             host_blocks_cached_free=pool.num_free_cached_blocks)
-
-
-def offload_stats_dict(stats: OffloadStats | None, block_bytes: int) -> dict[str, int | float]:
-    """The host tier's ``EngineCore.stats()`` keys (all zero when the tier is off)."""
-    s = stats or OffloadStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    return {
-        "offload_blocks_d2h": s.blocks_d2h,
-        "offload_blocks_h2d": s.blocks_h2d,
-        "offload_bytes_d2h": s.blocks_d2h * block_bytes,
-        "offload_bytes_h2d": s.blocks_h2d * block_bytes,
-        "host_blocks_total": s.num_host_blocks,
-        "host_blocks_used": s.host_blocks_used,
-        "host_blocks_cached": s.host_blocks_cached,
-        "host_kv_usage_perc": s.host_usage,
-        "host_evictions": s.host_evictions,
-        "offload_spills": s.spills,
-        "prefix_cache_host_hits": s.host_prefix_hit_tokens,
-        "num_swapped_seqs": s.num_swapped_seqs,
-    }

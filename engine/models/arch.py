@@ -1,11 +1,20 @@
-"""The shape of a Llama-family model, read from its HF ``config.json``.
+"""The shape of a model, read from its HF ``config.json`` in ONE place.
 
-One frozen dataclass covers Llama 2/3, Mistral, Qwen2 and Qwen3: they differ only in a few
-switches (QKV bias, q/k RMSNorm, sliding window, RoPE scaling, explicit head_dim).
+:func:`shape_from_hf_config` is the only reader of the sizes (layers, heads, KV heads, head dim,
+hidden, intermediate, vocabulary, context) from a Hugging Face config; it gives a
+:class:`ModelShape`, which ``kv-calc``, the FLOPs yardstick and :class:`ModelArch` share (a GGUF
+file's metadata is mapped onto the same config keys by ``engine.kv_calc.shape_from_gguf``).
+
+:class:`ModelArch` adds what running the model needs to that shape. One frozen dataclass covers
+Llama 2/3, Mistral, Qwen2 and Qwen3: they differ only in a few switches (QKV bias, q/k RMSNorm,
+sliding window, RoPE scaling, explicit head_dim).
+
+Light on purpose (no torch): ``kvserve kv-calc`` imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +25,77 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     if isinstance(config, dict):
         return config.get(name, default)
     return getattr(config, name, default)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that the KV cache and the FLOPs count need."""
+
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int | None = None
+    intermediate: int | None = None
+    vocab: int | None = None
+    tied_embeddings: bool = False
+    attention_bias: bool = False
+    max_position: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "heads", "kv_heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive integer; got {v!r} for model "
+                                 f"{self.name!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.kv_heads}) for model {self.name!r}")
+
+    def non_embedding_params(self) -> int:
+        """Weights outside the token embedding and the LM head (norms included, Kaplan's N)."""
+        if self.hidden is None or self.intermediate is None:
+            raise ValueError(f"model {self.name!r} lacks hidden/intermediate sizes; give a "
+                             f"config.json or .gguf to count its parameters")
+        h, q = self.hidden, self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        return self.layers * (attn + mlp + norms) + h
+
+    def replace(self, **changes: Any) -> ModelShape:
+        return dataclasses.replace(self, **changes)
+
+
+def shape_from_hf_config(config: Any, name: str) -> ModelShape:
+    """Read a transformers config (a ``config.json`` dict or a ``PretrainedConfig``; Llama,
+    Mistral, Qwen2/3 and alike; a multimodal config's ``text_config``)."""
+    config = _get(config, "text_config") or config
+
+    def required(key: str) -> int:
+        value = _get(config, key)
+        if value is None:
+            raise ValueError(f"{name}: config lacks {key!r}; is it a decoder-only LM config?")
+        return int(value)
+
+    heads = required("num_attention_heads")
+    hidden = required("hidden_size")
+    layers = required("num_hidden_layers")
+    model_type = _get(config, "model_type")
+    intermediate, vocab = _get(config, "intermediate_size"), _get(config, "vocab_size")
+    return ModelShape(
+        name=name, layers=layers, heads=heads,
+        kv_heads=int(_get(config, "num_key_value_heads") or heads),
+        head_dim=int(_get(config, "head_dim") or hidden // heads),
+        hidden=hidden, intermediate=None if intermediate is None else int(intermediate),
+        vocab=None if vocab is None else int(vocab),
+        tied_embeddings=bool(_get(config, "tie_word_embeddings", False)),
+        attention_bias=bool(_get(config, "attention_bias", model_type == "qwen2")),
+        max_position=_get(config, "max_position_embeddings"),
+        qk_norm=model_type == "qwen3")
 
 
 @dataclass(frozen=True)
@@ -82,28 +162,23 @@ class ModelArch:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model type {model_type!r}; kvserve runs "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        hidden = int(_get(config, "hidden_size"))
-        heads = int(_get(config, "num_attention_heads"))
-        kv_heads = int(_get(config, "num_key_value_heads") or heads)
-        head_dim = int(_get(config, "head_dim") or hidden // heads)
-        layers = int(_get(config, "num_hidden_layers"))
         act = _get(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {act!r}; kvserve supports silu")
-        if heads % kv_heads:
-            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
-                             f"num_key_value_heads ({kv_heads})")
-        windows = _sliding_windows(config, model_type, layers)
+        shape = shape_from_hf_config(config, model_type)
+        if shape.vocab is None or shape.intermediate is None:
+            raise ValueError(f"{model_type}: config lacks vocab_size or intermediate_size")
+        windows = _sliding_windows(config, model_type, shape.layers)
         attention_bias = bool(_get(config, "attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=int(_get(config, "vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(_get(config, "intermediate_size")),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
+            vocab_size=shape.vocab,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_layers=shape.layers,
+            num_heads=shape.heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
             rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
             max_position_embeddings=int(_get(config, "max_position_embeddings", 2048)),
             tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
@@ -122,12 +197,12 @@ class ModelArch:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @property
-    def num_non_embedding_params(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return self.num_layers * per_layer + h
+    def shape(self) -> ModelShape:
+        """The sizes alone (what kv-calc and the FLOPs yardstick count with)."""
+        return ModelShape(
+            self.model_type, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.hidden_size, self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
+            self.qkv_bias, self.max_position_embeddings, self.qk_norm)
 
 
 def _sliding_windows(config: Any, model_type: str, layers: int) -> tuple[int | None, ...]:

@@ -1,4 +1,7 @@
-"""Drive an ``EngineCore`` in-process as a closed-loop client: keep N requests in flight.
+"""Drive an engine in-process as a closed-loop client: keep N requests in flight.
+
+The engine is ``LLM.engine`` (its ``add_request`` / ``step`` / ``abort_request``): the bench
+needs per-step timing, which ``LLM.generate`` does not expose.
 
 Used by ``bench offline`` for the concurrency and shared-prefix sweeps, where per-request
 latencies are wanted without HTTP in the way. Times are taken when ``step()`` returns, so TTFT

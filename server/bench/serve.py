@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import random
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +32,13 @@ from server.bench.workloads import (
     load_tokenizer,
     poisson_arrivals,
 )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server to start on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import torch
 from tests.kernels.conftest import DEVICE, make_block_tables
 
 pytest.importorskip("triton")
-from engine.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from engine.attention import AttentionMetadata  # noqa: E402
+from engine.attention_backend import get_attention_backend  # noqa: E402
 from engine.attention_triton import TritonAttentionBackend  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from tests.tiny_models import byte_tokenizer, tiny_config
+from engine.models.tiny import byte_tokenizer, tiny_config
 
 
 def _config_only_dir(tmp_path, **overrides):
@@ -59,7 +59,7 @@ def test_shipped_8b_shape_is_llama_3_8b():
     path = Path(__file__).resolve().parents[2] / "configs" / "models" / "llama-3.1-8b"
     arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
     assert (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (32, 32, 8, 128)
-    params = arch.num_non_embedding_params + 2 * arch.vocab_size * arch.hidden_size
+    params = arch.shape.non_embedding_params() + 2 * arch.vocab_size * arch.hidden_size
     assert 8.0e9 < params < 8.1e9  # Llama 3.1 8B: 8.03 B parameters
 
 

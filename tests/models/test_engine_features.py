@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.models.hf_reference import load_hf
-from tests.tiny_models import make_tiny_model_dir
+from engine.models.hf_reference import load_hf
+from engine.models.tiny import make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_abort_frees_blocks_and_reports(llm):
     engine.add_request("a1", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("a2", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
-    assert engine.stats()["num_blocks_used"] > 0
+    assert engine.stats().num_blocks_used > 0
     engine.abort_request(["a1", "a1", "unknown"])
     finals = {}
     while engine.has_unfinished_requests():
@@ -91,7 +91,7 @@ def test_abort_frees_blocks_and_reports(llm):
                 finals[out.request_id] = out
     assert finals["a1"].outputs[0].finish_reason == "abort"
     assert finals["a2"].outputs[0].finish_reason == "length"
-    assert engine.stats()["num_blocks_used"] == 0
+    assert engine.stats().num_blocks_used == 0
     engine.kv.check_integrity()
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.models.hf_reference import load_hf
-from tests.tiny_models import make_tiny_model_dir
+from engine.models.hf_reference import load_hf
+from engine.models.tiny import make_tiny_model_dir
 
 BLOCK_BYTES = 512 * 4  # tiny llama, float32: 512 bytes per token, 4 tokens per block
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine.attention import AttentionMetadata
 from engine.attention_torch import TorchAttentionBackend
 from engine.models.registry import build_model
-from tests.tiny_models import tiny_config
+from engine.models.tiny import tiny_config
 
 BS = 4
 

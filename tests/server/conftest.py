@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.helpers import free_port
+from server.bench.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "e2e-key"

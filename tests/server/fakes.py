@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 VOCAB = 0x250
 FAIL_PROMPT = "!ERR"
@@ -64,6 +65,7 @@ class FakeCore:
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.vocab_size = VOCAB
+        self.token_id_bound = VOCAB
         self.requests: dict[str, _Req] = {}
         self.aborted: list[str] = []
         self.step_delay = step_delay
@@ -76,7 +78,10 @@ class FakeCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                      priority: int = 0) -> None:
+        self.config.check_priority(priority)
+        self.config.check_num_seqs(params.n)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -181,20 +186,13 @@ class FakeCore:
                 finished=finished, metrics=req.metrics))
         return outputs
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> EngineStats:
         running = min(len(self.requests), self.config.max_num_seqs)
-        return {"num_requests_running": running,
-                "num_requests_waiting": len(self.requests) - running,
-                "kv_cache_usage_perc": self.blocks_used / 100, "prefix_cache_queries": 0,
-                "prefix_cache_hits": 0, "num_preemptions": 0,
-                "prompt_tokens": self.prompt_tokens,
-                "generation_tokens": self.generation_tokens, "num_blocks_total": 100,
-                "num_blocks_free": 100 - self.blocks_used, "num_blocks_used": self.blocks_used,
-                "num_blocks_cached": 0, "kv_bytes_per_token": 64, "num_steps": self.steps,
-                "computed_tokens": self.prompt_tokens + self.generation_tokens,
-                "num_preemptions_swap": 0, "num_preemptions_recompute": 0,
-                # the host tier's keys (EngineCore reports them as zeros when it is off)
-                "offload_blocks_d2h": 0, "offload_blocks_h2d": 0, "offload_bytes_d2h": 0,
-                "offload_bytes_h2d": 0, "host_blocks_total": 0, "host_blocks_used": 0,
-                "host_blocks_cached": 0, "host_kv_usage_perc": 0.0, "host_evictions": 0,
-                "offload_spills": 0, "prefix_cache_host_hits": 0, "num_swapped_seqs": 0}
+        return EngineStats(
+            num_requests_running=running, num_requests_waiting=len(self.requests) - running,
+            num_seqs_waiting=len(self.requests) - running,
+            kv_cache_usage_perc=self.blocks_used / 100, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens, num_blocks_total=100,
+            num_blocks_free=100 - self.blocks_used, num_blocks_used=self.blocks_used,
+            kv_bytes_per_token=64, num_steps=self.steps,
+            computed_tokens=self.prompt_tokens + self.generation_tokens)

@@ -1,9 +1,8 @@
-"""Test helpers: free loopback ports, a uvicorn server on a background thread, /metrics parsing,
+"""Test helpers: a uvicorn server on a background thread, /metrics parsing,
 the OpenAI error shape."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -11,11 +10,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server.bench.serve import free_port
 
 
 class ServerThread:

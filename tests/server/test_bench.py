@@ -273,8 +273,8 @@ def test_bench_serve_counts_failures(real_server, tmp_path):
 def test_bench_offline_against_its_baselines(tmp_path):
     """A tiny random Llama: kvserve, HF and recompute agree on the greedy tokens; the sweeps
     report what the engine did (prefix hits only with caching on)."""
+    from engine.models.tiny import make_tiny_model_dir
     from server.cli import main
-    from tests.tiny_models import make_tiny_model_dir
 
     model = make_tiny_model_dir(tmp_path / "tiny")
     out = tmp_path / "offline.json"

@@ -121,10 +121,10 @@ def test_shipped_presets_are_valid(preset):
 
 
 def test_generate_prints_the_completion(monkeypatch, capsys):
-    import engine.core
+    import engine.llm
     from tests.server.fakes import FakeCore
 
-    monkeypatch.setattr(engine.core, "EngineCore", lambda config: FakeCore())
+    monkeypatch.setattr(engine.llm, "EngineCore", lambda config: FakeCore())
     assert main(["generate", "--prompt", "Hi", "--max-tokens", "4"]) == 0
     out = capsys.readouterr()
     assert out.out == "Hiabcd\n" and "4 generated" in out.err

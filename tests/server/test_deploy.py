@@ -17,8 +17,9 @@ import yaml
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
+from server.bench.serve import free_port
 from tests.server.fakes import FakeCore
-from tests.server.helpers import ServerThread, free_port
+from tests.server.helpers import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 

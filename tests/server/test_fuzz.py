@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.models.tiny import make_tiny_model_dir
 from server.app import build_app
 from tests.server.helpers import ServerThread
-from tests.tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.slow  # ~2 minutes: hundreds of requests, the valid ones generate
 
@@ -153,7 +153,7 @@ def test_after_the_fuzz_the_server_is_healthy_and_holds_no_blocks(live):
     while engine.num_in_flight and time.monotonic() < deadline:
         time.sleep(0.1)
     assert client.get("/health").status_code == 200
-    assert engine.stats()["num_blocks_used"] == 0
+    assert engine.stats().num_blocks_used == 0
     ok = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
                                               "temperature": 0, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncEngine
+from engine.models.tiny import byte_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from server.app import begin_drain, build_app
 from server.cli import exposure_warning, uvicorn_config
@@ -23,7 +24,6 @@ from server.serving import merge_streams
 from server.sse import parse_events
 from tests.server.fakes import FAIL_PROMPT, FakeCore, FakeTokenizer
 from tests.server.helpers import ServerThread, assert_error
-from tests.tiny_models import byte_tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.bench.serve import free_port
 from server.cli import ENGINE_DIED_EXIT_STATUS
 from server.sse import parse_events
 from tests.server.fake_server_main import DIE_PROMPT
-from tests.server.helpers import assert_error, free_port
+from tests.server.helpers import assert_error
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.helpers import free_port, sample, scrape
-from tests.tiny_models import make_tiny_model_dir
+from engine.models.tiny import make_tiny_model_dir
+from server.bench.serve import free_port
+from tests.server.helpers import sample, scrape
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

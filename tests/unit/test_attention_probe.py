@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 
-import engine.attention as attention
-from engine.attention import get_attention_backend, probe_triton
+import engine.attention_backend as attention_backend
+from engine.attention_backend import get_attention_backend, probe_triton
 
 CUDA0 = torch.device("cuda", 0)
 BROKEN = ("a probe kernel failed: RuntimeError: Failed to find C compiler. Please specify via "
@@ -22,9 +22,9 @@ BROKEN = ("a probe kernel failed: RuntimeError: Failed to find C compiler. Pleas
 
 @pytest.fixture(autouse=True)
 def _fresh_probe_cache():
-    attention._probe_triton_cached.cache_clear()
+    attention_backend._probe_triton_cached.cache_clear()
     yield
-    attention._probe_triton_cached.cache_clear()
+    attention_backend._probe_triton_cached.cache_clear()
 
 
 def _probe_returning(result, calls=None):
@@ -37,7 +37,7 @@ def _probe_returning(result, calls=None):
 
 def test_auto_on_cuda_falls_back_to_torch_with_a_warning(monkeypatch, caplog):
     calls = []
-    monkeypatch.setattr(attention, "probe_triton", _probe_returning(BROKEN, calls))
+    monkeypatch.setattr(attention_backend, "probe_triton", _probe_returning(BROKEN, calls))
     with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
         backend = get_attention_backend("auto", CUDA0)
     assert backend.name == "torch"
@@ -51,7 +51,7 @@ def test_auto_on_cuda_falls_back_to_torch_with_a_warning(monkeypatch, caplog):
 
 def test_auto_on_cuda_uses_triton_when_the_probe_passes(monkeypatch, caplog):
     pytest.importorskip("triton")
-    monkeypatch.setattr(attention, "probe_triton", _probe_returning(None))
+    monkeypatch.setattr(attention_backend, "probe_triton", _probe_returning(None))
     with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
         backend = get_attention_backend("auto", CUDA0)
     assert backend.name == "triton"
@@ -59,7 +59,7 @@ def test_auto_on_cuda_uses_triton_when_the_probe_passes(monkeypatch, caplog):
 
 
 def test_explicit_triton_refuses_with_the_reason(monkeypatch):
-    monkeypatch.setattr(attention, "probe_triton", _probe_returning(BROKEN))
+    monkeypatch.setattr(attention_backend, "probe_triton", _probe_returning(BROKEN))
     with pytest.raises(ValueError, match="'triton' cannot run on cuda:0.*Failed to find C"):
         get_attention_backend("triton", CUDA0)
 
@@ -68,7 +68,7 @@ def test_auto_on_cpu_is_torch_without_probing(monkeypatch):
     def no_probe(device):
         raise AssertionError("auto must not probe Triton on a CPU")
 
-    monkeypatch.setattr(attention, "probe_triton", no_probe)
+    monkeypatch.setattr(attention_backend, "probe_triton", no_probe)
     assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
     assert get_attention_backend("torch", CUDA0).name == "torch"
 
@@ -122,7 +122,7 @@ def test_probe_catches_a_launch_that_computes_nothing(monkeypatch):
 
 def test_real_probe_on_cpu_under_the_interpreter():
     pytest.importorskip("triton")
-    if not attention._triton_interpreting():
+    if not attention_backend._triton_interpreting():
         pytest.skip("Triton's interpreter is not active in this process")
     assert probe_triton(torch.device("cpu")) is None
     assert get_attention_backend("triton", torch.device("cpu")).name == "triton"

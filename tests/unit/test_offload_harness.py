@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import compute_block_hashes
-from engine.kv_cache.tiered import TieredKVCacheManager
+from engine.kv_cache import KVCacheManager, compute_block_hashes
 from kernels.reference import copy_blocks
 
 _IDS: dict[tuple, int] = {}
@@ -24,7 +23,7 @@ def content_id(salt: tuple, tokens: list[int]) -> int:
 
 
 class Pools:
-    def __init__(self, m: TieredKVCacheManager) -> None:
+    def __init__(self, m: KVCacheManager) -> None:
         self.m = m
         self.dev = torch.zeros(m.num_blocks, 1, dtype=torch.int64)
         self.host = torch.zeros(m.host.num_blocks, 1, dtype=torch.int64)

@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.kv_cache import PrefixHit
-from engine.kv_cache.tiered import TieredKVCacheManager
+from engine.kv_cache import KVCacheManager, PrefixHit
 from tests.unit.test_offload_harness import Pools
 
 SALTS = ((), ("tenant-a",))
@@ -28,7 +27,7 @@ class TwoTierMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(1, 10), host_blocks=st.integers(1, 16),
                 block_size=st.sampled_from([1, 2, 4]), caching=st.sampled_from([True, True, False]))
     def setup(self, num_blocks, host_blocks, block_size, caching):
-        self.m = TieredKVCacheManager(num_blocks, block_size, host_blocks, caching)
+        self.m = KVCacheManager(num_blocks, block_size, caching, num_host_blocks=host_blocks)
         self.p = Pools(self.m)
         self.bs = block_size
         self.live: dict[str, dict] = {}  # seq -> {tokens, salt, computed}

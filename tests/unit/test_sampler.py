@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine import penalties
-from engine.sampler import Sampler, SamplerOutput, SamplingRow, compute_prompt_logprobs
+from engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from engine.sampling_params import SamplingParams
+from engine.sampling_row import SamplingRow
 
 EOS = frozenset({0})
 

@@ -133,7 +133,7 @@ def test_aborting_parked_samples_frees_everything():
     step(s)
     for seq in big.seqs:
         s.finish_seq(seq, "abort")
-    assert s.num_unfinished == 0 and s.num_waiting_seqs == 0 and not s.waiting
+    assert s.num_waiting_seqs + len(s.running) == 0 and s.num_waiting_seqs == 0 and not s.waiting
     assert s.kv.stats().num_used_blocks == 0
     s.kv.check_integrity()
 

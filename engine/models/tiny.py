@@ -1,4 +1,4 @@
-"""Tiny randomly initialised Llama-family checkpoints for tests (no download).
+"""Tiny randomly initialised Llama-family checkpoints for tests and benchmarks (no download).
 
 Each gets a byte-level tokenizer (256 byte tokens + <s>, </s>) with a ChatML-like template, so
 the engine can load the directory exactly as it would load a real HF checkpoint.

@@ -1,0 +1,92 @@
+"""``EngineStats``: the engine's counters and gauges as one typed snapshot.
+
+``EngineCore.stats()`` builds it after each step; ``AsyncEngine.stats()`` hands the latest one to
+the server (``server/metrics.py`` reads its attributes, so a misspelt field fails loudly instead
+of dropping a metric); ``LLM.stats()`` flattens it with :meth:`EngineStats.as_dict` into the
+string keys of the public offline API. Snapshots are frozen: a reader on another thread never
+sees one half-updated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.kv_cache.offload import OffloadStats
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """The host (CPU memory) KV tier; all zero when ``swap_space`` is 0. Block and token
+    counts are cumulative since start-up except the ``host_blocks_*`` gauges."""
+
+    offload_blocks_d2h: int = 0
+    offload_blocks_h2d: int = 0
+    offload_bytes_d2h: int = 0
+    offload_bytes_h2d: int = 0
+    host_blocks_total: int = 0
+    host_blocks_used: int = 0
+    host_blocks_cached: int = 0
+    host_kv_usage_perc: float = 0.0
+    host_evictions: int = 0
+    offload_spills: int = 0
+    prefix_cache_host_hits: int = 0  # prompt tokens loaded back instead of computed
+    num_swapped_seqs: int = 0
+
+    @classmethod
+    def from_offload(cls, s: OffloadStats | None, block_bytes: int) -> HostTierStats:
+        """From the tier's own counters (None: the tier is off, everything zero)."""
+        if s is None:
+            return cls()
+        return cls(
+            offload_blocks_d2h=s.blocks_d2h,
+            offload_blocks_h2d=s.blocks_h2d,
+            offload_bytes_d2h=s.blocks_d2h * block_bytes,
+            offload_bytes_h2d=s.blocks_h2d * block_bytes,
+            host_blocks_total=s.num_host_blocks,
+            host_blocks_used=s.host_blocks_used,
+            host_blocks_cached=s.host_blocks_cached,
+            host_kv_usage_perc=s.host_usage,
+            host_evictions=s.host_evictions,
+            offload_spills=s.spills,
+            prefix_cache_host_hits=s.host_prefix_hit_tokens,
+            num_swapped_seqs=s.num_swapped_seqs,
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One snapshot of the engine. Gauges describe the moment; token, step, preemption and
+    prefix-cache counts are cumulative since start-up (prefix-cache queries/hits in tokens)."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_seqs_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    num_blocks_used: int = 0
+    num_blocks_cached: int = 0
+    kv_bytes_per_token: int = 0
+    computed_tokens: int = 0
+    host: HostTierStats = field(default_factory=HostTierStats)
+
+    def replace(self, **changes: int | float) -> EngineStats:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Flat ``{name: value}``, the host tier's fields beside the others (``LLM.stats()``)."""
+        out: dict[str, int | float] = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "host"}
+        out.update(dataclasses.asdict(self.host))
+        return out

@@ -1,0 +1,88 @@
+"""The step plan: what the scheduler hands the model side for one engine step, as plain data.
+
+A :class:`StepPlan` names no ``Sequence``, no scheduler and no KV manager: token ids,
+positions, block tables, which rows sample, which prompt positions need logits, and the block
+copies to run before the forward pass. It is what ``engine.batch.build_model_input`` packs for
+the model runner, and what a remote tensor-parallel worker or a speculative verifier receives.
+
+Contract: a plan is a snapshot taken at the end of ``Scheduler.schedule``. Its block tables
+already cover every token it computes (the scheduler allocated them), its copies must run
+before its forward pass (device->host first, then host->device), and nothing in it changes
+when the scheduler's state moves on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogitSpan:
+    """Positions ``[first, last)`` of one scheduled chunk whose prompt logprobs are recorded:
+    position ``p`` predicts prompt token ``p + 1`` (``targets[p - first]``), with the ``top_k``
+    alternatives the request asked for."""
+
+    first: int
+    last: int
+    targets: tuple[int, ...]  # len == last - first
+    top_k: int
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One scheduled sequence's share of the step. Read-only by contract (its lists are the
+    plan's own copies); not frozen because one is built per sequence per step and a frozen
+    dataclass costs ~1 us more to construct.
+
+    It computes ``token_ids`` at positions ``start .. start + len(token_ids) - 1``; the keys
+    of positions ``0 .. start - 1`` are already in the pool. ``block_table`` lists the
+    sequence's blocks in token order and covers ``start + len(token_ids)`` tokens, so token
+    ``p`` lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+    ``sample``: the chunk reaches the last known token and its last row's logits are sampled.
+    """
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool
+    prompt_logits: PromptLogitSpan | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Keys attended by the chunk's last token (cached + new)."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopyOrders:
+    """Block moves between the device pool and the host tier, to run before the forward pass,
+    ``d2h`` first. ``d2h`` pairs are (device block, host block): spills of evicted cached blocks
+    and swap-outs of preempted sequences. ``h2d`` pairs are (host block, device block):
+    load-backs of host prefix hits and swap-ins. Destinations are distinct within each list.
+    There are no device->device (copy-on-write) orders: only full blocks are ever shared, and a
+    full block is never written again."""
+
+    d2h: tuple[tuple[int, int], ...] = ()
+    h2d: tuple[tuple[int, int], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.d2h or self.h2d)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step: ``seqs`` in row order (decodes — one new token — first), the pool's
+    ``block_size``, and the copies to run first. ``seqs`` may be empty while ``copies`` is not
+    (every candidate was preempted and swapped out)."""
+
+    seqs: tuple[SeqChunk, ...]
+    block_size: int
+    copies: BlockCopyOrders = field(default_factory=BlockCopyOrders)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
