@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py decode --out DIR    # 8B-shaped decode step, graphs on/off
     python benchmarks/gpu_check.py serve  --out DIR    # real server + load generator
 
-Everything runs on models made on the spot: tiny random HF checkpoints (``engine/models/tiny.py``)
+Everything runs on models made on the spot: tiny random HF checkpoints (``engine/loading/tiny.py``)
 and the 8B shape in ``configs/models/llama-3.1-8b`` with ``--load-format dummy``, so nothing is
 downloaded and the 98 MB embedded GGUF is not needed. Each section writes ``DIR/<section>.json``
 and prints a short table.
@@ -89,8 +89,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
-    from engine.models.hf_reference import hf_greedy
-    from engine.models.tiny import make_tiny_model_dir
+    from engine.loading.hf_reference import hf_greedy
+    from engine.loading.tiny import make_tiny_model_dir
 
     results, ok = [], True
     for i, (model_type, overrides) in enumerate(TINY_TYPES.items()):

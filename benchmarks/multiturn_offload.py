@@ -30,10 +30,10 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.device import resolve_device  # noqa: E402
-from engine.loader import load_config, resolve_model  # noqa: E402
-from engine.model_runner import resolve_dtype  # noqa: E402
+from engine.loading.loader import load_config, resolve_model  # noqa: E402
 from engine.models.arch import ModelArch  # noqa: E402
+from engine.runner.device import resolve_device  # noqa: E402
+from engine.runner.model_runner import resolve_dtype  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.model
     if args.tiny:
-        from engine.models.tiny import make_tiny_model_dir
+        from engine.loading.tiny import make_tiny_model_dir
 
         model = str(make_tiny_model_dir(Path(tempfile.mkdtemp()) / "tiny", "llama",
                                         max_position_embeddings=4096))

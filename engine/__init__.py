@@ -2,7 +2,7 @@
 
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def __getattr__(name: str):

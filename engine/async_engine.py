@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger("kvserve.async_engine")
@@ -234,7 +234,7 @@ class AsyncEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                       priority: int = 0) -> None:
         """Raise ValueError (a 400) if this request can never be served: the core's checks
-        (``engine.admission.check_request``: priority under fcfs, ``params.n`` above the caps,
+        (``engine.scheduling.admission.check_request``: priority under fcfs, ``params.n`` above the caps,
         prompt, ids, lengths, pool). Pure; callable from any thread."""
         self.core.check_request(prompt_token_ids, params, priority=priority)
 

@@ -45,7 +45,7 @@ def parse_bytes(value: int | float | str | None) -> int | None:
 class EngineConfig:
     """Everything that shapes an engine. Frozen: build a new one with :meth:`replace`.
 
-    ``model=None`` (or "default", or any name ``engine.embedded_model`` knows) selects the
+    ``model=None`` (or "default", or any name ``engine.loading.embedded`` knows) selects the
     embedded default model (SmolLM2-135M-Instruct).
     ``kv_cache_memory`` sizes the KV pool in bytes (or "4GiB"); when ``None`` the CPU default is
     a share of RAM and CUDA uses ``gpu_memory_utilization`` after a profiling pass.

@@ -25,35 +25,35 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.admission import AdmissionLimits, check_request
-from engine.batch import build_model_input
 from engine.config import EngineConfig
-from engine.detokenizer import token_text_fn, tokenizer_size
-from engine.device import set_device_for_thread
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
-from engine.loader import (
+from engine.loading.loader import (
     default_generation_eos,
     iter_weights,
     load_config,
     load_tokenizer,
     resolve_model,
 )
-from engine.model_runner import ModelRunner
-from engine.output_builder import (
+from engine.output.builder import (
     bare_error_output,
     build_request_output,
     record_prompt_logprobs,
     record_sample_logprobs,
 )
+from engine.output.detokenizer import token_text_fn, tokenizer_size
+from engine.output.stop import SequenceTextState
 from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
-from engine.sampler import Sampler, SamplerOutput
-from engine.sampling_params import SamplingParams
-from engine.sampling_row import SamplingRow
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.runner.batch import build_model_input
+from engine.runner.device import set_device_for_thread
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.params import SamplingParams
+from engine.sampling.row import SamplingRow
+from engine.sampling.sampler import Sampler, SamplerOutput
+from engine.scheduling.admission import AdmissionLimits, check_request
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats, HostTierStats
-from engine.stop import SequenceTextState
 
 logger = logging.getLogger("kvserve.engine")
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -119,7 +119,7 @@ class EngineCore:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                       priority: int = 0) -> None:
         """Raise ValueError (user-facing) if this request can never be served. Pure; see
-        ``engine.admission.check_request``."""
+        ``engine.scheduling.admission.check_request``."""
         check_request(self.config, self.limits, prompt_token_ids, params, priority)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -18,7 +18,7 @@ from engine.chat_template import render_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 class LLM:

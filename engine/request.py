@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import PositionLogprobs, RequestMetrics
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.stop import SequenceTextState
+    from engine.output.stop import SequenceTextState
 
 
 class SeqStatus(enum.Enum):
@@ -72,7 +72,7 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cache_extra_keys: tuple = ()
     error: str | None = None  # why the engine ended it, when an internal error did
-    # Per-request scratch of the logit processors (engine.penalties), e.g. the logit-bias
+    # Per-request scratch of the logit processors (engine.sampling.penalties), e.g. the logit-bias
     # tensors, built once instead of every step.
     sampler_cache: dict = field(default_factory=dict)
 

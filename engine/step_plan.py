@@ -2,7 +2,7 @@
 
 A :class:`StepPlan` names no ``Sequence``, no scheduler and no KV manager: token ids,
 positions, block tables, which rows sample, which prompt positions need logits, and the block
-copies to run before the forward pass. It is what ``engine.batch.build_model_input`` packs for
+copies to run before the forward pass. It is what ``engine.runner.batch.build_model_input`` packs for
 the model runner, and what a remote tensor-parallel worker or a speculative verifier receives.
 
 Contract: a plan is a snapshot taken at the end of ``Scheduler.schedule``. Its block tables

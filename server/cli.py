@@ -5,7 +5,7 @@
     kvserve bench ... / kvserve kv-calc ...   (registered by server/bench/cli.py when present)
 
 MODEL defaults to the embedded SmolLM2-135M-Instruct (also named ``default``: every spelling that
-``engine.embedded_model`` knows works for every subcommand). Engine flags are named as vLLM names
+``engine.loading.embedded`` knows works for every subcommand). Engine flags are named as vLLM names
 them; a config file holds the same keys, and flags given on the command line override it.
 ``generate`` runs through the offline API (``engine.LLM``), ``serve`` through ``AsyncEngine``.
 """
@@ -148,7 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     configure_logging("warning" if settings.log_level == "info" else settings.log_level)
     from engine.chat_template import render_chat
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     llm = LLM.from_config(engine_config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 NonNegInt = Annotated[StrictInt, Field(ge=0)]

@@ -34,7 +34,7 @@ from engine.async_engine import (
     RequestStream,
 )
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
 from server.sse import DONE, SSEResponse, event

@@ -1,7 +1,7 @@
 """The decoder layer's element-wise steps, behind one small interface with two implementations.
 
 ``TorchLayerOps`` is HF's own arithmetic in PyTorch ops (any device, any dtype). ``FusedCpuOps``
-runs the same math as single-pass C++ loops from ``engine.cpu_kernels`` (CPU, float32), where
+runs the same math as single-pass C++ loops from ``engine.cpu.kernels`` (CPU, float32), where
 PyTorch would stream the activations through memory once per op. ``layer_ops_for(device,
 dtype)`` picks the fused set where it applies and its kernels build, else the PyTorch one.
 
@@ -122,7 +122,7 @@ def check_against_torch(ops: TorchLayerOps, device: torch.device, dtype: torch.d
 def layer_ops_for(device: torch.device, dtype: torch.dtype) -> TorchLayerOps:
     """The fused CPU ops for float32 on CPU when the kernels build, else PyTorch's."""
     if device.type == "cpu" and dtype == torch.float32:
-        from engine.cpu_kernels import load
+        from engine.cpu.kernels import load
 
         module = load()
         if module is not None:

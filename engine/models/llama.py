@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import TorchLayerOps
 from engine.models.packed_linear import PackedLinear, pack_linears

@@ -6,7 +6,7 @@ as running sequences. Two packed backends, chosen by ``linear_backend(device, dt
 
 * ``"onednn"`` (float32 or bfloat16, any CPU PyTorch was built with oneDNN for): oneDNN with its
   own packed layout; 1.2-2.3x ``F.linear`` at this model's shapes.
-* ``"avx2-panels"`` (float32, x86 with AVX2+FMA): our kernel in ``engine/csrc/small_gemm_cpu.cpp``
+* ``"avx2-panels"`` (float32, x86 with AVX2+FMA): our kernel in ``engine/cpu/csrc/small_gemm_cpu.cpp``
   over 16-column weight panels. On the development CPU it ran 1.1-1.8x oneDNN at 1-128 rows
   (decode steps; weights streamed from memory as in a real step), but ~7% behind it on
   2048-row prefill steps, where oneDNN's cache blocking pays.
@@ -56,7 +56,7 @@ def panel_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
 def _panel_kernels(device: torch.device, dtype: torch.dtype):
     if device.type != "cpu" or dtype != torch.float32:
         return None
-    from engine.cpu_kernels import load
+    from engine.cpu.kernels import load
 
     module = load()
     return module if module is not None and module.small_gemm_supported() else None

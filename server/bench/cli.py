@@ -72,7 +72,7 @@ def _add_kv_calc(subparsers: Any) -> None:
 
 
 def _run_kv_calc(args: argparse.Namespace) -> int:
-    from engine.kv_calc import main_from_args
+    from engine.kv_cache.kv_calc import main_from_args
 
     return main_from_args(args)
 

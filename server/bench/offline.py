@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from engine.kv_calc import ModelShape, kv_bytes_per_token, resolve_shape
+from engine.kv_cache.kv_calc import ModelShape, kv_bytes_per_token, resolve_shape
 from server.bench import baselines
 from server.bench.engine_loop import drive_engine
 from server.bench.serve import machine_info, write_outputs
@@ -208,7 +208,7 @@ def prefix_sweep(args, engines: Engines, cfg: WorkloadConfig, log) -> list:
 
 
 def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
-    from engine.loader import resolve_model
+    from engine.loading.loader import resolve_model
 
     if args.seed is None:
         args.seed = 0  # a fresh engine has an empty cache: the same prompts are fine

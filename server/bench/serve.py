@@ -130,7 +130,7 @@ def _yardstick(args: argparse.Namespace, model: str, log: Any) -> tuple[Any, Any
     """(model shape, matmul peak) for the efficiency line, or (None, None) with a note why."""
     if args.no_yardstick:
         return None, None
-    from engine.kv_calc import resolve_shape
+    from engine.kv_cache.kv_calc import resolve_shape
     from server.bench.yardstick import measure_matmul_peak
 
     try:

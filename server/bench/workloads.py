@@ -234,7 +234,7 @@ def load_tokenizer(spec: str | None) -> Tokenizer | None:
     the engine's loader finds at ``spec`` (a local HF dir or a .gguf file)."""
     if spec is not None and spec.lower() == "none":
         return None
-    from engine.loader import load_tokenizer as engine_tokenizer
-    from engine.loader import resolve_model
+    from engine.loading.loader import load_tokenizer as engine_tokenizer
+    from engine.loading.loader import resolve_model
 
     return HFTokenizer(engine_tokenizer(resolve_model(spec)))

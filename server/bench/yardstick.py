@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.kv_calc import ModelShape
+from engine.kv_cache.kv_calc import ModelShape
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,12 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
     """
     import torch
 
-    from engine.model_runner import cpu_has_bf16
     from engine.models.packed_linear import (
         PackedLinear,
         onednn_linear_available,
         panel_kernels_available,
     )
+    from engine.runner.model_runner import cpu_has_bf16
 
     if dtype == "auto":
         dtypes = ["float32"] + (["bfloat16"] if device != "cpu" or cpu_has_bf16() else [])

@@ -9,9 +9,9 @@ import torch
 from tests.kernels.conftest import DEVICE, make_block_tables
 
 pytest.importorskip("triton")
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.attention_backend import get_attention_backend  # noqa: E402
-from engine.attention_triton import TritonAttentionBackend  # noqa: E402
+from engine.attention.backend import get_attention_backend  # noqa: E402
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
+from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
 BS, KVH, H, D = 8, 2, 6, 64

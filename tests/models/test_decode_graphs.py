@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
-from engine.models.tiny import make_tiny_model_dir
+from engine.loading.tiny import make_tiny_model_dir
+from engine.runner.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
 
 PROMPTS = [[7, 3, 250, 11, 42], list(range(40, 61)), [99], list(range(200, 213)), [5, 6]]
 

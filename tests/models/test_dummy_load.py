@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.models.tiny import byte_tokenizer, tiny_config
+from engine.loading.tiny import byte_tokenizer, tiny_config
 
 
 def _config_only_dir(tmp_path, **overrides):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.hf_reference import load_hf
-from engine.models.tiny import make_tiny_model_dir
+from engine.loading.hf_reference import load_hf
+from engine.loading.tiny import make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")

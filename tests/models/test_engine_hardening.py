@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.models.hf_reference import load_hf
-from engine.models.tiny import make_tiny_model_dir
+from engine.loading.hf_reference import load_hf
+from engine.loading.tiny import make_tiny_model_dir
 
 BLOCK_BYTES = 512 * 4  # tiny llama, float32: 512 bytes per token, 4 tokens per block
 
@@ -94,7 +94,7 @@ def test_failure_in_one_requests_logprobs_ends_only_that_request(llm, caplog):
 
 
 def test_failure_in_stop_checks_or_sampling_ends_only_that_request(llm, monkeypatch):
-    from engine import penalties
+    from engine.sampling import penalties
 
     core = llm.engine
     core.add_request("stopper", [5, 6], SamplingParams(n=2, max_tokens=5, ignore_eos=True))
@@ -141,7 +141,7 @@ PROMPT = list(b"Prompt logprobs come in chunks of rows")
 def test_prompt_logprobs_in_small_chunks_equal_one_piece_and_hf(llm, model_dir, monkeypatch):
     import torch
 
-    import engine.model_runner as mr
+    import engine.runner.model_runner as mr
 
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
     whole = llm.generate([PROMPT], params)[0].prompt_logprobs

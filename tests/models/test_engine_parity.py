@@ -12,8 +12,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.models.hf_reference import hf_greedy, load_hf
-from engine.models.tiny import make_tiny_model_dir
+from engine.loading.hf_reference import hf_greedy, load_hf
+from engine.loading.tiny import make_tiny_model_dir
 
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3"]
 

@@ -1,4 +1,4 @@
-"""Model resolution, GGUF conversion and loading (engine/loader.py, engine/gguf_convert.py).
+"""Model resolution, GGUF conversion and loading (engine/loading/loader.py, engine/loading/gguf_convert.py).
 
 Truths used: a random Hugging Face Llama written to GGUF the way llama.cpp's converter does it
 (Q/K rows permuted, tied output omitted) must come back as exactly the same tensors; the embedded
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import gguf_convert
-from engine.loader import (
+from engine.loading import gguf_convert
+from engine.loading.loader import (
     EMBEDDED_MODEL_NAME,
     ModelFiles,
     default_generation_eos,
@@ -175,7 +175,7 @@ def test_publish_replaces_an_incomplete_target(tmp_path):
 @pytest.mark.slow
 def test_two_processes_converting_at_once_agree(tiny_gguf, tmp_path):
     code = (
-        "import sys; from engine.loader import resolve_model; "
+        "import sys; from engine.loading.loader import resolve_model; "
         "print(resolve_model(sys.argv[1], cache_dir=sys.argv[2], progress=False).path)"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.attention import AttentionMetadata
-from engine.attention_torch import TorchAttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.loading.tiny import tiny_config
 from engine.models.registry import build_model
-from engine.models.tiny import tiny_config
 
 BS = 4
 

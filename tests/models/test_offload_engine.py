@@ -11,8 +11,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv_cache import KVCacheManager
-from engine.models.hf_reference import hf_greedy, load_hf
-from engine.models.tiny import make_tiny_model_dir
+from engine.loading.hf_reference import hf_greedy, load_hf
+from engine.loading.tiny import make_tiny_model_dir
 
 BS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.models.hf_reference import hf_greedy, load_hf
+from engine.loading.hf_reference import hf_greedy, load_hf
 
 pytestmark = pytest.mark.slow
 

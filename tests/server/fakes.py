@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.stats import EngineStats
 
 VOCAB = 0x250

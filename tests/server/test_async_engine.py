@@ -14,7 +14,7 @@ from engine.async_engine import (
     QueueFullError,
     RequestAbortedError,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.server.fakes import FakeCore
 
 

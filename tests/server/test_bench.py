@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engine.kv_calc import ModelShape, resolve_shape
+from engine.kv_cache.kv_calc import ModelShape, resolve_shape
 from server.bench.client import BenchClient, ClientConfig
 from server.bench.stats import Distribution, RequestRecord, percentile, summarize
 from server.bench.workloads import (
@@ -273,7 +273,7 @@ def test_bench_serve_counts_failures(real_server, tmp_path):
 def test_bench_offline_against_its_baselines(tmp_path):
     """A tiny random Llama: kvserve, HF and recompute agree on the greedy tokens; the sweeps
     report what the engine did (prefix hits only with caching on)."""
-    from engine.models.tiny import make_tiny_model_dir
+    from engine.loading.tiny import make_tiny_model_dir
     from server.cli import main
 
     model = make_tiny_model_dir(tmp_path / "tiny")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.models.tiny import make_tiny_model_dir
+from engine.loading.tiny import make_tiny_model_dir
 from server.app import build_app
 from tests.server.helpers import ServerThread
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.models.tiny import byte_tokenizer
+from engine.loading.tiny import byte_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from server.app import begin_drain, build_app
 from server.cli import exposure_warning, uvicorn_config

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.models.tiny import make_tiny_model_dir
+from engine.loading.tiny import make_tiny_model_dir
 from server.bench.serve import free_port
 from tests.server.helpers import sample, scrape
 

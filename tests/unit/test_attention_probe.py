@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 
-import engine.attention_backend as attention_backend
-from engine.attention_backend import get_attention_backend, probe_triton
+import engine.attention.backend as attention_backend
+from engine.attention.backend import get_attention_backend, probe_triton
 
 CUDA0 = torch.device("cuda", 0)
 BROKEN = ("a probe kernel failed: RuntimeError: Failed to find C compiler. Please specify via "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu_kernels import load
+from engine.cpu.kernels import load
 from kernels.reference import paged_decode_attention
 
 

@@ -1,4 +1,4 @@
-"""The compiled fused CPU ops (engine/csrc/fused_ops_cpu.cpp) against the PyTorch layer ops,
+"""The compiled fused CPU ops (engine/cpu/csrc/fused_ops_cpu.cpp) against the PyTorch layer ops,
 which are HF's arithmetic."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu_kernels import load
+from engine.cpu.kernels import load
 from engine.models.arch import RopeSpec
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps, layer_ops_for
 from engine.models.rope import RotaryEmbedding

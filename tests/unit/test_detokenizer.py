@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer, token_text_fn
+from engine.output.detokenizer import IncrementalDetokenizer, token_text_fn
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog. hello world, hello there!",
@@ -255,8 +255,8 @@ def test_window_stays_small_on_long_sequences():
 def test_token_text_of_an_id_the_tokenizer_does_not_know_is_empty():
     """Qwen-style padded embeddings: ids past the tokenizer exist in the model (they can be
     scored or sampled) but have no text; their text is "" instead of an exception."""
-    from engine.detokenizer import tokenizer_size
-    from engine.models.tiny import VOCAB, byte_tokenizer
+    from engine.loading.tiny import VOCAB, byte_tokenizer
+    from engine.output.detokenizer import tokenizer_size
 
     tok = byte_tokenizer()
     text = token_text_fn(tok)

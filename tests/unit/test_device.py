@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from engine import device as dev
+from engine.runner import device as dev
 
 SAMPLE_580 = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.03  Wed Jul 16 22:10:50 "
               "UTC 2025\nGCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n")

@@ -34,8 +34,8 @@ def test_scheduling_policy():
 
 
 def test_admission_counts_prompt_sharing_and_the_swap_tier():
-    from engine.admission import AdmissionLimits, check_request
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
+    from engine.scheduling.admission import AdmissionLimits, check_request
 
     limits = AdmissionLimits(max_model_len=512, token_id_bound=258, block_size=4,
                              num_blocks=16, swap_blocks=0)

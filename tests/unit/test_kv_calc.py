@@ -1,4 +1,4 @@
-"""KV-cache arithmetic (engine/kv_calc.py) against the textbook numbers, HF configs and the
+"""KV-cache arithmetic (engine/kv_cache/kv_calc.py) against the textbook numbers, HF configs and the
 engine's own pool allocation."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.kv_calc import (
+from engine.kv_cache.kv_calc import (
     ModelShape,
     kv_bytes_per_token,
     kv_report,
@@ -96,7 +96,7 @@ def test_non_embedding_params_match_hf_model(model_type):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.models.tiny import tiny_config
+    from engine.loading.tiny import tiny_config
 
     config = tiny_config(model_type)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -119,7 +119,7 @@ def test_config_json_and_dir(tmp_path):
 def test_engine_pool_matches_formula(tmp_path, dtype):
     """The engine's real KV pools hold exactly kv_calc's bytes per token for the loaded model."""
     from engine import LLM
-    from engine.models.tiny import make_tiny_model_dir
+    from engine.loading.tiny import make_tiny_model_dir
 
     path = make_tiny_model_dir(tmp_path / "tiny", num_hidden_layers=3, num_attention_heads=4,
                                num_key_value_heads=2)
@@ -136,9 +136,9 @@ def test_engine_pool_matches_formula(tmp_path, dtype):
 
 def test_one_finder_for_the_embedded_model(monkeypatch, tmp_path):
     """Every spelling kv-calc takes for the embedded model, serve/generate/LLM take too."""
-    from engine import gguf_convert
-    from engine.embedded_model import is_embedded_name
-    from engine.loader import resolve_model
+    from engine.loading import gguf_convert
+    from engine.loading.embedded import is_embedded_name
+    from engine.loading.loader import resolve_model
 
     names = ("default", "embedded", "smollm2", "SmolLM2-135M", "SmolLM2-135M-Instruct",
              "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -1,4 +1,4 @@
-"""KV budget arithmetic (engine/memory.py) on mocked device figures: an idle H200, a shared one,
+"""KV budget arithmetic (engine/runner/memory.py) on mocked device figures: an idle H200, a shared one,
 the free-memory bound, a budget that cannot be met, the reserve; and, with CUDA, a real capture.
 
 Expected budgets are written out from the figures of each scenario (what a user would add up
@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from engine.memory import KVBudget, MemorySnapshot, default_reserve, kv_cache_budget
+from engine.runner.memory import KVBudget, MemorySnapshot, default_reserve, kv_cache_budget
 
 GIB = 1024**3
 MIB = 1024**2

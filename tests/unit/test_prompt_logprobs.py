@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.prompt_logprobs import position_entries, prompt_logprobs_in_chunks
-from engine.sampler import compute_prompt_logprobs
+from engine.sampling.prompt_logprobs import position_entries, prompt_logprobs_in_chunks
+from engine.sampling.sampler import compute_prompt_logprobs
 
 
 def test_chunks_equal_one_piece_and_bound_the_rows():

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from engine import penalties
-from engine.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
-from engine.sampling_params import SamplingParams
-from engine.sampling_row import SamplingRow
+from engine.sampling import penalties
+from engine.sampling.params import SamplingParams
+from engine.sampling.row import SamplingRow
+from engine.sampling.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 
 EOS = frozenset({0})
 
@@ -323,7 +323,7 @@ def _reference_keep(x: torch.Tensor, top_k: int, top_p: float) -> set[int]:
 
 @pytest.mark.parametrize("scale", [8.0, 0.5])  # peaked (candidates suffice) and flat (full sort)
 def test_top_k_top_p_mask_matches_reference(scale):
-    from engine.sampler import _top_k_top_p
+    from engine.sampling.sampler import _top_k_top_p
 
     v = 2000
     specs = [(-1, 0.9), (50, 0.9), (1000, 0.95), (600, 1.0), (-1, 0.2), (3, 0.999)]
@@ -340,7 +340,7 @@ def test_top_k_top_p_mask_matches_reference(scale):
 
 def test_logit_bias_tensors_are_built_once_per_request(monkeypatch):
     """The bias of a request is turned into tensors at its first step and reused after."""
-    from engine import penalties
+    from engine.sampling import penalties
 
     cache: dict = {}
     r = SamplingRow(SamplingParams(temperature=0.0, logit_bias={3: 50.0, 7: -5.0, 900: 1.0}),

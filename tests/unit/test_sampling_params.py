@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def test_defaults_and_normalisation():

@@ -12,9 +12,9 @@ import pytest
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, SeqStatus, Sequence
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.waiting_queue import WaitingQueue
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.waiting_queue import WaitingQueue
 
 BS = 4
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import build_model_input
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, Sequence
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.runner.batch import build_model_input
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
 
 BS = 4

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import SamplingParams
-from engine.stop import FinishInfo, SequenceTextState
+from engine.output.stop import FinishInfo, SequenceTextState
+from engine.sampling.params import SamplingParams
 
 EOS, STOP_TOKEN = 0, 1
 VOCAB: list[bytes] = [b"<eos>", b"<1>", b"a", b"b", b"c", b" ", b"ab", b"ba", b"abc", b"cab",

@@ -4,8 +4,8 @@ Plain data in, plain data out: this module sees neither sequences nor the KV man
 sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
 Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
 with tensor ops. Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves
-it to its device in one copy (``engine.device_input``), or into a captured CUDA graph's static
-buffers (``engine.cuda_graphs``).
+it to its device in one copy (``engine.runner.device_input``), or into a captured CUDA graph's static
+buffers (``engine.runner.cuda_graphs``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Owns the model weights, the KV pools and the attention backend on one device.
 
 Below the scheduler: it receives plain data only — a step's packed ``ModelInput`` (built from
-the scheduler's ``engine.step_plan.StepPlan`` by ``engine.batch``) and the plan's block copy
+the scheduler's ``engine.step_plan.StepPlan`` by ``engine.runner.batch``) and the plan's block copy
 orders — and never sees a ``Sequence``, the scheduler or the KV manager. Which blocks a
 sequence owns is decided there; here they are only indices into the pools.
 
@@ -23,21 +23,21 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.attention_backend import get_attention_backend
-from engine.batch import ModelInput
+from engine.attention.backend import get_attention_backend
+from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.device import resolve_device, set_device_for_thread
-from engine.device_input import HostToDeviceStager, to_device
-from engine.host_copy import HostTierCopier
-from engine.host_pool import allocate_host_pools
+from engine.kv_cache.host_copy import HostTierCopier
+from engine.kv_cache.host_pool import allocate_host_pools
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import linear_backend, linear_weight_bytes
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
-from engine.prompt_logprobs import (
+from engine.runner.batch import ModelInput
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.runner.device import resolve_device, set_device_for_thread
+from engine.runner.device_input import HostToDeviceStager, to_device
+from engine.sampling.prompt_logprobs import (
     PROMPT_LOGPROB_CHUNK,
     PromptLogprobs,
     prompt_logprobs_in_chunks,
@@ -137,8 +137,8 @@ class ModelRunner:
         ``max_num_batched_tokens``, the sampler's sort over ``max_num_seqs`` rows and, when
         logprobs are allowed, one chunk of prompt logprobs — they are reduced chunk by chunk
         while the sampled rows' logits are alive), then size from the device's free memory
-        and ``gpu_memory_utilization`` (``engine.memory``)."""
-        from engine.memory import MemorySnapshot, kv_cache_budget
+        and ``gpu_memory_utilization`` (``engine.runner.memory``)."""
+        from engine.runner.memory import MemorySnapshot, kv_cache_budget
 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -210,7 +210,7 @@ class ModelRunner:
         shape = (n, self.config.block_size, a.num_kv_heads, a.head_dim)
         # One exact-size host buffer (not one pinned tensor per layer, which PyTorch's caching
         # host allocator rounds up to a power of two each). Unpinned: the copier moves blocks
-        # through pinned staging buffers of its own (engine/host_copy.py).
+        # through pinned staging buffers of its own (engine/kv_cache/host_copy.py).
         pools = allocate_host_pools(a.num_layers, shape, self.dtype, pin=False)
         self._host_pools = pools
         self.host_kv_caches = pools.layers
@@ -224,7 +224,7 @@ class ModelRunner:
         """One step's block moves (``StepPlan.copies``): ``d2h`` (device block, host block)
         pairs, then ``h2d`` (host block, device block) pairs, for every layer's K and V. On
         CUDA they run on a side stream ordered after the queued work; the compute stream waits
-        only for what this step reads (see ``engine.host_copy.HostTierCopier``)."""
+        only for what this step reads (see ``engine.kv_cache.host_copy.HostTierCopier``)."""
         self._host_copier.copy(d2h, h2d)
 
     def kv_pool_bytes(self) -> int:

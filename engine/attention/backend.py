@@ -1,7 +1,7 @@
 """Attention backend choice: which backend serves ("auto" | "torch" | "triton") on a device,
 and the start-up probe that says whether Triton kernels can run there.
 
-It stands above the metadata module (``engine.attention``) and both backends, which import
+It stands above the metadata module (``engine.attention.metadata``) and both backends, which import
 only the metadata, so the backends never import their chooser. The backends are imported when
 chosen, not at import, so that ``torch`` serving never imports Triton.
 """
@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention.metadata import AttentionBackend
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -36,14 +36,14 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
                 logger.warning("attention backend: Triton does not work on %s, so the torch "
                                "backend serves instead (slower). %s", device, reason)
     if name == "torch":
-        from engine.attention_torch import TorchAttentionBackend
+        from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
         reason = probe_triton(device)
         if reason is not None:
             raise ValueError(f"attention_backend 'triton' cannot run on {device}: {reason}")
-        from engine.attention_triton import TritonAttentionBackend
+        from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.batch import PromptLogitRows
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompt_logprobs import PromptLogprobs, position_entries
 from engine.request import Request, Sequence
-from engine.sampler import SamplerOutput
+from engine.runner.batch import PromptLogitRows
+from engine.sampling.prompt_logprobs import PromptLogprobs, position_entries
+from engine.sampling.sampler import SamplerOutput
 
 
 def build_request_output(req: Request) -> RequestOutput:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TorchAttentionBackend:
         if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
             return None
         if not self._cpu_kernel_tried:
-            from engine.cpu_kernels import load
+            from engine.cpu.kernels import load
 
             self._cpu_kernel = load()
             self._cpu_kernel_tried = True

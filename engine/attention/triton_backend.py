@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from kernels.paged_attention import paged_attention
 from kernels.paged_decode import paged_decode_attention
 from kernels.store_kv import store_kv

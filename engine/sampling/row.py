@@ -1,5 +1,5 @@
 """``SamplingRow``: what the sampler and the logit processors know about one row of a step's
-logits. It stands below both ``engine.sampler`` and ``engine.penalties``, which import it."""
+logits. It stands below both ``engine.sampling.sampler`` and ``engine.sampling.penalties``, which import it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 @dataclass

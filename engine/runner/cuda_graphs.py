@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.batch import ModelInput
+from engine.attention.metadata import AttentionMetadata
+from engine.runner.batch import ModelInput
 
 logger = logging.getLogger("kvserve.engine")
 

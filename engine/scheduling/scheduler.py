@@ -25,7 +25,7 @@ Policy, whole (one screen):
    queue until sample 1 has computed the prompt (then they share its full blocks), so they
    cost nothing per step while they wait.
 
-The waiting queue is a heap (``engine.waiting_queue``): O(log n) per insert and admission.
+The waiting queue is a heap (``engine.scheduling.waiting_queue``): O(log n) per insert and admission.
 The scheduler owns the waiting and running sets and the KV manager with its host tier: every
 allocate, free, look-up and commit goes through it. The engine core calls ``schedule``, runs
 the copies of ``SchedulerOutput.plan`` and calls ``complete_copies``, runs the plan's forward
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager, PrefixHit
 from engine.request import Request, SeqStatus, Sequence
+from engine.scheduling.waiting_queue import WaitingQueue
 from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
-from engine.waiting_queue import WaitingQueue
 
 _NO_COPIES = BlockCopyOrders()
 

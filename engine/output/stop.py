@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.output.detokenizer import IncrementalDetokenizer
+from engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ so batch 1 × 1024 tokens = 536,870,912 bytes (512 MiB); with 8 KV heads a quart
 
 ``ModelShape`` (engine/models/arch.py, the one reader of a model's sizes) is also what the FLOPs
 yardstick (server/bench/yardstick.py) counts with. Shapes come from a local HF model dir or
-config.json, a .gguf file's metadata, the embedded model (any name ``engine.embedded_model``
+config.json, a .gguf file's metadata, the embedded model (any name ``engine.loading.embedded``
 knows), or a named preset.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.embedded_model import EMBEDDED_MODEL_NAME, embedded_gguf_path, is_embedded_name
+from engine.loading.embedded import EMBEDDED_MODEL_NAME, embedded_gguf_path, is_embedded_name
 from engine.models.arch import ModelShape, shape_from_hf_config
 
 __all__ = ["ModelShape", "shape_from_hf_config"]  # re-exported: kv-calc's public names
@@ -168,8 +168,8 @@ def _embedded_shape() -> ModelShape:
     """From the engine's converted copy when it exists (fast), else the GGUF metadata."""
     gguf_path = embedded_gguf_path()
     try:
-        from engine.gguf_convert import converted_dir, is_complete
-        from engine.loader import default_cache_dir
+        from engine.loading.gguf_convert import converted_dir, is_complete
+        from engine.loading.loader import default_cache_dir
 
         converted = converted_dir(gguf_path, default_cache_dir())
         if is_complete(converted):

@@ -1,7 +1,7 @@
 """Attention metadata and the backend contract: where model code meets the paged KV cache.
 
 Contract for every backend (``torch`` in attention_torch.py, ``triton`` in
-attention_triton.py; ``engine.attention_backend`` chooses one):
+attention_triton.py; ``engine.attention.backend`` chooses one):
 
 * ``prepare(meta)`` runs once per step before the first layer; it may cache derived tensors
   (gather indices, masks) on ``meta.backend_state``. It must not touch the KV pools.

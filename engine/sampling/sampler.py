@@ -3,7 +3,7 @@
 ``Sampler.__call__`` takes the logits of every row that samples this step and returns one token
 per row, plus the raw-distribution logprobs the rows asked for. Per step:
 
-1. logit processors (``engine.penalties``): logit bias, min-tokens masking, repetition penalty,
+1. logit processors (``engine.sampling.penalties``): logit bias, min-tokens masking, repetition penalty,
    frequency/presence penalties — only on rows that use them;
 2. greedy rows (temperature 0, or top_k 1) take the argmax of the processed logits;
 3. the other rows: temperature, top-k, top-p, min-p, then inverse-CDF sampling: one uniform
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import penalties
 from engine.outputs import Logprob
-from engine.prompt_logprobs import add_top_entries, position_entries, reduce_logits
-from engine.sampling_params import SamplingParams
-from engine.sampling_row import SamplingRow
+from engine.sampling import penalties
+from engine.sampling.params import SamplingParams
+from engine.sampling.prompt_logprobs import add_top_entries, position_entries, reduce_logits
+from engine.sampling.row import SamplingRow
 
 
 @dataclass
@@ -231,7 +231,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], k: 
                             token_text: Callable[[int], str] | None = None,
                             ) -> list[dict[int, Logprob]]:
     """Logprobs of a prompt's tokens under the model's raw distribution, in one piece (the
-    engine reduces in chunks: ``engine.prompt_logprobs``).
+    engine reduces in chunks: ``engine.sampling.prompt_logprobs``).
 
     ``logits[j]`` (position j of the prompt) predicts ``target_ids[j]`` (prompt token j+1).
     Returns, per position, the target's ``Logprob`` (with rank) plus the ``k`` most likely

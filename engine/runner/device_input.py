@@ -1,4 +1,4 @@
-"""Moving a step's host-side :class:`~engine.batch.ModelInput` to the model's device.
+"""Moving a step's host-side :class:`~engine.runner.batch.ModelInput` to the model's device.
 
 On CUDA every integer tensor of the step is packed into one pinned host buffer and crosses to
 the GPU in one asynchronous copy (eight small pageable copies cost eight synchronising
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.batch import ModelInput
+from engine.attention.metadata import AttentionMetadata
+from engine.runner.batch import ModelInput
 
 _ALIGN = 4  # int32 words: every packed tensor starts on a 16-byte boundary
 

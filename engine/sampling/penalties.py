@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling_row import SamplingRow
+from engine.sampling.row import SamplingRow
 
 
 def needs_processing(row: SamplingRow) -> bool:

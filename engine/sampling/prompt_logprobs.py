@@ -2,7 +2,7 @@
 
 A prompt position's entry is the logprob and rank of the next prompt token under the model's
 raw distribution (``log_softmax`` of the logits), plus the ``k`` most likely tokens; ``rank = 1
-+ #tokens with a strictly higher logprob`` (as for sampled tokens, ``engine.sampler``).
++ #tokens with a strictly higher logprob`` (as for sampled tokens, ``engine.sampling.sampler``).
 
 ``prompt_logprobs_in_chunks`` computes the logits of at most ``PROMPT_LOGPROB_CHUNK`` rows at a
 time and keeps only their reduction (``[rows]`` target logprobs and ranks, ``[rows, k]`` top-k):

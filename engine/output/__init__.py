@@ -1,0 +1,1 @@
+"""Output side of a step: incremental detokenising, stop checks and building RequestOutputs."""

@@ -1,0 +1,1 @@
+"""Sampling: request parameters, the per-row sampling data, penalties, the sampler and prompt logprobs."""
