@@ -16,13 +16,35 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_gemm_cpu.cpp"]
+_NAME = "kvserve_cpu_kernels"
+STALE_LOCK_SECONDS = 900.0  # a build takes ~1.5 minutes; a lock this old was left by a killed one
 _module = None
 _failed = False
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s``; True when one was removed.
+
+    torch's cpp_extension takes that lock while it builds and waits for it without a time
+    limit, so a process killed mid-build (Ctrl-C during the first start) would leave every later
+    start hanging silently. A younger lock is left alone: another process may be building."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    logger.warning("removing a stale CPU-kernel build lock (%s, %.0f s old): a build was "
+                   "interrupted", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def load():
@@ -33,10 +55,12 @@ def load():
     if _module is not None or _failed:
         return _module
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_ext
 
+        clear_stale_lock(Path(_get_build_directory(_NAME, verbose=False)))
         logger.info("building the CPU kernels (first use only, about a minute)")
-        _module = load_ext(name="kvserve_cpu_kernels",
+        _module = load_ext(name=_NAME,
                            sources=[str(_CSRC / s) for s in _SOURCES],
                            extra_include_paths=[str(_CSRC)],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
