@@ -1,6 +1,8 @@
 // The Python module of the CPU kernels (built on first use by engine/cpu_kernels.py).
 #include <torch/extension.h>
 
+#include <string>
+
 torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                int64_t window);
@@ -13,6 +15,12 @@ torch::Tensor small_gemm_pack(torch::Tensor w);
 bool small_gemm_supported();
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
                          c10::optional<torch::Tensor> bias);
+torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                               torch::Tensor rows);
+torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, torch::Tensor rows);
+std::string quant_gemm_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)");
@@ -23,4 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_pack", &small_gemm_pack, "pack W [N, K] into 16-column panels");
   m.def("small_gemm_supported", &small_gemm_supported, "built with AVX2+FMA");
   m.def("small_gemm", &small_gemm, "x @ W^T (+ b) for few rows (CPU, fp32, AVX2)");
+  m.def("quant_gemm_q4", &quant_gemm_q4, "x @ W^T, W 4-bit groups of 32 (d*q+m)");
+  m.def("quant_gemm_q8", &quant_gemm_q8, "x @ W^T, W 8-bit groups of 32 (d*q)");
+  m.def("quant_dequant_q4", &quant_dequant_q4, "float32 rows of a 4-bit packed weight");
+  m.def("quant_dequant_q8", &quant_dequant_q8, "float32 rows of an 8-bit packed weight");
+  m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
 }

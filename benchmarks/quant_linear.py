@@ -1,0 +1,96 @@
+"""Quantised linears vs the float32 packed linear, at the embedded model's shapes.
+
+For each weight shape (out x in) of SmolLM2-135M and each row count, times the float32
+``PackedLinear`` (the engine's default CPU backend) and ``QuantLinear`` over the same weight in
+4-bit (Q4_1-style) and, for the embedding/logits shape, 8-bit (Q8_0) groups, and prints
+microseconds and the float/quant ratio (> 1: quantised faster). Weights are cycled through
+``--copies`` independent instances so that they come from memory, as in a decode step, not
+from cache. Prints the CPU's ISA flags first.
+
+    PYTHONPATH=. python benchmarks/quant_linear.py [--threads 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine.models.packed_linear import PackedLinear, linear_backend
+from engine.models.quant_formats import from_gguf_blocks
+from engine.models.quant_linear import QuantLinear, quant_kernels
+
+SHAPES = [(576, 576, "Q4_1"), (192, 576, "Q4_1"), (1536, 576, "Q4_1"), (576, 1536, "Q4_1"),
+          (49152, 576, "Q8_0")]
+ROWS = [1, 4, 16, 64, 256]
+
+
+def isa() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return platform.machine()
+    keep = [f for f in flags if f.startswith(("avx", "fma", "amx")) or f in ("f16c",)]
+    return " ".join(sorted(keep))
+
+
+def bench(fn, xs, reps: int) -> float:
+    for x in xs[:2]:
+        fn[0](x)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for f, x in zip(fn, xs):
+            f(x)
+        best = min(best, (time.perf_counter() - start) / len(fn))
+    return best * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--copies", type=int, default=8, help="weight instances cycled per timing")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kern = quant_kernels()
+    backend = linear_backend(torch.device("cpu"), torch.float32)
+    print(f"ISA flags: {isa()}\nquant kernel ISA: {kern.quant_gemm_isa()}  float backend: "
+          f"{backend}  threads: {torch.get_num_threads()}")
+    rows_out = []
+    torch.manual_seed(0)
+    for n, k, qname in SHAPES:
+        qtype = GGMLQuantizationType[qname]
+        copies = max(1, args.copies if n * k < 5e6 else 2)
+        floats, quant = [], []
+        for _ in range(copies):
+            w = np.random.randn(n, k).astype(np.float32) * 0.02
+            raw = quants.quantize(w, qtype)
+            packed = from_gguf_blocks(raw, int(qtype), (n, k))
+            floats.append(PackedLinear(torch.from_numpy(quants.dequantize(raw, qtype)), None,
+                                       backend))
+            quant.append(QuantLinear(packed))
+        for m in ROWS:
+            xs = [torch.randn(m, k) for _ in range(copies)]
+            with torch.inference_mode():
+                tf = bench(floats, xs, args.reps)
+                tq = bench(quant, xs, args.reps)
+            rows_out.append({"out": n, "in": k, "format": qname, "rows": m, "float_us": tf,
+                             "quant_us": tq, "ratio": tf / tq})
+            print(f"{n:6d}x{k:<5d} {qname} M={m:4d}  float32 {tf:9.1f} us  quant {tq:9.1f} us  "
+                  f"float/quant {tf / tq:5.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"isa": isa(), "threads": torch.get_num_threads(), "rows": rows_out}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

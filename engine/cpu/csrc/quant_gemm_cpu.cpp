@@ -1,0 +1,278 @@
+// y[M, N] = x[M, K] @ W^T for weights kept in GGUF-style 32-element groups (CPU, float32 out).
+//
+// Formats (engine/models/quant_formats.py builds them; K is a multiple of 32):
+//   q4: qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32]; w = d * q + m, q in 0..15.
+//       Group g of row n is bytes qs[n, 16g .. 16g+15]: byte j holds q[32g+j] in its low nibble
+//       and q[32g+j+16] in its high nibble (GGUF's Q4_0/Q4_1 order, copied as is).
+//   q8: qs int8 [N, K], d float32 [N, K/32]; w = d * q.
+//
+// Decode-sized M (llama.cpp's scheme): each activation row is quantised once per call to int8
+// per 32-group (dx = amax/127, qx = round(x/dx)), then every group's dot product is integer:
+//   q4: sum_k w*x = d*dx*sum(q*qx) + m*dx*sum(qx)        q8: d*dx*sum(q*qx)
+// On AVX2 the 32 products of a group are one _mm256_maddubs_epi16 (unsigned x signed bytes) and
+// one _mm256_madd_epi16, then one float FMA per group. Rows go in tiles of 4 that share each
+// loaded (and unpacked) weight group; the weight row (K/2 or K bytes) stays in L1 across the
+// tiles; threads split the output columns. Without AVX2 the same math runs in scalar code. The error against float is that
+// of the activation's int8 rounding (|dx|/2 per element), as in llama.cpp.
+//
+// quant_dequant_*: float32 rows of W (for embedding lookups and for prefill, where the caller
+// runs a dense matmul over dequantised panels).
+#include <torch/extension.h>
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+// x [M, K] -> qx int8 [M, K], dx [M, K/32], sx [M, K/32] = dx * sum(qx) of the group.
+void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const int64_t G = K / kGroup;
+  for (int64_t r = 0; r < M; r++) {
+    for (int64_t g = 0; g < G; g++) {
+      const float* src = x + r * K + g * kGroup;
+      float amax = 0.f;
+      for (int i = 0; i < kGroup; i++) amax = std::fmax(amax, std::fabs(src[i]));
+      const float d = amax / 127.f;
+      const float id = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* dst = qx + r * K + g * kGroup;
+      int sum = 0;
+      for (int i = 0; i < kGroup; i++) {
+        const int q = static_cast<int>(std::nearbyint(src[i] * id));
+        dst[i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[r * G + g] = d;
+      sx[r * G + g] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+#ifdef KVSERVE_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#endif
+
+// R rows (R <= 4) of x against one weight row: each weight group is loaded (and, for q4,
+// unpacked) once and used by all R rows. Writes y[r * ldy] for r < R.
+template <int R>
+void dot_q4(const uint8_t* w, const float* d, const float* m, const int8_t* x, const float* dx,
+            const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
+#ifdef KVSERVE_AVX2
+  __m256 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; g++) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+    const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4),
+                                        _mm_and_si128(raw, low4));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + g * 32));
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dx[r * G + g]), p, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float tail = 0.f;
+    for (int64_t g = 0; g < G; g++) tail += m[g] * sx[r * G + g];
+    y[r * ldy] = hsum(acc[r]) + tail;
+  }
+#else
+  for (int r = 0; r < R; r++) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+      int s = 0;
+      const int8_t* xr = x + r * K + g * 32;
+      for (int j = 0; j < 16; j++) {
+        s += (w[g * 16 + j] & 0x0F) * xr[j] + (w[g * 16 + j] >> 4) * xr[j + 16];
+      }
+      acc += d[g] * dx[r * G + g] * static_cast<float>(s) + m[g] * sx[r * G + g];
+    }
+    y[r * ldy] = acc;
+  }
+#endif
+}
+
+template <int R>
+void dot_q8(const int8_t* w, const float* d, const int8_t* x, const float* dx, int64_t K,
+            int64_t G, float* y, int64_t ldy) {
+#ifdef KVSERVE_AVX2
+  __m256 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; g++) {
+    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 32));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + g * 32));
+      // maddubs needs one unsigned operand: |x| times w with x's sign moved onto w.
+      const __m256i p16 =
+          _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(wq, xq));
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dx[r * G + g]), p, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
+#else
+  for (int r = 0; r < R; r++) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+      int s = 0;
+      for (int j = 0; j < 32; j++) s += w[g * 32 + j] * x[r * K + g * 32 + j];
+      acc += d[g] * dx[r * G + g] * static_cast<float>(s);
+    }
+    y[r * ldy] = acc;
+  }
+#endif
+}
+
+// Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
+template <typename F>
+void row_tiles(int64_t M, F&& f) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= M; r0 += 4) f(std::integral_constant<int, 4>{}, r0);
+  switch (M - r0) {
+    case 3: f(std::integral_constant<int, 3>{}, r0); break;
+    case 2: f(std::integral_constant<int, 2>{}, r0); break;
+    case 1: f(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
+  }
+}
+
+void check_common(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                  int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(x.size(1) == K && K % kGroup == 0, "x has ", x.size(1), " columns; the weight has ",
+              K, " (a multiple of 32)");
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
+                  d.size(0) == qs.size(0) && d.size(1) == K / kGroup,
+              "malformed packed weight");
+}
+
+struct QuantisedRows {
+  torch::Tensor q, d, s;
+};
+
+QuantisedRows quantise(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xc = x.contiguous();
+  QuantisedRows r{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kGroup}),
+                  torch::empty({M, K / kGroup})};
+  quantise_rows(xc.data_ptr<float>(), M, K, r.q.data_ptr<int8_t>(), r.d.data_ptr<float>(),
+                r.s.data_ptr<float>());
+  return r;
+}
+
+}  // namespace
+
+torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
+  check_common(x, qs, d, K);
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && m.is_contiguous() && m.sizes() == d.sizes(),
+              "malformed q4 weight");
+  const auto xq = quantise(x);
+  auto y = torch::empty({M, N});
+  const uint8_t* w = qs.data_ptr<uint8_t>();
+  const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
+  const int8_t* xqp = xq.q.data_ptr<int8_t>();
+  const float *dx = xq.d.data_ptr<float>(), *sx = xq.s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    row_tiles(M, [&](auto tile, int64_t r0) {
+      dot_q4<decltype(tile)::value>(w + n * (K / 2), dw + n * G, mw + n * G, xqp + r0 * K,
+                                    dx + r0 * G, sx + r0 * G, K, G, yp + r0 * N + n, N);
+    });
+  }
+  return y;
+}
+
+torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+  const int64_t N = qs.size(0), K = qs.size(1), G = K / kGroup, M = x.size(0);
+  check_common(x, qs, d, K);
+  TORCH_CHECK(qs.scalar_type() == torch::kInt8, "malformed q8 weight");
+  const auto xq = quantise(x);
+  auto y = torch::empty({M, N});
+  const int8_t* w = qs.data_ptr<int8_t>();
+  const float* dw = d.data_ptr<float>();
+  const int8_t* xqp = xq.q.data_ptr<int8_t>();
+  const float* dx = xq.d.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    row_tiles(M, [&](auto tile, int64_t r0) {
+      dot_q8<decltype(tile)::value>(w + n * K, dw + n * G, xqp + r0 * K, dx + r0 * G, K, G,
+                                    yp + r0 * N + n, N);
+    });
+  }
+  return y;
+}
+
+torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                               torch::Tensor rows) {
+  const int64_t K = qs.size(1) * 2, G = K / kGroup, R = rows.numel();
+  auto ids = rows.to(torch::kInt64).contiguous();
+  auto out = torch::empty({R, K});
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const uint8_t* w = qs.data_ptr<uint8_t>();
+  const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < R; i++) {
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < qs.size(0), "row index out of range");
+  }
+#pragma omp parallel for schedule(static) if (R * K > 65536)
+  for (int64_t i = 0; i < R; i++) {
+    const int64_t n = idp[i];
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t* src = w + n * (K / 2) + g * 16;
+      float* dst = o + i * K + g * kGroup;
+      const float a = dw[n * G + g], b = mw[n * G + g];
+      for (int j = 0; j < 16; j++) {
+        dst[j] = a * static_cast<float>(src[j] & 0x0F) + b;
+        dst[j + 16] = a * static_cast<float>(src[j] >> 4) + b;
+      }
+    }
+  }
+  return out;
+}
+
+torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, torch::Tensor rows) {
+  const int64_t K = qs.size(1), G = K / kGroup, R = rows.numel();
+  auto ids = rows.to(torch::kInt64).contiguous();
+  auto out = torch::empty({R, K});
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int8_t* w = qs.data_ptr<int8_t>();
+  const float* dw = d.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < R; i++) {
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < qs.size(0), "row index out of range");
+  }
+#pragma omp parallel for schedule(static) if (R * K > 65536)
+  for (int64_t i = 0; i < R; i++) {
+    const int64_t n = idp[i];
+    for (int64_t k = 0; k < K; k++) o[i * K + k] = dw[n * G + k / kGroup] * w[n * K + k];
+  }
+  return out;
+}
+
+std::string quant_gemm_isa() {
+#ifdef KVSERVE_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}

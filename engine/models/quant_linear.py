@@ -1,0 +1,103 @@
+"""Linear layers and embeddings over weights kept packed (``engine.models.quant_formats``).
+
+``QuantLinear(packed, bias)`` computes ``y = x @ W.T + b`` for ``W`` in 4-bit or 8-bit groups:
+
+* up to ``dense_rows`` rows (decode steps): the C++ kernels ``quant_gemm_q4`` / ``quant_gemm_q8``
+  (engine/cpu/csrc/quant_gemm_cpu.cpp), which quantise each activation row to int8 per group
+  of 32 and take integer dot products. The result differs from float by the activation's
+  rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
+* above (prefill): panels of ``PANEL_ROWS`` output rows are dequantised to float32 and
+  multiplied densely; compute-bound there, so the dequantisation is a small extra.
+
+``QuantEmbedding`` looks ids up by dequantising only those rows; tied to the logits head, both
+share one packed tensor. Float32 CPU only; the packed tensors are buffers (they count in the
+module's ``buffers()`` and move with it, they are not parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.quant_formats import Packed, PackedQ4
+
+DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
+PANEL_ROWS = 1024  # output rows dequantised at a time on that path
+
+
+def quant_kernels():
+    """The compiled CPU module, or None (kernels disabled or unbuildable)."""
+    from engine.cpu.kernels import load
+
+    return load()
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T + b`` over a packed ``W [out, in]``; inputs ``[..., in]`` float32."""
+
+    def __init__(self, packed: Packed, bias: torch.Tensor | None = None,
+                 dense_rows: int = DENSE_ROWS) -> None:
+        super().__init__()
+        self._kernels = quant_kernels()
+        if self._kernels is None:
+            raise RuntimeError("quantised linears need the CPU kernels (KVSERVE_CPU_KERNELS)")
+        self.out_features, self.in_features = packed.shape
+        self.is_q4 = isinstance(packed, PackedQ4)
+        self.register_buffer("qs", packed.qs)
+        self.register_buffer("d", packed.d)
+        self.register_buffer("m", packed.m if self.is_q4 else None)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.dense_rows = dense_rows
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 rows ``W[rows]``."""
+        if self.is_q4:
+            return self._kernels.quant_dequant_q4(self.qs, self.d, self.m, rows)
+        return self._kernels.quant_dequant_q8(self.qs, self.d, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if x2.shape[0] <= self.dense_rows:
+            if self.is_q4:
+                out = self._kernels.quant_gemm_q4(x2, self.qs, self.d, self.m)
+            else:
+                out = self._kernels.quant_gemm_q8(x2, self.qs, self.d)
+        else:
+            out = self._dense(x2)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*lead, self.out_features)
+
+    def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x2.shape[0], self.out_features)
+        for start in range(0, self.out_features, PANEL_ROWS):
+            stop = min(start + PANEL_ROWS, self.out_features)
+            w = self.dequantize_rows(torch.arange(start, stop))
+            out[:, start:stop] = F.linear(x2, w)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        kind = "q4" if self.is_q4 else "q8"
+        return f"in={self.in_features}, out={self.out_features}, {kind}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding over a packed table; ``head`` is the same table as a ``QuantLinear``
+    (for a tied logits head), and holds the only copy of the data."""
+
+    def __init__(self, packed: Packed) -> None:
+        super().__init__()
+        self.head = QuantLinear(packed)
+        self.num_embeddings, self.embedding_dim = packed.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.head.dequantize_rows(flat).view(*ids.shape, self.embedding_dim)

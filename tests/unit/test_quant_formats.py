@@ -1,0 +1,121 @@
+"""Packed 4-bit / 8-bit weight formats (engine/models/quant_formats.py) and their kernels.
+
+Truths: ``gguf.quants`` (GGUF's own quantiser and dequantiser) for the formats, and for the
+kernels a float64 reference that models their one approximation exactly: each activation row
+is rounded to int8 per group of 32 (``dx = amax/127``, ``qx = round(x/dx)``, half to even), then
+``y = sum_g (d_g*q_g + m_g) . (dx_g*qx_g)``. Against that reference only float32 summation
+order differs (relative 1e-5 of the output scale). Against plain float ``F.linear`` the error is
+the activation rounding, at most ``dx/2`` per element; that bound is asserted too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import quants  # noqa: E402
+
+from engine.loading.gguf_quant import hf_name, unpermute_rows  # noqa: E402
+from engine.models.quant_formats import PackedQ4, cat, from_gguf_blocks  # noqa: E402
+from engine.models.quant_linear import DENSE_ROWS, QuantEmbedding, QuantLinear, quant_kernels  # noqa: E402
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+SHAPES = [(1, 32), (7, 96), (33, 64), (100, 576), (49, 160)]  # ragged N, K multiple of 32
+
+
+def _packed(n: int, k: int, qtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+    raw = quants.quantize(w, qtype)
+    return from_gguf_blocks(raw, int(qtype), (n, k)), torch.from_numpy(quants.dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dequantize_equals_gguf(qtype, shape):
+    packed, ref = _packed(*shape, qtype)
+    torch.testing.assert_close(packed.dequantize(), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    if quant_kernels() is not None:  # the C++ row dequantiser (embedding lookups, prefill)
+        rows = torch.tensor([shape[0] - 1, 0, shape[0] // 2])
+        got = QuantLinear(packed).dequantize_rows(rows)
+        torch.testing.assert_close(got, ref[rows], rtol=0, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_q4_0_is_exact_and_layouts():
+    packed, ref = _packed(5, 64, T.Q4_0)
+    assert isinstance(packed, PackedQ4) and packed.qs.dtype == torch.uint8
+    assert packed.qs.shape == (5, 32) and packed.d.shape == (5, 2) and packed.d.dtype == torch.float32
+    assert torch.equal(packed.dequantize(), ref)  # m = -8 d: exact in float32
+    q8, _ = _packed(5, 64, T.Q8_0)
+    assert q8.qs.dtype == torch.int8 and q8.qs.shape == (5, 64)
+
+
+def test_rows_and_concatenation_move_whole_groups():
+    a, ra = _packed(6, 64, T.Q4_1, seed=1)
+    b, rb = _packed(3, 64, T.Q4_1, seed=2)
+    torch.testing.assert_close(cat([a, b]).dequantize(), torch.cat([ra, rb]))
+    rows = torch.tensor([5, 0, 2])
+    torch.testing.assert_close(a.take_rows(rows).dequantize(), ra[rows])
+    q8, _ = _packed(3, 64, T.Q8_0)
+    with pytest.raises(ValueError):
+        cat([a, q8])
+
+
+def test_unpermute_undoes_llama_cpp_permutation():
+    def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    hf = np.arange(48 * 3).reshape(48, 3)
+    gguf_rows = permute(hf, 4)
+    assert np.array_equal(gguf_rows[unpermute_rows(48, 4).numpy()], hf)
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.3.attn_norm.weight") is None
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y with the kernel's activation rounding modelled, float64; per-row error bound vs
+    plain float: sum over k of |w| * dx/2)."""
+    m, k = x.shape
+    xg = x.view(m, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # float32, as the kernel
+    qx = torch.round(xg * inv)
+    xq = (qx.double() * (amax.double() / 127.0)).view(m, k)
+    y = xq @ w.double().t()
+    bound = (w.double().abs().view(w.shape[0], k // 32, 32).sum(-1)
+             @ (amax.double().view(m, k // 32) / 127.0 / 2).t()).t()
+    return y, bound
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(7, 96), (100, 576), (49, 160)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, DENSE_ROWS, DENSE_ROWS + 1, 300])
+def test_quant_linear_matches_reference(qtype, shape, rows):
+    packed, w = _packed(*shape, qtype)
+    bias = torch.randn(shape[0])
+    lin = QuantLinear(packed, bias)
+    x = torch.randn(rows, shape[1]) * torch.rand(rows, 1) * 3
+    got = lin(x.view(1, rows, shape[1])).view(rows, shape[0])
+    scale = float((x.abs() @ w.abs().t()).max())
+    exact = F.linear(x.double(), w.double(), bias.double())
+    if rows > lin.dense_rows:  # dequantise-then-matmul: plain float32 math
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-5 * scale)
+        return
+    ref, bound = _reference(x, w)
+    torch.testing.assert_close(got.double(), ref + bias.double(), rtol=0, atol=1e-5 * scale)
+    assert bool(((got.double() - exact).abs() <= bound + 1e-5 * scale).all())
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+def test_quant_embedding_lookup_and_tied_head():
+    packed, w = _packed(50, 64, T.Q8_0)
+    emb = QuantEmbedding(packed)
+    ids = torch.tensor([[3, 49, 0], [7, 7, 1]])
+    torch.testing.assert_close(emb(ids), w[ids], rtol=0, atol=1e-6)
+    assert emb.head.out_features == 50 and emb.head(torch.randn(2, 64)).shape == (2, 50)
