@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "none")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -81,6 +82,7 @@ class EngineConfig:
     swap_space: float = 0.0
     attention_backend: str = "auto"
     load_format: str = "auto"
+    quantization: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
@@ -117,6 +119,9 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; "
                              f"got {self.load_format!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                             f"got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
         if self.max_waiting_requests < 1:

@@ -69,7 +69,7 @@ class EngineCore:
         self.model_name = config.served_model_name or self.files.name
         self.max_model_len = _max_model_len(config, self.hf_config)
         self.runner = ModelRunner(config, self.hf_config, iter_weights(self.files),
-                                  self.max_model_len)
+                                  self.max_model_len, files_dir=self.files.path)
         num_blocks = self.runner.allocate_kv_cache()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured

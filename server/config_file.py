@@ -19,6 +19,7 @@ from engine.config import (
     DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
     parse_bytes,
@@ -121,6 +122,9 @@ ENGINE_OPTIONS = [
     Option("load-format", "load_format", "engine", str,
            "auto: read the checkpoint; dummy: random weights of config.json's shape (benchmarks)",
            choices=LOAD_FORMATS),
+    Option("quantization", "quantization", "engine", str,
+           "auto: keep a GGUF's Q4_0/Q4_1/Q8_0 weights packed where a start-up probe finds "
+           "that faster; none: dequantise to --dtype (exact reference)", choices=QUANTIZATIONS),
     Option("enforce-eager", "enforce_eager", "engine", bool,
            "no CUDA graphs: every decode step launches its kernels one by one", boolean=True),
     Option("seed", "seed", "engine", int, "engine seed for unseeded sampling"),

@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         """Move every projection (and a tied logits head) onto packed weights for ``backend``;
         see ``engine.models.packed_linear``. Returns the number of layers packed."""
         n = pack_linears(self, backend)
-        if self.lm_head is None:
+        if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, backend)
             n += 1
         return n

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,9 +29,12 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_cache.host_copy import HostTierCopier
 from engine.kv_cache.host_pool import allocate_host_pools
+from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
-from engine.models.packed_linear import linear_backend, linear_weight_bytes
+from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
+from engine.models.quant_apply import QuantisedModules, apply, build_quantised, probe
+from engine.models.quant_linear import quant_kernels
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.runner.batch import ModelInput
@@ -84,7 +88,10 @@ def total_ram_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int,
+                 files_dir: Path | None = None) -> None:
+        """``files_dir``: the model's (converted) directory; with ``quantization="auto"`` the
+        GGUF it came from is read for packed weights."""
         self.config = config
         self.device = resolve_device(config.device)
         set_device_for_thread(self.device)
@@ -96,10 +103,14 @@ class ModelRunner:
         else:
             self.model.load_weights(weights)
         self.model.eval()
+        quantised = self._quantised_modules(files_dir)
         self.linear_backend = linear_backend(self.device, self.dtype,
                                              linear_weight_bytes(self.model)) or "torch"
         if self.linear_backend != "torch":
             self.model.pack_linears(self.linear_backend)
+        self.quantized = quantised is not None and self._adopt_quantised(quantised)
+        logger.info("resident weights: %.1f MiB (%s)", self.weight_bytes / 2**20,
+                    "packed quantised linears" if self.quantized else str(self.dtype))
         self.model.ops = layer_ops_for(self.device, self.dtype)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.max_model_len = max_model_len
@@ -113,7 +124,45 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Resident weight bytes: parameters, buffers (quantised weights) and the float
+        packed-linear copies (plain attributes of ``PackedLinear``), each tensor once."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        for mod in self.model.modules():
+            if isinstance(mod, PackedLinear):
+                tensors += [t for t in (mod.panels, mod.onednn) if t is not None]
+        seen: dict[int, int] = {}
+        for t in tensors:
+            key = t.data_ptr() if t.layout == torch.strided else id(t)
+            seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
+        return sum(seen.values())
+
+    def _quantised_modules(self, files_dir: Path | None) -> QuantisedModules | None:
+        """Packed replacements for the float modules, or None when the path does not apply:
+        quantization none, dummy weights, not a GGUF, not float32 on CPU, no CPU kernels."""
+        if (self.config.quantization != "auto" or self.config.load_format == "dummy"
+                or files_dir is None or self.device.type != "cpu"
+                or self.dtype != torch.float32 or quant_kernels() is None):
+            return None
+        source = gguf_source(files_dir)
+        if source is None:
+            return None
+        packed = read_packed(source)
+        return build_quantised(self.model, packed) if packed else None
+
+    def _adopt_quantised(self, quantised: QuantisedModules) -> bool:
+        """Swap the packed modules in when the start-up probe measures them faster
+        (``KVSERVE_QUANT_FORCE=1`` swaps them in whatever the probe says)."""
+        result = probe(self.model, quantised)
+        figures = (f"1-row pass over the linears: quantised {result.quant_s * 1e3:.2f} ms, "
+                   f"float {result.float_s * 1e3:.2f} ms")
+        force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"  # tests: skip the verdict
+        if not (result.use_quantised or force):
+            logger.info("quantization=auto: keeping float weights, the quantised kernels are "
+                        "slower on this machine (%s)", figures)
+            return False
+        n = apply(self.model, quantised)
+        logger.info("quantization=auto: %d modules on packed weights (%s)", n, figures)
+        return True
 
     # ---- KV pool -------------------------------------------------------------------------
 

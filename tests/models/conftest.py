@@ -4,7 +4,9 @@
 - ``tiny_llama`` / ``make_llama_gguf`` / ``tiny_gguf``: a tiny random Llama (vocabulary of byte-level
   BPE tokens plus ChatML specials, ids 0/1/2 as in SmolLM2), and the same model written as an F32
   GGUF the way llama.cpp's converter writes it (Q/K rows permuted, tied output omitted), so that
-  converting it back must reproduce the HF tensors exactly.
+  converting it back must reproduce the HF tensors exactly. ``make_llama_gguf(path,
+  quantised=True)`` writes the linears as Q4_0 and the token table (and an untied output) as
+  Q8_0, with gguf's own quantiser.
 """
 
 from __future__ import annotations
@@ -85,9 +87,18 @@ _GGUF_NAMES = {
 }
 
 
-def _write_gguf(model, path: Path) -> None:
-    """Write ``model`` as an F32 llama GGUF with a byte-level BPE tokenizer and a ChatML template."""
+def _write_gguf(model, path: Path, quantised: bool = False) -> None:
+    """Write ``model`` as an F32 llama GGUF with a byte-level BPE tokenizer and a ChatML template
+    (``quantised``: linears Q4_0, token table and output Q8_0, norms F32)."""
     import gguf
+
+    def add(name: str, t: np.ndarray, qtype=None) -> None:
+        if quantised and qtype is not None:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
+
+    q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
 
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch="llama")
@@ -115,12 +126,12 @@ def _write_gguf(model, path: Path) -> None:
     for name, tensor in model.state_dict().items():
         t = tensor.numpy().astype(np.float32)
         if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", t)
+            add("token_embd.weight", t, q8)
         elif name == "model.norm.weight":
             w.add_tensor("output_norm.weight", t)
         elif name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
-                w.add_tensor("output.weight", t)
+                add("output.weight", t, q8)
         else:
             _, _, layer, *rest = name.split(".")
             module = ".".join(rest[:-1])
@@ -128,16 +139,16 @@ def _write_gguf(model, path: Path) -> None:
                 t = _llama_cpp_permute(t, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 t = _llama_cpp_permute(t, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{layer}.{_GGUF_NAMES[module]}.weight", t)
+            add(f"blk.{layer}.{_GGUF_NAMES[module]}.weight", t, q4 if t.ndim == 2 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def _make_llama_gguf(path: Path, tied: bool = True):
+def _make_llama_gguf(path: Path, tied: bool = True, quantised: bool = False):
     model = _tiny_llama(tied)
-    _write_gguf(model, path)
+    _write_gguf(model, path, quantised)
     return model
 
 
@@ -149,7 +160,8 @@ def tiny_llama():
 
 @pytest.fixture(scope="session")
 def make_llama_gguf():
-    """Factory ``make_llama_gguf(path, tied=True) -> model``: writes the model's GGUF at ``path``."""
+    """Factory ``make_llama_gguf(path, tied=True, quantised=False) -> model``: writes the
+    model's GGUF at ``path``."""
     return _make_llama_gguf
 
 

@@ -1,0 +1,76 @@
+"""``quantization=auto`` on a tiny random Llama written as a Q4_0/Q8_0 GGUF, against ``none``.
+
+``none`` dequantises every tensor (the exact-reference path, token-identical to HF on the same
+dequantised weights: tests/models/test_engine_parity.py). ``auto`` keeps the Q4_0 linears and
+the Q8_0 token table packed; its only approximation is the int8 rounding of activations in the
+decode kernels, so teacher-forced top-1 tokens must agree with ``none`` on >= 95% of positions.
+``KVSERVE_QUANT_FORCE=1`` keeps the packed path whatever the start-up probe measures (on tiny
+shapes float may well be faster); one test checks the probe's verdict is logged either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [list(b"hello world, "), list(b"The quick brown fox"), list(b"0123456789" * 5)]
+
+
+@pytest.fixture(scope="module")
+def q_gguf(tmp_path_factory, make_llama_gguf):
+    root = tmp_path_factory.mktemp("qgguf")
+    path = root / "tiny-llama.Q4_0.gguf"
+    make_llama_gguf(path, tied=True, quantised=True)
+    return path, root / "cache"
+
+
+def _llm(path, cache, monkeypatch, **kw) -> LLM:
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
+    return LLM(str(path), dtype="float32", kv_cache_memory="16MiB", **kw)
+
+
+def _agreement(llm: LLM, prompts, continuations) -> float:
+    """Share of continuation positions where ``llm``'s top-1 (teacher-forced) is the token."""
+    hits = total = 0
+    for prompt, cont in zip(prompts, continuations):
+        ids = prompt + cont
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1,
+                                                 prompt_logprobs=1))[0]
+        for pos in range(len(prompt), len(ids)):
+            total += 1
+            hits += out.prompt_logprobs[pos][ids[pos]].rank == 1
+    return hits / total
+
+
+def test_auto_keeps_weights_packed_and_agrees_with_none(q_gguf, monkeypatch):
+    path, cache = q_gguf
+    none = _llm(path, cache, monkeypatch, quantization="none")
+    assert not none.engine.runner.quantized
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
+
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    auto = _llm(path, cache, monkeypatch, quantization="auto")
+    runner = auto.engine.runner
+    assert runner.quantized
+    kinds = {type(m).__name__ for m in runner.model.modules()}
+    assert {"QuantLinear", "QuantEmbedding"} <= kinds and "Linear" not in kinds
+    assert runner.weight_bytes < none.engine.runner.weight_bytes / 3
+    assert _agreement(auto, PROMPTS, expected) >= 0.95
+    outs = auto.generate(PROMPTS, params)  # free-running greedy still works end to end
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    auto.engine.kv.check_integrity()
+
+
+def test_probe_verdict_is_logged(q_gguf, monkeypatch, caplog):
+    path, cache = q_gguf
+    monkeypatch.delenv("KVSERVE_QUANT_FORCE", raising=False)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        llm = _llm(path, cache, monkeypatch)  # quantization defaults to auto
+    lines = [r.getMessage() for r in caplog.records if "quantization=auto" in r.getMessage()]
+    assert len(lines) == 1 and "quantised" in lines[0] and "float" in lines[0]
+    assert llm.engine.runner.quantized == ("modules on packed weights" in lines[0])
+    assert any("resident weights" in r.getMessage() for r in caplog.records)
