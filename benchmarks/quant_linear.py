@@ -3,7 +3,9 @@
 For each weight shape (out x in) of SmolLM2-135M and each row count, times the float32
 ``PackedLinear`` (the engine's default CPU backend) and ``QuantLinear`` over the same weight in
 4-bit (Q4_1-style) and, for the embedding/logits shape, 8-bit (Q8_0) groups, and prints
-microseconds and the float/quant ratio (> 1: quantised faster). Weights are cycled through
+microseconds and the float/quant ratio (> 1: quantised faster). For the 4-bit shapes it also
+times the alternative kernel design, ``quant_gemm_q4_fma`` (nibbles unpacked to floats in
+registers, float FMA with unquantised activations), at rows <= ``DENSE_ROWS``. Weights are cycled through
 ``--copies`` independent instances so that they come from memory, as in a decode step, not
 from cache. Prints the CPU's ISA flags first.
 
@@ -23,7 +25,7 @@ from gguf import GGMLQuantizationType, quants
 
 from engine.models.packed_linear import PackedLinear, linear_backend
 from engine.models.quant_formats import from_gguf_blocks
-from engine.models.quant_linear import QuantLinear, quant_kernels
+from engine.models.quant_linear import DENSE_ROWS, QuantLinear, quant_kernels
 
 SHAPES = [(576, 576, "Q4_1"), (192, 576, "Q4_1"), (1536, 576, "Q4_1"), (576, 1536, "Q4_1"),
           (49152, 576, "Q8_0")]
@@ -69,7 +71,7 @@ def main() -> None:
     for n, k, qname in SHAPES:
         qtype = GGMLQuantizationType[qname]
         copies = max(1, args.copies if n * k < 5e6 else 2)
-        floats, quant = [], []
+        floats, quant, fma = [], [], []
         for _ in range(copies):
             w = np.random.randn(n, k).astype(np.float32) * 0.02
             raw = quants.quantize(w, qtype)
@@ -77,15 +79,19 @@ def main() -> None:
             floats.append(PackedLinear(torch.from_numpy(quants.dequantize(raw, qtype)), None,
                                        backend))
             quant.append(QuantLinear(packed))
+            if qname.startswith("Q4"):
+                fma.append(lambda x, p=packed: kern.quant_gemm_q4_fma(x, p.qs, p.d, p.m))
         for m in ROWS:
             xs = [torch.randn(m, k) for _ in range(copies)]
             with torch.inference_mode():
                 tf = bench(floats, xs, args.reps)
                 tq = bench(quant, xs, args.reps)
+                tv = bench(fma, xs, args.reps) if fma and m <= DENSE_ROWS else None
             rows_out.append({"out": n, "in": k, "format": qname, "rows": m, "float_us": tf,
-                             "quant_us": tq, "ratio": tf / tq})
+                             "quant_us": tq, "ratio": tf / tq, "q4_fma_us": tv})
+            alt = f"  (q4 float-FMA variant {tv:8.1f} us)" if tv is not None else ""
             print(f"{n:6d}x{k:<5d} {qname} M={m:4d}  float32 {tf:9.1f} us  quant {tq:9.1f} us  "
-                  f"float/quant {tf / tq:5.2f}")
+                  f"float/quant {tf / tq:5.2f}{alt}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"isa": isa(), "threads": torch.get_num_threads(), "rows": rows_out}, f,

@@ -119,3 +119,13 @@ def test_quant_embedding_lookup_and_tied_head():
     ids = torch.tensor([[3, 49, 0], [7, 7, 1]])
     torch.testing.assert_close(emb(ids), w[ids], rtol=0, atol=1e-6)
     assert emb.head.out_features == 50 and emb.head(torch.randn(2, 64)).shape == (2, 50)
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_q4_float_fma_variant_is_plain_float_math(rows):
+    packed, w = _packed(49, 160, T.Q4_1)
+    x = torch.randn(rows, 160)
+    got = quant_kernels().quant_gemm_q4_fma(x, packed.qs, packed.d, packed.m)
+    scale = float((x.abs() @ w.abs().t()).max())
+    torch.testing.assert_close(got, F.linear(x, w), rtol=0, atol=1e-5 * scale)

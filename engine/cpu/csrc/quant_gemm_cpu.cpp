@@ -19,9 +19,11 @@
 // runs a dense matmul over dequantised panels).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -29,23 +31,61 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
+#ifdef KVSERVE_AVX2
+// One group of 32: returns amax; writes round(x * 127/amax) (half to even, as nearbyint) as
+// int8 and the sum of those integers.
+inline float quantise_group(const float* src, int8_t* dst, int* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int h = 0; h < 4; h++) {
+    v[h] = _mm256_loadu_ps(src + 8 * h);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[h]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float a = _mm_cvtss_f32(m4);
+  const __m256 id = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
+  __m256i q[4];
+  for (int h = 0; h < 4; h++) {
+    q[h] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[h], id),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  t4 = _mm_hadd_epi32(t4, t4);
+  t4 = _mm_hadd_epi32(t4, t4);
+  *sum = _mm_cvtsi128_si32(t4);
+  // packs work per 128-bit lane: restore element order with one cross-lane permute.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return a;
+}
+#endif
+
 // x [M, K] -> qx int8 [M, K], dx [M, K/32], sx [M, K/32] = dx * sum(qx) of the group.
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
   const int64_t G = K / kGroup;
   for (int64_t r = 0; r < M; r++) {
     for (int64_t g = 0; g < G; g++) {
       const float* src = x + r * K + g * kGroup;
-      float amax = 0.f;
-      for (int i = 0; i < kGroup; i++) amax = std::fmax(amax, std::fabs(src[i]));
-      const float d = amax / 127.f;
-      const float id = amax > 0.f ? 127.f / amax : 0.f;
       int8_t* dst = qx + r * K + g * kGroup;
       int sum = 0;
+#ifdef KVSERVE_AVX2
+      const float amax = quantise_group(src, dst, &sum);
+#else
+      float amax = 0.f;
+      for (int i = 0; i < kGroup; i++) amax = std::fmax(amax, std::fabs(src[i]));
+      const float id = amax > 0.f ? 127.f / amax : 0.f;
       for (int i = 0; i < kGroup; i++) {
         const int q = static_cast<int>(std::nearbyint(src[i] * id));
         dst[i] = static_cast<int8_t>(q);
         sum += q;
       }
+#endif
+      const float d = amax / 127.f;
       dx[r * G + g] = d;
       sx[r * G + g] = d * static_cast<float>(sum);
     }
@@ -163,18 +203,23 @@ void check_common(const torch::Tensor& x, const torch::Tensor& qs, const torch::
               "malformed packed weight");
 }
 
+// The quantised activation rows, in buffers reused across calls on the calling thread (a
+// decode step makes ~100 of these calls; three tensor allocations each were measurable).
 struct QuantisedRows {
-  torch::Tensor q, d, s;
+  const int8_t* q;
+  const float *d, *s;
 };
 
 QuantisedRows quantise(const torch::Tensor& x) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
   const int64_t M = x.size(0), K = x.size(1);
   auto xc = x.contiguous();
-  QuantisedRows r{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kGroup}),
-                  torch::empty({M, K / kGroup})};
-  quantise_rows(xc.data_ptr<float>(), M, K, r.q.data_ptr<int8_t>(), r.d.data_ptr<float>(),
-                r.s.data_ptr<float>());
-  return r;
+  q.resize(M * K);
+  d.resize(M * K / kGroup);
+  s.resize(M * K / kGroup);
+  quantise_rows(xc.data_ptr<float>(), M, K, q.data(), d.data(), s.data());
+  return {q.data(), d.data(), s.data()};
 }
 
 }  // namespace
@@ -188,8 +233,8 @@ torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, 
   auto y = torch::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
-  const int8_t* xqp = xq.q.data_ptr<int8_t>();
-  const float *dx = xq.d.data_ptr<float>(), *sx = xq.s.data_ptr<float>();
+  const int8_t* xqp = xq.q;
+  const float *dx = xq.d, *sx = xq.s;
   float* yp = y.data_ptr<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
@@ -209,8 +254,8 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d) 
   auto y = torch::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();
   const float* dw = d.data_ptr<float>();
-  const int8_t* xqp = xq.q.data_ptr<int8_t>();
-  const float* dx = xq.d.data_ptr<float>();
+  const int8_t* xqp = xq.q;
+  const float* dx = xq.d;
   float* yp = y.data_ptr<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
@@ -218,6 +263,60 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d) 
       dot_q8<decltype(tile)::value>(w + n * K, dw + n * G, xqp + r0 * K, dx + r0 * G, K, G,
                                     yp + r0 * N + n, N);
     });
+  }
+  return y;
+}
+
+// The alternative design, kept for benchmarks/quant_linear.py's comparison: no activation
+// quantisation; each q4 group is unpacked to 4 x 8 floats in registers (d*q + m) and FMA'd with
+// the float activations of up to 4 rows. Exact up to float32 summation order.
+torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                torch::Tensor m) {
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
+  check_common(x, qs, d, K);
+  auto xc = x.contiguous();
+  auto y = torch::empty({M, N});
+  const uint8_t* w = qs.data_ptr<uint8_t>();
+  const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>(), *xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int R = static_cast<int>(std::min<int64_t>(4, M - r0));
+#ifdef KVSERVE_AVX2
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+      for (int64_t g = 0; g < G; g++) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (K / 2) + g * 16));
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        const __m256 a = _mm256_set1_ps(dw[n * G + g]), b = _mm256_set1_ps(mw[n * G + g]);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int h = 0; h < 4; h++) {
+          const __m256 wf = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h])), b);
+          const float* xr = xp + r0 * K + g * kGroup + 8 * h;
+          acc0 = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xr), acc0);
+          if (R > 1) acc1 = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xr + K), acc1);
+          if (R > 2) acc2 = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xr + 2 * K), acc2);
+          if (R > 3) acc3 = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xr + 3 * K), acc3);
+        }
+      }
+      const __m256 accs[4] = {acc0, acc1, acc2, acc3};
+      for (int r = 0; r < R; r++) yp[(r0 + r) * N + n] = hsum(accs[r]);
+#else
+      for (int r = 0; r < R; r++) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+          const float a = dw[n * G + g], b = mw[n * G + g];
+          for (int j = 0; j < 16; j++) {
+            const uint8_t byte = w[n * (K / 2) + g * 16 + j];
+            acc += (a * (byte & 0x0F) + b) * xp[(r0 + r) * K + g * kGroup + j];
+            acc += (a * (byte >> 4) + b) * xp[(r0 + r) * K + g * kGroup + j + 16];
+          }
+        }
+        yp[(r0 + r) * N + n] = acc;
+      }
+#endif
+    }
   }
   return y;
 }
@@ -241,10 +340,22 @@ torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor 
       const uint8_t* src = w + n * (K / 2) + g * 16;
       float* dst = o + i * K + g * kGroup;
       const float a = dw[n * G + g], b = mw[n * G + g];
+#ifdef KVSERVE_AVX2
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+      const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int h = 0; h < 4; h++) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
+        _mm256_storeu_ps(dst + 8 * h, _mm256_fmadd_ps(av, q, bv));
+      }
+#else
       for (int j = 0; j < 16; j++) {
         dst[j] = a * static_cast<float>(src[j] & 0x0F) + b;
         dst[j + 16] = a * static_cast<float>(src[j] >> 4) + b;
       }
+#endif
     }
   }
   return out;
@@ -264,7 +375,19 @@ torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, torch::Tensor 
 #pragma omp parallel for schedule(static) if (R * K > 65536)
   for (int64_t i = 0; i < R; i++) {
     const int64_t n = idp[i];
+#ifdef KVSERVE_AVX2
+    for (int64_t g = 0; g < G; g++) {
+      const __m256 a = _mm256_set1_ps(dw[n * G + g]);
+      for (int h = 0; h < 4; h++) {
+        const __m128i q8 = _mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(w + n * K + g * kGroup + 8 * h));
+        _mm256_storeu_ps(o + i * K + g * kGroup + 8 * h,
+                         _mm256_mul_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
+      }
+    }
+#else
     for (int64_t k = 0; k < K; k++) o[i * K + k] = dw[n * G + k / kGroup] * w[n * K + k];
+#endif
   }
   return out;
 }

@@ -1,0 +1,66 @@
+"""Single-stream decode of the embedded model: ``quantization="auto"`` vs ``"none"``.
+
+Both engines live in one process and run alternately (``--rounds`` times each, best and median
+kept), one prompt, ``--tokens`` greedy tokens (ignore_eos). TPOT = (last token - first token) /
+(tokens - 1), from the request's own timestamps. Prints whether ``auto`` actually kept the
+packed weights (its start-up probe may choose float on a machine where that is faster), the
+resident weight bytes of each, and the ratio.
+
+    PYTHONPATH=. python benchmarks/quant_decode.py [--tokens 128] [--rounds 3] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from engine import LLM, SamplingParams
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def tpot_ms(llm: LLM, tokens: int) -> float:
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=tokens,
+                                                ignore_eos=True))[0]
+    m = out.metrics
+    return (m.last_token_time - m.first_token_time) / (tokens - 1) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--force", action="store_true", help="KVSERVE_QUANT_FORCE=1 for auto")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    engines = {"none": LLM(None, dtype="float32", kv_cache_memory="256MiB", quantization="none")}
+    if args.force:
+        os.environ["KVSERVE_QUANT_FORCE"] = "1"
+    engines["auto"] = LLM(None, dtype="float32", kv_cache_memory="256MiB", quantization="auto")
+    for llm in engines.values():
+        tpot_ms(llm, 8)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            times[name].append(tpot_ms(llm, args.tokens))
+    result = {}
+    for name, llm in engines.items():
+        runner = llm.engine.runner
+        result[name] = {"tpot_ms_best": min(times[name]),
+                        "tpot_ms_median": statistics.median(times[name]),
+                        "packed": runner.quantized, "weight_bytes": runner.weight_bytes}
+        print(f"{name:5s} packed={runner.quantized!s:5s} weights {runner.weight_bytes / 2**20:7.1f} "
+              f"MiB  TPOT best {min(times[name]):6.2f} ms  median "
+              f"{statistics.median(times[name]):6.2f} ms  (rounds: "
+              f"{', '.join(f'{t:.2f}' for t in times[name])})")
+    print(f"none/auto TPOT ratio (median): "
+          f"{result['none']['tpot_ms_median'] / result['auto']['tpot_ms_median']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
