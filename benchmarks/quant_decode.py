@@ -7,6 +7,11 @@ packed weights (its start-up probe may choose float on a machine where that is f
 resident weight bytes of each, and the ratio.
 
     PYTHONPATH=. python benchmarks/quant_decode.py [--tokens 128] [--rounds 3] [--force]
+        [--threads N]
+
+On a machine shared with other busy processes, OpenMP's barriers can stall every step of
+both engines for a scheduler time slice (seen: ~1 s per token on 2 threads with a third busy
+process); ``--threads 1`` avoids that, and the start-up probe's verdict is a coin toss then.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--force", action="store_true", help="KVSERVE_QUANT_FORCE=1 for auto")
+    ap.add_argument("--threads", type=int, default=None, help="num_threads of both engines")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    engines = {"none": LLM(None, dtype="float32", kv_cache_memory="256MiB", quantization="none")}
+    common = dict(dtype="float32", kv_cache_memory="256MiB", num_threads=args.threads)
+    engines = {"none": LLM(None, quantization="none", **common)}
     if args.force:
         os.environ["KVSERVE_QUANT_FORCE"] = "1"
-    engines["auto"] = LLM(None, dtype="float32", kv_cache_memory="256MiB", quantization="auto")
+    engines["auto"] = LLM(None, quantization="auto", **common)
     for llm in engines.values():
         tpot_ms(llm, 8)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in engines}
