@@ -98,9 +98,10 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, DENSE_ROWS, DENSE_ROWS + 1, 300])
 def test_quant_linear_matches_reference(qtype, shape, rows):
     packed, w = _packed(*shape, qtype)
-    bias = torch.randn(shape[0])
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(shape[0]))
     lin = QuantLinear(packed, bias)
-    x = torch.randn(rows, shape[1]) * torch.rand(rows, 1) * 3
+    gen = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    x = torch.randn(rows, shape[1], generator=gen) * torch.rand(rows, 1, generator=gen) * 3
     got = lin(x.view(1, rows, shape[1])).view(rows, shape[0])
     scale = float((x.abs() @ w.abs().t()).max())
     exact = F.linear(x.double(), w.double(), bias.double())
@@ -108,7 +109,12 @@ def test_quant_linear_matches_reference(qtype, shape, rows):
         torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-5 * scale)
         return
     ref, bound = _reference(x, w)
-    torch.testing.assert_close(got.double(), ref + bias.double(), rtol=0, atol=1e-5 * scale)
+    # Rarely (~1 activation element in 10^6 on random data, seen 3 times in 400 seeds of
+    # 16 x 576) the kernel and this reference round a near-tie x/dx to neighbouring integers;
+    # allow one such step per output: max|w| * max dx.
+    step = float(w.abs().max()) * float(x.abs().max()) / 127
+    torch.testing.assert_close(got.double(), ref + bias.double(), rtol=0,
+                               atol=1e-5 * scale + step)
     assert bool(((got.double() - exact).abs() <= bound + 1e-5 * scale).all())
 
 
