@@ -8,10 +8,13 @@ Three steps, called by the model runner for ``quantization="auto"``:
    tied logits head reads the same data). Each packed weight is checked against the float
    weight already loaded from the converted checkpoint; a mismatch (a name or row-order error)
    raises ``ValueError`` instead of serving wrong weights.
-2. :func:`probe` (after float packing): times a decode pass over every linear at 1 row, the
-   float modules against the quantised ones, on this machine and these shapes. The quantised
-   path is used only when it is faster; never by a rule.
-3. :func:`apply` swaps the modules in; the float copies are dropped with the old modules.
+2. :func:`choose` (after float packing): :func:`probe` times a pass over every linear, the float
+   modules against the quantised ones, at ``PROBE_ROWS`` rows (decode of 1..64 sequences, and a
+   prefill chunk), on this machine and these shapes. The quantised path is used for the row
+   counts where it measured faster, never by a rule: for all of them (``quant``, the float
+   copies are dropped), up to a crossover (``hybrid``: the float modules are kept for larger
+   inputs), or for none (``float``).
+3. :func:`apply` swaps the modules in (with their float fallbacks in ``hybrid``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,43 @@ class ProbeResult:
     @property
     def use_quantised(self) -> bool:
         return self.quant_s < self.float_s
+
+
+PROBE_ROWS = (1, 4, 16, 64, 256)
+
+
+@dataclass
+class Verdict:
+    """Which path serves which row counts: ``mode`` is ``quant`` (every size), ``hybrid``
+    (quantised up to ``float_above`` rows, float beyond) or ``float``; ``probes`` maps each
+    probed row count to its measurement."""
+
+    mode: str
+    float_above: int | None
+    probes: dict[int, ProbeResult]
+
+    def describe(self) -> str:
+        return "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
+                         f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
+
+
+@torch.no_grad()
+def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS,
+           force: bool = False) -> Verdict:
+    """Probe each row count in increasing order; the quantised path keeps the smallest counts
+    it wins, contiguously from 1 row. ``force``: measure, but use the quantised path for all."""
+    probes: dict[int, ProbeResult] = {}
+    wins_up_to = 0
+    for n in sorted(rows):
+        probes[n] = probe(model, q, rows=n, repeats=3 if n <= 16 else 1)
+        if wins_up_to == len(probes) - 1 and probes[n].use_quantised:
+            wins_up_to = len(probes)
+    ordered = sorted(probes)
+    if force or wins_up_to == len(ordered):
+        return Verdict("quant", None, probes)
+    if wins_up_to == 0:
+        return Verdict("float", None, probes)
+    return Verdict("hybrid", ordered[wins_up_to - 1], probes)
 
 
 @torch.no_grad()
@@ -138,8 +178,12 @@ def probe(model: nn.Module, q: QuantisedModules, rows: int = 1, repeats: int = 5
     return ProbeResult(float_s=best[0], quant_s=best[1])
 
 
-def apply(model: nn.Module, q: QuantisedModules) -> int:
-    """Swap the quantised modules into ``model``; returns how many modules were replaced."""
+def apply(model: nn.Module, q: QuantisedModules, float_above: int | None = None) -> int:
+    """Swap the quantised modules into ``model``; returns how many modules were replaced. With
+    ``float_above``, each keeps the float module it replaces for inputs of more rows."""
+    if float_above is not None:
+        for dense, quant in _float_modules(model, q):
+            quant.keep_float_above(float_above, dense)
     for path, mod in q.linears.items():
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, mod)

@@ -8,6 +8,9 @@
   rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
 * above (prefill): panels of ``PANEL_ROWS`` output rows are dequantised to float32 and
   multiplied densely; compute-bound there, so the dequantisation is a small extra.
+* with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
+  quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
+  go to the fallback instead, so every row count runs on the path measured faster.
 
 ``QuantEmbedding`` looks ids up by dequantising only those rows; tied to the logits head, both
 share one packed tensor. Float32 CPU only; the packed tensors are buffers (they count in the
@@ -49,6 +52,12 @@ class QuantLinear(nn.Module):
         self.register_buffer("m", packed.m if self.is_q4 else None)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.dense_rows = dense_rows
+        self.fallback: nn.Module | None = None
+        self.float_above: int | None = None
+
+    def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
+        """Send inputs of more than ``rows`` rows to ``fallback`` (same weights, float)."""
+        self.fallback, self.float_above = fallback, rows
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Float32 rows ``W[rows]``."""
@@ -61,6 +70,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
+        if self.fallback is not None and x2.shape[0] > self.float_above:
+            return self.fallback(x).view(*lead, self.out_features)
         if x2.shape[0] <= self.dense_rows:
             if self.is_q4:
                 out = self._kernels.quant_gemm_q4(x2, self.qs, self.d, self.m)
@@ -82,11 +93,13 @@ class QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """Bytes of the packed weight (and bias); a float fallback is not counted."""
+        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
     def extra_repr(self) -> str:
         kind = "q4" if self.is_q4 else "q8"
-        return f"in={self.in_features}, out={self.out_features}, {kind}"
+        above = "" if self.fallback is None else f", float above {self.float_above} rows"
+        return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
 
 
 class QuantEmbedding(nn.Module):

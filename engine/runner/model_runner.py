@@ -33,7 +33,7 @@ from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.models.quant_apply import QuantisedModules, apply, build_quantised, probe
+from engine.models.quant_apply import QuantisedModules, apply, build_quantised, choose
 from engine.models.quant_linear import quant_kernels
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
@@ -108,9 +108,14 @@ class ModelRunner:
                                              linear_weight_bytes(self.model)) or "torch"
         if self.linear_backend != "torch":
             self.model.pack_linears(self.linear_backend)
+        self.quant_verdict = None
         self.quantized = quantised is not None and self._adopt_quantised(quantised)
-        logger.info("resident weights: %.1f MiB (%s)", self.weight_bytes / 2**20,
-                    "packed quantised linears" if self.quantized else str(self.dtype))
+        what = str(self.dtype)
+        if self.quantized:
+            what = ("packed quantised linears" if self.quant_verdict.float_above is None else
+                    f"packed quantised linears + {self.dtype} copies for batches above "
+                    f"{self.quant_verdict.float_above} rows")
+        logger.info("resident weights: %.1f MiB (%s)", self.weight_bytes / 2**20, what)
         self.model.ops = layer_ops_for(self.device, self.dtype)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.max_model_len = max_model_len
@@ -150,22 +155,23 @@ class ModelRunner:
         return build_quantised(self.model, packed) if packed else None
 
     def _adopt_quantised(self, quantised: QuantisedModules) -> bool:
-        """Swap the packed modules in when the start-up probe measures them faster at one row
-        (single-stream decode; the 16-row figures are logged for batched decode, which the
-        verdict does not weigh yet). ``KVSERVE_QUANT_FORCE=1`` swaps them in whatever the
-        probe says."""
-        result = probe(self.model, quantised)
-        batch = probe(self.model, quantised, rows=16, repeats=2)  # reported, not decisive yet
-        figures = (f"1-row pass over the linears: quantised {result.quant_s * 1e3:.2f} ms, "
-                   f"float {result.float_s * 1e3:.2f} ms; 16 rows: quantised "
-                   f"{batch.quant_s * 1e3:.2f} ms, float {batch.float_s * 1e3:.2f} ms")
-        force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"  # tests: skip the verdict
-        if not (result.use_quantised or force):
+        """Swap the packed modules in for the row counts where the start-up probe measured them
+        faster (``quant_apply.choose``); keep the float modules for larger inputs when the
+        quantised kernels lose there. ``KVSERVE_QUANT_FORCE=1`` uses the packed weights for
+        every size whatever the probe says (tests)."""
+        force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
+        verdict = choose(self.model, quantised, force=force)
+        self.quant_verdict = verdict
+        if verdict.mode == "float":
             logger.info("quantization=auto: keeping float weights, the quantised kernels are "
-                        "slower on this machine (%s)", figures)
+                        "slower on this machine (%s)", verdict.describe())
             return False
-        n = apply(self.model, quantised)
-        logger.info("quantization=auto: %d modules on packed weights (%s)", n, figures)
+        n = apply(self.model, quantised, verdict.float_above)
+        scope = ("every batch size" if verdict.float_above is None else
+                 f"up to {verdict.float_above} rows, float weights kept above (measured slower "
+                 "quantised there)")
+        logger.info("quantization=auto: %d modules on packed weights for %s (%s)", n, scope,
+                    verdict.describe())
         return True
 
     # ---- KV pool -------------------------------------------------------------------------
