@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# kvserve next to llama.cpp's own llama-server, same GGUF, same machine, same run.
+#
+#   bash benchmarks/vs_llamacpp.sh [OUT_DIR]        (default docs/perf/vs-llamacpp-<isa>-<date>)
+#
+# 1. Builds llama-server once from the llama.cpp sources vendored in the llama-cpp-python sdist
+#    on PyPI (cmake + ninja, about 10 minutes on 2 cores), cached outside the repository in
+#    ${KVSERVE_LLAMACPP_DIR:-~/.cache/kvserve/llamacpp}. Nothing is built inside the repository.
+# 2. Serves the embedded model's GGUF (SmolLM2-135M-Instruct Q4_1) with both servers, each with
+#    16 slots / sequences and all cores, one after the other (never both at once).
+# 3. Runs `kvserve bench serve --openai-only` (the same client, OpenAI fields only, tokens
+#    counted from the stream) against each: single stream (8 requests, 128 prompt tokens, 128
+#    out, concurrency 1), W1 (64 requests, 280 prompt tokens, 64 out, concurrency 16), W2 (32
+#    requests behind one shared 1,480-token prefix, 32 out, concurrency 16).
+# 4. Writes each run's JSON to OUT_DIR and prints a table with the ratios.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-}
+ISA=$(grep -o -m1 -w 'avx512f' /proc/cpuinfo || grep -o -m1 -w 'avx2' /proc/cpuinfo || echo generic)
+[ -n "$OUT" ] || OUT="docs/perf/vs-llamacpp-${ISA}-$(date +%Y-%m-%d)"
+mkdir -p "$OUT"
+CACHE=${KVSERVE_LLAMACPP_DIR:-$HOME/.cache/kvserve/llamacpp}
+THREADS=$(nproc)
+PORT_LLAMA=${PORT_LLAMA:-8091}
+PORT_KV=${PORT_KV:-8092}
+
+# ---- 1. llama-server ---------------------------------------------------------------------
+SERVER_BIN=$(ls -d "$CACHE"/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server 2>/dev/null | tail -1 || true)
+if [ -z "$SERVER_BIN" ]; then
+    mkdir -p "$CACHE"
+    echo "building llama-server in $CACHE (once; ~10 minutes on 2 cores)"
+    python -m pip download -q --no-deps --no-binary :all: llama-cpp-python -d "$CACHE"
+    SDIST=$(ls "$CACHE"/llama_cpp_python-*.tar.gz | tail -1)
+    tar -xzf "$SDIST" -C "$CACHE"
+    SRC=$(ls -d "$CACHE"/llama_cpp_python-*/vendor/llama.cpp | tail -1)
+    cmake -S "$SRC" -B "$SRC/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    cmake --build "$SRC/build" --target llama-server -j "$THREADS"
+    SERVER_BIN="$SRC/build/bin/llama-server"
+fi
+GGUF=$(python -c "from engine.loading.embedded import embedded_gguf_path; print(embedded_gguf_path())")
+echo "llama-server: $SERVER_BIN"
+echo "GGUF: $GGUF ($ISA, $THREADS threads)"
+
+# ---- 2./3. serve and measure ---------------------------------------------------------------
+wait_health() {
+    for _ in $(seq 1 300); do
+        if curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; then return 0; fi
+        sleep 1
+    done
+    echo "server on port $1 did not become healthy" >&2
+    return 1
+}
+
+bench() {  # bench NAME PORT
+    local name=$1 port=$2 url="http://127.0.0.1:$2"
+    local common=(--base-url "$url" --openai-only --no-yardstick --warmup 1)
+    kvserve bench serve "${common[@]}" --workload random --num-requests 8 --input-len 128 \
+        --output-len 128 --concurrency 1 --label "$name single" --json "$OUT/$name-single.json"
+    kvserve bench serve "${common[@]}" --workload random --num-requests 64 --input-len 280 \
+        --output-len 64 --concurrency 16 --label "$name W1" --json "$OUT/$name-w1.json"
+    kvserve bench serve "${common[@]}" --workload shared-prefix --num-groups 1 \
+        --prefix-len 1480 --input-len 20 --num-requests 32 --output-len 32 --concurrency 16 \
+        --label "$name W2" --json "$OUT/$name-w2.json"
+}
+
+PID=""
+cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null || true; }
+trap cleanup EXIT
+
+"$SERVER_BIN" -m "$GGUF" --host 127.0.0.1 --port "$PORT_LLAMA" -c 32768 -np 16 -t "$THREADS" \
+    > "$OUT/llama-server.log" 2>&1 &
+PID=$!
+wait_health "$PORT_LLAMA"
+bench llamacpp "$PORT_LLAMA"
+kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""
+
+kvserve serve --host 127.0.0.1 --port "$PORT_KV" --max-num-seqs 16 > "$OUT/kvserve.log" 2>&1 &
+PID=$!
+wait_health "$PORT_KV"
+bench kvserve "$PORT_KV"
+kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""
+
+# ---- 4. table ----------------------------------------------------------------------------
+python - "$OUT" "$ISA" <<'EOF'
+import json, sys
+from pathlib import Path
+out, isa = Path(sys.argv[1]), sys.argv[2]
+rows = []
+for wl, title in (("single", "single stream, 128 out: TPOT p50 (ms)"),
+                  ("w1", "W1 (64 x 280 in, 64 out, c=16): out tok/s"),
+                  ("w2", "W2 (shared 1,480 prefix, 32 out, c=16): out tok/s")):
+    r = {n: json.loads((out / f"{n}-{wl}.json").read_text())["runs"][0]
+         for n in ("llamacpp", "kvserve")}
+    if wl == "single":
+        a, b = r["llamacpp"]["tpot_ms"]["p50"], r["kvserve"]["tpot_ms"]["p50"]
+        rows.append((title, a, b, a / b))
+    else:
+        a, b = r["llamacpp"]["output_throughput"], r["kvserve"]["output_throughput"]
+        rows.append((title, a, b, b / a))
+print(f"\n| ({isa}) | llama-server | kvserve | kvserve advantage |\n|---|---:|---:|---:|")
+for title, a, b, ratio in rows:
+    print(f"| {title} | {a:.1f} | {b:.1f} | {ratio:.2f}x |")
+(out / "summary.json").write_text(json.dumps(
+    {"isa": isa, "rows": [dict(zip(("metric", "llamacpp", "kvserve", "advantage"), r))
+                          for r in rows]}, indent=1))
+EOF
