@@ -80,7 +80,6 @@ class EngineCore:
         # stats and integrity checks only, and never allocates, frees or looks up through it.
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks=num_host_blocks, cost=cost)
-        self._host_tier = self.kv if num_host_blocks else None  # offload stats
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = self.runner.arch.vocab_size
@@ -330,7 +329,7 @@ class EngineCore:
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             computed_tokens=self.counters["computed_tokens"],
             host=HostTierStats.from_offload(
-                self._host_tier and self._host_tier.offload_stats(), self._block_bytes),
+                self.kv.offload_stats(), self._block_bytes),
         )
 
 

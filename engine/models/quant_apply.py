@@ -19,14 +19,20 @@ Three steps, called by the model runner for ``quantization="auto"``:
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.models.quant_formats import Packed, cat
-from engine.models.quant_linear import QuantEmbedding, QuantLinear
+from engine.models.quant_linear import QuantEmbedding, QuantLinear, quant_kernels
+
+logger = logging.getLogger("kvserve.engine")
 
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -194,3 +200,38 @@ def apply(model: nn.Module, q: QuantisedModules, float_above: int | None = None)
             model.tied_head = q.embedding.head
         n += 1
     return n
+
+
+def packed_replacements(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
+                        files_dir: Path | None) -> QuantisedModules | None:
+    """Step 1 for an engine: packed replacements for ``model``'s float modules, or None when
+    the path does not apply (quantization none, dummy weights, not a GGUF, not float32 on CPU,
+    no CPU kernels)."""
+    if (config.quantization != "auto" or config.load_format == "dummy" or files_dir is None
+            or device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None):
+        return None
+    source = gguf_source(files_dir)
+    if source is None:
+        return None
+    packed = read_packed(source)
+    return build_quantised(model, packed) if packed else None
+
+
+def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:
+    """Steps 2 and 3 for an engine: swap the packed modules in for the row counts where the
+    probe measured them faster (:func:`choose`), keeping the float modules for larger inputs
+    when they lose there; log the verdict with its figures. ``KVSERVE_QUANT_FORCE=1`` uses the
+    packed weights for every size whatever the probe says (tests)."""
+    force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
+    verdict = choose(model, quantised, force=force)
+    if verdict.mode == "float":
+        logger.info("quantization=auto: keeping float weights, the quantised kernels are "
+                    "slower on this machine (%s)", verdict.describe())
+        return verdict
+    n = apply(model, quantised, verdict.float_above)
+    scope = ("every batch size" if verdict.float_above is None else
+             f"up to {verdict.float_above} rows, float weights kept above (measured slower "
+             "quantised there)")
+    logger.info("quantization=auto: %d modules on packed weights for %s (%s)", n, scope,
+                verdict.describe())
+    return verdict

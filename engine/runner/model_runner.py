@@ -29,12 +29,10 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_cache.host_copy import HostTierCopier
 from engine.kv_cache.host_pool import allocate_host_pools
-from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.models.quant_apply import QuantisedModules, apply, build_quantised, choose
-from engine.models.quant_linear import quant_kernels
+from engine.models.quant_apply import adopt_if_faster, packed_replacements
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.runner.batch import ModelInput
@@ -103,13 +101,13 @@ class ModelRunner:
         else:
             self.model.load_weights(weights)
         self.model.eval()
-        quantised = self._quantised_modules(files_dir)
+        quantised = packed_replacements(self.model, config, self.device, self.dtype, files_dir)
         self.linear_backend = linear_backend(self.device, self.dtype,
                                              linear_weight_bytes(self.model)) or "torch"
         if self.linear_backend != "torch":
             self.model.pack_linears(self.linear_backend)
-        self.quant_verdict = None
-        self.quantized = quantised is not None and self._adopt_quantised(quantised)
+        self.quant_verdict = adopt_if_faster(self.model, quantised) if quantised else None
+        self.quantized = self.quant_verdict is not None and self.quant_verdict.mode != "float"
         what = str(self.dtype)
         if self.quantized:
             what = ("packed quantised linears" if self.quant_verdict.float_above is None else
@@ -140,39 +138,6 @@ class ModelRunner:
             key = t.data_ptr() if t.layout == torch.strided else id(t)
             seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
         return sum(seen.values())
-
-    def _quantised_modules(self, files_dir: Path | None) -> QuantisedModules | None:
-        """Packed replacements for the float modules, or None when the path does not apply:
-        quantization none, dummy weights, not a GGUF, not float32 on CPU, no CPU kernels."""
-        if (self.config.quantization != "auto" or self.config.load_format == "dummy"
-                or files_dir is None or self.device.type != "cpu"
-                or self.dtype != torch.float32 or quant_kernels() is None):
-            return None
-        source = gguf_source(files_dir)
-        if source is None:
-            return None
-        packed = read_packed(source)
-        return build_quantised(self.model, packed) if packed else None
-
-    def _adopt_quantised(self, quantised: QuantisedModules) -> bool:
-        """Swap the packed modules in for the row counts where the start-up probe measured them
-        faster (``quant_apply.choose``); keep the float modules for larger inputs when the
-        quantised kernels lose there. ``KVSERVE_QUANT_FORCE=1`` uses the packed weights for
-        every size whatever the probe says (tests)."""
-        force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
-        verdict = choose(self.model, quantised, force=force)
-        self.quant_verdict = verdict
-        if verdict.mode == "float":
-            logger.info("quantization=auto: keeping float weights, the quantised kernels are "
-                        "slower on this machine (%s)", verdict.describe())
-            return False
-        n = apply(self.model, quantised, verdict.float_above)
-        scope = ("every batch size" if verdict.float_above is None else
-                 f"up to {verdict.float_above} rows, float weights kept above (measured slower "
-                 "quantised there)")
-        logger.info("quantization=auto: %d modules on packed weights for %s (%s)", n, scope,
-                    verdict.describe())
-        return True
 
     # ---- KV pool -------------------------------------------------------------------------
 

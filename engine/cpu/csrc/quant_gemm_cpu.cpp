@@ -321,6 +321,13 @@ torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor
   return y;
 }
 
+// Every requested row index must name a row of the packed weight (checked before any thread runs).
+static void check_rows(const int64_t* idp, int64_t R, int64_t num_rows) {
+  for (int64_t i = 0; i < R; i++) {
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < num_rows, "row index out of range");
+  }
+}
+
 torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                                torch::Tensor rows) {
   const int64_t K = qs.size(1) * 2, G = K / kGroup, R = rows.numel();
@@ -330,9 +337,7 @@ torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor 
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < R; i++) {
-    TORCH_CHECK(idp[i] >= 0 && idp[i] < qs.size(0), "row index out of range");
-  }
+  check_rows(idp, R, qs.size(0));
 #pragma omp parallel for schedule(static) if (R * K > 65536)
   for (int64_t i = 0; i < R; i++) {
     const int64_t n = idp[i];
@@ -369,9 +374,7 @@ torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, torch::Tensor 
   const int8_t* w = qs.data_ptr<int8_t>();
   const float* dw = d.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < R; i++) {
-    TORCH_CHECK(idp[i] >= 0 && idp[i] < qs.size(0), "row index out of range");
-  }
+  check_rows(idp, R, qs.size(0));
 #pragma omp parallel for schedule(static) if (R * K > 65536)
   for (int64_t i = 0; i < R; i++) {
     const int64_t n = idp[i];
