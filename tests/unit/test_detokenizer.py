@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engine.output.detokenizer import IncrementalDetokenizer, token_text_fn
@@ -234,6 +234,9 @@ def test_sentencepiece_any_text_round_trips(text):
     tok = _load_sentencepiece()
     prompt = tok.encode("the", add_special_tokens=False)
     ids = tok.encode(text, add_special_tokens=False)
+    # Text that spells a special token ("<s>") encodes to it; special tokens are the previous
+    # test's subject (decoded with or without them), not this one's.
+    assume(not set(ids) & set(tok.all_special_ids))
     got, deltas = _stream(tok, prompt, ids)
     assert got == tok.decode(prompt + ids)[len("the"):]
     assert all("\ufffd" not in d for d in deltas) or "\ufffd" in text
