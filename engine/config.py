@@ -21,6 +21,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "none")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # engine/kv_cache/kv_quant.py
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -54,6 +55,9 @@ class EngineConfig:
     ``load_format="dummy"`` gives random weights of the model's shape (only ``config.json`` is
     read; the tokenizer is the model directory's, else ``tokenizer``, else the embedded
     model's). ``enforce_eager`` turns CUDA graphs off.
+    ``kv_cache_dtype`` stores K/V at the model's dtype ("auto") or 8-bit ("int8": a float16
+    scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
+    ``calculate_kv_scales`` calibrates it at start-up); see ``engine/kv_cache/kv_quant.py``.
 
     Admission limits (a request beyond them is refused before anything is queued):
     ``max_waiting_requests`` bounds the SEQUENCES waiting to be scheduled (a request counts
@@ -83,6 +87,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     load_format: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
@@ -122,6 +128,12 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("calculate_kv_scales calibrates fp8 KV scales: it needs "
+                             f"kv_cache_dtype fp8_e4m3 or fp8_e5m2; got {self.kv_cache_dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
         if self.max_waiting_requests < 1:

@@ -71,6 +71,8 @@ class EngineCore:
         self.runner = ModelRunner(config, self.hf_config, iter_weights(self.files),
                                   self.max_model_len, files_dir=self.files.path)
         num_blocks = self.runner.allocate_kv_cache()
+        if config.calculate_kv_scales:
+            self._calibrate_kv_scales()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
         self._block_bytes = self.runner.kv_bytes_per_token * config.block_size
@@ -99,18 +101,29 @@ class EngineCore:
                          "computed_tokens": 0}
         self._log_startup()
 
+    def _calibrate_kv_scales(self) -> None:
+        from engine.kv_cache.kv_calibration import CALIBRATION_TEXT
+
+        ids = self.tokenizer.encode(CALIBRATION_TEXT)
+        scales = self.runner.calibrate_kv_scales(ids)
+        ks = torch.stack([k for k, _ in scales])
+        vs = torch.stack([v for _, v in scales])
+        logger.info("KV scales calibrated on %d tokens: K %.3g..%.3g, V %.3g..%.3g "
+                    "(per layer and head)", len(ids), ks.min(), ks.max(), vs.min(), vs.max())
+
     def _log_startup(self) -> None:
         r = self.runner
         tokens = r.num_blocks * self.config.block_size
         logger.info(
             "model %s | dtype %s | device %s | attention %s | linears %s | layer ops %s | "
             "max_model_len %d | "
-            "KV cache: %d "
+            "KV cache (%s): %d "
             "blocks x %d tokens = %d tokens, %d bytes/token, %.2f GiB | max concurrency at "
             "max_model_len: %.2fx", self.model_name, str(r.dtype).removeprefix("torch."),
             r.device, r.backend.name, r.linear_backend,
             r.model.ops.name,
-            self.max_model_len, r.num_blocks, self.config.block_size,
+            self.max_model_len, self.config.kv_cache_dtype if r.kv_format.quantized else
+            str(r.kv_format.storage_dtype).removeprefix("torch."), r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------

@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant_layout import kv_quant_kind
 from kernels.launch_config import prefill_launch_config
-from kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options
+from kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
 
 
 # Kept out of Triton's per-value specialisation (see kernels/paged_decode.py): the window, the
@@ -32,10 +33,10 @@ def _paged_attention_kernel(
     scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_blk, stride_slot, stride_kvh, stride_bt,
-    head_dim,
+    head_dim, k_scale_ptr, v_scale_ptr,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SINGLE_PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -72,6 +73,11 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_kvh
+    k_head_scale = 1.0
+    v_head_scale = 1.0
+    if KV_QUANT == 2:  # fp8: this KV head's scales
+        k_head_scale = tl.load(k_scale_ptr + kvh)
+        v_head_scale = tl.load(v_scale_ptr + kvh)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_valid = j < hi
@@ -81,7 +87,8 @@ def _paged_attention_kernel(
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, mask, j_valid, start, hi, k_cache_ptr, v_cache_ptr, bt_row,
             head_off, d, d_valid, stride_blk, stride_slot, scale_log2,
-            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC)
+            k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
+            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -94,7 +101,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     *, max_query_len: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of packed query tokens over the paged cache (see kernels/reference.py).
 
     ``query`` ``[T, H, D]`` (last dim contiguous; other strides free) holds the last ``q_len``
@@ -103,6 +111,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``q_len``) spares a device->host sync when the caller knows it. ``out`` may be given
     (``[T, H, D]``, last dim contiguous); it is returned. A query whose dtype differs from the
     cache's is cast to the cache's dtype for the dot products; ``out`` keeps the query's dtype.
+    8-bit pools (kernels/kv_quant_layout.py) are dequantised in registers and the dots run in
+    the query's dtype; ``kv_scales`` are an fp8 pool's per-head K/V scales (None: 1.0).
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = query.shape
@@ -117,24 +127,27 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    if query.dtype != k_cache.dtype or query.stride(-1) != 1:
-        query = query.to(k_cache.dtype).contiguous()
+    dot_dtype = query.dtype if kv_quant_kind(k_cache) else k_cache.dtype
+    if query.dtype != dot_dtype or query.stride(-1) != 1:
+        query = query.to(dot_dtype).contiguous()
     block_d = triton.next_power_of_2(head_dim)
     rows = max_query_len * group
-    cfg = prefill_launch_config(head_dim, k_cache.dtype, k_cache.is_cuda, rows)
+    cfg = prefill_launch_config(head_dim, query.dtype if kv_quant_kind(k_cache) else
+                                k_cache.dtype, k_cache.is_cuda, rows)
     block_m, block_n = cfg.block_m, cfg.block_n
     block_size = k_cache.shape[1]
-    dot_f32, prec = dot_options(k_cache)
+    dot_f32, prec = dot_options(k_cache, query.dtype)
+    kv_quant, k_scale, v_scale = quant_args(k_cache, v_cache, kv_scales)
     grid = (batch, k_cache.shape[2], triton.cdiv(rows, block_m))
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
         scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        head_dim,
+        head_dim, k_scale, v_scale,
         G=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         SINGLE_PAGE=block_n <= block_size, USE_WINDOW=sliding_window is not None,
-        DOT_F32=dot_f32, PREC=prec,
+        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

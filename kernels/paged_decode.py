@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant_layout import kv_quant_kind
 from kernels.launch_config import decode_launch_config
-from kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options
+from kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
 
 # A split shorter than this spends more on its launch share and merge than it saves.
 MIN_KEYS_PER_SPLIT = 256
@@ -45,10 +46,11 @@ def _decode_kernel(
     scale_log2, window, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_blk, stride_slot, stride_kvh, stride_bt,
-    head_dim,
+    head_dim, k_scale_ptr, v_scale_ptr,
     G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SINGLE_PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
     ONE_PASS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,6 +82,11 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_kvh
+    k_head_scale = 1.0
+    v_head_scale = 1.0
+    if KV_QUANT == 2:  # fp8: this KV head's scales
+        k_head_scale = tl.load(k_scale_ptr + kvh)
+        v_head_scale = tl.load(v_scale_ptr + kvh)
     for start in range(start_key, end_key, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_valid = (j < end_key) & (j >= lo)
@@ -87,7 +94,8 @@ def _decode_kernel(
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, mask, j_valid, start, end_key, k_cache_ptr, v_cache_ptr, bt_row,
             head_off, d, d_valid, stride_blk, stride_slot, scale_log2,
-            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC)
+            k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
+            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT)
 
     if ONE_PASS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0: no keys, output zeros
@@ -172,7 +180,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, sliding_window: int | None = None,
                            *, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """Attention of one new token per sequence (``query`` ``[B, H, D]``, at position
     ``seq_lens[b] - 1``, its K/V already stored) over the paged cache; returns ``[B, H, D]``.
 
@@ -182,7 +192,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Changing ``num_splits``, the window or the block-table width between calls reuses the
     compiled kernels (only ``num_splits == 1`` vs more, and the merge's power-of-two bucket
     of ``num_splits``, are separate variants).
-    The result does not depend on ``num_splits`` beyond float rounding.
+    The result does not depend on ``num_splits`` beyond float rounding. 8-bit pools
+    (kernels/kv_quant_layout.py) are dequantised in registers; ``kv_scales`` are an fp8 pool's
+    per-head K/V scales (None: 1.0).
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = query.shape
@@ -197,7 +209,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
-    cfg = decode_launch_config(head_dim, k_cache.dtype, k_cache.is_cuda)
+    cfg = decode_launch_config(head_dim, query.dtype if kv_quant_kind(k_cache) else
+                               k_cache.dtype, k_cache.is_cuda)
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())
@@ -205,8 +218,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             max_seq_len = min(max_seq_len, sliding_window)
         num_splits = _choose_splits(batch * num_kv_heads, max_seq_len, query.device,
                                     cfg.programs_per_sm)
-    if query.dtype != k_cache.dtype or query.stride(-1) != 1:
-        query = query.to(k_cache.dtype).contiguous()
+    dot_dtype = query.dtype if kv_quant_kind(k_cache) else k_cache.dtype
+    if query.dtype != dot_dtype or query.stride(-1) != 1:
+        query = query.to(dot_dtype).contiguous()
 
     block_d = triton.next_power_of_2(head_dim)
     block_n = cfg.block_n
@@ -218,17 +232,19 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                device=query.device)
         part_ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32,
                               device=query.device)
-    dot_f32, prec = dot_options(k_cache)
+    dot_f32, prec = dot_options(k_cache, query.dtype)
+    kv_quant, k_scale, v_scale = quant_args(k_cache, v_cache, kv_scales)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens,
         scale * LOG2E, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        head_dim,
+        head_dim, k_scale, v_scale,
         G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, BLOCK_D=block_d, SINGLE_PAGE=block_n <= block_size,
         USE_WINDOW=sliding_window is not None, ONE_PASS=one_pass,
-        DOT_F32=dot_f32, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not one_pass:
         _merge_kernel[(batch, num_heads)](

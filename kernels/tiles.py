@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant_layout import INT8_SCALE_BYTES, kv_quant_kind, unit_scales
+
 LOG2E = 1.4426950408889634
 
 
@@ -19,8 +21,9 @@ LOG2E = 1.4426950408889634
 def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
                    k_cache_ptr, v_cache_ptr, bt_row_ptr, head_off, d, d_valid,
                    stride_blk, stride_slot, scale_log2,
+                   k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PAGE: tl.constexpr,
-                   DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                   DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr):
     """Load keys/values ``start .. start+BLOCK_N-1`` of one sequence and KV head and fold them
     into the running online softmax (``acc`` ``[M, D]``, max ``m_i``, sum ``l_i``, fp32) of the
     query rows ``q`` ``[M, D]``. ``mask`` ``[M, N]`` says which row sees which key;
@@ -32,6 +35,13 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
     (``scale_log2`` = scale * log2 e) so ``exp2`` is used. Rows with nothing visible yet keep
     ``m_i = -inf``; the ``m_safe`` guard avoids inf - inf. (One helper per tile rather than two
     also halves the Triton interpreter's per-call patching cost in the CPU tests.)
+
+    8-bit pools (kernels/kv_quant_layout.py), dequantised in registers: ``KV_QUANT == 1``
+    (int8) reads each key's and value's float16 row scale through ``k_scale_ptr`` /
+    ``v_scale_ptr`` (the pools' float16 views) and applies it to that key's score column and
+    that value's softmax weight; ``KV_QUANT == 2`` (fp8) multiplies the scores and the weighted
+    sum by the head's ``k_head_scale`` / ``v_head_scale``. The values themselves convert exactly
+    to the queries' dtype for the dots.
     """
     offs = tl.arange(0, BLOCK_N)
     if SINGLE_PAGE:
@@ -47,16 +57,29 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
     v = tl.load(v_cache_ptr + rows[:, None] + d[None, :],
                 mask=j_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
 
+    if KV_QUANT != 0:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if DOT_F32:
         qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=PREC)
     else:
         qk = tl.dot(q, k, input_precision=PREC)
+    if KV_QUANT == 1:
+        ks = tl.load(k_scale_ptr + (rows + head_dim) // 2, mask=j_valid, other=0.0)
+        qk = qk * ks.to(tl.float32)[None, :]
+    elif KV_QUANT == 2:
+        qk = qk * k_head_scale
     qk = tl.where(mask, qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_QUANT == 1:  # a value row's scale rides on its weight (after the sum)
+        vs = tl.load(v_scale_ptr + (rows + head_dim) // 2, mask=j_valid, other=0.0)
+        p = p * vs.to(tl.float32)[None, :]
+    elif KV_QUANT == 2:
+        p = p * v_head_scale
     if DOT_F32:
         pv = tl.dot(p, v.to(tl.float32), input_precision=PREC)
     else:
@@ -67,7 +90,8 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
 
 def check_kv_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor) -> int:
-    """Validate shapes shared by both attention kernels; return the GQA group size."""
+    """Validate shapes shared by both attention kernels; return the GQA group size. Pools
+    are ``[blocks, block_size, kv_heads, W]``: W is head_dim, or head_dim + 2 for int8."""
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim]; got {tuple(query.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -79,8 +103,10 @@ def check_kv_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    width = head_dim + INT8_SCALE_BYTES if kv_quant_kind(k_cache) == 1 else head_dim
+    if k_cache.shape[3] != width:
+        raise ValueError(f"query head_dim {head_dim} needs cache rows of {width}; got "
+                         f"{k_cache.shape[3]}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     block_size = k_cache.shape[1]
@@ -91,9 +117,27 @@ def check_kv_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return num_heads // num_kv_heads
 
 
-def dot_options(cache: torch.Tensor) -> tuple[bool, str | None]:
+def dot_options(cache: torch.Tensor,
+                query_dtype: torch.dtype | None = None) -> tuple[bool, str | None]:
     """(DOT_F32, PREC) for a cache. fp32 asks for IEEE dots (no silent TF32 on GPU). The CPU
-    interpreter multiplies bf16 bit patterns as integers, so bf16 is upcast there."""
-    dot_f32 = cache.dtype == torch.bfloat16 and not cache.is_cuda
-    prec = "ieee" if cache.dtype == torch.float32 else None
+    interpreter multiplies bf16 bit patterns as integers, so bf16 is upcast there. Over an
+    8-bit pool the dots run in the queries' dtype (``query_dtype``)."""
+    dtype = query_dtype if kv_quant_kind(cache) and query_dtype is not None else cache.dtype
+    dot_f32 = dtype == torch.bfloat16 and not cache.is_cuda
+    prec = "ieee" if dtype == torch.float32 else None
     return dot_f32, prec
+
+
+def quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor,
+               kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
+    """``(KV_QUANT, k_scale_ptr, v_scale_ptr)`` for the kernels (fp8 kernels load their head's
+    scales from the pointers):
+    the int8 pools' float16 views, or the fp8 per-head scale tensors (1.0 when None)."""
+    kind = kv_quant_kind(k_cache)
+    if kind == 1:
+        return kind, k_cache.view(torch.float16), v_cache.view(torch.float16)
+    if kind == 2:
+        ks, vs = kv_scales if kv_scales is not None else \
+            unit_scales(k_cache.shape[2], k_cache.device)
+        return kind, ks, vs
+    return kind, k_cache, v_cache

@@ -70,7 +70,8 @@ def drain_time_left(app: FastAPI) -> float:
 
 def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(engine.model_name, engine.stats, lambda: engine.is_healthy)
+    metrics = ServerMetrics(engine.model_name, engine.stats, lambda: engine.is_healthy,
+                            kv_cache_dtype=engine.config.kv_cache_dtype)
     engine.observers.append(metrics)
     ctx = ServingContext(engine=engine, metrics=metrics,
                          served_model_names=[engine.model_name],

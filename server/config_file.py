@@ -17,6 +17,7 @@ from typing import Any
 from engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
     QUANTIZATIONS,
@@ -125,6 +126,13 @@ ENGINE_OPTIONS = [
     Option("quantization", "quantization", "engine", str,
            "auto: keep a GGUF's Q4_0/Q4_1/Q8_0 weights packed where a start-up probe finds "
            "that faster; none: dequantise to --dtype (exact reference)", choices=QUANTIZATIONS),
+    Option("kv-cache-dtype", "kv_cache_dtype", "engine", str,
+           "KV cache storage: auto (the model's dtype, exact), int8 (a float16 scale per token "
+           "and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the bytes per "
+           "token of bf16", choices=KV_CACHE_DTYPES),
+    Option("calculate-kv-scales", "calculate_kv_scales", "engine", bool,
+           "fp8 KV: calibrate per-layer, per-head scales on a built-in text at start-up "
+           "(else 1.0)", boolean=True),
     Option("enforce-eager", "enforce_eager", "engine", bool,
            "no CUDA graphs: every decode step launches its kernels one by one", boolean=True),
     Option("seed", "seed", "engine", int, "engine seed for unseeded sampling"),

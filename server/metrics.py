@@ -49,7 +49,8 @@ _GAUGES = [
     (lambda s: s.num_blocks_cached, "kvserve:kv_cache_cached_blocks",
      "Free blocks that still hold a reusable prefix."),
     (lambda s: s.kv_bytes_per_token, "kvserve:kv_cache_bytes_per_token",
-     "KV-cache bytes per token (2 x layers x KV heads x head dim x dtype bytes)."),
+     "KV-cache bytes per token (2 x layers x KV heads x row bytes; int8 rows carry a 2-byte "
+     "scale)."),
     (lambda s: s.host.host_blocks_total, "kvserve:host_kv_cache_num_blocks",
      "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
     (lambda s: s.host.host_blocks_used, "kvserve:host_kv_cache_used_blocks",
@@ -103,10 +104,11 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 class _EngineCollector(Collector):
     def __init__(self, model_name: str, stats: Callable[[], EngineStats],
-                 healthy: Callable[[], bool]) -> None:
+                 healthy: Callable[[], bool], kv_cache_dtype: str) -> None:
         self.model_name = model_name
         self.stats = stats
         self.healthy = healthy
+        self.kv_cache_dtype = kv_cache_dtype
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
@@ -124,6 +126,12 @@ class _EngineCollector(Collector):
                                labels=["model_name"])
         up.add_metric([self.model_name], 1.0 if self.healthy() else 0.0)
         yield up
+        info = GaugeMetricFamily("kvserve:kv_cache_dtype_info",
+                                 "The KV cache's storage (--kv-cache-dtype; auto = the model's "
+                                 "dtype); always 1.",
+                                 labels=["model_name", "kv_cache_dtype"])
+        info.add_metric([self.model_name, self.kv_cache_dtype], 1.0)
+        yield info
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # dynamic: do not let the registry call collect() at registration
@@ -141,7 +149,8 @@ class ServerMetrics:
     """The registry behind ``GET /metrics``; also the engine observer for request metrics."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats],
-                 healthy: Callable[[], bool] = lambda: True) -> None:
+                 healthy: Callable[[], bool] = lambda: True,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model_name = model_name
         # No "*_created" series (as vLLM): they double the output and dashboards ignore them.
         disable_created_metrics()
@@ -172,7 +181,7 @@ class ServerMetrics:
         self.rejected = Counter(
             "kvserve:request_rejected", "Requests refused before reaching the engine.",
             labels + ["reason"], registry=reg)
-        reg.register(_EngineCollector(model_name, stats, healthy))
+        reg.register(_EngineCollector(model_name, stats, healthy, kv_cache_dtype))
         self._tracks: dict[str, _Track] = {}
         self._lock = threading.Lock()
 

@@ -5,8 +5,11 @@ attention_triton.py; ``engine.attention.backend`` chooses one):
 
 * ``prepare(meta)`` runs once per step before the first layer; it may cache derived tensors
   (gather indices, masks) on ``meta.backend_state``. It must not touch the KV pools.
-* ``forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)`` first writes the step's new
-  keys/values into their slots (``meta.slot_mapping``; slot -1 is skipped), then returns the
+* ``forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, kv_scales=None)`` first
+  writes the step's new keys/values into their slots (``meta.slot_mapping``; slot -1 is
+  skipped), quantised when the pool is 8-bit (``engine/kv_cache/kv_quant.py``: the format is
+  read from the pool's dtype and row width; ``kv_scales`` are the layer's fp8 per-head K and V
+  scales, None meaning 1.0), then returns the
   attention output ``[T, H, D]`` where token ``i`` of sequence ``b`` (tokens ordered sequence by
   sequence, as in ``meta.cu_seqlens_q``) attends causally to keys ``0 .. pos`` of that sequence,
   ``pos = seq_lens[b] - q_len[b] + i``, restricted to the last ``sliding_window`` keys when set.
@@ -68,4 +71,5 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...

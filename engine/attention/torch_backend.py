@@ -5,6 +5,11 @@ the decode group (one padded batch, a single SDPA call per layer) and, per prefi
 block list and causal mask. Per layer it stores the new K/V, gathers whole blocks (contiguous
 ``block_size × kv_heads × head_dim`` chunks, cheaper than per-token gathers) and runs SDPA with
 grouped-query heads sharing their K/V.
+
+8-bit pools (``engine/kv_cache/kv_quant.py``): the new K/V are quantised as they are stored and
+the gathered blocks dequantised before SDPA; decodes over an 8-bit pool take the compiled CPU
+kernel, which dequantises in registers (a row's or head's scale folded into its score and its
+weight; fp8 bytes read through a 256-entry table).
 """
 
 from __future__ import annotations
@@ -15,6 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache.kv_quant import (
+    KVFormat,
+    byte_view,
+    dequantize_rows,
+    format_of,
+    fp8_table,
+    gather_blocks,
+    quantize_rows,
+)
 
 
 @dataclass
@@ -44,9 +58,11 @@ class TorchAttentionBackend:
         self._cpu_kernel = None
         self._cpu_kernel_tried = False
 
-    def _decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor):
-        """The compiled CPU paged-decode kernel when it applies (CPU, float32), else None."""
-        if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+    def _decode_kernel(self, q: torch.Tensor, fmt: KVFormat):
+        """The compiled CPU paged-decode kernel when it applies (CPU, float32 queries over a
+        float32, int8 or fp8 pool), else None."""
+        if q.device.type != "cpu" or q.dtype != torch.float32 or \
+                (fmt.kind == "float" and fmt.storage_dtype != torch.float32):
             return None
         if not self._cpu_kernel_tried:
             from engine.cpu.kernels import load
@@ -93,43 +109,50 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+                sliding_window: int | None,
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         state = meta.backend_state
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping, state["store_all"])
+        fmt = format_of(k_cache, q.shape[-1])
+        ks, vs = kv_scales if kv_scales is not None else (None, None)
+        self._store(quantize_rows(k, fmt, ks), quantize_rows(v, fmt, vs), k_cache, v_cache,
+                    meta.slot_mapping, state["store_all"])
+        kv = _KVReader(fmt, q.dtype, ks, vs)
         out = torch.empty_like(q)
         masks = state["masks"].setdefault(sliding_window, {})
         nd = meta.num_decode_tokens
         if nd:
-            kernel = self._decode_kernel(q, k_cache)
+            kernel = self._decode_kernel(q, fmt)
             if kernel is not None:
-                group = state["decode"]
-                out[:nd] = kernel.paged_decode_cpu(q[:nd], k_cache, v_cache, group.tables_i32,
-                                                   group.lens_i32, scale, sliding_window or 0)
+                out[:nd] = _cpu_decode(kernel, fmt, q[:nd], k_cache, v_cache, state["decode"],
+                                       scale, sliding_window or 0, ks, vs)
             else:
                 out[:nd] = self._decode(q[:nd], k_cache, v_cache, state["decode"], masks,
-                                        scale, sliding_window)
+                                        scale, sliding_window, kv)
         for i, seq in enumerate(state["prefills"]):
             lo, hi = seq.token_start, seq.token_end
             if seq.seq_len == hi - lo and sliding_window is None:
                 # A whole prompt with nothing cached before it: its keys are this step's own
-                # K/V, so skip the gather and let SDPA's causal kernel run without a mask.
+                # K/V, so skip the gather and let SDPA's causal kernel run without a mask
+                # (over an 8-bit pool too, as vLLM does: the exact K/V are at hand).
                 out[lo:hi] = _sdpa_4d(q[lo:hi], k[lo:hi], v[lo:hi], None, scale)
                 continue
             out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, seq, masks, i, scale,
-                                       sliding_window)
+                                       sliding_window, kv)
         return out
 
     @staticmethod
     def _store(k, v, k_cache, v_cache, slots, store_all: bool) -> None:
-        kvh, d = k_cache.shape[-2:]
+        """``k``/``v`` are pool rows already (``quantize_rows``)."""
+        kvh, w = k_cache.shape[-2:]
         if not store_all:
             keep = slots >= 0
             slots, k, v = slots[keep], k[keep], v[keep]
-        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+        byte_view(k_cache).view(-1, kvh, w).index_copy_(0, slots, byte_view(k))
+        byte_view(v_cache).view(-1, kvh, w).index_copy_(0, slots, byte_view(v))
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, group: _DecodeGroup, masks, scale, window):
+    def _decode(q, k_cache, v_cache, group: _DecodeGroup, masks, scale, window,
+                kv: _KVReader):
         mask = masks.get("decode")
         if mask is None:
             valid = group.key_pos < group.seq_lens
@@ -137,26 +160,58 @@ class TorchAttentionBackend:
                 valid &= group.key_pos >= group.seq_lens - window
             mask = masks["decode"] = valid[:, None, None, :]  # [Bd, 1, 1, L]
         bd = q.shape[0]
-        kvh, d = k_cache.shape[-2:]
-        keys = k_cache[group.block_tables].view(bd, group.num_keys, kvh, d).transpose(1, 2)
-        vals = v_cache[group.block_tables].view(bd, group.num_keys, kvh, d).transpose(1, 2)
+        kvh, w = k_cache.shape[-2:]
+        keys = kv.keys(gather_blocks(k_cache, group.block_tables).view(bd, -1, kvh, w))
+        vals = kv.values(gather_blocks(v_cache, group.block_tables).view(bd, -1, kvh, w))
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=True)
+            q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+            scale=scale, enable_gqa=True)
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, seq: _PrefillSeq, masks, idx, scale, window):
+    def _prefill(q, k_cache, v_cache, seq: _PrefillSeq, masks, idx, scale, window,
+                 kv: _KVReader):
         mask = masks.get(idx)
         if mask is None:
             valid = seq.key_pos <= seq.query_pos
             if window is not None:
                 valid &= seq.key_pos > seq.query_pos - window
             mask = masks[idx] = valid
-        kvh, d = k_cache.shape[-2:]
-        keys = k_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len]
-        vals = v_cache[seq.blocks].view(-1, kvh, d)[: seq.seq_len]
-        return _sdpa_4d(q, keys.to(q.dtype), vals.to(q.dtype), mask, scale)
+        kvh, w = k_cache.shape[-2:]
+        keys = kv.keys(gather_blocks(k_cache, seq.blocks).view(-1, kvh, w)[: seq.seq_len])
+        vals = kv.values(gather_blocks(v_cache, seq.blocks).view(-1, kvh, w)[: seq.seq_len])
+        return _sdpa_4d(q, keys, vals, mask, scale)
+
+
+def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup, scale, window,
+                k_scale, v_scale) -> torch.Tensor:
+    """The compiled CPU decode kernel for the pool's format (module docstring)."""
+    args = (group.tables_i32, group.lens_i32, scale, window)
+    if fmt.kind == "float":
+        return kernel.paged_decode_cpu(q, k_cache, v_cache, *args)
+    if fmt.kind == "int8":
+        return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args)
+    kvh = k_cache.shape[2]
+    ones = torch.ones(kvh)
+    return kernel.paged_decode_cpu_fp8(
+        q, byte_view(k_cache), byte_view(v_cache), *args, fp8_table(fmt.storage_dtype),
+        ones if k_scale is None else k_scale, ones if v_scale is None else v_scale)
+
+
+@dataclass(frozen=True)
+class _KVReader:
+    """Gathered pool rows -> K/V of the queries' dtype (dequantised for 8-bit pools)."""
+
+    fmt: KVFormat
+    dtype: torch.dtype
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    def keys(self, rows: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(rows, self.fmt, self.dtype, self.k_scale)
+
+    def values(self, rows: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(rows, self.fmt, self.dtype, self.v_scale)
 
 
 def _sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -71,21 +71,23 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        """Store this step's K/V, then attend; returns a fresh contiguous ``[T, H, D]``."""
+                sliding_window: int | None,
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Store this step's K/V (quantised into an 8-bit pool), then attend; returns a fresh
+        contiguous ``[T, H, D]``."""
         state: _TritonStepState = meta.backend_state["triton"]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if state.decode is not None:
             dec = state.decode
             paged_decode_attention(
                 q[:dec.num_tokens], k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
                 num_splits=dec.num_splits, sliding_window=sliding_window,
-                max_seq_len=dec.max_seq_len, out=out[:dec.num_tokens])
+                max_seq_len=dec.max_seq_len, out=out[:dec.num_tokens], kv_scales=kv_scales)
         if state.prefill is not None:
             pre = state.prefill
             paged_attention(
                 q[pre.token_start:], k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q,
                 pre.seq_lens, scale, sliding_window, max_query_len=pre.max_query_len,
-                out=out[pre.token_start:])
+                out=out[pre.token_start:], kv_scales=kv_scales)
         return out

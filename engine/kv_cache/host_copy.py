@@ -41,6 +41,8 @@ from contextlib import nullcontext
 
 import torch
 
+from engine.kv_cache.kv_quant import byte_view
+
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -67,8 +69,9 @@ class HostTierCopier:
         from kernels.copy_blocks import copy_blocks  # here: the kernels package pulls in triton
 
         self._copy_blocks = copy_blocks
-        self._dev = [t for kv in device_pools for t in kv]
-        self._host = [t for kv in host_pools for t in kv]
+        # fp8 pools move as bytes (CPU PyTorch has no float8 index_select / index_copy_).
+        self._dev = [byte_view(t) for kv in device_pools for t in kv]
+        self._host = [byte_view(t) for kv in host_pools for t in kv]
         if len(self._dev) != len(self._host) or not self._dev:
             raise ValueError(f"{len(self._dev) // 2} device layers but {len(self._host) // 2} "
                              f"host layers")

@@ -1,6 +1,7 @@
 """KV-cache arithmetic: how many bytes the keys and values of one token take, and model shapes.
 
-Bytes per token = 2 (K and V) · layers · kv_heads · head_dim · dtype bytes. Without GQA every
+Bytes per token = 2 (K and V) · layers · kv_heads · head_dim · dtype bytes (int8 rows carry a
+2-byte scale each: head_dim + 2). Without GQA every
 query head has its own K/V head (kv_heads = heads); with GQA/MQA fewer K/V heads are shared.
 The textbook check: LLaMA-7B (32 layers, 32 heads, head_dim 128, fp16) holds 512 KiB per token,
 so batch 1 × 1024 tokens = 536,870,912 bytes (512 MiB); with 8 KV heads a quarter of that.
@@ -27,7 +28,8 @@ __all__ = ["ModelShape", "shape_from_hf_config"]  # re-exported: kv-calc's publi
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
                "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1, "float8_e4m3fn": 1,
-               "float8_e5m2": 1, "int8": 1}
+               "float8_e5m2": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+INT8_SCALE_BYTES = 2  # an int8 KV row carries its float16 scale (engine/kv_cache/kv_quant.py)
 
 # Public shapes of well-known models (from their config.json files).
 PRESETS: dict[str, ModelShape] = {
@@ -59,10 +61,15 @@ def dtype_bytes(dtype: str) -> int:
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str | int = "float16",
                        kv_heads: int | None = None) -> int:
-    """2 · layers · kv_heads · head_dim · dtype bytes (``kv_heads`` overrides the model's)."""
+    """2 · layers · kv_heads · row bytes (``kv_heads`` overrides the model's). A row is
+    head_dim · dtype bytes, plus the float16 scale of each row for ``"int8"`` (the pool's real
+    layout, so this is what a pool of that dtype allocates per token)."""
     nbytes = dtype if isinstance(dtype, int) else dtype_bytes(dtype)
     kvh = shape.kv_heads if kv_heads is None else kv_heads
-    return 2 * shape.layers * kvh * shape.head_dim * nbytes
+    row = shape.head_dim * nbytes
+    if isinstance(dtype, str) and dtype.lower() == "int8":
+        row += INT8_SCALE_BYTES
+    return 2 * shape.layers * kvh * row
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,9 @@ def format_report(r: KVReport) -> str:
         f"model {s.name}: {s.layers} layers, {s.heads} heads, {s.kv_heads} KV heads, "
         f"head_dim {s.head_dim}; KV dtype {r.dtype} ({dtype_bytes(r.dtype)} B)",
         f"tokens: batch {r.batch} x seq-len {r.seq_len} = {r.tokens:,}",
-        "formula: 2 (K,V) x layers x kv_heads x head_dim x dtype bytes x tokens",
+        "formula: 2 (K,V) x layers x kv_heads x head_dim x dtype bytes x tokens"
+        + (f" (int8: head_dim + {INT8_SCALE_BYTES} scale bytes per row)"
+           if r.dtype.lower() == "int8" else ""),
         "",
         f"{'':24}{'per token':>16}{'per layer/token':>18}{'per layer (all)':>18}{'total':>16}",
         row(f"{gqa}, {s.kv_heads} KV heads", r.per_token),

@@ -44,6 +44,10 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.scale = d ** -0.5
+        # fp8 KV pools: this layer's per-KV-head K and V scales (set by the runner; None = 1.0),
+        # and an optional observer of the layer's new K/V (the runner's scale calibration).
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_observer = None
         self.input_layernorm = RMSNorm(h, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, arch.rms_norm_eps)
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
@@ -83,8 +87,10 @@ class DecoderLayer(nn.Module):
             qk = ops.rotary(qkv[:, :self.q_size + self.kv_size]
                             .view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.kv_observer is not None:
+            self.kv_observer(self.layer_idx, k, v)
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                               self.sliding_window)
+                               self.sliding_window, self.kv_scales)
         x, residual = ops.add_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), residual,
                                        self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)

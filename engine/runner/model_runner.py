@@ -9,7 +9,8 @@ sequence owns is decided there; here they are only indices into the pools.
 prompt positions whose logprobs were asked for, their reduced logprobs (target logprob, rank,
 top-k), computed ``PROMPT_LOGPROB_CHUNK`` rows of logits at a time. The KV pools are allocated
 once, here, at start-up: one ``(K, V)`` pair per layer, each
-``[num_blocks, block_size, kv_heads, head_dim]``.
+``[num_blocks, block_size, kv_heads, row_width]`` of the ``kv_cache_dtype``'s storage
+(``engine/kv_cache/kv_quant.py``: row_width is head_dim, or head_dim + 2 for int8's scale).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_cache.host_copy import HostTierCopier
 from engine.kv_cache.host_pool import allocate_host_pools
+from engine.kv_cache.kv_quant import KVFormat, kv_format
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
@@ -116,6 +118,8 @@ class ModelRunner:
         logger.info("resident weights: %.1f MiB (%s)", self.weight_bytes / 2**20, what)
         self.model.ops = layer_ops_for(self.device, self.dtype)
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.kv_format: KVFormat = kv_format(config.kv_cache_dtype, self.dtype,
+                                             self.arch.head_dim)
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -147,7 +151,12 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.arch.kv_bytes_per_token(self.dtype_bytes)
+        """What one token's K and V take in the pools, scales included."""
+        return 2 * self.arch.num_layers * self.arch.num_kv_heads * self.kv_format.row_bytes
+
+    def _pool_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.config.block_size, self.arch.num_kv_heads,
+                self.kv_format.row_width)
 
     def kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -203,15 +212,47 @@ class ModelRunner:
         return num_blocks
 
     def _allocate(self, num_blocks: int) -> None:
-        a = self.arch
-        shape = (num_blocks, self.config.block_size, a.num_kv_heads, a.head_dim)
+        shape, dtype = self._pool_shape(num_blocks), self.kv_format.storage_dtype
         # Zeroed, not empty: padded key slots are masked, but 0 * NaN garbage would still be NaN.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(a.num_layers)
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.arch.num_layers)
         ]
         self.num_blocks = num_blocks
+
+    def calibrate_kv_scales(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor,
+                                                                          torch.Tensor]]:
+        """fp8 pools: one prefill of ``token_ids`` (cut to what one step and the pool hold)
+        with every layer's K/V observed, then each layer's per-head scales set from the maxima
+        (``engine.kv_cache.kv_calibration``). Before serving only: it writes the first blocks
+        of the pool, which no request owns yet. Returns the scales."""
+        from engine.kv_cache.kv_calibration import KVAbsMax
+
+        if self.kv_format.kind != "fp8":
+            raise ValueError(f"KV scale calibration is for fp8 pools; this one is "
+                             f"{self.kv_format.kind}")
+        bs = self.config.block_size
+        n = min(len(token_ids), self.config.max_num_batched_tokens, self.max_model_len,
+                self.num_blocks * bs)
+        if n < 1:
+            raise ValueError("KV scale calibration needs at least one token")
+        observer = KVAbsMax(self.arch.num_layers, self.arch.num_kv_heads, self.device)
+        layers = list(self.model.layers)
+        for layer in layers:
+            layer.kv_observer, layer.kv_scales = observer, None
+        try:
+            meta = _warmup_metadata([n], bs, self.num_blocks, self.device)
+            ids = torch.tensor(list(token_ids[:n]), dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                self._forward(ids, torch.arange(n, device=self.device), meta)
+        finally:
+            for layer in layers:
+                layer.kv_observer = None
+        scales = observer.scales(self.kv_format.fp8_max)
+        for layer, kv_scales in zip(layers, scales):
+            layer.kv_scales = kv_scales
+        return scales
 
     # ---- host KV tier (swap_space) -------------------------------------------------------
 
@@ -230,12 +271,11 @@ class ModelRunner:
                                "preempted requests will be recomputed",
                                self.config.preemption_mode)
             return 0
-        a = self.arch
-        shape = (n, self.config.block_size, a.num_kv_heads, a.head_dim)
         # One exact-size host buffer (not one pinned tensor per layer, which PyTorch's caching
         # host allocator rounds up to a power of two each). Unpinned: the copier moves blocks
         # through pinned staging buffers of its own (engine/kv_cache/host_copy.py).
-        pools = allocate_host_pools(a.num_layers, shape, self.dtype, pin=False)
+        pools = allocate_host_pools(self.arch.num_layers, self._pool_shape(n),
+                                    self.kv_format.storage_dtype, pin=False)
         self._host_pools = pools
         self.host_kv_caches = pools.layers
         self.num_host_blocks = n

@@ -1,6 +1,7 @@
 """The whole engine on the Triton backend (interpreted on CPU) gives the same greedy tokens as
 on the PyTorch backend: tiny random Llama and Mistral (sliding window), concurrent prompts of
-different lengths so that decodes, whole prompts and prefill chunks share steps."""
+different lengths so that decodes, whole prompts and prefill chunks share steps; also over int8
+and fp8 KV pools."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ PROMPTS = [[7, 3, 250, 11, 42], list(range(40, 61)), [99], list(range(200, 213))
 @pytest.mark.parametrize("model_type,overrides,engine_overrides", [
     ("llama", {}, {"block_size": 8}),
     ("mistral", {"sliding_window": 6}, {"block_size": 4, "max_num_batched_tokens": 16}),
+    # 8-bit pools: the Triton store/attention read the format the torch path writes.
+    ("llama", {}, {"block_size": 8, "kv_cache_dtype": "int8", "max_num_batched_tokens": 16}),
+    pytest.param("llama", {}, {"block_size": 8, "kv_cache_dtype": "fp8_e4m3"},
+                 marks=pytest.mark.skipif(
+                     DEVICE.type == "cpu", reason="the Triton interpreter's float -> fp8 cast "
+                     "misrounds (tests/kernels/test_kv_quant_kernels.py); run on a GPU")),
 ])
 def test_triton_backend_greedy_matches_torch_backend(tmp_path, model_type, overrides,
                                                      engine_overrides):

@@ -32,3 +32,45 @@ def test_matches_reference(kernel, heads, kv_heads, block_size, window):
     ref = paged_decode_attention(q, k, v, tables, seq_lens, 0.125, sliding_window=window)
     got = kernel.paged_decode_cpu(q, k, v, tables, seq_lens, 0.125, window or 0)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the vector path, and the portable loop
+@pytest.mark.parametrize("window", [None, 5])
+def test_quantised_pool_matches_reference_on_dequantised(kernel, kind, heads, kv_heads,
+                                                         head_dim, window):
+    """Over an 8-bit pool (engine/kv_cache/kv_quant.py) the kernel computes exactly the float
+    reference over that pool dequantised: the scales are folded in, not approximated."""
+    from engine.kv_cache.kv_quant import (
+        byte_view,
+        dequantize_rows,
+        fp8_table,
+        kv_format,
+        quantize_rows,
+    )
+
+    gen = torch.Generator().manual_seed(heads + head_dim + (window or 0))
+    block_size, num_blocks = 16, 24
+    seq_lens = torch.tensor([1, 16, 17, 40], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[:12].view(4, 3).to(torch.int32)
+    fmt = kv_format(kind, torch.float32, head_dim)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen) * 3
+    v = torch.randn(shape, generator=gen)
+    q = torch.randn(4, heads, head_dim, generator=gen)
+    ks = vs = None
+    if fmt.kind == "fp8":
+        ks = torch.linspace(0.02, 0.05, kv_heads)
+        vs = torch.linspace(0.01, 0.03, kv_heads)
+    kq, vq = quantize_rows(k, fmt, ks), quantize_rows(v, fmt, vs)
+    ref = paged_decode_attention(q, dequantize_rows(kq, fmt, torch.float32, ks),
+                                 dequantize_rows(vq, fmt, torch.float32, vs), tables, seq_lens,
+                                 0.125, sliding_window=window)
+    if fmt.kind == "int8":
+        got = kernel.paged_decode_cpu_int8(q, kq, vq, tables, seq_lens, 0.125, window or 0)
+    else:
+        got = kernel.paged_decode_cpu_fp8(q, byte_view(kq), byte_view(vq), tables, seq_lens,
+                                          0.125, window or 0, fp8_table(fmt.storage_dtype),
+                                          ks, vs)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,13 @@
 torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                int64_t window);
+torch::Tensor paged_decode_cpu_int8(torch::Tensor q, torch::Tensor k_cache,
+                                    torch::Tensor v_cache, torch::Tensor block_tables,
+                                    torch::Tensor seq_lens, double scale, int64_t window);
+torch::Tensor paged_decode_cpu_fp8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens,
+                                   double scale, int64_t window, torch::Tensor lut,
+                                   torch::Tensor k_scales, torch::Tensor v_scales);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                             double eps);
@@ -26,6 +33,10 @@ std::string quant_gemm_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)");
+  m.def("paged_decode_cpu_int8", &paged_decode_cpu_int8,
+        "paged decode attention over an int8 pool (rows: int8 x D, float16 scale)");
+  m.def("paged_decode_cpu_fp8", &paged_decode_cpu_fp8,
+        "paged decode attention over an fp8 pool (uint8 view, byte table, per-head scales)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (CPU, fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [gate | up] (CPU, fp32)");

@@ -1,0 +1,156 @@
+"""Quantised KV storage: how a K or V row of one token and one KV head is kept in the pool.
+
+``kv_cache_dtype`` (vLLM's names) picks the format:
+
+* ``auto``: the model's dtype, rows of ``head_dim`` elements (the exact path).
+* ``int8``: symmetric int8 with one float16 scale per token per KV head, stored INSIDE the row:
+  a pool row is ``head_dim + 2`` int8 bytes, the last two holding the scale's bits (values
+  rounded half away from zero, as the Triton ``store_kv`` does). Scales
+  therefore travel with their block through every block move (copy-on-write, the host tier,
+  swap) with no extra bookkeeping. ``x ~= scale * q``, ``q`` in [-127, 127],
+  ``scale = max(absmax / 127, 2**-14)`` (the floor keeps the scale a normal float16; a row that
+  small quantises with an absolute error under 2**-15).
+* ``fp8_e4m3`` / ``fp8_e5m2``: one float8 byte per element and a per-layer, per-KV-head float32
+  scale held by the attention layer (1.0 unless ``calculate_kv_scales`` calibrated it):
+  ``x ~= scale * float(q)``, values saturate at the format's largest finite number.
+
+Contracts: :func:`quantize_rows` maps ``[..., KVH, D]`` float rows to pool rows
+``[..., KVH, row_width]`` of ``storage_dtype``; :func:`dequantize_rows` is its inverse up to the
+format's rounding, returning ``dtype``. Both are pure and work on any device. Which format a
+pool holds is read back from the pool itself (:func:`format_of`), so attention backends need no
+configuration to read it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache.kv_calc import INT8_SCALE_BYTES  # one float16 scale per row
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+INT8_SCALE_FLOOR = 2.0 ** -14  # smallest normal float16
+
+_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def fp8_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an fp8 ``kv_cache_dtype``; ``ValueError`` when this torch has none."""
+    dt = getattr(torch, _FP8[name], None)
+    if dt is None:
+        raise ValueError(f"kv_cache_dtype {name!r} needs torch.{_FP8[name]} (torch >= 2.1)")
+    return dt
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """The storage of one pool: ``kind`` is "float", "int8" or "fp8"."""
+
+    kind: str
+    storage_dtype: torch.dtype
+    head_dim: int
+
+    @property
+    def row_width(self) -> int:
+        """Elements of ``storage_dtype`` per (token, KV head) row."""
+        return self.head_dim + INT8_SCALE_BYTES if self.kind == "int8" else self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_width * self.storage_dtype.itemsize
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "float"
+
+    @property
+    def fp8_max(self) -> float:
+        return float(torch.finfo(self.storage_dtype).max)
+
+
+def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> KVFormat:
+    """The pool format for ``kv_cache_dtype`` (see the module docstring)."""
+    if kv_cache_dtype == "auto":
+        return KVFormat("float", model_dtype, head_dim)
+    if kv_cache_dtype == "int8":
+        return KVFormat("int8", torch.int8, head_dim)
+    if kv_cache_dtype in _FP8:
+        return KVFormat("fp8", fp8_dtype(kv_cache_dtype), head_dim)
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                     f"got {kv_cache_dtype!r}")
+
+
+def format_of(cache: torch.Tensor, head_dim: int) -> KVFormat:
+    """The format a pool tensor ``[..., KVH, row_width]`` holds, read from its dtype/width."""
+    if cache.dtype == torch.int8:
+        if cache.shape[-1] != head_dim + INT8_SCALE_BYTES:
+            raise ValueError(f"an int8 KV pool has rows of head_dim + {INT8_SCALE_BYTES}; got "
+                             f"{cache.shape[-1]} for head_dim {head_dim}")
+        return KVFormat("int8", torch.int8, head_dim)
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
+        return KVFormat("fp8", cache.dtype, head_dim)
+    return KVFormat("float", cache.dtype, head_dim)
+
+
+def quantize_rows(x: torch.Tensor, fmt: KVFormat,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., KVH, D]`` -> pool rows ``[..., KVH, row_width]`` of ``fmt.storage_dtype``.
+
+    ``scale`` (fp8 only): ``[KVH]`` float32, the per-head scale (None: 1.0)."""
+    if fmt.kind == "float":
+        return x.to(fmt.storage_dtype)
+    xf = x.float()
+    if fmt.kind == "int8":
+        s = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_(min=INT8_SCALE_FLOOR)
+        s16 = s.to(torch.float16)
+        y = xf / s16.float()
+        q = (y.abs() + 0.5).floor_().mul_(y.sign()).clamp_(-127, 127).to(torch.int8)
+        return torch.cat([q, s16.view(torch.int8)], dim=-1)
+    if scale is not None:
+        xf = xf / scale.float().unsqueeze(-1)
+    return xf.clamp_(-fmt.fp8_max, fmt.fp8_max).to(fmt.storage_dtype)
+
+
+def dequantize_rows(rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Pool rows ``[..., KVH, row_width]`` -> ``[..., KVH, D]`` of ``dtype`` (see
+    :func:`quantize_rows`; ``scale`` is the fp8 per-head scale, None meaning 1.0)."""
+    if fmt.kind == "float":
+        return rows.to(dtype)
+    d = fmt.head_dim
+    if fmt.kind == "int8":
+        s = row_scales(rows, fmt)
+        return (rows[..., :d].to(torch.float32) * s.unsqueeze(-1)).to(dtype)
+    out = rows.to(torch.float32)
+    if scale is not None:
+        out = out * scale.float().unsqueeze(-1)
+    return out.to(dtype)
+
+
+def byte_view(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` itself, or for fp8 its uint8 view: CPU PyTorch does not index or
+    ``index_copy_`` float8 tensors, and moving bytes is exactly what those do."""
+    if pool.dtype.itemsize == 1 and pool.dtype.is_floating_point:
+        return pool.view(torch.uint8)
+    return pool
+
+
+def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``pool[blocks]`` for any pool dtype (fp8 through its byte view)."""
+    return byte_view(pool)[blocks].view(pool.dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each of the 256 bytes of an fp8 ``dtype`` (the CPU decode kernel
+    reads fp8 pools through it)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).contiguous()
+
+
+def row_scales(rows: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """The float32 scales ``[..., KVH]`` of int8 pool rows."""
+    d = fmt.head_dim
+    tail = rows[..., d:d + INT8_SCALE_BYTES]
+    return tail.contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
