@@ -104,6 +104,46 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
 
 
+class QuantConcat(nn.Module):
+    """A fused projection whose parts are packed in different formats (a Q4_K_M file stores Q
+    and K as Q4_K but V as Q6_K): ``y = [x @ W_0.T + b_0 | x @ W_1.T + b_1 | ...]``, one
+    ``QuantLinear`` per run of parts in one layout. The same interface as ``QuantLinear``
+    (``in_features``, ``out_features``, ``keep_float_above``, ``dequantize_rows``, ``nbytes``)."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.fallback: nn.Module | None = None
+        self.float_above: int | None = None
+
+    def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
+        self.fallback, self.float_above = fallback, rows
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.numel(), self.in_features)
+        start = 0
+        for part in self.parts:
+            hit = (rows >= start) & (rows < start + part.out_features)
+            out[hit] = part.dequantize_rows(rows[hit] - start)
+            start += part.out_features
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is not None and x.reshape(-1, self.in_features).shape[0] > self.float_above:
+            return self.fallback(x)
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        above = "" if self.fallback is None else f", float above {self.float_above} rows"
+        return f"in={self.in_features}, out={self.out_features}{above}"
+
+
 class QuantEmbedding(nn.Module):
     """Token embedding over a packed table; ``head`` is the same table as a ``QuantLinear``
     (for a tied logits head), and holds the only copy of the data."""
