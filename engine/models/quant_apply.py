@@ -42,6 +42,8 @@ from engine.models.quant_rtn import SCHEMES, quantise
 
 logger = logging.getLogger("kvserve.engine")
 
+# The token table / logits head's scheme per requested scheme (see build_rtn).
+HEAD_SCHEMES = {"int4": "int8", "int8": "int8"}
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "o_proj": ("self_attn.o_proj",), "down_proj": ("mlp.down_proj",)}
@@ -257,35 +259,39 @@ def packed_replacements(model: nn.Module, config, device: torch.device, dtype: t
 
 
 @torch.no_grad()
-def build_rtn(model: nn.Module, scheme: str, group_size: int) -> QuantisedModules:
+def build_rtn(model: nn.Module, scheme: str, group_size: int,
+              head_scheme: str | None = None) -> QuantisedModules:
     """Every projection, the token table (so a tied head too) and an untied head of ``model``
-    quantised to ``scheme`` (``quant_rtn.quantise``); a weight whose width does not split into
-    ``group_size`` groups stays float (logged). Does not change ``model``."""
+    quantised (``quant_rtn.quantise``): the projections to ``scheme``, the table and head to
+    ``head_scheme`` (default: :data:`HEAD_SCHEMES` of ``scheme``). A weight whose width does
+    not split into ``group_size`` groups stays float (logged). Does not change ``model``."""
     out = QuantisedModules()
+    head_scheme = head_scheme or HEAD_SCHEMES[scheme]
     skipped: list[str] = []
 
-    def packed(weight: torch.Tensor, name: str) -> Packed | None:
+    def packed(weight: torch.Tensor, name: str, kind: str) -> Packed | None:
         if weight.shape[1] % group_size:
             skipped.append(name)
             return None
-        return quantise(weight, scheme, group_size)
+        return quantise(weight, kind, group_size)
 
     for i, layer in enumerate(model.layers):
         for attr in _FUSED:
             dense = getattr(layer, attr)
-            p = packed(dense.weight, f"layers.{i}.{attr}")
+            p = packed(dense.weight, f"layers.{i}.{attr}", scheme)
             if p is not None:
                 out.linears[f"layers.{i}.{attr}"] = QuantLinear(p, dense.bias)
-    table = packed(model.embed_tokens.weight, "embed_tokens")
+    table = packed(model.embed_tokens.weight, "embed_tokens", head_scheme)
     if table is not None:
         out.embedding = QuantEmbedding(table)
     if model.lm_head is not None:
-        head = packed(model.lm_head.weight, "lm_head")
+        head = packed(model.lm_head.weight, "lm_head", head_scheme)
         if head is not None:
             out.linears["lm_head"] = QuantLinear(head)
     if skipped:
-        logger.warning("quantization=%s: %s kept float (width not a multiple of %d)", scheme,
-                       ", ".join(skipped), group_size)
+        logger.warning("quantization=%s: %d weights kept float, their width not a multiple of "
+                       "%d (%s%s)", scheme, len(skipped), group_size, ", ".join(skipped[:4]),
+                       ", ..." if len(skipped) > 4 else "")
     return out
 
 
