@@ -119,6 +119,23 @@ def test_k_quants_map_exactly_onto_the_packed_forms():
         from_gguf_blocks(random_blocks(T.Q4_K, 1, 256)[:, :72], int(T.Q4_K), (1, 128))
 
 
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_the_tests_k_quant_encoder_writes_what_gguf_reads(qtype):
+    """tests/models/kquant_encode.py (the K-quant GGUFs of the engine tests) against gguf's
+    dequantiser: round-to-nearest within its type's resolution, and our decoder agrees."""
+    from tests.models.kquant_encode import ENCODERS
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 2.0, (6, 1))).astype(np.float32)
+    raw = ENCODERS[qtype.name](w)
+    assert raw.shape == (6, 2 * quants.GGML_QUANT_SIZES[qtype][1])
+    ref = quants.dequantize(raw, qtype)
+    rel = np.sqrt(((ref - w) ** 2).mean() / (w**2).mean())
+    assert rel < {T.Q4_K: 0.1, T.Q5_K: 0.05, T.Q6_K: 0.025}[qtype]
+    assert torch.equal(from_gguf_blocks(raw, int(qtype), w.shape).dequantize(),
+                       torch.from_numpy(ref))
+
+
 def test_unpermute_undoes_llama_cpp_permutation():
     def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
