@@ -2,7 +2,8 @@
 
 For each weight shape (out x in) of SmolLM2-135M and each row count, times the float32
 ``PackedLinear`` (the engine's default CPU backend) and ``QuantLinear`` over the same weight in
-4-bit (Q4_1-style) and, for the embedding/logits shape, 8-bit (Q8_0) groups, and prints
+4-bit (Q4_1-style) and, for the embedding/logits shape, 8-bit (Q8_0) groups (and the K-quants
+Q4_K / Q5_K / Q6_K, with Q8_0 beside them, at the one shape whose rows hold 256), and prints
 microseconds and the float/quant ratio (> 1: quantised faster). For the 4-bit shapes it also
 times the alternative kernel design, ``quant_gemm_q4_fma`` (nibbles unpacked to floats in
 registers, float FMA with unquantised activations), at rows <= ``DENSE_ROWS``. Weights are cycled through
@@ -10,6 +11,7 @@ registers, float FMA with unquantised activations), at rows <= ``DENSE_ROWS``. W
 from cache. Prints the CPU's ISA flags first.
 
     PYTHONPATH=. python benchmarks/quant_linear.py [--threads 2] [--json out.json]
+        [--formats Q4_K,Q5_K,Q6_K,Q8_0]
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from engine.models.gguf_blocks import from_gguf_blocks
 from engine.models.packed_linear import PackedLinear, linear_backend
-from engine.models.quant_formats import from_gguf_blocks
 from engine.models.quant_linear import DENSE_ROWS, QuantLinear, quant_kernels
 
 SHAPES = [(576, 576, "Q4_1"), (192, 576, "Q4_1"), (1536, 576, "Q4_1"), (576, 1536, "Q4_1"),
-          (49152, 576, "Q8_0")]
+          (49152, 576, "Q8_0"),
+          # K-quants need rows of 256: SmolLM2's down_proj shape, with Q8_0 as the 8-bit baseline.
+          (576, 1536, "Q4_K"), (576, 1536, "Q5_K"), (576, 1536, "Q6_K"), (576, 1536, "Q8_0")]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 ROWS = [1, 4, 16, 64, 256]
 
 
@@ -39,6 +44,20 @@ def isa() -> str:
         return platform.machine()
     keep = [f for f in flags if f.startswith(("avx", "fma", "amx")) or f in ("f16c",)]
     return " ".join(sorted(keep))
+
+
+def gguf_blocks(w: np.ndarray, qtype) -> np.ndarray:
+    """GGUF blocks for ``w``: gguf's quantiser, or for the K-quants (which it cannot quantise)
+    random valid blocks with small fp16 scales (the kernels' speed does not depend on values)."""
+    if qtype.name not in K_QUANTS:
+        return quants.quantize(w, qtype)
+    n, k = w.shape
+    per, nbytes = quants.GGML_QUANT_SIZES[qtype]
+    raw = np.random.randint(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+    for off in ((208,) if qtype.name == "Q6_K" else (0, 2)):
+        scale = np.full((n, k // per), 1e-3, np.float16)
+        raw[..., off:off + 2] = scale.view(np.uint8).reshape(n, k // per, 2)
+    return raw.reshape(n, -1)
 
 
 def bench(fn, xs, reps: int) -> float:
@@ -59,6 +78,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--copies", type=int, default=8, help="weight instances cycled per timing")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--formats", default=None, help="comma-separated GGUF types to run (all)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,13 +88,16 @@ def main() -> None:
           f"{backend}  threads: {torch.get_num_threads()}")
     rows_out = []
     torch.manual_seed(0)
+    wanted = set(args.formats.split(",")) if args.formats else None
     for n, k, qname in SHAPES:
+        if wanted is not None and qname not in wanted:
+            continue
         qtype = GGMLQuantizationType[qname]
         copies = max(1, args.copies if n * k < 5e6 else 2)
         floats, quant, fma = [], [], []
         for _ in range(copies):
             w = np.random.randn(n, k).astype(np.float32) * 0.02
-            raw = quants.quantize(w, qtype)
+            raw = gguf_blocks(w, qtype)
             packed = from_gguf_blocks(raw, int(qtype), (n, k))
             floats.append(PackedLinear(torch.from_numpy(quants.dequantize(raw, qtype)), None,
                                        backend))

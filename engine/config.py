@@ -20,7 +20,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "int4", "int8")
+QUANTIZATION_GROUP_SIZES = (32, 128)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # engine/kv_cache/kv_quant.py
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -59,6 +60,11 @@ class EngineConfig:
     scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
     ``calculate_kv_scales`` calibrates it at start-up); see ``engine/kv_cache/kv_quant.py``.
 
+    ``quantization``: ``auto`` keeps a GGUF's quantised tensors packed where a start-up probe
+    measures that faster (a float checkpoint stays float); ``int4`` / ``int8`` quantise the
+    weights on load (round-to-nearest in groups of ``quantization_group_size``, 32 or 128;
+    CPU, float32 activations); ``none`` dequantises to ``dtype`` (the exact reference path).
+
     Admission limits (a request beyond them is refused before anything is queued):
     ``max_waiting_requests`` bounds the SEQUENCES waiting to be scheduled (a request counts
     ``n``, a batch of prompts ``len(prompts) * n``): a request that does not fit right now gets
@@ -87,6 +93,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     load_format: str = "auto"
     quantization: str = "auto"
+    quantization_group_size: int = 32
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     enforce_eager: bool = False
@@ -128,6 +135,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                              f"got {self.quantization!r}")
+        self._check_quantization()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")
@@ -148,6 +156,22 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be in [0, 100]; got {self.max_logprobs}")
         # Normalise the size once so that every reader sees bytes.
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+
+    def _check_quantization(self) -> None:
+        explicit = self.quantization in ("int4", "int8")
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of "
+                             f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}; "
+                             f"got {self.quantization_group_size}")
+        if self.quantization_group_size != 32 and not explicit:
+            raise ValueError(f"quantization_group_size applies to quantization int4 or int8 "
+                             f"(quantise on load); got it with {self.quantization!r}")
+        if explicit and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization={self.quantization} runs float32 activations; "
+                             f"use dtype float32 or auto, not {self.dtype!r}")
+        if explicit and self.device.startswith("cuda"):
+            raise ValueError(f"quantization={self.quantization} has CPU kernels only; use "
+                             f"device cpu (or quantization none on {self.device})")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

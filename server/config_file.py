@@ -124,8 +124,12 @@ ENGINE_OPTIONS = [
            "auto: read the checkpoint; dummy: random weights of config.json's shape (benchmarks)",
            choices=LOAD_FORMATS),
     Option("quantization", "quantization", "engine", str,
-           "auto: keep a GGUF's Q4_0/Q4_1/Q8_0 weights packed where a start-up probe finds "
-           "that faster; none: dequantise to --dtype (exact reference)", choices=QUANTIZATIONS),
+           "auto: keep a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights packed where a start-up "
+           "probe finds that faster (float checkpoints stay float); int4/int8: quantise the "
+           "weights on load (round-to-nearest, CPU); none: dequantise to --dtype (exact "
+           "reference)", choices=QUANTIZATIONS),
+    Option("quantization-group-size", "quantization_group_size", "engine", int,
+           "input elements per scale for --quantization int4/int8 (32 or 128)"),
     Option("kv-cache-dtype", "kv_cache_dtype", "engine", str,
            "KV cache storage: auto (the model's dtype, exact), int8 (a float16 scale per token "
            "and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the bytes per "

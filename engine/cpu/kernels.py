@@ -4,7 +4,8 @@
   the block table. Decode attention on a CPU is bound by that read; the PyTorch route gathers
   the blocks into a padded copy and runs SDPA over it, touching the data three times.
 * ``quant_gemm_q4`` / ``quant_gemm_q8``: linears over weights kept in 4-bit / 8-bit groups of 32
-  (GGUF Q4_0, Q4_1, Q8_0), int8 dot products over a once-quantised activation row.
+  (GGUF Q4_0, Q4_1, Q4_K / Q8_0, Q5_K, Q6_K, and int4/int8 quantised on load), int8 dot
+  products over a once-quantised activation row.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
   one pass each (PyTorch runs each as 3-5 separate passes over the activations).
 
@@ -24,7 +25,7 @@ from pathlib import Path
 logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_gemm_cpu.cpp",
-            "quant_gemm_cpu.cpp"]
+            "quant_gemm_cpu.cpp", "quant_dequant_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
 STALE_LOCK_SECONDS = 900.0  # a build takes ~1.5 minutes; a lock this old was left by a killed one
 _module = None

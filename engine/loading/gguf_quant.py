@@ -2,7 +2,8 @@
 
 The rest of loading goes through the converted HF directory (engine.loading.gguf_convert),
 which holds every tensor dequantised. With ``quantization="auto"`` the engine also calls
-:func:`read_packed` and keeps the tensors of a supported block type (Q4_0, Q4_1, Q8_0) packed.
+:func:`read_packed` and keeps the tensors of a supported block type (Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K; ``engine.models.gguf_blocks``) packed.
 
 Contract of :func:`read_packed`: returns ``{hf_name: Packed}`` for the 2-D tensors of the
 decoder (q/k/v/o, gate/up/down, token embedding, output head) stored in a supported type;
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from engine.loading import gguf_convert
-from engine.models.quant_formats import SUPPORTED, Packed, from_gguf_blocks
+from engine.models.gguf_blocks import SUPPORTED, from_gguf_blocks
+from engine.models.quant_formats import Packed
 
 logger = logging.getLogger("kvserve.loader")
 

@@ -1,19 +1,26 @@
-"""Put packed quantised weights into a loaded Llama-family model, if they measure faster.
+"""Put packed quantised weights into a loaded Llama-family model.
 
-Three steps, called by the model runner for ``quantization="auto"``:
+``quantization="auto"`` keeps a GGUF checkpoint's own quantised tensors packed where a start-up
+probe measures that faster (float checkpoints stay float); ``"int4"`` / ``"int8"`` quantise
+the float weights on load (``engine.models.quant_rtn``) and always use them, as requested;
+``"none"`` never gets here. The steps, called by the model runner:
 
-1. :func:`build_quantised` (before the float linears are packed): one ``QuantLinear`` per
-   projection whose checkpoint tensors are all packed in one format (Q/K/V and gate/up stay
-   fused: their packed rows are concatenated), a ``QuantEmbedding`` for the token table (the
-   tied logits head reads the same data). Each packed weight is checked against the float
-   weight already loaded from the converted checkpoint; a mismatch (a name or row-order error)
-   raises ``ValueError`` instead of serving wrong weights.
-2. :func:`choose` (after float packing): :func:`probe` times a pass over every linear, the float
-   modules against the quantised ones, at ``PROBE_ROWS`` rows (decode of 1..64 sequences, and a
-   prefill chunk), on this machine and these shapes. The quantised path is used for the row
-   counts where it measured faster, never by a rule: for all of them (``quant``, the float
-   copies are dropped), up to a crossover (``hybrid``: the float modules are kept for larger
-   inputs), or for none (``float``).
+1. :func:`packed_replacements` (before the float linears are packed) builds the modules:
+   for a GGUF, :func:`build_quantised` makes one ``QuantLinear`` per projection whose
+   checkpoint tensors are all packed (Q/K/V and gate/up stay fused: their packed rows are
+   concatenated, or, where the parts' formats differ as in Q4_K_M files, a ``QuantConcat``
+   runs one packed linear per format and joins the outputs), a ``QuantEmbedding`` for the
+   token table (the tied logits head reads the same data). Each packed weight is checked
+   against the float weight already loaded from the converted checkpoint; a mismatch (a name
+   or row-order error) raises ``ValueError`` instead of serving wrong weights. For int4/int8,
+   :func:`build_rtn` quantises every projection, the token table and an untied head.
+2. :func:`adopt`: for int4/int8, :func:`apply` at once (no probe: an explicit request is
+   honoured). For auto, :func:`adopt_if_faster` after float packing: :func:`choose` has
+   :func:`probe` time a pass over every linear, the float modules against the quantised ones,
+   at ``PROBE_ROWS`` rows (decode of 1..64 sequences, and a prefill chunk), on this machine and
+   these shapes. The quantised path is used for the row counts where it measured faster, never
+   by a rule: for all of them (``quant``, the float copies are dropped), up to a crossover
+   (``hybrid``: the float modules are kept for larger inputs), or for none (``float``).
 3. :func:`apply` swaps the modules in (with their float fallbacks in ``hybrid``).
 """
 
@@ -29,11 +36,15 @@ import torch
 from torch import nn
 
 from engine.loading.gguf_quant import gguf_source, read_packed
-from engine.models.quant_formats import Packed, cat
-from engine.models.quant_linear import QuantEmbedding, QuantLinear, quant_kernels
+from engine.models.quant_formats import Packed, cat, same_layout
+from engine.models.quant_linear import QuantConcat, QuantEmbedding, QuantLinear, quant_kernels
+from engine.models.quant_rtn import SCHEMES, quantise
 
 logger = logging.getLogger("kvserve.engine")
 
+# The token table / logits head's scheme per requested scheme (see build_rtn). int4 keeps
+# them at 8 bits: on the embedded model a 4-bit head cost +12.5% perplexity, 8-bit +0.03%.
+HEAD_SCHEMES = {"int4": "int8", "int8": "int8"}
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "o_proj": ("self_attn.o_proj",), "down_proj": ("mlp.down_proj",)}
@@ -44,7 +55,7 @@ class QuantisedModules:
     """Replacement modules by attribute path (``layers.3.qkv_proj``, ``lm_head``), and the
     embedding (None when the token table is not packed)."""
 
-    linears: dict[str, QuantLinear] = field(default_factory=dict)
+    linears: dict[str, QuantLinear | QuantConcat] = field(default_factory=dict)
     embedding: QuantEmbedding | None = None
 
     @property
@@ -110,10 +121,10 @@ def build_quantised(model: nn.Module, packed: dict[str, Packed]) -> QuantisedMod
     for i, layer in enumerate(model.layers):
         for attr, sources in _FUSED.items():
             parts = [packed.get(f"model.layers.{i}.{s}.weight") for s in sources]
-            if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
-                continue  # not all packed, or mixed formats: this projection stays float
+            if any(p is None for p in parts):
+                continue  # not all packed: this projection stays float
             dense = getattr(layer, attr)
-            q = QuantLinear(cat(parts), dense.bias)
+            q = _fused(parts, dense.bias)
             _check(q, dense.weight, f"layers.{i}.{attr}")
             out.linears[f"layers.{i}.{attr}"] = q
     table = packed.get("model.embed_tokens.weight")
@@ -127,7 +138,25 @@ def build_quantised(model: nn.Module, packed: dict[str, Packed]) -> QuantisedMod
     return out
 
 
-def _check(q: QuantLinear, weight: torch.Tensor, name: str) -> None:
+def _fused(parts: list[Packed], bias: torch.Tensor | None) -> QuantLinear | QuantConcat:
+    """One module over the rows of ``parts``: a ``QuantLinear`` when they share a layout, else
+    a ``QuantConcat`` of one ``QuantLinear`` per run of parts that do (bias split to match)."""
+    runs: list[list[Packed]] = []
+    for p in parts:
+        if runs and same_layout([runs[-1][0], p]):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    modules, start = [], 0
+    for run in runs:
+        weight = cat(run)
+        rows = weight.shape[0]
+        modules.append(QuantLinear(weight, None if bias is None else bias[start:start + rows]))
+        start += rows
+    return modules[0] if len(modules) == 1 else QuantConcat(modules)
+
+
+def _check(q: QuantLinear | QuantConcat, weight: torch.Tensor, name: str) -> None:
     """The packed weight must dequantise to the float one loaded from the converted checkpoint
     (same source blocks, dequantised by transformers' reader): only float rounding may differ."""
     ref = weight.detach().float()
@@ -205,9 +234,22 @@ def apply(model: nn.Module, q: QuantisedModules, float_above: int | None = None)
 def packed_replacements(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
                         files_dir: Path | None) -> QuantisedModules | None:
     """Step 1 for an engine: packed replacements for ``model``'s float modules, or None when
-    the path does not apply (quantization none, dummy weights, not a GGUF, not float32 on CPU,
-    no CPU kernels)."""
-    if (config.quantization != "auto" or config.load_format == "dummy" or files_dir is None
+    the path does not apply. ``auto``: None unless the checkpoint is a GGUF with supported
+    quantised tensors, loaded as float32 on the CPU with the CPU kernels built (dummy weights
+    too). ``int4``/``int8``: the float weights quantised; ValueError when the packed kernels
+    cannot run here (not the CPU, not float32, kernels unavailable)."""
+    scheme = config.quantization
+    if scheme in SCHEMES:
+        if device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None:
+            raise ValueError(f"quantization={scheme} runs packed CPU kernels with float32 "
+                             f"activations; this engine has device {device.type}, dtype "
+                             f"{dtype} and CPU kernels {'on' if quant_kernels() else 'off'} "
+                             "(use --device cpu --dtype float32 or auto, KVSERVE_CPU_KERNELS=1)")
+        if files_dir is not None and gguf_source(files_dir) is not None:
+            logger.warning("quantization=%s on a GGUF checkpoint: its dequantised weights are "
+                           "quantised again (auto keeps the file's own format)", scheme)
+        return build_rtn(model, scheme, config.quantization_group_size)
+    if (scheme != "auto" or config.load_format == "dummy" or files_dir is None
             or device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None):
         return None
     source = gguf_source(files_dir)
@@ -215,6 +257,56 @@ def packed_replacements(model: nn.Module, config, device: torch.device, dtype: t
         return None
     packed = read_packed(source)
     return build_quantised(model, packed) if packed else None
+
+
+@torch.no_grad()
+def build_rtn(model: nn.Module, scheme: str, group_size: int,
+              head_scheme: str | None = None) -> QuantisedModules:
+    """Every projection, the token table (so a tied head too) and an untied head of ``model``
+    quantised (``quant_rtn.quantise``): the projections to ``scheme``, the table and head to
+    ``head_scheme`` (default: :data:`HEAD_SCHEMES` of ``scheme``). A weight whose width does
+    not split into ``group_size`` groups stays float (logged). Does not change ``model``."""
+    out = QuantisedModules()
+    head_scheme = head_scheme or HEAD_SCHEMES[scheme]
+    skipped: list[str] = []
+
+    def packed(weight: torch.Tensor, name: str, kind: str) -> Packed | None:
+        if weight.shape[1] % group_size:
+            skipped.append(name)
+            return None
+        return quantise(weight, kind, group_size)
+
+    for i, layer in enumerate(model.layers):
+        for attr in _FUSED:
+            dense = getattr(layer, attr)
+            p = packed(dense.weight, f"layers.{i}.{attr}", scheme)
+            if p is not None:
+                out.linears[f"layers.{i}.{attr}"] = QuantLinear(p, dense.bias)
+    table = packed(model.embed_tokens.weight, "embed_tokens", head_scheme)
+    if table is not None:
+        out.embedding = QuantEmbedding(table)
+    if model.lm_head is not None:
+        head = packed(model.lm_head.weight, "lm_head", head_scheme)
+        if head is not None:
+            out.linears["lm_head"] = QuantLinear(head)
+    if skipped:
+        logger.warning("quantization=%s: %d weights kept float, their width not a multiple of "
+                       "%d (%s%s)", scheme, len(skipped), group_size, ", ".join(skipped[:4]),
+                       ", ..." if len(skipped) > 4 else "")
+    return out
+
+
+def adopt(model: nn.Module, quantised: QuantisedModules, config) -> Verdict:
+    """Step 2 for an engine. ``int4``/``int8``: every module swapped in now (call it before the
+    float linears are packed, so none are packed in vain), logged; ``auto``:
+    :func:`adopt_if_faster` (call it after)."""
+    if config.quantization not in SCHEMES:
+        return adopt_if_faster(model, quantised)
+    n = apply(model, quantised)
+    logger.info("quantization=%s (round-to-nearest, groups of %d): %d modules on packed "
+                "weights, %.1f MiB, as requested (no probe)", config.quantization,
+                config.quantization_group_size, n, quantised.nbytes / 2**20)
+    return Verdict("quant", None, {})
 
 
 def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:

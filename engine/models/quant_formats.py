@@ -1,4 +1,5 @@
-"""Packed weight formats that GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto exactly.
+"""Packed weight formats that GGUF's block types map onto exactly (``engine.models.gguf_blocks``
+decodes the blocks; ``engine.models.quant_rtn`` quantises float weights onto the same forms).
 
 Both formats hold a weight ``W [N, K]`` (``K`` a multiple of :data:`GROUP`) in groups of 32
 consecutive input elements of one output row, with float32 scales (GGUF stores fp16; float32
@@ -6,28 +7,31 @@ costs 2 bytes more per group and saves a conversion per group in the kernel):
 
 * :class:`PackedQ4`: ``qs`` uint8 ``[N, K/2]``, ``d`` and ``m`` float32 ``[N, K/32]``;
   ``w = d * q + m`` with ``q`` in 0..15. Byte ``j`` of group ``g`` holds ``q[32g + j]`` in its
-  low nibble and ``q[32g + j + 16]`` in its high nibble: GGUF's own order, copied as is.
-  Q4_1 is ``(d, m)`` as stored; Q4_0 (``w = d * (q - 8)``) is ``m = -8 d``, exact in float32.
-* :class:`PackedQ8`: ``qs`` int8 ``[N, K]``, ``d`` float32 ``[N, K/32]``; ``w = d * q``.
+  low nibble and ``q[32g + j + 16]`` in its high nibble: GGUF's Q4_0/Q4_1 order.
+  Q4_1 is ``(d, m)`` as stored; Q4_0 (``w = d * (q - 8)``) is ``m = -8 d``, exact in float32;
+  Q4_K is ``d = d_super * sc``, ``m = -dmin * min`` per sub-block of 32 (products of an fp16
+  and a 6-bit integer: exact in float32).
+* :class:`PackedQ8`: ``qs`` int8 ``[N, K]``, ``d`` float32 ``[N, K/S]`` with the scale group
+  ``S`` 32 or 16, optional ``m`` float32 ``[N, K/32]`` (only with ``S = 32``);
+  ``w = d[k // S] * q (+ m[k // 32])``. Q8_0 is ``S = 32`` without ``m``; Q5_K is ``S = 32``
+  with ``m`` (``q`` in 0..31, the 5-bit value); Q6_K is ``S = 16`` without ``m`` (``q`` in
+  -32..31, its 16-element sub-blocks keep their own scale ``d * sc``).
 
-``dequantize()`` of either equals ``gguf.quants.dequantize`` of the source blocks (Q4_0 and
-Q8_0 bit for bit; Q4_1 up to one rounding of ``d * q + m`` where a fused multiply-add is used).
-Rows can be selected (``take_rows``) and concatenated (``cat``) without touching the values:
-that is how llama.cpp's Q/K row permutation is undone and how fused projections are built.
+``dequantize()`` of either equals ``gguf.quants.dequantize`` of the source blocks (Q4_0, Q8_0
+and Q6_K bit for bit; with a min, up to one rounding of ``d * q + m`` where a fused
+multiply-add is used). Rows can be selected (``take_rows``) and concatenated (``cat``) without
+touching the values: that is how llama.cpp's Q/K row permutation is undone and how fused
+projections are built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 GROUP = 32
-# GGUF block type ids (gguf.GGMLQuantizationType): bytes per block of 32 elements.
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-SUPPORTED = tuple(BLOCK_BYTES)
+SCALE_GROUPS = (16, 32)  # the 8-bit form's scale groups
 
 
 @dataclass
@@ -60,58 +64,71 @@ class PackedQ4:
 
 @dataclass
 class PackedQ8:
-    """8-bit groups of 32: ``w = d * q``."""
+    """8-bit values, a scale per ``scale_group`` (16 or 32) of them and an optional min per 32:
+    ``w = d * q (+ m)``. Construction checks the shapes (ValueError)."""
 
     qs: torch.Tensor
     d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, k = self.qs.shape
+        if (k % GROUP or self.d.dim() != 2 or self.d.shape[0] != n
+                or self.scale_group not in SCALE_GROUPS or self.d.shape[1] * self.scale_group != k):
+            raise ValueError(f"an 8-bit weight [{n}, {k}] needs K a multiple of {GROUP} and "
+                             f"one scale per 16 or 32 values; got scales {tuple(self.d.shape)}")
+        if self.m is not None and (self.scale_group != GROUP or self.m.shape != self.d.shape):
+            raise ValueError("an 8-bit weight's mins go with scales per group of 32")
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.qs.shape)
 
     @property
+    def scale_group(self) -> int:
+        """Values per scale: 32, or 16 (Q6_K)."""
+        return self.qs.shape[1] // max(self.d.shape[-1], 1)
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d))
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m)
+                   if t is not None)
 
     def take_rows(self, rows: torch.Tensor) -> PackedQ8:
-        return PackedQ8(self.qs[rows].contiguous(), self.d[rows].contiguous())
+        return PackedQ8(self.qs[rows].contiguous(), self.d[rows].contiguous(),
+                        None if self.m is None else self.m[rows].contiguous())
 
     def dequantize(self) -> torch.Tensor:
+        """Float32 ``[N, K]`` (reference implementation, in PyTorch)."""
         n, k = self.shape
-        return (self.qs.view(n, k // GROUP, GROUP).float() * self.d[..., None]).reshape(n, k)
+        s = self.scale_group
+        w = (self.qs.view(n, k // s, s).float() * self.d[..., None]).reshape(n, k)
+        if self.m is not None:
+            w = (w.view(n, k // GROUP, GROUP) + self.m[..., None]).reshape(n, k)
+        return w
 
 
 Packed = PackedQ4 | PackedQ8
 
 
 def cat(parts: list[Packed]) -> Packed:
-    """Rows of ``parts`` one after the other (same format and ``K``; else ValueError)."""
-    kinds = {type(p) for p in parts}
-    if len(kinds) != 1 or len({p.shape[1] for p in parts}) != 1:
+    """Rows of ``parts`` one after the other (same format, ``K``, scale group and min presence;
+    else ValueError)."""
+    kinds = {_layout(p) for p in parts}
+    if len(kinds) != 1:
         raise ValueError("only packed weights of one format and width can be concatenated")
     if isinstance(parts[0], PackedQ4):
         return PackedQ4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")))
-    return PackedQ8(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d")))
+    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+    return PackedQ8(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 
 
-def from_gguf_blocks(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Packed:
-    """Pack GGUF blocks ``raw`` (the bytes of a ``[N, K]`` tensor, row-major: ``N`` rows of
-    ``K/32`` blocks) of type ``qtype`` (one of :data:`SUPPORTED`). Copies the data."""
-    if qtype not in BLOCK_BYTES:
-        raise ValueError(f"GGUF block type {qtype} has no packed format here")
-    n, k = shape
-    if k % GROUP:
-        raise ValueError(f"a quantised tensor's rows must be a multiple of {GROUP}; got {k}")
-    g = k // GROUP
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, g, BLOCK_BYTES[qtype])
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(n, g)
-    if qtype == Q8_0:
-        qs = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return PackedQ8(torch.from_numpy(qs), torch.from_numpy(d))
-    if qtype == Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(n, g)
-        qs = blocks[..., 4:].reshape(n, k // 2).copy()
-    else:
-        m = -8.0 * d
-        qs = blocks[..., 2:].reshape(n, k // 2).copy()
-    return PackedQ4(torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(m))
+def same_layout(parts: list[Packed]) -> bool:
+    """True when ``parts`` can be concatenated by :func:`cat`."""
+    return len({_layout(p) for p in parts}) == 1
+
+
+def _layout(p: Packed) -> tuple:
+    if isinstance(p, PackedQ4):
+        return ("q4", p.shape[1])
+    return ("q8", p.shape[1], p.scale_group, p.m is not None)

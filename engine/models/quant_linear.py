@@ -1,6 +1,7 @@
 """Linear layers and embeddings over weights kept packed (``engine.models.quant_formats``).
 
-``QuantLinear(packed, bias)`` computes ``y = x @ W.T + b`` for ``W`` in 4-bit or 8-bit groups:
+``QuantLinear(packed, bias)`` computes ``y = x @ W.T + b`` for ``W`` in 4-bit or 8-bit groups
+(8-bit: scales per 32 or 16, optional mins):
 
 * up to ``dense_rows`` rows (decode steps): the C++ kernels ``quant_gemm_q4`` / ``quant_gemm_q8``
   (engine/cpu/csrc/quant_gemm_cpu.cpp), which quantise each activation row to int8 per group
@@ -49,7 +50,7 @@ class QuantLinear(nn.Module):
         self.is_q4 = isinstance(packed, PackedQ4)
         self.register_buffer("qs", packed.qs)
         self.register_buffer("d", packed.d)
-        self.register_buffer("m", packed.m if self.is_q4 else None)
+        self.register_buffer("m", packed.m)  # q8: None unless the format has mins (Q5_K)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.dense_rows = dense_rows
         self.fallback: nn.Module | None = None
@@ -63,7 +64,7 @@ class QuantLinear(nn.Module):
         """Float32 rows ``W[rows]``."""
         if self.is_q4:
             return self._kernels.quant_dequant_q4(self.qs, self.d, self.m, rows)
-        return self._kernels.quant_dequant_q8(self.qs, self.d, rows)
+        return self._kernels.quant_dequant_q8(self.qs, self.d, self.m, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -76,7 +77,7 @@ class QuantLinear(nn.Module):
             if self.is_q4:
                 out = self._kernels.quant_gemm_q4(x2, self.qs, self.d, self.m)
             else:
-                out = self._kernels.quant_gemm_q8(x2, self.qs, self.d)
+                out = self._kernels.quant_gemm_q8(x2, self.qs, self.d, self.m)
         else:
             out = self._dense(x2)
         if self.bias is not None:
@@ -97,9 +98,50 @@ class QuantLinear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
     def extra_repr(self) -> str:
-        kind = "q4" if self.is_q4 else "q8"
+        kind = "q4" if self.is_q4 else f"q8/{self.in_features // self.d.shape[1]}" + (
+            "+m" if self.m is not None else "")
         above = "" if self.fallback is None else f", float above {self.float_above} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
+
+
+class QuantConcat(nn.Module):
+    """A fused projection whose parts are packed in different formats (a Q4_K_M file stores Q
+    and K as Q4_K but V as Q6_K): ``y = [x @ W_0.T + b_0 | x @ W_1.T + b_1 | ...]``, one
+    ``QuantLinear`` per run of parts in one layout. The same interface as ``QuantLinear``
+    (``in_features``, ``out_features``, ``keep_float_above``, ``dequantize_rows``, ``nbytes``)."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.fallback: nn.Module | None = None
+        self.float_above: int | None = None
+
+    def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
+        self.fallback, self.float_above = fallback, rows
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.numel(), self.in_features)
+        start = 0
+        for part in self.parts:
+            hit = (rows >= start) & (rows < start + part.out_features)
+            out[hit] = part.dequantize_rows(rows[hit] - start)
+            start += part.out_features
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is not None and x.reshape(-1, self.in_features).shape[0] > self.float_above:
+            return self.fallback(x)
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        above = "" if self.fallback is None else f", float above {self.float_above} rows"
+        return f"in={self.in_features}, out={self.out_features}{above}"
 
 
 class QuantEmbedding(nn.Module):

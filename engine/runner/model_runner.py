@@ -34,7 +34,7 @@ from engine.kv_cache.kv_quant import KVFormat, kv_format
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.models.quant_apply import adopt_if_faster, packed_replacements
+from engine.models.quant_apply import adopt, packed_replacements
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.runner.batch import ModelInput
@@ -71,9 +71,13 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -> torch.dtype:
+    """``name`` as a torch dtype; ``auto`` is measured per device, float32 for int4/int8 (the
+    packed kernels' activations)."""
     if name != "auto":
         return _DTYPES[name]
+    if quantization in ("int4", "int8"):
+        return torch.float32
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # Measured on the development CPU (AVX-512 BF16): bf16 linears run ~2.3x fp32 at batch >= 32.
@@ -91,11 +95,11 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int,
                  files_dir: Path | None = None) -> None:
         """``files_dir``: the model's (converted) directory; with ``quantization="auto"`` the
-        GGUF it came from is read for packed weights."""
+        GGUF it came from is read for packed weights; int4/int8 quantise the loaded weights."""
         self.config = config
         self.device = resolve_device(config.device)
         set_device_for_thread(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization)
         self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype)
         self.arch: ModelArch = self.model.arch
         if config.load_format == "dummy":
@@ -104,15 +108,20 @@ class ModelRunner:
             self.model.load_weights(weights)
         self.model.eval()
         quantised = packed_replacements(self.model, config, self.device, self.dtype, files_dir)
+        self.quant_verdict = None
+        if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
+            self.quant_verdict = adopt(self.model, quantised, config)
         self.linear_backend = linear_backend(self.device, self.dtype,
                                              linear_weight_bytes(self.model)) or "torch"
         if self.linear_backend != "torch":
             self.model.pack_linears(self.linear_backend)
-        self.quant_verdict = adopt_if_faster(self.model, quantised) if quantised else None
+        if quantised and config.quantization == "auto":
+            self.quant_verdict = adopt(self.model, quantised, config)
         self.quantized = self.quant_verdict is not None and self.quant_verdict.mode != "float"
         what = str(self.dtype)
         if self.quantized:
-            what = ("packed quantised linears" if self.quant_verdict.float_above is None else
+            what = (f"packed quantised linears ({config.quantization})"
+                    if self.quant_verdict.float_above is None else
                     f"packed quantised linears + {self.dtype} copies for batches above "
                     f"{self.quant_verdict.float_above} rows")
         logger.info("resident weights: %.1f MiB (%s)", self.weight_bytes / 2**20, what)

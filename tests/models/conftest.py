@@ -6,7 +6,8 @@
   GGUF the way llama.cpp's converter writes it (Q/K rows permuted, tied output omitted), so that
   converting it back must reproduce the HF tensors exactly. ``make_llama_gguf(path,
   quantised=True)`` writes the linears as Q4_0 and the token table (and an untied output) as
-  Q8_0, with gguf's own quantiser.
+  Q8_0, with gguf's own quantiser; ``kquants=True`` writes a 256-wide model in Q4_K/Q5_K/Q6_K
+  (``KQUANT_TYPES``).
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def _byte_alphabet() -> list[str]:
     return [spelled[b] for b in range(256)]
 
 
-def _tiny_llama(tied: bool):
+def _tiny_llama(tied: bool, hidden: int = 64, intermediate: int = 96):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = len(SPECIALS) + 256 + len(MERGES)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        max_position_embeddings=128,
         rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
@@ -87,13 +89,27 @@ _GGUF_NAMES = {
 }
 
 
-def _write_gguf(model, path: Path, quantised: bool = False) -> None:
+# The K-quant mix of a Q4_K_M-like file: V, down and the token table in wider types, so that
+# Q/K/V is a mixed-format fused projection.
+KQUANT_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+                "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q5_K", "token_embd": "Q6_K",
+                "output": "Q6_K"}
+
+
+def _write_gguf(model, path: Path, quantised: bool = False, kquants: bool = False) -> None:
     """Write ``model`` as an F32 llama GGUF with a byte-level BPE tokenizer and a ChatML template
-    (``quantised``: linears Q4_0, token table and output Q8_0, norms F32)."""
+    (``quantised``: linears Q4_0, token table and output Q8_0, norms F32; ``kquants``: the
+    K-quant types of :data:`KQUANT_TYPES`, encoded by tests/models/kquant_encode.py)."""
     import gguf
 
+    from tests.models.kquant_encode import ENCODERS
+
     def add(name: str, t: np.ndarray, qtype=None) -> None:
-        if quantised and qtype is not None:
+        role = name.split(".")[-2]
+        if kquants and qtype is not None:
+            kind = gguf.GGMLQuantizationType[KQUANT_TYPES[role]]
+            w.add_tensor(name, ENCODERS[kind.name](t), raw_dtype=kind)
+        elif quantised and qtype is not None:
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, t)
@@ -146,9 +162,11 @@ def _write_gguf(model, path: Path, quantised: bool = False) -> None:
     w.close()
 
 
-def _make_llama_gguf(path: Path, tied: bool = True, quantised: bool = False):
-    model = _tiny_llama(tied)
-    _write_gguf(model, path, quantised)
+def _make_llama_gguf(path: Path, tied: bool = True, quantised: bool = False,
+                     kquants: bool = False):
+    # K-quant rows hold super-blocks of 256: hidden and intermediate sizes to match.
+    model = _tiny_llama(tied, 256, 512) if kquants else _tiny_llama(tied)
+    _write_gguf(model, path, quantised, kquants)
     return model
 
 
@@ -160,8 +178,8 @@ def tiny_llama():
 
 @pytest.fixture(scope="session")
 def make_llama_gguf():
-    """Factory ``make_llama_gguf(path, tied=True, quantised=False) -> model``: writes the
-    model's GGUF at ``path``."""
+    """Factory ``make_llama_gguf(path, tied=True, quantised=False, kquants=False) -> model``:
+    writes the model's GGUF at ``path`` (``kquants``: a 256-wide model in K-quant types)."""
     return _make_llama_gguf
 
 

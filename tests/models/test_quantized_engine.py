@@ -1,4 +1,5 @@
-"""``quantization=auto`` on a tiny random Llama written as a Q4_0/Q8_0 GGUF, against ``none``.
+"""``quantization=auto`` on tiny random Llamas written as Q4_0/Q8_0 and as K-quant (Q4_K, Q5_K,
+Q6_K) GGUFs, against ``none``.
 
 ``none`` dequantises every tensor (the exact-reference path, token-identical to HF on the same
 dequantised weights: tests/models/test_engine_parity.py). ``auto`` keeps the Q4_0 linears and
@@ -74,3 +75,40 @@ def test_probe_verdict_is_logged(q_gguf, monkeypatch, caplog):
     assert len(lines) == 1 and "quantised" in lines[0] and "float" in lines[0]
     assert llm.engine.runner.quantized == ("modules on packed weights" in lines[0])
     assert any("resident weights" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture(scope="module")
+def k_gguf(tmp_path_factory, make_llama_gguf):
+    root = tmp_path_factory.mktemp("kgguf")
+    path = root / "tiny-llama.Q4_K_M.gguf"
+    make_llama_gguf(path, tied=True, kquants=True)
+    return path, root / "cache"
+
+
+def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch):
+    """Q4_K / Q5_K / Q6_K tensors (Q/K/V mixed: Q4_K and Q6_K; a Q6_K tied token table) are
+    served packed and agree with the dequantised path teacher-forced."""
+    from engine.models.quant_linear import QuantConcat
+
+    path, cache = k_gguf
+    none = _llm(path, cache, monkeypatch, quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
+
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    auto = _llm(path, cache, monkeypatch, quantization="auto")
+    runner = auto.engine.runner
+    assert runner.quantized
+    model = runner.model
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"QuantLinear", "QuantEmbedding"} <= kinds and "Linear" not in kinds
+    for layer in model.layers:
+        assert isinstance(layer.qkv_proj, QuantConcat)  # Q4_K rows, then Q6_K rows
+        assert layer.down_proj.m is not None  # Q5_K: 8-bit with mins
+    head = model.embed_tokens.head  # Q6_K: scales per 16
+    assert not head.is_q4 and head.in_features // head.d.shape[1] == 16
+    assert runner.weight_bytes < none.engine.runner.weight_bytes / 2.5
+    assert _agreement(auto, PROMPTS, expected) >= 0.95
+    outs = auto.generate(PROMPTS, params)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    auto.engine.kv.check_integrity()

@@ -1,7 +1,8 @@
 """The real embedded model: greedy tokens identical to HF transformers on the same weights
 (``quantization="none"``, the exact-reference path); with its Q4_1/Q8_0 weights kept packed
 (``quantization="auto"``), teacher-forced top-1 agreement with HF on >= 95% of positions, and perplexity within 1% of
-the exact path."""
+the exact path; quantised on load (``int4``: 4-bit projections and an 8-bit token table/head;
+``int8``) from those float weights, the same agreement and perplexity within 3%."""
 
 from __future__ import annotations
 
@@ -69,6 +70,42 @@ def test_packed_weights_agree_with_hf(smollm2_files, monkeypatch):
             total += 1
             hits += out.prompt_logprobs[pos][ids[pos]].rank == 1
     assert hits / total >= 0.95, f"top-1 agreement {hits}/{total}"
+
+
+@pytest.fixture(scope="module")
+def hf_continuations(smollm2_files, llm):
+    """(prompt ids, HF's greedy 24 tokens) per prompt of PROMPTS."""
+    hf = load_hf(smollm2_files.path)
+    prompts = [llm.tokenizer.encode(text) for text in PROMPTS]
+    return [(p, hf_greedy(hf, p, 24)) for p in prompts]
+
+
+def _agreement_with(llm: LLM, continuations) -> tuple[int, int]:
+    hits = total = 0
+    for prompt, cont in continuations:
+        ids = prompt + cont
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1,
+                                                 prompt_logprobs=1))[0]
+        for pos in range(len(prompt), len(ids)):
+            total += 1
+            hits += out.prompt_logprobs[pos][ids[pos]].rank == 1
+    return hits, total
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantised_on_load_agrees_with_hf(llm, hf_continuations, scheme):
+    """The embedded model's dequantised (float) weights quantised on load. Its projections come
+    from Q4_1 and its table from Q8_0, so int4's groups of 32 re-find much of the source grid;
+    still a trained model, where a wrong row, scale or nibble order would show at once."""
+    q = LLM(None, kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=16,
+            quantization=scheme)
+    assert q.engine.runner.quantized
+    assert q.engine.runner.weight_bytes < llm.engine.runner.weight_bytes / 5
+    hits, total = _agreement_with(q, hf_continuations)
+    assert hits / total >= 0.95, f"top-1 agreement {hits}/{total}"
+    ids = llm.tokenizer.encode(TEXT)
+    exact, approx = _perplexity(llm, ids), _perplexity(q, ids)
+    assert abs(approx / exact - 1) <= 0.03, f"perplexity {approx:.3f} vs exact {exact:.3f}"
 
 
 TEXT = (

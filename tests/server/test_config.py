@@ -59,6 +59,17 @@ def test_vllm_flag_names_map_onto_engine_fields():
         (32, 256, 0.5, 2.0, "bfloat16", "swap", "torch", 5, False, 9)
 
 
+def test_quantization_flags():
+    engine, _ = _parse("--quantization", "int4", "--quantization-group-size", "128")
+    assert (engine.quantization, engine.quantization_group_size) == ("int4", 128)
+    assert _parse("--quantization", "int8")[0].quantization == "int8"
+    assert _parse("--quantization", "none")[0].quantization_group_size == 32
+    with pytest.raises(SystemExit):  # not a choice: argparse's usage error
+        _parse("--quantization", "awq")
+    with pytest.raises(ValueError, match="applies to quantization int4 or int8"):
+        _parse("--quantization-group-size", "128")
+
+
 @pytest.mark.parametrize("text,fragment", [
     ("max-modle-len: 5\n", "unknown key(s) in config file"),
     ("max-num-seqs: lots\n", "max-num-seqs must be of type int"),

@@ -1,4 +1,5 @@
-"""EngineConfig admission limits: sequences per request, the waiting queue, the policy."""
+"""EngineConfig validation: admission limits (sequences per request, the waiting queue, the
+policy) and the quantization options."""
 
 from __future__ import annotations
 
@@ -48,3 +49,22 @@ def test_admission_counts_prompt_sharing_and_the_swap_tier():
     check_request(cfg, swap, prompt, SamplingParams(n=3, max_tokens=20))
     with pytest.raises(ValueError, match=r"token id 258 in the prompt .*\(0\.\.257\)"):
         check_request(cfg, limits, [1, 258], SamplingParams(max_tokens=2))
+
+
+def test_quantization_choices_and_group_size():
+    assert EngineConfig().quantization == "auto" and EngineConfig().quantization_group_size == 32
+    for scheme in ("auto", "none", "int4", "int8"):
+        assert EngineConfig(quantization=scheme).quantization == scheme
+    assert EngineConfig(quantization="int4", quantization_group_size=128).quantization_group_size \
+        == 128
+    assert EngineConfig(quantization="int8", dtype="float32", device="cpu").dtype == "float32"
+    refused = [
+        (dict(quantization="int2"), "quantization must be one of auto, none, int4, int8"),
+        (dict(quantization="int4", quantization_group_size=64), "must be one of 32, 128"),
+        (dict(quantization_group_size=128), "applies to quantization int4 or int8"),
+        (dict(quantization="int4", dtype="bfloat16"), "use dtype float32 or auto"),
+        (dict(quantization="int8", device="cuda:0"), "CPU kernels only"),
+    ]
+    for kwargs, fragment in refused:
+        with pytest.raises(ValueError, match=fragment):
+            EngineConfig(**kwargs)

@@ -1,6 +1,9 @@
-"""Packed 4-bit / 8-bit weight formats (engine/models/quant_formats.py) and their kernels.
+"""Packed 4-bit / 8-bit weight formats (engine/models/quant_formats.py), the GGUF block types
+mapped onto them (engine/models/gguf_blocks.py: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and their
+kernels.
 
-Truths: ``gguf.quants`` (GGUF's own quantiser and dequantiser) for the formats, and for the
+Truths: ``gguf.quants`` (GGUF's own quantiser and dequantiser; for the K-quants, which it cannot
+quantise, random valid blocks and its dequantiser) for the formats, and for the
 kernels a float64 reference that models their one approximation exactly: each activation row
 is rounded to int8 per group of 32 (``dx = amax/127``, ``qx = round(x/dx)``, half to even), then
 ``y = sum_g (d_g*q_g + m_g) . (dx_g*qx_g)``. Against that reference only float32 summation
@@ -20,23 +23,51 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from engine.loading.gguf_quant import hf_name, unpermute_rows  # noqa: E402
-from engine.models.quant_formats import PackedQ4, cat, from_gguf_blocks  # noqa: E402
+from engine.models.gguf_blocks import from_gguf_blocks  # noqa: E402
+from engine.models.quant_formats import PackedQ4, PackedQ8, cat  # noqa: E402
 from engine.models.quant_linear import DENSE_ROWS, QuantEmbedding, QuantLinear, quant_kernels  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # super-blocks of 256: gguf has no quantiser for them
 SHAPES = [(1, 32), (7, 96), (33, 64), (100, 576), (49, 160)]  # ragged N, K multiple of 32
+K_SHAPES = [(1, 256), (7, 512), (33, 768), (17, 1536)]  # ragged N, K multiple of 256
+CASES = [(t, s) for t in TYPES for s in SHAPES] + [(t, s) for t in K_TYPES for s in K_SHAPES]
+LINEAR_CASES = ([(t, s) for t in TYPES for s in [(7, 96), (100, 576), (49, 160)]]
+                + [(t, s) for t in K_TYPES for s in [(7, 512), (49, 768)]])
+
+
+def _case_id(case) -> str:
+    return f"{case[0].name}-{case[1][0]}x{case[1][1]}"
+
+
+def random_blocks(qtype, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid raw blocks of ``qtype`` for an ``[n, k]`` tensor: random bytes everywhere (every bit
+    pattern of the quants and of the 6-/8-bit sub-block scales is valid) except the fp16 super-
+    block scales, drawn finite, of both signs and of varied magnitude per row."""
+    rng = np.random.default_rng(seed)
+    per, nbytes = quants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+    offsets = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]
+    for off in offsets:
+        mag = rng.uniform(1e-3, 5e-2, (n, k // per)) * rng.uniform(0.1, 3.0, (n, 1))
+        v = (mag * rng.choice([-1.0, 1.0], mag.shape)).astype(np.float16)
+        raw[..., off:off + 2] = v.view(np.uint8).reshape(n, k // per, 2)
+    return raw.reshape(n, -1)
 
 
 def _packed(n: int, k: int, qtype, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
-    raw = quants.quantize(w, qtype)
+    if qtype in K_TYPES:
+        raw = random_blocks(qtype, n, k, seed)
+    else:
+        rng = np.random.default_rng(seed)
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+        raw = quants.quantize(w, qtype)
     return from_gguf_blocks(raw, int(qtype), (n, k)), torch.from_numpy(quants.dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_dequantize_equals_gguf(qtype, shape):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_dequantize_equals_gguf(case):
+    qtype, shape = case
     packed, ref = _packed(*shape, qtype)
     torch.testing.assert_close(packed.dequantize(), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
     if quant_kernels() is not None:  # the C++ row dequantiser (embedding lookups, prefill)
@@ -63,6 +94,46 @@ def test_rows_and_concatenation_move_whole_groups():
     q8, _ = _packed(3, 64, T.Q8_0)
     with pytest.raises(ValueError):
         cat([a, q8])
+
+
+def test_k_quants_map_exactly_onto_the_packed_forms():
+    q4k, r4 = _packed(3, 512, T.Q4_K, seed=3)
+    assert isinstance(q4k, PackedQ4) and q4k.d.shape == (3, 16)  # one (d, m) per sub-block
+    q5k, r5 = _packed(3, 512, T.Q5_K, seed=4)
+    assert isinstance(q5k, PackedQ8) and q5k.scale_group == 32 and q5k.m is not None
+    assert int(q5k.qs.min()) >= 0 and int(q5k.qs.max()) <= 31
+    q6k, r6 = _packed(3, 512, T.Q6_K, seed=5)
+    assert isinstance(q6k, PackedQ8) and q6k.scale_group == 16 and q6k.m is None
+    assert int(q6k.qs.min()) >= -32 and int(q6k.qs.max()) <= 31
+    for packed, ref in ((q4k, r4), (q5k, r5), (q6k, r6)):  # same two roundings as gguf's
+        assert torch.equal(packed.dequantize(), ref)
+    rows = torch.tensor([2, 0])
+    torch.testing.assert_close(cat([q6k, q6k.take_rows(rows)]).dequantize(),
+                               torch.cat([r6, r6[rows]]), rtol=0, atol=0)
+    for other in (q5k, _packed(3, 512, T.Q8_0)[0]):  # scale group or mins differ
+        with pytest.raises(ValueError):
+            cat([q6k, other])
+    with pytest.raises(ValueError):  # mins go with scales per 32 only
+        PackedQ8(q6k.qs, q6k.d, torch.zeros_like(q6k.d))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        from_gguf_blocks(random_blocks(T.Q4_K, 1, 256)[:, :72], int(T.Q4_K), (1, 128))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_the_tests_k_quant_encoder_writes_what_gguf_reads(qtype):
+    """tests/models/kquant_encode.py (the K-quant GGUFs of the engine tests) against gguf's
+    dequantiser: round-to-nearest within its type's resolution, and our decoder agrees."""
+    from tests.models.kquant_encode import ENCODERS
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 2.0, (6, 1))).astype(np.float32)
+    raw = ENCODERS[qtype.name](w)
+    assert raw.shape == (6, 2 * quants.GGML_QUANT_SIZES[qtype][1])
+    ref = quants.dequantize(raw, qtype)
+    rel = np.sqrt(((ref - w) ** 2).mean() / (w**2).mean())
+    assert rel < {T.Q4_K: 0.1, T.Q5_K: 0.05, T.Q6_K: 0.025}[qtype]
+    assert torch.equal(from_gguf_blocks(raw, int(qtype), w.shape).dequantize(),
+                       torch.from_numpy(ref))
 
 
 def test_unpermute_undoes_llama_cpp_permutation():
@@ -93,10 +164,10 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", [(7, 96), (100, 576), (49, 160)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, DENSE_ROWS, DENSE_ROWS + 1, 300])
-def test_quant_linear_matches_reference(qtype, shape, rows):
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=_case_id)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, DENSE_ROWS, DENSE_ROWS + 1, 300])
+def test_quant_linear_matches_reference(case, rows):
+    qtype, shape = case
     packed, w = _packed(*shape, qtype)
     bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(shape[0]))
     lin = QuantLinear(packed, bias)
@@ -119,12 +190,14 @@ def test_quant_linear_matches_reference(qtype, shape, rows):
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
-def test_quant_embedding_lookup_and_tied_head():
-    packed, w = _packed(50, 64, T.Q8_0)
+@pytest.mark.parametrize(("qtype", "k"), [(T.Q8_0, 64), (T.Q6_K, 256), (T.Q4_K, 256)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_quant_embedding_lookup_and_tied_head(qtype, k):
+    packed, w = _packed(50, k, qtype)
     emb = QuantEmbedding(packed)
     ids = torch.tensor([[3, 49, 0], [7, 7, 1]])
-    torch.testing.assert_close(emb(ids), w[ids], rtol=0, atol=1e-6)
-    assert emb.head.out_features == 50 and emb.head(torch.randn(2, 64)).shape == (2, 50)
+    torch.testing.assert_close(emb(ids), w[ids], rtol=0, atol=1e-6 * float(w.abs().max()))
+    assert emb.head.out_features == 50 and emb.head(torch.randn(2, k)).shape == (2, 50)
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")

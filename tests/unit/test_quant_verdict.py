@@ -49,7 +49,7 @@ def test_inputs_above_the_crossover_go_to_the_float_module():
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from engine.models.quant_formats import from_gguf_blocks
+    from engine.models.gguf_blocks import from_gguf_blocks
     from engine.models.quant_linear import QuantLinear, quant_kernels
 
     if quant_kernels() is None:

@@ -23,12 +23,14 @@ bool small_gemm_supported();
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
                          c10::optional<torch::Tensor> bias);
 torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
-torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                            c10::optional<torch::Tensor> m);
 torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                                 torch::Tensor m);
 torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                                torch::Tensor rows);
-torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, torch::Tensor rows);
+torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
+                               torch::Tensor rows);
 std::string quant_gemm_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -46,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x @ W^T (+ b) for few rows (CPU, fp32, AVX2)");
   m.def("quant_gemm_q4", &quant_gemm_q4, "x @ W^T, W 4-bit groups of 32 (d*q+m)");
   m.def("quant_gemm_q4_fma", &quant_gemm_q4_fma, "q4 x float activations, float FMA (benchmark)");
-  m.def("quant_gemm_q8", &quant_gemm_q8, "x @ W^T, W 8-bit groups of 32 (d*q)");
+  m.def("quant_gemm_q8", &quant_gemm_q8, "x @ W^T, W 8-bit groups of 32 (d*q [+ m]; d per 16 or 32)");
   m.def("quant_dequant_q4", &quant_dequant_q4, "float32 rows of a 4-bit packed weight");
   m.def("quant_dequant_q8", &quant_dequant_q8, "float32 rows of an 8-bit packed weight");
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");

@@ -4,7 +4,9 @@
 //   q4: qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32]; w = d * q + m, q in 0..15.
 //       Group g of row n is bytes qs[n, 16g .. 16g+15]: byte j holds q[32g+j] in its low nibble
 //       and q[32g+j+16] in its high nibble (GGUF's Q4_0/Q4_1 order, copied as is).
-//   q8: qs int8 [N, K], d float32 [N, K/32]; w = d * q.
+//   q8: qs int8 [N, K], d float32 [N, K/S] with S (the scale group) 32 or 16, optional m
+//       float32 [N, K/32] (only with S = 32); w = d[k/S] * q (+ m[k/32]). Q8_0 is S = 32 without
+//       m, Q5_K is S = 32 with m (q in 0..31), Q6_K is S = 16 without m (q in -32..31).
 //
 // Decode-sized M (llama.cpp's scheme): each activation row is quantised once per call to int8
 // per 32-group (dx = amax/127, qx = round(x/dx)), then every group's dot product is integer:
@@ -15,8 +17,8 @@
 // tiles; threads split the output columns. Without AVX2 the same math runs in scalar code. The error against float is that
 // of the activation's int8 rounding (|dx|/2 per element), as in llama.cpp.
 //
-// quant_dequant_*: float32 rows of W (for embedding lookups and for prefill, where the caller
-// runs a dense matmul over dequantised panels).
+// quant_dequant_* (quant_dequant_cpu.cpp): float32 rows of W (for embedding lookups and for
+// prefill, where the caller runs a dense matmul over dequantised panels).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -25,11 +27,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_common.h"
 #include "vec_math.h"
 
-namespace {
+using kvserve_quant::kGroup;
+using kvserve_quant::q8_scale_group;
 
-constexpr int64_t kGroup = 32;
+namespace {
 
 #ifdef KVSERVE_AVX2
 // One group of 32: returns amax; writes round(x * 127/amax) (half to even, as nearbyint) as
@@ -145,9 +149,11 @@ void dot_q4(const uint8_t* w, const float* d, const float* m, const int8_t* x, c
 #endif
 }
 
-template <int R>
-void dot_q8(const int8_t* w, const float* d, const int8_t* x, const float* dx, int64_t K,
-            int64_t G, float* y, int64_t ldy) {
+// As dot_q4 for 8-bit weights: kS16 (one d per 16 weights: d[2g], d[2g+1] for the group's
+// halves) and kHasM (a min per group of 32, added through the activation's group sums sx).
+template <int R, bool kS16, bool kHasM>
+void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, const float* dx,
+            const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
 #ifdef KVSERVE_AVX2
   __m256 acc[R];
 #pragma GCC unroll 4
@@ -155,6 +161,9 @@ void dot_q8(const int8_t* w, const float* d, const int8_t* x, const float* dx, i
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; g++) {
     const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 32));
+    // After madd, int32 lanes 0-3 hold elements 0-15 and lanes 4-7 elements 16-31.
+    const __m256 dw = kS16 ? _mm256_set_m128(_mm_set1_ps(d[2 * g + 1]), _mm_set1_ps(d[2 * g]))
+                           : _mm256_set1_ps(d[g]);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + g * 32));
@@ -162,17 +171,27 @@ void dot_q8(const int8_t* w, const float* d, const int8_t* x, const float* dx, i
       const __m256i p16 =
           _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(wq, xq));
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dx[r * G + g]), p, acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[r * G + g])), p, acc[r]);
     }
   }
-  for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
+  for (int r = 0; r < R; r++) {
+    float tail = 0.f;
+    if constexpr (kHasM) {
+      for (int64_t g = 0; g < G; g++) tail += m[g] * sx[r * G + g];
+    }
+    y[r * ldy] = hsum(acc[r]) + tail;
+  }
 #else
   for (int r = 0; r < R; r++) {
     float acc = 0.f;
     for (int64_t g = 0; g < G; g++) {
-      int s = 0;
-      for (int j = 0; j < 32; j++) s += w[g * 32 + j] * x[r * K + g * 32 + j];
-      acc += d[g] * dx[r * G + g] * static_cast<float>(s);
+      int s0 = 0, s1 = 0;
+      for (int j = 0; j < 16; j++) s0 += w[g * 32 + j] * x[r * K + g * 32 + j];
+      for (int j = 16; j < 32; j++) s1 += w[g * 32 + j] * x[r * K + g * 32 + j];
+      const float part = kS16 ? d[2 * g] * static_cast<float>(s0) + d[2 * g + 1] * static_cast<float>(s1)
+                              : d[g] * static_cast<float>(s0 + s1);
+      acc += dx[r * G + g] * part;
+      if constexpr (kHasM) acc += m[g] * sx[r * G + g];
     }
     y[r * ldy] = acc;
   }
@@ -193,13 +212,13 @@ void row_tiles(int64_t M, F&& f) {
 }
 
 void check_common(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                  int64_t K) {
+                  int64_t K, int64_t scale_group = kGroup) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.size(1) == K && K % kGroup == 0, "x has ", x.size(1), " columns; the weight has ",
               K, " (a multiple of 32)");
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
-                  d.size(0) == qs.size(0) && d.size(1) == K / kGroup,
+                  d.size(0) == qs.size(0) && d.size(1) == K / scale_group,
               "malformed packed weight");
 }
 
@@ -246,23 +265,38 @@ torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, 
   return y;
 }
 
-torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                            c10::optional<torch::Tensor> m) {
   const int64_t N = qs.size(0), K = qs.size(1), G = K / kGroup, M = x.size(0);
-  check_common(x, qs, d, K);
-  TORCH_CHECK(qs.scalar_type() == torch::kInt8, "malformed q8 weight");
+  const int64_t S = q8_scale_group(qs, d, m);
+  check_common(x, qs, d, K, S);
   const auto xq = quantise(x);
   auto y = torch::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();
   const float* dw = d.data_ptr<float>();
+  const float* mw = m.has_value() ? m->data_ptr<float>() : nullptr;
+  const int64_t D = d.size(1);
   const int8_t* xqp = xq.q;
-  const float* dx = xq.d;
+  const float *dx = xq.d, *sx = xq.s;
   float* yp = y.data_ptr<float>();
+  auto run = [&](auto s16, auto has_m) {
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n++) {
-    row_tiles(M, [&](auto tile, int64_t r0) {
-      dot_q8<decltype(tile)::value>(w + n * K, dw + n * G, xqp + r0 * K, dx + r0 * G, K, G,
-                                    yp + r0 * N + n, N);
-    });
+    for (int64_t n = 0; n < N; n++) {
+      row_tiles(M, [&](auto tile, int64_t r0) {
+        dot_q8<decltype(tile)::value, decltype(s16)::value, decltype(has_m)::value>(
+            w + n * K, dw + n * D, mw == nullptr ? nullptr : mw + n * G, xqp + r0 * K,
+            dx + r0 * G, sx + r0 * G, K, G, yp + r0 * N + n, N);
+      });
+    }
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (S == 16) {
+    run(T{}, F{});
+  } else if (mw != nullptr) {
+    run(F{}, T{});
+  } else {
+    run(F{}, F{});
   }
   return y;
 }
@@ -319,80 +353,6 @@ torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor
     }
   }
   return y;
-}
-
-// Every requested row index must name a row of the packed weight (checked before any thread runs).
-static void check_rows(const int64_t* idp, int64_t R, int64_t num_rows) {
-  for (int64_t i = 0; i < R; i++) {
-    TORCH_CHECK(idp[i] >= 0 && idp[i] < num_rows, "row index out of range");
-  }
-}
-
-torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                               torch::Tensor rows) {
-  const int64_t K = qs.size(1) * 2, G = K / kGroup, R = rows.numel();
-  auto ids = rows.to(torch::kInt64).contiguous();
-  auto out = torch::empty({R, K});
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  const uint8_t* w = qs.data_ptr<uint8_t>();
-  const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  check_rows(idp, R, qs.size(0));
-#pragma omp parallel for schedule(static) if (R * K > 65536)
-  for (int64_t i = 0; i < R; i++) {
-    const int64_t n = idp[i];
-    for (int64_t g = 0; g < G; g++) {
-      const uint8_t* src = w + n * (K / 2) + g * 16;
-      float* dst = o + i * K + g * kGroup;
-      const float a = dw[n * G + g], b = mw[n * G + g];
-#ifdef KVSERVE_AVX2
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-      const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
-      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      for (int h = 0; h < 4; h++) {
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
-        _mm256_storeu_ps(dst + 8 * h, _mm256_fmadd_ps(av, q, bv));
-      }
-#else
-      for (int j = 0; j < 16; j++) {
-        dst[j] = a * static_cast<float>(src[j] & 0x0F) + b;
-        dst[j + 16] = a * static_cast<float>(src[j] >> 4) + b;
-      }
-#endif
-    }
-  }
-  return out;
-}
-
-torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, torch::Tensor rows) {
-  const int64_t K = qs.size(1), G = K / kGroup, R = rows.numel();
-  auto ids = rows.to(torch::kInt64).contiguous();
-  auto out = torch::empty({R, K});
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  const int8_t* w = qs.data_ptr<int8_t>();
-  const float* dw = d.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  check_rows(idp, R, qs.size(0));
-#pragma omp parallel for schedule(static) if (R * K > 65536)
-  for (int64_t i = 0; i < R; i++) {
-    const int64_t n = idp[i];
-#ifdef KVSERVE_AVX2
-    for (int64_t g = 0; g < G; g++) {
-      const __m256 a = _mm256_set1_ps(dw[n * G + g]);
-      for (int h = 0; h < 4; h++) {
-        const __m128i q8 = _mm_loadl_epi64(
-            reinterpret_cast<const __m128i*>(w + n * K + g * kGroup + 8 * h));
-        _mm256_storeu_ps(o + i * K + g * kGroup + 8 * h,
-                         _mm256_mul_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
-      }
-    }
-#else
-    for (int64_t k = 0; k < K; k++) o[i * K + k] = dw[n * G + k / kGroup] * w[n * K + k];
-#endif
-  }
-  return out;
 }
 
 std::string quant_gemm_isa() {
