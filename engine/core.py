@@ -82,7 +82,9 @@ class EngineCore:
         # stats and integrity checks only, and never allocates, frees or looks up through it.
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks=num_host_blocks, cost=cost)
-        self.scheduler = Scheduler(config, self.kv)
+        windows = self.runner.arch.sliding_windows
+        self.sliding_window = (min(windows) if windows and None not in windows else None)
+        self.scheduler = Scheduler(config, self.kv, sliding_window=self.sliding_window)
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = self.runner.arch.vocab_size
         # Ids a request may name: known to the model AND the tokenizer (Qwen pads the
@@ -340,6 +342,7 @@ class EngineCore:
             num_blocks_used=kv.num_used_blocks,
             num_blocks_cached=kv.num_cached_blocks,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            num_blocks_released_window=self.kv.num_window_released,
             computed_tokens=self.counters["computed_tokens"],
             host=HostTierStats.from_offload(
                 self.kv.offload_stats(), self._block_bytes),

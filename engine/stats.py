@@ -78,6 +78,7 @@ class EngineStats:
     num_blocks_used: int = 0
     num_blocks_cached: int = 0
     kv_bytes_per_token: int = 0
+    num_blocks_released_window: int = 0  # given back outside a sliding window, cumulative
     computed_tokens: int = 0
     host: HostTierStats = field(default_factory=HostTierStats)
 

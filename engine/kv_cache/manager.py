@@ -18,6 +18,11 @@ its hashes and commit progress stay here), or unknown; ``free`` ends it in eithe
 releases everything exactly once. The copies all of that needs are recorded, not run:
 ``take_copies`` hands them out once per step and ``complete_copies`` releases their pins.
 
+With a sliding window covering every layer (``release_outside_window``), the leading blocks no
+future query can see are given back as the sequence grows: their table entries become
+:data:`RELEASED` (a placeholder the model side never reads, the kernels mask those positions),
+so a long generation holds O(window) blocks. Released blocks keep their prefix-cache hashes.
+
 Block states and the free queue are described in :mod:`engine.kv_cache.block_pool`.
 """
 
@@ -30,6 +35,8 @@ from engine.kv_cache.block_pool import BlockPool, EvictCallback, KVBlock
 from engine.kv_cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
 from engine.kv_cache.offload import BlockCopies, OffloadStats, SwapCostModel
 from engine.kv_cache.tiered import CopyFn, HostTier
+
+RELEASED = -1  # a table entry whose block went back to the pool (outside the sliding window)
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class _SeqState:
     extra_keys: tuple = ()
     extra: bytes = b""
     num_committed: int = 0  # table entries commit() has already dealt with
+    num_released: int = 0  # leading table entries given back (RELEASED), sliding window
 
 
 class KVCacheManager:
@@ -128,6 +136,7 @@ class KVCacheManager:
         self._swapped: dict[str, _SeqState] = {}
         self._queries = 0
         self._hits = 0
+        self.num_window_released = 0  # blocks given back by release_outside_window, cumulative
 
     def _spill(self, block_id: int, block_hash: BlockHash) -> None:
         self.host.prepare_store(block_id, block_hash)
@@ -407,8 +416,39 @@ class KVCacheManager:
         if state is None:
             return
         blocks = self.pool.blocks
-        for block_id in reversed(state.block_ids):
+        for block_id in reversed(state.block_ids[state.num_released:]):
             self.pool.free(blocks[block_id])
+
+    def release_outside_window(self, seq_id: str, num_computed_tokens: int,
+                               window: int) -> int:
+        """Give back the leading blocks of ``seq_id`` that no query at a position
+        ``>= num_computed_tokens`` can see through a sliding ``window`` (a query at ``p`` sees
+        keys ``p - window + 1 .. p``): blocks whose last position is below
+        ``num_computed_tokens + 1 - window``. With prefix caching only committed blocks go
+        (they keep their hash: free-cached, shareable). Their entries become ``RELEASED``;
+        returns how many were released now. Cost O(released blocks)."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return 0
+        n = max(0, num_computed_tokens + 1 - window) // self.block_size
+        n = min(n, len(state.block_ids))
+        if self.enable_prefix_caching:
+            n = min(n, state.num_committed)
+        if n <= state.num_released:
+            return 0
+        blocks = self.pool.blocks
+        for i in range(state.num_released, n):
+            self.pool.free(blocks[state.block_ids[i]])
+            state.block_ids[i] = RELEASED
+        released = n - state.num_released
+        state.num_released = n
+        self.num_window_released += released
+        return released
+
+    def num_live_blocks(self, seq_id: str) -> int:
+        """Blocks ``seq_id`` holds now (its table less the released entries)."""
+        state = self._seqs.get(seq_id)
+        return len(state.block_ids) - state.num_released if state else 0
 
     def reset_prefix_cache(self) -> bool:
         """Drop the hash of every free block (their KV is forgotten, not written back).
@@ -428,15 +468,17 @@ class KVCacheManager:
         return seq_id in self._swapped
 
     def _swap_names(self, state: _SeqState, num_tokens: int) -> tuple[list[KVBlock], list]:
-        """The device blocks holding the first ``num_tokens`` tokens and the hash each one's KV
-        is known under (None: unnamed)."""
+        """The device blocks holding the first ``num_tokens`` tokens (from the first one not
+        released outside a sliding window) and the hash each one's KV is known under (None:
+        unnamed)."""
         n = -(-num_tokens // self.block_size)
         if n > len(state.block_ids):
             raise ValueError(f"{num_tokens} tokens but a table of {len(state.block_ids)} blocks")
-        blocks = [self.pool.blocks[b] for b in state.block_ids[:n]]
+        r = state.num_released
+        blocks = [self.pool.blocks[b] for b in state.block_ids[r:n]]
         named = min(state.num_committed, len(state.hashes), num_tokens // self.block_size)
         names = [b.block_hash if b.block_hash is not None else
-                 (state.hashes[i] if i < named else None) for i, b in enumerate(blocks)]
+                 (state.hashes[i] if i < named else None) for i, b in enumerate(blocks, r)]
         return blocks, names
 
     def swap_cost_blocks(self, seq_id: str, num_tokens: int) -> tuple[int, int]:
@@ -461,7 +503,9 @@ class KVCacheManager:
         if self.host is None or state is None or num_tokens <= 0:
             return False
         blocks, names = self._swap_names(state, num_tokens)
-        if not self.host.swap_out(seq_id, blocks, names, num_tokens):
+        # Blocks released outside a sliding window stay released: the host keeps the rest.
+        offset = state.num_released * self.block_size
+        if not self.host.swap_out(seq_id, blocks, names, num_tokens - offset):
             return False
         self._swapped[seq_id] = state
         self._free_device(seq_id)
@@ -474,11 +518,12 @@ class KVCacheManager:
         short. Named blocks still on the device are shared; the rest are copied back."""
         if self.host is None or seq_id not in self._swapped:
             raise ValueError(f"{seq_id} is not swapped out")
-        table = self.host.swap_in(seq_id, num_tokens)
+        released = self._swapped[seq_id].num_released
+        table = self.host.swap_in(seq_id, num_tokens - released * self.block_size)
         if table is None:
             return None
         state = self._swapped.pop(seq_id)
-        state.block_ids = table
+        state.block_ids = [RELEASED] * released + table
         self._seqs[seq_id] = state
         return list(table)
 
@@ -537,14 +582,17 @@ class KVCacheManager:
         self.pool.check_integrity()
         refs = [0] * self.num_blocks
         for seq_id, state in self._seqs.items():
-            assert len(set(state.block_ids)) == len(state.block_ids), (
+            held = state.block_ids[state.num_released:]
+            assert all(b == RELEASED for b in state.block_ids[:state.num_released]) and \
+                RELEASED not in held, f"{seq_id}: released entries out of place"
+            assert len(set(held)) == len(held), (
                 f"{seq_id}'s table holds a block twice: {state.block_ids}"
             )
             assert state.num_committed <= len(state.block_ids), (
                 f"{seq_id}: {state.num_committed} committed blocks but a table of "
                 f"{len(state.block_ids)}"
             )
-            for block_id in state.block_ids:
+            for block_id in held:
                 refs[block_id] += 1
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], (

@@ -102,7 +102,9 @@ def build_model_input(plan: StepPlan) -> ModelInput:
 
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-    block_tables = torch.tensor(padded, dtype=torch.int32)
+    # Entries released outside a sliding window (-1) read as block 0: any valid block does,
+    # the kernels mask those positions.
+    block_tables = torch.tensor(padded, dtype=torch.int32).clamp_(min=0)
     q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)

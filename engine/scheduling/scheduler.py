@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache.manager import KVCacheManager, PrefixHit
+from engine.kv_cache.manager import RELEASED, KVCacheManager, PrefixHit
 from engine.request import Request, SeqStatus, Sequence
 from engine.scheduling.waiting_queue import WaitingQueue
 from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
@@ -77,9 +77,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: the window every layer of the model attends through, if all
+        have one; a running sequence's blocks wholly behind it are given back each step."""
         self.config = config
         self.kv = kv  # owned: nothing outside the scheduler allocates, frees or looks up
+        self.sliding_window = sliding_window
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
         self.has_host_tier = kv.host is not None
         self.use_priority = config.scheduling_policy == "priority"
@@ -312,8 +316,8 @@ class Scheduler:
             # Share the first sample's full prompt blocks (also with prefix caching off).
             bs = self.kv.block_size
             n_blocks = min((seq.num_prompt_tokens - 1) // bs, first.num_computed_tokens // bs)
-            if n_blocks * bs > hit.num_tokens:
-                table = self.kv.block_table(first.seq_id)[:n_blocks]
+            table = self.kv.block_table(first.seq_id)[:n_blocks]
+            if n_blocks * bs > hit.num_tokens and RELEASED not in table:
                 hit = PrefixHit(block_ids=list(table), num_tokens=n_blocks * bs)
         return hit
 
@@ -326,6 +330,9 @@ class Scheduler:
             if not seq.finished:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_extra_keys)
+                if self.sliding_window is not None:
+                    self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
+                                                   self.sliding_window)
             if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
                     and seq.request.request_id in self._parked):
                 self._release_parked(seq.request)

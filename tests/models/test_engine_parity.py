@@ -83,7 +83,10 @@ def test_preemption_keeps_outputs(tiny):
     llm = _engine(path, kv_cache_memory=per_token * 4 * 16)
     outs = _run(llm, prompts, lengths)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.stats()["num_preemptions"] > 0
+    if llm.engine.sliding_window is None:
+        assert llm.stats()["num_preemptions"] > 0
+    else:  # Mistral (window 6) gives blocks back as it grows: 16 blocks are enough for it
+        assert llm.stats()["num_blocks_released_window"] > 0
     llm.engine.kv.check_integrity()
 
 
