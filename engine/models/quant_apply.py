@@ -18,8 +18,9 @@ the float weights on load (``engine.models.quant_rtn``) and always use them, as 
    honoured). For auto, :func:`adopt_if_faster` after float packing: :func:`choose` has
    :func:`probe` time a pass over every linear, the float modules against the quantised ones,
    at ``PROBE_ROWS`` rows (decode of 1..64 sequences, and a prefill chunk), on this machine and
-   these shapes. The quantised path is used for the row counts where it measured faster, never
-   by a rule: for all of them (``quant``, the float copies are dropped), up to a crossover
+   these shapes (a verdict whose runs agreed is cached per machine and reused:
+   ``engine.models.quant_probe_cache``). The quantised path is used for the row counts where it
+   measured faster, never by a rule: for all of them (``quant``, the float copies are dropped), up to a crossover
    (``hybrid``: the float modules are kept for larger inputs), or for none (``float``).
 3. :func:`apply` swaps the modules in (with their float fallbacks in ``hybrid``).
 """
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from engine.loading.gguf_quant import gguf_source, read_packed
+from engine.models import quant_probe_cache as probe_cache
 from engine.models.quant_formats import Packed, cat, same_layout
 from engine.models.quant_linear import QuantConcat, QuantEmbedding, QuantLinear, quant_kernels
 from engine.models.quant_rtn import SCHEMES, quantise
@@ -66,17 +68,34 @@ class QuantisedModules:
 
 @dataclass
 class ProbeResult:
-    """Seconds of one 1-row pass over all linears (and the logits head) on each path."""
+    """Seconds of one pass over all linears (and the logits head) on each path: the best of
+    the timed runs (``float_runs`` / ``quant_runs``, all of them)."""
 
     float_s: float
     quant_s: float
+    float_runs: tuple[float, ...] = ()
+    quant_runs: tuple[float, ...] = ()
 
     @property
     def use_quantised(self) -> bool:
         return self.quant_s < self.float_s
 
+    @property
+    def confirmed(self) -> bool:
+        """Each side's best run has a second run within 25% of it: the best is the machine's
+        speed, not a lucky or an unlucky moment (another busy process stalls every run)."""
+        return all(len(runs) >= 2 and sorted(runs)[1] <= 1.25 * min(runs)
+                   for runs in (self.float_runs, self.quant_runs))
+
+    def merged(self, other: ProbeResult) -> ProbeResult:
+        """Both measurements' runs together (a result without runs counts as one run)."""
+        f = (self.float_runs or (self.float_s,)) + (other.float_runs or (other.float_s,))
+        q = (self.quant_runs or (self.quant_s,)) + (other.quant_runs or (other.quant_s,))
+        return ProbeResult(min(f), min(q), f, q)
+
 
 PROBE_ROWS = (1, 4, 16, 64, 256)
+MAX_PROBE_ATTEMPTS = 4
 
 
 @dataclass
@@ -93,16 +112,38 @@ class Verdict:
         return "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
                          f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
 
+    @property
+    def confirmed(self) -> bool:
+        return all(r.confirmed for r in self.probes.values())
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "float_above": self.float_above,
+                "probes": {str(n): [r.float_s, r.quant_s] for n, r in self.probes.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Verdict:
+        if d["mode"] not in ("quant", "hybrid", "float"):
+            raise ValueError(f"unknown verdict mode {d['mode']!r}")
+        probes = {int(n): ProbeResult(f, q) for n, (f, q) in d["probes"].items()}
+        return cls(d["mode"], d["float_above"], probes)
+
 
 @torch.no_grad()
 def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS,
            force: bool = False) -> Verdict:
     """Probe each row count in increasing order; the quantised path keeps the smallest counts
-    it wins, contiguously from 1 row. ``force``: measure, but use the quantised path for all."""
+    it wins, contiguously from 1 row. A count whose runs disagree (:attr:`ProbeResult.
+    confirmed`: the machine is busy) is measured again, up to ``MAX_PROBE_ATTEMPTS`` times.
+    ``force``: measure, but use the quantised path for all."""
     probes: dict[int, ProbeResult] = {}
     wins_up_to = 0
     for n in sorted(rows):
-        probes[n] = probe(model, q, rows=n, repeats=3 if n <= 16 else 1)
+        result = probe(model, q, rows=n, repeats=3 if n <= 16 else 2)
+        for _ in range(MAX_PROBE_ATTEMPTS - 1):
+            if result.confirmed:
+                break
+            result = result.merged(probe(model, q, rows=n, repeats=3))
+        probes[n] = result
         if wins_up_to == len(probes) - 1 and probes[n].use_quantised:
             wins_up_to = len(probes)
     ordered = sorted(probes)
@@ -206,11 +247,11 @@ def probe(model: nn.Module, q: QuantisedModules, rows: int = 1, repeats: int = 5
 
     run(0)
     run(1)
-    best = [float("inf"), float("inf")]
+    runs: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for side in (0, 1):
-            best[side] = min(best[side], run(side))
-    return ProbeResult(float_s=best[0], quant_s=best[1])
+            runs[side].append(run(side))
+    return ProbeResult(min(runs[0]), min(runs[1]), tuple(runs[0]), tuple(runs[1]))
 
 
 def apply(model: nn.Module, q: QuantisedModules, float_above: int | None = None) -> int:
@@ -315,15 +356,49 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:
     when they lose there; log the verdict with its figures. ``KVSERVE_QUANT_FORCE=1`` uses the
     packed weights for every size whatever the probe says (tests)."""
     force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
-    verdict = choose(model, quantised, force=force)
+    verdict, how = _cached_or_probed(model, quantised, force)
     if verdict.mode == "float":
         logger.info("quantization=auto: keeping float weights, the quantised kernels are "
-                    "slower on this machine (%s)", verdict.describe())
+                    "slower on this machine (%s; %s)", verdict.describe(), how)
         return verdict
     n = apply(model, quantised, verdict.float_above)
     scope = ("every batch size" if verdict.float_above is None else
              f"up to {verdict.float_above} rows, float weights kept above (measured slower "
              "quantised there)")
-    logger.info("quantization=auto: %d modules on packed weights for %s (%s)", n, scope,
-                verdict.describe())
+    logger.info("quantization=auto: %d modules on packed weights for %s (%s; %s)", n, scope,
+                verdict.describe(), how)
     return verdict
+
+
+def _cached_or_probed(model: nn.Module, quantised: QuantisedModules,
+                      force: bool) -> tuple[Verdict, str]:
+    """This machine's cached verdict for these modules (``engine.models.quant_probe_cache``),
+    else a fresh :func:`choose`, cached when its runs agreed; and how it was obtained."""
+    key = probe_cache.cache_key(_signature(quantised))
+    entry = None if force else probe_cache.load(key)
+    if entry is not None:
+        try:
+            return (Verdict.from_dict(entry["verdict"]),
+                    f"measured on this machine {entry.get('measured_at', '?')}, cached; "
+                    "KVSERVE_QUANT_REPROBE=1 measures again")
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged entry: measure
+    verdict = choose(model, quantised, force=force)
+    if force:
+        return verdict, "forced by KVSERVE_QUANT_FORCE=1"
+    if verdict.confirmed:
+        probe_cache.save(key, verdict.to_dict())
+        return verdict, "measured now, cached for later starts"
+    logger.warning("quantization=auto: the probe's runs disagreed after %d attempts (another "
+                   "busy process?): this choice may not be the fastest and is not cached",
+                   MAX_PROBE_ATTEMPTS)
+    return verdict, "measured now on a busy machine, not cached"
+
+
+def _signature(quantised: QuantisedModules) -> str:
+    """What the probe's outcome depends on in the modules: their paths, shapes and formats."""
+    mods = dict(quantised.linears)
+    if quantised.embedding is not None:
+        mods["embed_tokens"] = quantised.embedding.head
+    return "\n".join(f"{path}: {type(m).__name__}({m.extra_repr()})"
+                     for path, m in sorted(mods.items()))

@@ -73,3 +73,57 @@ def test_inputs_above_the_crossover_go_to_the_float_module():
     torch.testing.assert_close(q(x), F.linear(x, dense))  # 9 rows: the float module, exactly
     assert calls == [9]
     assert q.nbytes < dense.numel() * 4 / 4  # the fallback is not counted as packed bytes
+
+
+def test_disagreeing_runs_are_measured_again(monkeypatch):
+    """A busy machine stalls some runs: a row count whose runs disagree is probed again and
+    the best of all runs decides."""
+    calls = []
+
+    def probe(model, q, rows=1, repeats=5):
+        calls.append(rows)
+        if rows == 1 and calls.count(1) == 1:  # the first 1-row probe: quantised run stalled
+            return ProbeResult(1.0, 9.0, (1.0, 1.1), (9.0, 30.0))
+        return ProbeResult(1.0, 0.5, (1.0, 1.0), (0.5, 0.5))
+
+    monkeypatch.setattr(quant_apply, "probe", probe)
+    verdict = choose(nn.Module(), QuantisedModules())
+    assert calls.count(1) == 2 and calls.count(4) == 1
+    assert verdict.probes[1].quant_s == 0.5 and verdict.mode == "quant" and verdict.confirmed
+
+
+def test_verdict_is_cached_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVSERVE_QUANT_REPROBE", raising=False)
+    calls = []
+
+    def probe(model, q, rows=1, repeats=5):
+        calls.append(rows)
+        return ProbeResult(1.0, 0.5 if rows <= 4 else 2.0, (1.0, 1.0), (0.5, 0.5) if rows <= 4
+                           else (2.0, 2.0))
+
+    monkeypatch.setattr(quant_apply, "probe", probe)
+    first, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
+    assert (first.mode, first.float_above) == ("hybrid", 4) and "cached for later" in how
+    n = len(calls)
+    again, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
+    assert len(calls) == n and "cached" in how  # no probe: the stored verdict
+    assert (again.mode, again.float_above) == ("hybrid", 4)
+    assert again.probes[1].quant_s == 0.5
+    monkeypatch.setenv("KVSERVE_QUANT_REPROBE", "1")
+    quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
+    assert len(calls) > n
+
+
+def test_a_busy_machines_verdict_is_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    stall = iter(range(1, 1000))
+
+    def probe(model, q, rows=1, repeats=5):  # no two runs ever agree
+        t = float(next(stall))
+        return ProbeResult(t, 2 * t, (t, 5 * t), (2 * t, 9 * t))
+
+    monkeypatch.setattr(quant_apply, "probe", probe)
+    verdict, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
+    assert not verdict.confirmed and "not cached" in how
+    assert not list(tmp_path.rglob("*.json"))

@@ -1,0 +1,84 @@
+"""Per-machine cache of the quantised-vs-float verdict (``quantization=auto``'s start-up probe).
+
+The probe measures this machine; measuring again at every start costs seconds and, on a busy
+machine, can mislead (a run stalled by another process). So a verdict whose runs agreed
+(``Verdict.confirmed``) is stored and later starts reuse it. It is keyed by everything the
+measurement depends on: the CPU (model name and flags), the torch threads, the torch version,
+the CPU kernels' sources and the shapes and formats of the modules probed. A file that cannot
+be read or written is ignored (the probe runs). ``KVSERVE_QUANT_REPROBE=1`` measures again and
+replaces the entry.
+
+Entries live in ``<cache dir>/quant-probe/<key>.json`` (cache dir: ``$KVSERVE_CACHE_DIR``,
+else ``~/.cache/kvserve``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engine.loading.loader import default_cache_dir
+
+logger = logging.getLogger("kvserve.engine")
+_CSRC = Path(__file__).resolve().parents[1] / "cpu" / "csrc"
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "flags") and name not in fields:
+            fields[name] = value.strip()
+    return f"{fields.get('model name', '?')}|{fields.get('flags', '')}"
+
+
+def _kernel_sources() -> str:
+    h = hashlib.sha256()
+    for path in sorted(_CSRC.glob("*")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(modules_signature: str) -> str:
+    """The key of a verdict for modules of ``modules_signature`` on this machine, now."""
+    parts = [_cpu_identity(), str(torch.get_num_threads()), torch.__version__,
+             _kernel_sources(), modules_signature]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _path(key: str) -> Path:
+    return default_cache_dir() / "quant-probe" / f"{key}.json"
+
+
+def load(key: str) -> dict | None:
+    """The stored entry (``{"verdict": ..., "measured_at": ...}``), or None."""
+    if os.environ.get("KVSERVE_QUANT_REPROBE", "0") == "1":
+        return None
+    try:
+        return json.loads(_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save(key: str, verdict: dict) -> None:
+    path = _path(key)
+    entry = {"verdict": verdict, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entry))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.debug("quantization probe not cached (%s)", exc)
