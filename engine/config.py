@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from engine.spec_decode.config import SpeculativeConfig
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3}
@@ -55,7 +57,9 @@ class EngineConfig:
     ``max_model_len=None`` takes the model's own context length.
     ``load_format="dummy"`` gives random weights of the model's shape (only ``config.json`` is
     read; the tokenizer is the model directory's, else ``tokenizer``, else the embedded
-    model's). ``enforce_eager`` turns CUDA graphs off.
+    model's). ``enforce_eager`` turns CUDA graphs off. ``speculative_config`` (vLLM's JSON
+    object, e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``) turns speculative
+    decoding on; see ``engine.spec_decode``.
     ``kv_cache_dtype`` stores K/V at the model's dtype ("auto") or 8-bit ("int8": a float16
     scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
     ``calculate_kv_scales`` calibrates it at start-up); see ``engine/kv_cache/kv_quant.py``.
@@ -103,6 +107,9 @@ class EngineConfig:
     max_seqs_per_request: int | None = None
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    # vLLM's speculative_config: a dict, its JSON text or a SpeculativeConfig (None: off);
+    # normalised to a SpeculativeConfig (engine.spec_decode.config) at construction.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -154,6 +161,8 @@ class EngineConfig:
                              f" got {self.scheduling_policy!r}")
         if not 0 <= self.max_logprobs <= 100:
             raise ValueError(f"max_logprobs must be in [0, 100]; got {self.max_logprobs}")
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_value(self.speculative_config))
         # Normalise the size once so that every reader sees bytes.
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
 

@@ -52,7 +52,10 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.scheduling.admission import AdmissionLimits, check_request
-from engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.spec_decode.factory import build_proposer
+from engine.spec_decode.stats import SpecDecodeCounters
+from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
 
 logger = logging.getLogger("kvserve.engine")
@@ -84,8 +87,12 @@ class EngineCore:
                                  num_host_blocks=num_host_blocks, cost=cost)
         windows = self.runner.arch.sliding_windows
         self.sliding_window = (min(windows) if windows and None not in windows else None)
-        self.scheduler = Scheduler(config, self.kv, sliding_window=self.sliding_window)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(config, self.kv, build_proposer(spec) if spec else None,
+                                   sliding_window=self.sliding_window)
+        self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
+        self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
         self.vocab_size = self.runner.arch.vocab_size
         # Ids a request may name: known to the model AND the tokenizer (Qwen pads the
         # embedding past the tokenizer; those ids have no text).
@@ -269,8 +276,18 @@ class EngineCore:
                 touched[req.request_id] = req
         if not inp.sample_seq_indices:
             return
-        seqs = [out.scheduled[i].seq for i in inp.sample_seq_indices]
-        picks = self._sample(result.sample_logits, seqs, touched)
+        logits = result.sample_logits
+        scheduled = [out.scheduled[i] for i in inp.sample_seq_indices]
+        if any(s.draft for s in scheduled):  # rows: 1 per plain sequence, 1 + k speculating
+            plain, spec = split_rows(inp.sample_counts)
+            self._verify_drafts([scheduled[i] for i, _ in spec], logits,
+                                [r for _, r in spec], touched)
+            scheduled = [scheduled[i] for i, _ in plain]
+            if scheduled:
+                logits = logits.index_select(0, torch.tensor([r.start for _, r in plain],
+                                                             device=logits.device))
+        seqs = [s.seq for s in scheduled]
+        picks = self._sample(logits, seqs, touched) if seqs else []
         now = time.time()
         for seq, pick in zip(seqs, picks, strict=True):
             if pick is not None and not seq.finished:
@@ -281,15 +298,39 @@ class EngineCore:
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
 
+    def _row(self, s: Sequence) -> SamplingRow:
+        return SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
+                           output_token_ids=s.text_state.token_ids, generator=s.generator,
+                           eos_token_ids=self.eos_token_ids, cache=s.request.sampler_cache)
+
+    def _verify_drafts(self, spec: list[ScheduledSeq], logits: torch.Tensor,
+                       row_ranges: list[range], touched: dict[str, Request]) -> None:
+        """Verify each speculating sequence's rows (``engine.spec_decode.verifier``), append
+        the kept tokens one by one (a stop ends the sequence where one-token decoding would)
+        and roll its KV back to them. Per sequence and guarded: a failure ends that request."""
+        now = time.time()
+        for s, rows in zip(spec, row_ranges, strict=True):
+            touched[s.seq.request.request_id] = s.seq.request
+            self._guarded(s.seq.request, touched, self._verify_one, s, logits[rows.start:rows.stop],
+                          now)
+
+    def _verify_one(self, s: ScheduledSeq, logits: torch.Tensor, now: float) -> None:
+        seq = s.seq
+        run = DraftRun(s.draft, rows_for_draft(self._row(seq), s.draft))
+        [v], sampled = verify(self.sampler, logits, [run], self._spec_gen)
+        self.spec_counters.observe(len(s.draft), v.num_accepted)
+        for j in range(len(v.tokens)):
+            if seq.finished:
+                return
+            self._append_token(seq, sampled, v.row + j, now)
+        self.scheduler.accept_drafts(seq, v.num_accepted)
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
                 ) -> list[tuple[SamplerOutput, int] | None]:
         """One token per sequence: ``(sampler output, row)``, or None for a sequence whose
         request failed. The batch is sampled at once; if that raises (a request's parameters
         broke a logit processor), row by row, so that only the culprit's request ends."""
-        rows = [SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
-                            output_token_ids=s.text_state.token_ids, generator=s.generator,
-                            eos_token_ids=self.eos_token_ids, cache=s.request.sampler_cache)
-                for s in seqs]
+        rows = [self._row(s) for s in seqs]
         try:
             sampled = self.sampler(logits, rows)
             return [(sampled, i) for i in range(len(rows))]
@@ -344,6 +385,7 @@ class EngineCore:
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             num_blocks_released_window=self.kv.num_window_released,
             computed_tokens=self.counters["computed_tokens"],
+            spec_decode=self.spec_counters.snapshot(),
             host=HostTierStats.from_offload(
                 self.kv.offload_stats(), self._block_bytes),
         )

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.spec_decode.stats import SpecDecodeStats
+
 if TYPE_CHECKING:
     from engine.kv_cache.offload import OffloadStats
 
@@ -81,13 +83,23 @@ class EngineStats:
     num_blocks_released_window: int = 0  # given back outside a sliding window, cumulative
     computed_tokens: int = 0
     host: HostTierStats = field(default_factory=HostTierStats)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     def replace(self, **changes: int | float) -> EngineStats:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict[str, int | float]:
-        """Flat ``{name: value}``, the host tier's fields beside the others (``LLM.stats()``)."""
+        """Flat ``{name: value}``, the host tier's fields beside the others (``LLM.stats()``);
+        speculative decoding's as ``spec_decode_num_drafts`` .. and one
+        ``spec_decode_num_accepted_tokens_pos<j>`` per draft position."""
         out: dict[str, int | float] = {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "host"}
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name not in ("host", "spec_decode")}
         out.update(dataclasses.asdict(self.host))
+        sd = self.spec_decode
+        out.update(spec_decode_num_drafts=sd.num_drafts,
+                   spec_decode_num_draft_tokens=sd.num_draft_tokens,
+                   spec_decode_num_accepted_tokens=sd.num_accepted_tokens)
+        for j, n in enumerate(sd.accepted_per_pos):
+            out[f"spec_decode_num_accepted_tokens_pos{j}"] = n
         return out

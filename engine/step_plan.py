@@ -39,6 +39,9 @@ class SeqChunk:
     sequence's blocks in token order and covers ``start + len(token_ids)`` tokens, so token
     ``p`` lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
     ``sample``: the chunk reaches the last known token and its last row's logits are sampled.
+    ``num_draft`` (speculative decoding): the last ``num_draft`` token ids are drafted guesses
+    that follow the last known token; then the last ``num_draft + 1`` rows are all sampled
+    (row j verifies draft token j, the last row gives the token after the whole draft).
     """
 
     token_ids: list[int]
@@ -46,6 +49,12 @@ class SeqChunk:
     block_table: list[int]
     sample: bool
     prompt_logits: PromptLogitSpan | None = None
+    num_draft: int = 0
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows of this chunk whose logits are sampled (0 when ``sample`` is False)."""
+        return self.num_draft + 1 if self.sample else 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -75,7 +84,8 @@ class BlockCopyOrders:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One step: ``seqs`` in row order (decodes — one new token — first), the pool's
+    """One step: ``seqs`` in row order (decodes — one new token — first, then speculating
+    decodes), the pool's
     ``block_size``, and the copies to run first. ``seqs`` may be empty while ``copies`` is not
     (every candidate was preempted and swapped out)."""
 

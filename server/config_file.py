@@ -93,6 +93,12 @@ def _size(value: Any) -> Any:
     return value if isinstance(value, int) else str(value)
 
 
+def _json_object(value: Any) -> Any:
+    """A JSON object given as text (a flag) or as a mapping (a YAML file): validated and
+    normalised by ``EngineConfig`` (``SpeculativeConfig.from_value``)."""
+    return value if isinstance(value, dict) else str(value)
+
+
 ENGINE_OPTIONS = [
     Option("tokenizer", "tokenizer", "engine", str, "tokenizer path (default: the model's)",
            nullable=True),
@@ -154,6 +160,11 @@ ENGINE_OPTIONS = [
            "lower 'priority' values are scheduled first and preempted last",
            choices=SCHEDULING_POLICIES),
     Option("max-logprobs", "max_logprobs", "engine", int, "largest logprobs a request may ask"),
+    Option("speculative-config", "speculative_config", "engine", _json_object,
+           'speculative decoding as a JSON object (vLLM\'s format), e.g. \'{"method": "ngram", '
+           '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; '
+           '"disable_by_batch_size": N turns it off in steps with more than N decoding '
+           'sequences (null: never)', nullable=True),
 ]
 SERVER_OPTIONS = [
     Option("host", "host", "server", str, "address to listen on"),
@@ -277,5 +288,6 @@ def as_yaml_dict(engine: EngineConfig, server: ServerSettings) -> dict[str, Any]
     out: dict[str, Any] = {}
     for name, o in sorted(_BY_NAME.items()):
         src = engine if o.target == "engine" else server
-        out[name] = getattr(src, o.field)
+        value = getattr(src, o.field)
+        out[name] = value.as_dict() if hasattr(value, "as_dict") else value
     return out

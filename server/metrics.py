@@ -95,6 +95,12 @@ _COUNTERS = [
      [(lambda s: s.host.host_evictions, None)]),
     ("kvserve:kv_offload_spills", "Cached device blocks written back to the host on eviction.",
      None, [(lambda s: s.host.offload_spills, None)]),
+    ("kvserve:spec_decode_num_drafts", "Speculative drafts verified (one per sequence and step).",
+     None, [(lambda s: s.spec_decode.num_drafts, None)]),
+    ("kvserve:spec_decode_num_draft_tokens", "Speculative tokens proposed in verified drafts.",
+     None, [(lambda s: s.spec_decode.num_draft_tokens, None)]),
+    ("kvserve:spec_decode_num_accepted_tokens", "Speculative tokens accepted by verification.",
+     None, [(lambda s: s.spec_decode.num_accepted_tokens, None)]),
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -124,6 +130,13 @@ class _EngineCollector(Collector):
             for read, value in sources:
                 c.add_metric([self.model_name] + ([value] if label else []), float(read(stats)))
             yield c
+        per_pos = CounterMetricFamily(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by position in the draft (0 = first).",
+            labels=["model_name", "position"])
+        for j, n in enumerate(stats.spec_decode.accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(j)], float(n))
+        yield per_pos
         up = GaugeMetricFamily("kvserve:engine_healthy",
                                "1 while the engine loop runs, 0 once it has died.",
                                labels=["model_name"])

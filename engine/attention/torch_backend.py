@@ -10,6 +10,15 @@ grouped-query heads sharing their K/V.
 the gathered blocks dequantised before SDPA; decodes over an 8-bit pool take the compiled CPU
 kernel, which dequantises in registers (a row's or head's scale folded into its score and its
 weight; fp8 bytes read through a 256-entry table).
+
+The decode group is per query ROW, not per sequence: the leading decodes and, right after
+them, sequences with a few new tokens after cached ones (speculative verification: 1 + k
+rows) join it, each row ``j`` of such a sequence as a decode of its own over keys
+``0 .. start + j``. The store runs
+first, so those keys are in the pool; the row's causal attention is exactly what a one-token
+decode at that position computes (the same kernel, the same keys), which keeps speculative
+greedy output identical to one-token decoding and skips the per-sequence gather and mask of
+the prefill path.
 """
 
 from __future__ import annotations
@@ -30,9 +39,14 @@ from engine.kv_cache.kv_quant import (
     quantize_rows,
 )
 
+# Sequences right after the decodes with at most this many new tokens join the decode group
+# row by row (speculative verification steps); longer chunks take the prefill path.
+SMALL_QUERY_ROWS = 17
+
 
 @dataclass
 class _DecodeGroup:
+    num_rows: int  # the leading token rows it covers
     block_tables: torch.Tensor  # [Bd, MB]
     key_pos: torch.Tensor  # [1, MB * BS]
     seq_lens: torch.Tensor  # [Bd, 1]
@@ -76,20 +90,16 @@ class TorchAttentionBackend:
         bs = meta.block_size
         device = meta.block_tables.device
         nd = meta.num_decodes
-        if nd:
-            max_len = max(meta.seq_lens_cpu[:nd])
-            mb = -(-max_len // bs)
-            state["decode"] = _DecodeGroup(
-                block_tables=meta.block_tables[:nd, :mb].long(),
-                key_pos=torch.arange(mb * bs, device=device).unsqueeze(0),
-                seq_lens=meta.seq_lens[:nd].long().unsqueeze(1),
-                num_keys=mb * bs,
-                tables_i32=meta.block_tables[:nd, :mb].to(torch.int32).contiguous(),
-                lens_i32=meta.seq_lens[:nd].to(torch.int32).contiguous(),
-            )
+        q_lens = meta.query_lens_cpu
+        ns = nd  # sequences in the decode group: the decodes, then the short ones after them
+        # A whole prompt (nothing cached) keeps the prefill path: SDPA over its exact K/V.
+        while (ns < meta.num_seqs and q_lens[ns] <= SMALL_QUERY_ROWS
+               and meta.seq_lens_cpu[ns] > q_lens[ns]):
+            ns += 1
+        state["decode"] = _decode_group(meta, nd, ns) if ns else None
         prefills = []
-        start = meta.num_decode_tokens
-        for b in range(nd, meta.num_seqs):
+        start = state["decode"].num_rows if ns else 0
+        for b in range(ns, meta.num_seqs):
             q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
             nb = -(-seq_len // bs)
             prefills.append(_PrefillSeq(
@@ -119,14 +129,15 @@ class TorchAttentionBackend:
         kv = _KVReader(fmt, q.dtype, ks, vs)
         out = torch.empty_like(q)
         masks = state["masks"].setdefault(sliding_window, {})
-        nd = meta.num_decode_tokens
-        if nd:
+        group = state["decode"]
+        if group is not None:
+            nd = group.num_rows
             kernel = self._decode_kernel(q, fmt)
             if kernel is not None:
-                out[:nd] = _cpu_decode(kernel, fmt, q[:nd], k_cache, v_cache, state["decode"],
+                out[:nd] = _cpu_decode(kernel, fmt, q[:nd], k_cache, v_cache, group,
                                        scale, sliding_window or 0, ks, vs)
             else:
-                out[:nd] = self._decode(q[:nd], k_cache, v_cache, state["decode"], masks,
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, group, masks,
                                         scale, sliding_window, kv)
         for i, seq in enumerate(state["prefills"]):
             lo, hi = seq.token_start, seq.token_end
@@ -212,6 +223,38 @@ class _KVReader:
 
     def values(self, rows: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(rows, self.fmt, self.dtype, self.v_scale)
+
+
+def _decode_group(meta: AttentionMetadata, nd: int, ns: int) -> _DecodeGroup:
+    """The decode group of the first ``ns`` sequences (``nd`` of them plain decodes), one row
+    per query token: row j of a sequence with q new tokens attends ``seq_len - q + j + 1``
+    keys through that sequence's block table."""
+    bs = meta.block_size
+    device = meta.block_tables.device
+    if ns == nd:  # decodes only: one row per sequence
+        tables = meta.block_tables[:nd]
+        lens = meta.seq_lens[:nd]
+        max_len = max(meta.seq_lens_cpu[:nd])
+    else:
+        q_lens = meta.query_lens_cpu[:ns]
+        counts = torch.tensor(q_lens, device=device)
+        tables = meta.block_tables[:ns].repeat_interleave(counts, dim=0)
+        ends = meta.seq_lens[:ns].long()
+        cu = torch.cumsum(counts, 0) - counts
+        rows = torch.arange(int(sum(q_lens)), device=device)
+        seq_of = torch.repeat_interleave(torch.arange(ns, device=device), counts)
+        lens = ends[seq_of] - counts[seq_of] + (rows - cu[seq_of]) + 1
+        max_len = max(meta.seq_lens_cpu[:ns])
+    mb = -(-max_len // bs)
+    return _DecodeGroup(
+        num_rows=int(lens.shape[0]),
+        block_tables=tables[:, :mb].long(),
+        key_pos=torch.arange(mb * bs, device=device).unsqueeze(0),
+        seq_lens=lens.long().unsqueeze(1),
+        num_keys=mb * bs,
+        tables_i32=tables[:, :mb].to(torch.int32).contiguous(),
+        lens_i32=lens.to(torch.int32).contiguous(),
+    )
 
 
 def _sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

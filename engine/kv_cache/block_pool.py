@@ -184,6 +184,17 @@ class BlockPool:
             self.num_free_cached_blocks += 1
         return True
 
+    def unregister(self, block: KVBlock) -> None:
+        """Forget ``block``'s hash (no ``on_evict``: its KV is about to be overwritten, not
+        displaced), for a block in use whose content stops being what the hash names. No-op
+        for a block without a hash. Raises ValueError for a free block (free blocks lose their
+        hash only when handed out)."""
+        if block.block_hash is None:
+            return
+        if block.ref_count == 0:
+            raise ValueError(f"block {block.block_id} is free: its hash goes when it is reused")
+        self._drop_hash(block, notify=False)
+
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache.block_pool import BlockPool, EvictCallback, KVBlock
 from engine.kv_cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
 from engine.kv_cache.offload import BlockCopies, OffloadStats, SwapCostModel
+from engine.kv_cache.rollback import truncate_table
 from engine.kv_cache.tiered import CopyFn, HostTier
 
 RELEASED = -1  # a table entry whose block went back to the pool (outside the sliding window)
@@ -418,6 +419,23 @@ class KVCacheManager:
         blocks = self.pool.blocks
         for block_id in reversed(state.block_ids[state.num_released:]):
             self.pool.free(blocks[block_id])
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Roll ``seq_id`` back to its first ``num_tokens`` tokens (speculative decoding: the
+        accepted ones plus the one still to compute): blocks wholly past them are freed, a
+        block left partial stops being a cache entry, and the commit progress and remembered
+        hashes shrink to the full blocks kept (``engine.kv_cache.rollback``). Raises
+        ValueError for a swapped sequence, a cut inside a shared block or inside the blocks
+        released outside a sliding window; an unknown sequence is a no-op."""
+        self._check_live(seq_id)
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        if num_tokens < state.num_released * self.block_size:
+            raise ValueError(f"cannot truncate {seq_id} to {num_tokens} tokens: its first "
+                             f"{state.num_released} blocks were released outside the window")
+        state.num_committed = truncate_table(self.pool, state.block_ids, state.hashes,
+                                             state.num_committed, num_tokens, self.block_size)
 
     def release_outside_window(self, seq_id: str, num_computed_tokens: int,
                                window: int) -> int:

@@ -47,7 +47,10 @@ class ModelInput:
     seq_lens_list: list[int]
     num_decodes: int  # leading sequences with one new token
     sample_indices: torch.Tensor  # [S] int64 flat token rows whose logits are sampled
-    sample_seq_indices: list[int]  # which scheduled entry each sampled row belongs to
+    sample_seq_indices: list[int]  # the scheduled entries that sample, in row order
+    # Sampled rows of each of those entries (1, or 1 + its draft when speculating): entry
+    # ``sample_seq_indices[i]`` owns the next ``sample_counts[i]`` rows of the sampled logits.
+    sample_counts: list[int]
     prompt_indices: torch.Tensor  # [P] int64 flat rows needing prompt logits
     prompt_targets: torch.Tensor  # [P] int64 the prompt token each of those rows predicts
     prompt_top_k: int  # the largest prompt_logprobs k among those rows (0 if none)
@@ -75,6 +78,8 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     sample_seq_indices: list[int] = []
+    sample_counts: list[int] = []
+    num_draft_rows = 0
     prompt_rows: list[PromptLogitRows] = []
     prompt_flat: list[int] = []
     prompt_targets: list[int] = []
@@ -91,6 +96,9 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         tables.append(s.block_table)
         if s.sample:
             sample_seq_indices.append(i)
+            sample_counts.append(s.num_draft + 1)
+            if s.num_draft:
+                num_draft_rows += s.num_draft
         span = s.prompt_logits
         if span is not None:
             first, last = span.first, span.last
@@ -118,7 +126,14 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
         positions = (torch.arange(num_tokens) - cu[seq_idx] + (seq_lens_t - q_lens_t)[seq_idx])
         slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-    sample_indices = cu[1:][torch.tensor(sample_seq_indices, dtype=torch.int64)] - 1
+    ends = cu[1:][torch.tensor(sample_seq_indices, dtype=torch.int64)]
+    if num_draft_rows:  # speculating chunks sample their last num_draft + 1 rows
+        counts = torch.tensor(sample_counts, dtype=torch.int64)
+        offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        sample_indices = torch.repeat_interleave(ends - counts, counts) + offsets
+    else:
+        sample_indices = ends - 1
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64),
         positions=positions,
@@ -132,6 +147,7 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         num_decodes=num_decodes,
         sample_indices=sample_indices,
         sample_seq_indices=sample_seq_indices,
+        sample_counts=sample_counts,
         prompt_indices=torch.tensor(prompt_flat, dtype=torch.int64),
         prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64),
         prompt_top_k=prompt_top_k,

@@ -53,7 +53,7 @@ class SamplerOutput:
         return entry
 
 
-def _is_greedy(p: SamplingParams) -> bool:
+def is_greedy(p: SamplingParams) -> bool:
     # top_k == 1 keeps only the argmax; routing it to the argmax makes it equal greedy exactly,
     # ties included.
     return p.greedy or p.top_k == 1
@@ -81,7 +81,7 @@ class Sampler:
                              f"{tuple(logits.shape)}")
         if logits.dtype != torch.float32:
             logits = logits.float()
-        greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
+        greedy = [i for i, r in enumerate(rows) if is_greedy(r.params)]
         process = any(penalties.needs_processing(r) for r in rows)
 
         if len(greedy) == len(rows) and not process:
@@ -94,21 +94,61 @@ class Sampler:
             if greedy:
                 g_idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
                 tokens.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
-            sampled = [i for i in range(len(rows)) if not _is_greedy(rows[i].params)]
+            sampled = [i for i in range(len(rows)) if not is_greedy(rows[i].params)]
             if sampled:
                 s_idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
                 picked = self._sample(x.index_select(0, s_idx), [rows[i] for i in sampled])
                 tokens.index_copy_(0, s_idx, picked)
         return self._with_logprobs(logits, tokens, rows)
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Sample one token per row of ``x`` (processed logits of non-greedy rows)."""
-        dev = x.device
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=dev)
+    # ---- for speculative verification (engine.spec_decode.verifier) ----------------------
+
+    def processed(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """``logits`` (float32) after the logit processors of ``rows`` (bias, min-tokens,
+        penalties): what greedy rows take the argmax of. A copy when anything is processed,
+        else ``logits`` itself (float32)."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if not any(penalties.needs_processing(r) for r in rows):
+            return logits
+        x = logits.clone(memory_format=torch.contiguous_format)
+        penalties.apply_all(x, rows)
+        return x
+
+    def target_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution each (non-greedy) row samples from: processors, temperature,
+        top-k, top-p, min-p, softmax: exactly what ``__call__`` draws a token from."""
+        x = self.processed(logits, rows)
+        if x is logits or x.dtype != logits.dtype:
+            x = x.clone(memory_format=torch.contiguous_format)
+        return self._probs(x, list(rows))
+
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from on ``device``."""
+        return self._generator(device)
+
+    def with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                      rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """A ``SamplerOutput`` of the given ``tokens`` (one per row) with the raw-distribution
+        logprobs the rows asked for, as ``__call__`` reports them."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return self._with_logprobs(logits, tokens, rows)
+
+    def _probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k/top-p, min-p and softmax over processed logits ``x`` (changed in
+        place) of non-greedy rows."""
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype,
+                             device=x.device)
         x.div_(temps.unsqueeze(1))
         _top_k_top_p(x, rows)
         _min_p(x, rows)
-        cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
+        return torch.softmax(x, dim=-1)
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Sample one token per row of ``x`` (processed logits of non-greedy rows)."""
+        dev = x.device
+        cdf = self._probs(x, rows).cumsum_(dim=-1)
         u = torch.empty(len(rows), dtype=cdf.dtype, device=dev)
         shared = [k for k, r in enumerate(rows) if r.generator is None]
         if len(shared) == len(rows):

@@ -24,6 +24,11 @@ Policy, whole (one screen):
    is its prefill, chunked to the budget. Samples 2..n of a request are parked outside the
    queue until sample 1 has computed the prompt (then they share its full blocks), so they
    cost nothing per step while they wait.
+3. Speculative decoding (``speculative_config``; ``engine.scheduling.drafts``): before the
+   running sequences advance, decoding ones get drafts from the proposer (unless the batch is
+   above the adaptive switch); a sequence with a draft takes ``1 + len(draft)`` tokens of the
+   budget. After the step the core appends the tokens verification kept and calls
+   ``accept_drafts``, which rolls the KV back to them.
 
 The waiting queue is a heap (``engine.scheduling.waiting_queue``): O(log n) per insert and admission.
 The scheduler owns the waiting and running sets and the KV manager with its host tier: every
@@ -41,7 +46,9 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache.manager import RELEASED, KVCacheManager, PrefixHit
 from engine.request import Request, SeqStatus, Sequence
+from engine.scheduling.drafts import fit_draft, propose_drafts
 from engine.scheduling.waiting_queue import WaitingQueue
+from engine.spec_decode.proposer import Proposer
 from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
 
 _NO_COPIES = BlockCopyOrders()
@@ -53,8 +60,9 @@ class ScheduledSeq:
     gets the matching :class:`~engine.step_plan.SeqChunk` of ``SchedulerOutput.plan``."""
 
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # the draft included
     sample: bool  # the chunk reaches the last known token: sample the next one
+    draft: tuple[int, ...] = ()  # speculative tokens after the last known one
 
     @property
     def start(self) -> int:
@@ -78,10 +86,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
-                 sliding_window: int | None = None) -> None:
-        """``sliding_window``: the window every layer of the model attends through, if all
+                 proposer: Proposer | None = None, sliding_window: int | None = None) -> None:
+        """``proposer`` drafts tokens when ``config.speculative_config`` is set.
+        ``sliding_window``: the window every layer of the model attends through, if all
         have one; a running sequence's blocks wholly behind it are given back each step."""
         self.config = config
+        self.spec = config.speculative_config if proposer is not None else None
+        self.proposer = proposer
         self.kv = kv  # owned: nothing outside the scheduler allocates, frees or looks up
         self.sliding_window = sliding_window
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
@@ -158,21 +169,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        drafts = (propose_drafts(self.running, self.proposer, self.spec)
+                  if self.spec is not None else {})
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = drafts.get(seq.seq_id)
+            if draft:
+                draft = fit_draft(self.kv, seq, draft, budget, len(self.running))
+                num_new += len(draft)
             if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
+            out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new),
+                                              tuple(draft) if draft else ()))
             budget -= num_new
         if not out.preempted:
             budget = self._admit(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        # Decodes first: the attention backends take a fast path for the leading q_len == 1 run.
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        # Decodes first: the attention backends take a fast path for the leading q_len == 1 run
+        # (the torch backend extends it over the speculating decodes that follow).
+        out.scheduled.sort(key=lambda s: 0 if s.num_new_tokens == 1 else 1 if s.draft else 2)
         out.plan = self._plan(out.scheduled)
         return out
 
@@ -186,6 +205,10 @@ class Scheduler:
         for s in scheduled:
             seq = s.seq
             start = seq.num_computed_tokens
+            if s.draft:
+                chunks.append(SeqChunk([seq.token_ids[start], *s.draft], start,
+                                       table(seq.seq_id), True, None, len(s.draft)))
+                continue
             chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens], start,
                                    table(seq.seq_id), s.sample, _prompt_logit_span(s)))
         seqs = tuple(chunks)
@@ -203,7 +226,7 @@ class Scheduler:
 
     @staticmethod
     def _samples(seq: Sequence, num_new: int) -> bool:
-        return seq.num_computed_tokens + num_new == seq.num_tokens
+        return seq.num_computed_tokens + num_new >= seq.num_tokens
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate(seq.seq_id, num_tokens) is None:
@@ -323,10 +346,11 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` of every scheduled sequence and register its newly
-        full blocks in the prefix cache. Sampled tokens are appended by the caller first."""
+        full blocks in the prefix cache. A speculating sequence advances by its known token
+        only: its drafts count once accepted (``accept_drafts``)."""
         for s in out.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens - len(s.draft)
             if not seq.finished:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_extra_keys)
@@ -336,6 +360,26 @@ class Scheduler:
             if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
                     and seq.request.request_id in self._parked):
                 self._release_parked(seq.request)
+
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the first ``num_accepted`` draft tokens of ``seq``'s step and
+        one token of the target's own have been appended to ``seq.token_ids``. Their K/V (all
+        but the last token's) count as computed; the rest of what the step wrote is rolled
+        back (``KVCacheManager.truncate``) and newly full blocks are committed. No-op for a
+        finished sequence (its blocks are already freed)."""
+        if seq.finished:
+            return
+        seq.num_computed_tokens += num_accepted
+        if seq.num_tokens != seq.num_computed_tokens + 1:
+            raise RuntimeError(f"{seq.seq_id}: {seq.num_tokens} tokens but "
+                               f"{seq.num_computed_tokens} computed after verification")
+        self.kv.truncate(seq.seq_id, seq.num_tokens)
+        self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                       seq.request.cache_extra_keys)
+        if self.sliding_window is not None:
+            self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
+                                           self.sliding_window)
 
 
 def _prompt_logit_span(s: ScheduledSeq) -> PromptLogitSpan | None:

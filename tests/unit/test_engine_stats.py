@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.spec_decode.stats import SpecDecodeStats
 from engine.stats import EngineStats, HostTierStats
 from server.metrics import ServerMetrics
 
@@ -17,13 +18,19 @@ LEGACY_KEYS = {
     "offload_bytes_d2h", "offload_bytes_h2d", "host_blocks_total", "host_blocks_used",
     "host_blocks_cached", "host_kv_usage_perc", "host_evictions", "offload_spills",
     "prefix_cache_host_hits", "num_swapped_seqs"}
+SPEC_KEYS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+             "spec_decode_num_accepted_tokens"}
 
 
 def test_flat_form_keeps_the_offline_api_keys():
     stats = EngineStats(num_blocks_used=3, host=HostTierStats(offload_spills=2))
     flat = stats.as_dict()
     assert LEGACY_KEYS <= set(flat)  # kept; new counters may join
-    assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window"}
+    assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window"} | SPEC_KEYS
+    per_pos = EngineStats(spec_decode=SpecDecodeStats(2, 8, 3, (2, 1, 0, 0))).as_dict()
+    assert per_pos["spec_decode_num_accepted_tokens_pos1"] == 1
+    assert set(per_pos) - set(flat) == {f"spec_decode_num_accepted_tokens_pos{j}"
+                                        for j in range(4)}
     assert flat["num_blocks_used"] == 3 and flat["offload_spills"] == 2
     assert stats.replace(num_requests_waiting=5).num_requests_waiting == 5
     assert dataclasses.is_dataclass(stats)
@@ -32,8 +39,14 @@ def test_flat_form_keeps_the_offline_api_keys():
 def test_every_metric_reads_a_real_field():
     host = HostTierStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(HostTierStats))})
     stats = EngineStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(EngineStats))
-                           if f.name != "host"}, host=host)
+                           if f.name not in ("host", "spec_decode")}, host=host,
+                        spec_decode=SpecDecodeStats(4, 16, 7, (3, 2, 1, 1)))
     text = ServerMetrics("m", lambda: stats).render().decode()
     assert 'kvserve:kv_cache_used_blocks{model_name="m"} 15.0' in text
     assert 'kvserve:kv_offload_spills_total{model_name="m"} 10.0' in text
     assert 'kvserve:num_preemptions_by_mode_total{mode="swap",model_name="m"} 8.0' in text
+    assert 'kvserve:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
+    assert 'kvserve:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
+    assert 'kvserve:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    assert ('kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}'
+            ' 2.0') in text

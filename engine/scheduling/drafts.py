@@ -1,0 +1,60 @@
+"""The scheduler's share of speculative decoding: who gets a draft this step, and how long.
+
+Policy (``Scheduler.schedule`` calls these; the proposer is ``engine.spec_decode``'s):
+
+* only sequences in the decode phase speculate: every token but the last sampled one computed,
+  and at least one generated token (a prompt's last chunk samples its first token plainly);
+* the adaptive switch: a step speculates only while the decoding sequences number at most
+  ``disable_by_batch_size`` (``SpeculativeConfig.speculates_at``) — at larger batches the step
+  is bound by arithmetic, not by reading the weights, and k extra rows per sequence cost more
+  than the accepted tokens save;
+* a draft never runs past ``max_tokens`` (the step's own token is always produced, so at most
+  ``max_tokens - generated - 1`` drafts), nor past the step's token budget, and never makes the
+  pool preempt anyone: it is cut to nothing unless its extra blocks leave one free block per
+  running sequence.
+"""
+
+from __future__ import annotations
+
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Sequence
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposer import DraftRequest, Proposer
+
+
+def in_decode_phase(seq: Sequence) -> bool:
+    return (seq.num_tokens - seq.num_computed_tokens == 1
+            and seq.num_computed_tokens >= seq.num_prompt_tokens)
+
+
+def propose_drafts(running: list[Sequence], proposer: Proposer,
+                   config: SpeculativeConfig) -> dict[str, list[int]]:
+    """Drafts of the running sequences that may speculate this step, by ``seq_id`` (empty
+    when the adaptive switch is off for this many decoding sequences)."""
+    decoding = [s for s in running if in_decode_phase(s)]
+    if not decoding or not config.speculates_at(len(decoding)):
+        return {}
+    batch = []
+    for seq in decoding:
+        params = seq.request.params
+        left = (params.max_tokens or 0) - (seq.num_tokens - seq.num_prompt_tokens) - 1
+        room = min(config.num_speculative_tokens, left)
+        if room >= 1:
+            batch.append(DraftRequest(seq.seq_id, seq.token_ids, room))
+    if not batch:
+        return {}
+    drafts = proposer.propose(batch)
+    return {r.seq_id: d[:r.max_tokens] for r, d in zip(batch, drafts, strict=True) if d}
+
+
+def fit_draft(kv: KVCacheManager, seq: Sequence, draft: list[int], budget: int,
+              reserve_blocks: int) -> list[int]:
+    """``draft`` cut to the step's remaining ``budget`` (the sequence's own token included)
+    and dropped when its extra blocks would leave fewer than ``reserve_blocks`` free."""
+    draft = draft[:max(0, budget - 1)]
+    if not draft:
+        return []
+    need = kv.num_blocks_needed(seq.seq_id, seq.num_tokens + len(draft))
+    if need and kv.num_free_blocks - need < reserve_blocks:
+        return []
+    return draft

@@ -1,0 +1,134 @@
+"""``SpeculativeConfig``: vLLM's ``speculative_config`` JSON object, validated.
+
+Accepted forms (``EngineConfig(speculative_config=...)``, ``LLM(speculative_config=...)``,
+``--speculative-config``): a dict, a JSON string of one, a ``SpeculativeConfig``, or None
+(speculation off). Keys (vLLM's names):
+
+* ``method``: ``"ngram"`` (prompt lookup: propose the continuation of the latest earlier match
+  of the context's last n tokens) or ``"draft_model"`` (not built yet: refused with a message);
+* ``num_speculative_tokens`` (k): tokens proposed per sequence and step, 1..16;
+* ``prompt_lookup_max`` / ``prompt_lookup_min``: the n-gram sizes tried, longest first
+  (ngram only; defaults 4 and 2; vLLM's default for a missing min is 1, for a missing max the min);
+* ``model``: the draft model (draft_model only);
+* ``disable_by_batch_size``: a step speculates only while at most this many sequences decode
+  (above it verifying k extra rows per sequence costs more than it saves: the adaptive switch).
+  Missing: :data:`DEFAULT_DISABLE_BY_BATCH_SIZE`, measured on the development CPU (README);
+  ``null``: never switch off (force speculation at every batch size).
+
+Unknown keys raise ``ValueError`` naming the known ones: a misspelt key must not silently
+leave speculation configured otherwise than asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+# Decoding sequences per step above which n-gram speculation is switched off. Measured with
+# benchmarks/spec_decode.py --batch on the 2-core AVX2 development CPU (SmolLM2-135M, k=4):
+# see the README's speculative-decoding section.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How (and whether) sequences speculate. Frozen and validated at construction."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = 4
+    prompt_lookup_min: int | None = 2
+    model: str | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}; "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}; got {k!r}")
+        d = self.disable_by_batch_size
+        if d is not None and (not _is_int(d) or d < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 "
+                             f"(or null: never switch speculation off); got {d!r}")
+        if self.method == "ngram":
+            self._check_ngram()
+        else:
+            if not self.model:
+                raise ValueError('speculative_config: method "draft_model" needs "model" (a '
+                                 "path or GGUF of a small model with the same tokenizer)")
+            raise ValueError('speculative_config: method "draft_model" is not implemented yet '
+                             '(issue 14); use {"method": "ngram", ...}')
+
+    def _check_ngram(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = 2, 4
+        elif lo is None:
+            lo = 1
+        elif hi is None:
+            hi = lo
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1; got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must not exceed "
+                             f"prompt_lookup_max ({hi})")
+        if self.model is not None:
+            raise ValueError('speculative_config: "model" is for method "draft_model", not '
+                             '"ngram"')
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """Normalise any accepted form (see the module docstring); None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc.msg} (e.g. "
+                                 f'\'{{"method": "ngram", "num_speculative_tokens": 4}}\')'
+                                 ) from None
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object; got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError('speculative_config needs "method" ("ngram" or "draft_model")')
+        kwargs = dict(value)
+        if value["method"] == "ngram" and "prompt_lookup_min" in value \
+                and "prompt_lookup_max" not in value:
+            kwargs["prompt_lookup_max"] = None  # vLLM: a lone min sets both
+        if value["method"] == "ngram" and "prompt_lookup_max" in value \
+                and "prompt_lookup_min" not in value:
+            kwargs["prompt_lookup_min"] = None  # vLLM: a lone max goes down to 1
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object this config reads back from (``--print-config``, round trips)."""
+        out = dataclasses.asdict(self)
+        if self.method == "ngram":
+            out.pop("model")
+        return out
+
+    def speculates_at(self, num_decoding: int) -> bool:
+        """Whether a step with ``num_decoding`` decoding sequences speculates (adaptive)."""
+        return self.disable_by_batch_size is None or num_decoding <= self.disable_by_batch_size
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
