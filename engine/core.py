@@ -134,6 +134,10 @@ class EngineCore:
             self.max_model_len, self.config.kv_cache_dtype if r.kv_format.quantized else
             str(r.kv_format.storage_dtype).removeprefix("torch."), r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
+        spec = self.config.speculative_config
+        if spec is not None:
+            logger.info("speculative decoding: %s", spec.describe(
+                r.quant_verdict.float_above if r.quantized else None))
 
     # ---- requests ------------------------------------------------------------------------
 

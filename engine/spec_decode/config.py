@@ -125,6 +125,21 @@ class SpeculativeConfig:
             out.pop("model")
         return out
 
+    def describe(self, quantised_up_to: int | None = None) -> str:
+        """One log line; ``quantised_up_to``: the row count above which the model's packed
+        quantised linears hand over to float ones (a k + 1 row verification beyond it runs
+        at float speed)."""
+        ngram = (f" n={self.prompt_lookup_min}..{self.prompt_lookup_max}"
+                 if self.method == "ngram" else f" draft {self.model}")
+        off = ("at every batch size" if self.disable_by_batch_size is None else
+               f"while at most {self.disable_by_batch_size} sequences decode")
+        out = f"{self.method}{ngram}, k={self.num_speculative_tokens}, {off}"
+        if quantised_up_to is not None and self.num_speculative_tokens + 1 > quantised_up_to:
+            out += (f"; a verification step of k+1 > {quantised_up_to} rows leaves the "
+                    f"quantised linears for the float ones (k <= {quantised_up_to - 1} keeps it "
+                    f"on them)")
+        return out
+
     def speculates_at(self, num_decoding: int) -> bool:
         """Whether a step with ``num_decoding`` decoding sequences speculates (adaptive)."""
         return self.disable_by_batch_size is None or num_decoding <= self.disable_by_batch_size

@@ -38,3 +38,21 @@ def test_triton_backend_greedy_matches_torch_backend(tmp_path, model_type, overr
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert all(len(t) == 4 for t in outputs["torch"])
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.slow
+def test_triton_backend_speculative_greedy_matches_plain_torch(tmp_path):
+    """Verification chunks (1 + k rows over the paged cache, after the decodes and before the
+    prefills) through Triton's paged_attention: the same tokens as plain decoding."""
+    path = make_tiny_model_dir(tmp_path / "llama", "llama", seed=2, initializer_range=0.05)
+    prompts = [[5, 6, 5, 6, 5, 6, 5], list(range(40, 61)), [9, 9, 9, 9]]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    common = dict(dtype="float32", device=DEVICE.type, kv_cache_memory="4MiB", block_size=4)
+    plain = LLM(str(path), attention_backend="torch", **common)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(str(path), attention_backend="triton", **common, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "disable_by_batch_size": None})
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
