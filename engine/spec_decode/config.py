@@ -6,7 +6,9 @@ Accepted forms (``EngineConfig(speculative_config=...)``, ``LLM(speculative_conf
 
 * ``method``: ``"ngram"`` (prompt lookup: propose the continuation of the latest earlier match
   of the context's last n tokens) or ``"draft_model"`` (not built yet: refused with a message);
-* ``num_speculative_tokens`` (k): tokens proposed per sequence and step, 1..16;
+* ``num_speculative_tokens`` (k): tokens proposed per sequence and step, 1..16 (default 3:
+  on the development CPU the quantised linears serve up to 4 rows, so k+1 = 4 keeps a
+  single sequence's verification on them; vLLM has no default);
 * ``prompt_lookup_max`` / ``prompt_lookup_min``: the n-gram sizes tried, longest first
   (ngram only; defaults 4 and 2; vLLM's default for a missing min is 1, for a missing max the min);
 * ``model``: the draft model (draft_model only);
@@ -28,10 +30,12 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-# Decoding sequences per step above which n-gram speculation is switched off. Measured with
-# benchmarks/spec_decode.py --batch on the 2-core AVX2 development CPU (SmolLM2-135M, k=4):
-# see the README's speculative-decoding section.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Decoding sequences per step above which speculation is switched off. Measured on the 2-core
+# AVX2 development CPU (SmolLM2-135M, quantization=auto, k=3; README, speculative decoding):
+# a step of B sequences x 4 rows cost 1.8x the one-row step at B=1 but 2.0-2.9x at B=2..16
+# (the quantised linears serve up to 4 rows, float ones above), while n-gram drafts on
+# input-grounded prompts yield ~2.8 tokens per drafting step and far fewer elsewhere.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class SpeculativeConfig:
     """How (and whether) sequences speculate. Frozen and validated at construction."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3
     prompt_lookup_max: int | None = 4
     prompt_lookup_min: int | None = 2
     model: str | None = None

@@ -14,7 +14,7 @@ from server.config_file import as_yaml_dict, resolve
 def test_forms_and_defaults():
     c = EngineConfig(speculative_config={"method": "ngram"}).speculative_config
     assert c == SpeculativeConfig()
-    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (4, 4, 2)
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 4, 2)
     assert c.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
     text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
     c = EngineConfig(speculative_config=text).speculative_config
