@@ -88,8 +88,10 @@ class EngineCore:
         windows = self.runner.arch.sliding_windows
         self.sliding_window = (min(windows) if windows and None not in windows else None)
         spec = config.speculative_config
-        self.scheduler = Scheduler(config, self.kv, build_proposer(spec) if spec else None,
-                                   sliding_window=self.sliding_window)
+        proposer = build_proposer(config, max_model_len=self.max_model_len,
+                                  vocab_size=self.runner.arch.vocab_size,
+                                  num_blocks=num_blocks) if spec else None
+        self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window)
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)

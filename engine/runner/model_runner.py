@@ -210,10 +210,12 @@ class ModelRunner:
         logger.info("GPU memory: %s", budget.describe())
         return budget.budget
 
-    def allocate_kv_cache(self) -> int:
-        """Size and allocate the pools once; returns the number of blocks."""
+    def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Size and allocate the pools once; returns the number of blocks. ``num_blocks``
+        (a speculative draft model's pool, sized like its target's) skips the sizing."""
         bs = self.config.block_size
-        num_blocks = self.kv_budget_bytes() // (self.kv_bytes_per_token * bs)
+        if num_blocks is None:
+            num_blocks = self.kv_budget_bytes() // (self.kv_bytes_per_token * bs)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {bs} tokens "
                              f"({self.kv_bytes_per_token * bs} bytes)")

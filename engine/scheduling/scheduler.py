@@ -146,6 +146,8 @@ class Scheduler:
                 if not parked:
                     del self._parked[seq.request.request_id]
         self.kv.free(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -3,6 +3,7 @@
 * ``config``: ``SpeculativeConfig`` (vLLM's ``speculative_config`` JSON object);
 * ``proposer``: the ``Proposer`` protocol the scheduler calls once per step;
 * ``ngram``: the prompt-lookup proposer;
+* ``draft_model``: a small model's greedy drafts, with its own paged KV (``factory`` loads it);
 * ``verifier``: exact verification (greedy prefix match; point-mass rejection sampling);
 * ``stats``: the ``spec_decode_*`` counters.
 

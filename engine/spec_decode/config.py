@@ -5,7 +5,8 @@ Accepted forms (``EngineConfig(speculative_config=...)``, ``LLM(speculative_conf
 (speculation off). Keys (vLLM's names):
 
 * ``method``: ``"ngram"`` (prompt lookup: propose the continuation of the latest earlier match
-  of the context's last n tokens) or ``"draft_model"`` (not built yet: refused with a message);
+  of the context's last n tokens) or ``"draft_model"`` (a small model of the same vocabulary
+  proposes its greedy continuation; ``engine.spec_decode.draft_model``);
 * ``num_speculative_tokens`` (k): tokens proposed per sequence and step, 1..16 (default 3:
   on the development CPU the quantised linears serve up to 4 rows, so k+1 = 4 keeps a
   single sequence's verification on them; vLLM has no default);
@@ -64,11 +65,11 @@ class SpeculativeConfig:
         if self.method == "ngram":
             self._check_ngram()
         else:
-            if not self.model:
+            if not self.model or not isinstance(self.model, str):
                 raise ValueError('speculative_config: method "draft_model" needs "model" (a '
                                  "path or GGUF of a small model with the same tokenizer)")
-            raise ValueError('speculative_config: method "draft_model" is not implemented yet '
-                             '(issue 14); use {"method": "ngram", ...}')
+            object.__setattr__(self, "prompt_lookup_min", None)
+            object.__setattr__(self, "prompt_lookup_max", None)
 
     def _check_ngram(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -114,6 +115,10 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ValueError('speculative_config needs "method" ("ngram" or "draft_model")')
         kwargs = dict(value)
+        if value["method"] == "draft_model" and {"prompt_lookup_min",
+                                                 "prompt_lookup_max"} & set(value):
+            raise ValueError('speculative_config: prompt_lookup_min/max are for method "ngram", '
+                             'not "draft_model"')
         if value["method"] == "ngram" and "prompt_lookup_min" in value \
                 and "prompt_lookup_max" not in value:
             kwargs["prompt_lookup_max"] = None  # vLLM: a lone min sets both
@@ -125,8 +130,9 @@ class SpeculativeConfig:
     def as_dict(self) -> dict[str, Any]:
         """The JSON object this config reads back from (``--print-config``, round trips)."""
         out = dataclasses.asdict(self)
-        if self.method == "ngram":
-            out.pop("model")
+        for key in ("model",) if self.method == "ngram" else ("prompt_lookup_min",
+                                                              "prompt_lookup_max"):
+            out.pop(key)
         return out
 
     def describe(self, quantised_up_to: int | None = None) -> str:

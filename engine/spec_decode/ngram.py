@@ -53,6 +53,9 @@ class NgramProposer:
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
 
+    def release(self, seq_id: str) -> None:
+        """Nothing is kept per sequence."""
+
     def propose(self, batch: Sequence[DraftRequest]) -> list[list[int]]:
         return [ngram_draft(r.token_ids, min(self.k, r.max_tokens), self.n_min, self.n_max)
                 for r in batch]

@@ -28,3 +28,7 @@ class Proposer(Protocol):
     def propose(self, batch: Sequence[DraftRequest]) -> list[list[int]]:
         """One draft per request, in order; each at most ``max_tokens`` long (may be empty)."""
         ...
+
+    def release(self, seq_id: str) -> None:
+        """``seq_id`` has ended: drop whatever the proposer keeps for it."""
+        ...

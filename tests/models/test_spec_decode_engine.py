@@ -203,3 +203,61 @@ def test_greedy_is_identical_over_an_8bit_kv_cache(model_dir, kv_dtype):
     _same(_outs(plain, prompts, params), _outs(spec, prompts, params))
     assert _accepted(spec) > 0
     _assert_clean(spec)
+
+
+# ---- draft_model ---------------------------------------------------------------------------
+
+
+def _draft_cfg(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "disable_by_batch_size": None}
+
+
+def test_draft_model_that_is_the_target_has_every_draft_accepted(model_dir, base):
+    prompts = _prompts(5, seed=19)
+    params = [_greedy(max_tokens=n) for n in (30, 11, 2, 25, 30)]
+    llm = _llm(model_dir, spec=True, speculative_config=_draft_cfg(model_dir))
+    _same(_outs(base, prompts, params), _outs(llm, prompts, params))
+    s = llm.stats()
+    assert s["spec_decode_num_drafts"] > 0
+    assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+    _assert_clean(llm)
+    assert llm.engine.scheduler.proposer.kv.num_free_blocks == \
+        llm.engine.scheduler.proposer.kv.num_blocks  # draft state released
+
+
+@pytest.mark.parametrize("mode", ["none", "recompute", "swap"])
+def test_draft_model_of_other_weights_keeps_greedy_exact(model_dir, base, tmp_path_factory,
+                                                         mode):
+    """A draft that often disagrees (another random model of the same vocabulary): its KV is
+    rolled back as the target's is, across preemption, and the output stays the target's."""
+    draft = make_tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama", seed=4,
+                                initializer_range=0.05, num_hidden_layers=1)
+    prompts = _prompts(6, seed=23)
+    params = _greedy(max_tokens=32)
+    extra = {} if mode == "none" else dict(
+        blocks=40, preemption_mode=mode,
+        swap_space=64 * BLOCK_BYTES / 2**30 if mode == "swap" else 0.0)
+    llm = _llm(model_dir, spec=True, speculative_config=_draft_cfg(draft, k=4), **extra)
+    _same(_outs(base, prompts, params), _outs(llm, prompts, params))
+    s = llm.stats()
+    assert s["spec_decode_num_drafts"] > 0
+    if mode != "none":
+        assert s[f"num_preemptions_{mode}"] > 0
+    _assert_clean(llm)
+
+
+def test_draft_model_sampling_is_seeded_and_reproducible(model_dir):
+    llm = _llm(model_dir, spec=True, speculative_config=_draft_cfg(model_dir))
+    params = SamplingParams(temperature=0.5, top_k=2, seed=5, max_tokens=24, ignore_eos=True)
+    a = _outs(llm, _prompts(3, seed=29), params)
+    b = _outs(llm, _prompts(3, seed=29), params)
+    assert [o[0].token_ids for o in a] == [o[0].token_ids for o in b]
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    _assert_clean(llm)
+
+
+def test_draft_model_of_another_vocabulary_is_refused(model_dir, tmp_path_factory):
+    other = make_tiny_model_dir(tmp_path_factory.mktemp("vocab"), "llama", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 260"):
+        _llm(model_dir, spec=True, speculative_config=_draft_cfg(other))

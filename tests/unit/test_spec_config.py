@@ -41,13 +41,23 @@ def test_forms_and_defaults():
     ({"method": "ngram", "model": "x"}, '"model" is for method "draft_model"'),
     ({"method": "ngram", "num_spec_tokens": 4}, "unknown speculative_config key.*num_spec"),
     ({"method": "draft_model"}, 'needs "model"'),
-    ({"method": "draft_model", "model": "small"}, "not implemented yet"),
+    ({"method": "draft_model", "model": "m", "prompt_lookup_max": 3}, "are for method \"ngram\""),
     ("{method: ngram}", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
 ])
 def test_bad_values_are_refused_with_a_message(value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=value)
+
+
+def test_draft_model_form():
+    c = SpeculativeConfig.from_value({"method": "draft_model", "model": "/models/small",
+                                      "num_speculative_tokens": 5})
+    assert (c.model, c.num_speculative_tokens, c.prompt_lookup_max) == ("/models/small", 5, None)
+    assert c.as_dict() == {"method": "draft_model", "model": "/models/small",
+                           "num_speculative_tokens": 5,
+                           "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
+    assert SpeculativeConfig.from_value(c.as_dict()) == c
 
 
 def test_llm_overrides_accept_the_dict():

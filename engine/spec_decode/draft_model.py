@@ -1,0 +1,104 @@
+"""Draft-model proposer: a small model of the same vocabulary proposes its greedy continuation.
+
+It runs its own ``ModelRunner`` (weights and a paged KV pool of as many blocks as the
+target's) and its own ``KVCacheManager`` (no prefix caching), in the engine's thread, inside the
+scheduler's ``propose`` call. Per sequence it remembers the tokens whose K/V its pool holds
+(``_fed``). One ``propose`` call, batched over the sequences asking for drafts:
+
+1. sync: the context only ever grows by accepted tokens, so the draft's K/V stays valid up to
+   the first position where what it fed (its own earlier drafts included) differs from the
+   context; the rest is rolled back (``KVCacheManager.truncate``), as the target's is;
+2. catch-up: one step computes each sequence's missing tokens (the pending one at least; a
+   whole prompt the first time) and its logits at the last: draft token 0 = their argmax;
+3. k - 1 one-row steps feed each draft token and take the next argmax.
+
+Greedy drafts are deterministic functions of the context, so the verifier's point-mass rule
+keeps the output exactly the target's, sampling included (accepting d with probability p(d)).
+A sequence whose draft blocks cannot be allocated gets no draft this step. ``release`` frees a
+finished sequence's draft state (the scheduler calls it from ``finish_seq``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_cache.manager import KVCacheManager
+from engine.runner.batch import build_model_input
+from engine.runner.model_runner import ModelRunner
+from engine.spec_decode.proposer import DraftRequest
+from engine.step_plan import SeqChunk, StepPlan
+
+
+class DraftModelProposer:
+    """``Proposer`` over a draft ``runner`` whose KV pool is allocated (``num_blocks``)."""
+
+    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int,
+                 num_speculative_tokens: int) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self._fed: dict[str, list[int]] = {}  # tokens whose K/V the draft pool holds
+        self._checked: dict[str, int] = {}  # a prefix of _fed known to equal the context
+
+    def release(self, seq_id: str) -> None:
+        self.kv.free(seq_id)
+        self._fed.pop(seq_id, None)
+        self._checked.pop(seq_id, None)
+
+    def propose(self, batch: Sequence[DraftRequest]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in batch]
+        live: list[int] = []  # indices into batch that draft this step
+        chunks: list[SeqChunk] = []
+        for i, r in enumerate(batch):
+            ctx = r.token_ids
+            n = self._sync(r.seq_id, ctx)
+            if self.kv.allocate(r.seq_id, len(ctx) + r.max_tokens - 1) is None:
+                continue
+            chunks.append(SeqChunk(list(ctx[n:]), n, self.kv.block_table(r.seq_id), True))
+            self._fed[r.seq_id] = list(ctx)
+            self._checked[r.seq_id] = len(ctx)
+            live.append(i)
+        if not live:
+            return drafts
+        order = sorted(range(len(live)), key=lambda j: len(chunks[j].token_ids) != 1)
+        tokens = self._step([chunks[j] for j in order])
+        for j, tok in zip(order, tokens, strict=True):
+            drafts[live[j]].append(tok)
+        for _ in range(1, self.k):
+            want = [i for i in live if len(drafts[i]) < batch[i].max_tokens]
+            if not want:
+                break
+            step_chunks = []
+            for i in want:
+                seq_id, tok = batch[i].seq_id, drafts[i][-1]
+                fed = self._fed[seq_id]
+                step_chunks.append(SeqChunk([tok], len(fed), self.kv.block_table(seq_id), True))
+                fed.append(tok)
+            for i, tok in zip(want, self._step(step_chunks), strict=True):
+                drafts[i].append(tok)
+        return drafts
+
+    def _sync(self, seq_id: str, ctx: Sequence[int]) -> int:
+        """Roll the draft state of ``seq_id`` back to its longest prefix that still matches
+        ``ctx`` (at most ``len(ctx) - 1``: the pending token is always computed now); returns
+        that length."""
+        fed = self._fed.get(seq_id)
+        if not fed:
+            return 0
+        n = min(len(fed), len(ctx) - 1)
+        start = min(self._checked.get(seq_id, 0), n)
+        mismatch = next((p for p in range(start, n) if fed[p] != ctx[p]), n)
+        if mismatch < len(fed):
+            del fed[mismatch:]
+            self.kv.truncate(seq_id, mismatch)
+        return mismatch
+
+    @torch.inference_mode()
+    def _step(self, chunks: list[SeqChunk]) -> list[int]:
+        """One draft forward over ``chunks`` (decodes first); the argmax of each last row."""
+        inp = build_model_input(StepPlan(tuple(chunks), self.block_size))
+        logits = self.runner.execute(inp).sample_logits
+        return logits.argmax(dim=-1).tolist()
