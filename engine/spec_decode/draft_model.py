@@ -9,7 +9,9 @@ scheduler's ``propose`` call. Per sequence it remembers the tokens whose K/V its
    the first position where what it fed (its own earlier drafts included) differs from the
    context; the rest is rolled back (``KVCacheManager.truncate``), as the target's is;
 2. catch-up: one step computes each sequence's missing tokens (the pending one at least; a
-   whole prompt the first time) and its logits at the last: draft token 0 = their argmax;
+   whole prompt the first time) and its logits at the last: draft token 0 = their argmax. At
+   most ``max_step_tokens`` tokens per call: a sequence whose catch-up does not fit gets a
+   chunk of it and no draft this step (it goes on at the next);
 3. k - 1 one-row steps feed each draft token and take the next argmax.
 
 Greedy drafts are deterministic functions of the context, so the verifier's point-mass rule
@@ -35,8 +37,9 @@ class DraftModelProposer:
     """``Proposer`` over a draft ``runner`` whose KV pool is allocated (``num_blocks``)."""
 
     def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int,
-                 num_speculative_tokens: int) -> None:
+                 num_speculative_tokens: int, max_step_tokens: int = 2048) -> None:
         self.runner = runner
+        self.max_step_tokens = max_step_tokens
         self.block_size = block_size
         self.k = num_speculative_tokens
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -51,22 +54,28 @@ class DraftModelProposer:
     def propose(self, batch: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch]
         live: list[int] = []  # indices into batch that draft this step
-        chunks: list[SeqChunk] = []
+        chunks: list[tuple[SeqChunk, int | None]] = []  # (catch-up chunk, batch index)
+        budget = self.max_step_tokens
         for i, r in enumerate(batch):
             ctx = r.token_ids
             n = self._sync(r.seq_id, ctx)
-            if self.kv.allocate(r.seq_id, len(ctx) + r.max_tokens - 1) is None:
+            end = min(len(ctx), n + budget)
+            if end == n or self.kv.allocate(r.seq_id, len(ctx) + r.max_tokens - 1) is None:
                 continue
-            chunks.append(SeqChunk(list(ctx[n:]), n, self.kv.block_table(r.seq_id), True))
-            self._fed[r.seq_id] = list(ctx)
-            self._checked[r.seq_id] = len(ctx)
-            live.append(i)
-        if not live:
+            whole = end == len(ctx)
+            chunks.append((SeqChunk(list(ctx[n:end]), n, self.kv.block_table(r.seq_id), whole),
+                           i if whole else None))
+            budget -= end - n
+            self._fed[r.seq_id] = list(ctx[:end])
+            self._checked[r.seq_id] = end
+            if whole:
+                live.append(i)
+        if not chunks:
             return drafts
-        order = sorted(range(len(live)), key=lambda j: len(chunks[j].token_ids) != 1)
-        tokens = self._step([chunks[j] for j in order])
-        for j, tok in zip(order, tokens, strict=True):
-            drafts[live[j]].append(tok)
+        chunks.sort(key=lambda c: len(c[0].token_ids) != 1)
+        tokens = self._step([c for c, _ in chunks])
+        for i, tok in zip([i for _, i in chunks if i is not None], tokens, strict=True):
+            drafts[i].append(tok)
         for _ in range(1, self.k):
             want = [i for i in live if len(drafts[i]) < batch[i].max_tokens]
             if not want:
@@ -98,7 +107,8 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def _step(self, chunks: list[SeqChunk]) -> list[int]:
-        """One draft forward over ``chunks`` (decodes first); the argmax of each last row."""
+        """One draft forward over ``chunks`` (decodes first); the argmax of the last row of
+        each chunk that samples, in order."""
         inp = build_model_input(StepPlan(tuple(chunks), self.block_size))
-        logits = self.runner.execute(inp).sample_logits
-        return logits.argmax(dim=-1).tolist()
+        out = self.runner.execute(inp).sample_logits
+        return out.argmax(dim=-1).tolist() if inp.sample_seq_indices else []

@@ -43,4 +43,5 @@ def build_proposer(config: EngineConfig, *, max_model_len: int, vocab_size: int,
     runner.prepare_for_serving()
     logger.info("draft model %s: %.1f MiB of weights, %d KV blocks (%.2f GiB)", files.name,
                 runner.weight_bytes / 2**20, num_blocks, runner.kv_pool_bytes() / 2**30)
-    return DraftModelProposer(runner, num_blocks, config.block_size, spec.num_speculative_tokens)
+    return DraftModelProposer(runner, num_blocks, config.block_size, spec.num_speculative_tokens,
+                              max_step_tokens=config.max_num_batched_tokens)

@@ -213,10 +213,14 @@ def _draft_cfg(path, k: int = 3) -> dict:
             "disable_by_batch_size": None}
 
 
-def test_draft_model_that_is_the_target_has_every_draft_accepted(model_dir, base):
+@pytest.mark.parametrize("budget", [2048, 8])
+def test_draft_model_that_is_the_target_has_every_draft_accepted(model_dir, base, budget):
+    """With a step budget of 8 tokens the draft's catch-up of a prompt takes several steps
+    (no draft meanwhile), as the target's chunked prefill does."""
     prompts = _prompts(5, seed=19)
     params = [_greedy(max_tokens=n) for n in (30, 11, 2, 25, 30)]
-    llm = _llm(model_dir, spec=True, speculative_config=_draft_cfg(model_dir))
+    llm = _llm(model_dir, spec=True, speculative_config=_draft_cfg(model_dir),
+               max_num_batched_tokens=budget)
     _same(_outs(base, prompts, params), _outs(llm, prompts, params))
     s = llm.stats()
     assert s["spec_decode_num_drafts"] > 0
