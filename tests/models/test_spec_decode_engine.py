@@ -265,3 +265,19 @@ def test_draft_model_of_another_vocabulary_is_refused(model_dir, tmp_path_factor
     other = make_tiny_model_dir(tmp_path_factory.mktemp("vocab"), "llama", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 260"):
         _llm(model_dir, spec=True, speculative_config=_draft_cfg(other))
+
+
+def test_greedy_is_identical_with_a_sliding_window_releasing_blocks(tmp_path_factory):
+    """Mistral with a 6-token window: blocks behind it go back to the pool as sequences grow
+    (also right after a verification's rollback), verification rows attend through the window,
+    and the output stays that of one-token decoding."""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("mistral"), "mistral", seed=2,
+                               initializer_range=0.05, sliding_window=6)
+    prompts = _prompts(4, seed=31)
+    params = _greedy(max_tokens=40)
+    plain = _llm(path, spec=False)
+    spec = _llm(path, spec=True)
+    _same(_outs(plain, prompts, params), _outs(spec, prompts, params))
+    s = spec.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 0 and s["num_blocks_released_window"] > 0
+    _assert_clean(spec)

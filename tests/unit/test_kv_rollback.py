@@ -143,3 +143,19 @@ def test_only_accepted_kv_reaches_the_host_tier():
     m.check_integrity()
     m.free("a")
     m.check_integrity()
+
+
+def test_truncate_after_a_sliding_window_release():
+    m = KVCacheManager(16, BS)
+    tokens = list(range(30))
+    m.allocate("a", 30)
+    m.commit("a", tokens, 29)
+    assert m.release_outside_window("a", 29, 6) == 6  # positions 0..23: blocks 0-5
+    m.truncate("a", 26)  # the spec rollback cuts at the end: block 7 goes, 6 stays
+    m.check_integrity()
+    assert m.num_live_blocks("a") == 1 and len(m.block_table("a")) == 7
+    with pytest.raises(ValueError, match="released outside the window"):
+        m.truncate("a", 20)
+    m.free("a")
+    m.check_integrity()
+    assert m.num_free_blocks == 16
