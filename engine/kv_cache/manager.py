@@ -8,7 +8,9 @@ Per step the scheduler calls, for every running sequence,
 ``commit`` (register the blocks that became full and computed, so later requests can share them).
 Both cost O(new blocks), not O(table length): a decoding sequence that needs no new block pays a
 few integer operations. ``find_prefix`` + ``allocate(prefix=...)`` admit a request on top of
-cached blocks; ``free`` ends a sequence (finished, aborted, or preempted for recompute).
+cached blocks; ``free`` ends a sequence (finished, aborted, or preempted for recompute);
+``truncate`` rolls a sequence back to fewer tokens (speculative decoding's rejected drafts,
+``engine.kv_cache.rollback``).
 
 With a host tier (``num_host_blocks > 0``) the manager also continues a device prefix hit with
 blocks the host holds (``PrefixHit.host_hashes``, loaded back by ``allocate``), spills evicted
