@@ -10,7 +10,8 @@ For each ``--kv-cache-dtype`` (auto = the model's float32, int8, fp8_e4m3 and fp
   prefilled in chunks of 16 tokens so that every chunk after the first attends over the cache
   as decode does (a whole prompt attends over its own exact K/V, as in vLLM);
 * decode speed on a KV-bound step: ``--batch`` sequences at each context length in
-  ``--contexts`` decoding together; TPOT from the requests' own timestamps (median).
+  ``--contexts`` decoding together, prompts prefilled first; the median time of a pure decode
+  step (= TPOT of each sequence).
 
 Prints a table, writes ``--json`` and, with ``--plot``, a PNG of bytes per token and maximum
 concurrency per dtype.
@@ -28,6 +29,7 @@ import platform
 import random
 import statistics
 import subprocess
+import time
 
 from tqdm import tqdm
 
@@ -73,14 +75,26 @@ def teacher_forced(llm: LLM, ids: list[int]) -> list[tuple[int, float]]:
             for p in range(1, len(ids))]
 
 
-def decode_tpot_ms(llm: LLM, batch: int, context: int, tokens: int, vocab: int) -> float:
+def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int) -> float:
+    """Median time of a pure decode step of ``batch`` sequences at ``context`` tokens: the
+    prompts are prefilled first (those steps are not timed), then ``steps`` steps timed."""
     rng = random.Random(context)
-    prompts = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens,
-                                                ignore_eos=True))
-    per = [(o.metrics.last_token_time - o.metrics.first_token_time) / (tokens - 1) * 1e3
-           for o in outs]
-    return statistics.median(per)
+    core = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(f"b{context}-{i}", [rng.randrange(100, vocab) for _ in range(context)],
+                         params)
+    started: set[str] = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in core.step() if o.outputs[0].token_ids}
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t0)
+    while core.has_unfinished_requests():
+        core.step()
+    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -89,7 +103,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--contexts", type=int, nargs="*", default=[512, 2048])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=24, help="decode tokens per timed run")
+    ap.add_argument("--tokens", type=int, default=24, help="decode steps timed per context")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -118,8 +132,8 @@ def main() -> None:
         fast = LLM(None, dtype="float32", quantization="none", kv_cache_memory=args.kv_memory,
                    max_model_len=args.max_model_len, kv_cache_dtype=kind,
                    calculate_kv_scales=calibrate)
-        decode_tpot_ms(fast, 2, 32, 4, runner.arch.vocab_size)  # warm-up
-        r["tpot_ms"] = {str(c): decode_tpot_ms(fast, args.batch, c, args.tokens,
+        decode_step_ms(fast, 2, 32, 4, runner.arch.vocab_size)  # warm-up
+        r["tpot_ms"] = {str(c): decode_step_ms(fast, args.batch, c, args.tokens,
                                                runner.arch.vocab_size) for c in args.contexts}
         results[label] = r
         del llm, fast
@@ -127,7 +141,7 @@ def main() -> None:
     base = results["auto"]
     print(f"\nKV cache dtypes, embedded model (SmolLM2-135M, 30 layers x 3 KV heads x 64), "
           f"float32 weights, {isa()}, {args.kv_memory} of KV")
-    cols = " | ".join(f"TPOT @{c} (ms)" for c in args.contexts)
+    cols = " | ".join(f"step @{c} (ms)" for c in args.contexts)
     print(f"| kv_cache_dtype | bytes/token | vs auto | blocks | max concurrency @"
           f"{args.max_model_len} | top-1 agreement | perplexity (delta) | {cols} |")
     print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(args.contexts))

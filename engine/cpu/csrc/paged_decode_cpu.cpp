@@ -154,8 +154,19 @@ void run_avx2(const Task<T>& t) {
   std::vector<float> scores(G * npad), inv(G);
   const __m256 vscale = _mm256_set1_ps(t.scale);
   // Scores, 8 keys at a time: 8 independent FMA chains, one horizontal-sum shuffle per 8 keys.
+  // 8-bit rows are widened once per block of 8 keys into kbuf (L1), not once per query head.
+  std::vector<float> kbuf(kScaled ? 8 * D : 0);
   for (int64_t i0 = 0; i0 < npad; i0 += 8) {
-    const T* const* rows = krows.data() + i0;
+    const float* rows[8];
+    if constexpr (kScaled) {
+      for (int j = 0; j < 8; j++) {
+        for (int64_t c = 0; c < D; c += 8)
+          _mm256_storeu_ps(kbuf.data() + j * D + c, load8(krows[i0 + j] + c, t.lut));
+        rows[j] = kbuf.data() + j * D;
+      }
+    } else {
+      for (int j = 0; j < 8; j++) rows[j] = krows[i0 + j];
+    }
     const __m256 rs = kScaled ? _mm256_loadu_ps(kscale.data() + i0) : vscale;
     if (i0 + kAhead + 8 <= npad) {  // block tables scatter rows: the hardware cannot guess ahead
       for (int j = 0; j < 8; j++)
@@ -168,7 +179,7 @@ void run_avx2(const Task<T>& t) {
       for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
       for (int64_t c = 0; c < D; c += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + c);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(rows[j] + c, t.lut), acc[j]);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + c), acc[j]);
       }
       _mm256_storeu_ps(scores.data() + g * npad + i0, _mm256_mul_ps(hsum8(acc), rs));
     }
