@@ -80,9 +80,10 @@ def _run_kv_calc(args: argparse.Namespace) -> int:
 
 def _add_common_workload(p: argparse.ArgumentParser, *, chat: bool) -> None:
     g = p.add_argument_group("workload")
-    choices = ["random", "shared-prefix"] + (["multi-turn"] if chat else [])
+    choices = ["random", "shared-prefix", "copy"] + (["multi-turn"] if chat else [])
     g.add_argument("--workload", choices=choices, default="random",
-                   help="random prompts; K groups behind a common prefix"
+                   help="random prompts; K groups behind a common prefix; copy: a passage and "
+                        "its beginning again, so the answer copies the prompt (input-grounded)"
                         + ("; multi-turn chat resending the conversation" if chat else ""))
     g.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=64,
                    help="requests in the run (multi-turn: conversations x turns) (default 64)")

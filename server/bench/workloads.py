@@ -1,4 +1,6 @@
-"""Benchmark workloads: random prompts, shared-prefix groups, multi-turn chats.
+"""Benchmark workloads: random prompts, shared-prefix groups, multi-turn chats, and ``copy``
+(input-grounded: a passage, then its first part again, so the answer continues copying the
+prompt, the case speculative decoding's n-gram lookup is for).
 
 Prompts are random sequences of common English words. With a tokenizer, a prompt is cut to
 exactly the asked number of tokens (``Prompt.token_ids``) and its text is the decoding of those
@@ -14,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-KINDS = ("random", "shared-prefix", "multi-turn")
+KINDS = ("random", "shared-prefix", "multi-turn", "copy")
 
 _WORDS = """the of and to in is was that for on are with as his they be at one have this from or
 had by word but what some we can out other were all there when up use your how said an each she
@@ -157,6 +159,21 @@ class PromptMaker:
         ids = ids[:num_tokens]
         return Prompt(self.tokenizer.decode(ids), num_tokens, ids)
 
+    def make_copy(self, num_tokens: int) -> Prompt:
+        """``num_tokens`` of prompt: a passage of about two thirds of them, then the passage's
+        beginning again (cut to fill the rest), so that its continuation is the passage."""
+        if num_tokens < 2:
+            return self.make(num_tokens)
+        passage = self.make(max(1, num_tokens * 2 // 3))
+        rest = num_tokens - passage.num_tokens
+        if passage.token_ids is not None:
+            ids = passage.token_ids[:rest]
+            again = Prompt(self.tokenizer.decode(ids), len(ids), ids)
+        else:
+            words = passage.text.split()[:rest]
+            again = Prompt(" " + " ".join(words), len(words))
+        return passage + again
+
     def length(self, mean: int, ratio: float) -> int:
         if ratio <= 0:
             return mean
@@ -167,8 +184,9 @@ class PromptMaker:
 def build_sessions(cfg: WorkloadConfig, tokenizer: Tokenizer | None) -> list[Session]:
     """The sessions of a run; their turns add up to exactly ``cfg.num_requests`` requests."""
     maker = PromptMaker(tokenizer, cfg.seed)
-    if cfg.kind == "random":
-        return [Session(i, [RequestSpec(maker.make(maker.length(cfg.input_len, cfg.range_ratio)),
+    if cfg.kind in ("random", "copy"):
+        make = maker.make if cfg.kind == "random" else maker.make_copy
+        return [Session(i, [RequestSpec(make(maker.length(cfg.input_len, cfg.range_ratio)),
                                         maker.length(cfg.output_len, cfg.range_ratio))])
                 for i in range(cfg.num_requests)]
     if cfg.kind == "shared-prefix":

@@ -91,6 +91,12 @@ def test_workloads_have_the_asked_shape():
     assert ids[0][:32] == ids[2][:32] == ids[4][:32] != ids[1][:32]
     assert len({tuple(i[32:]) for i in ids}) == 6
 
+    copies = build_sessions(WorkloadConfig("copy", num_requests=3, input_len=30, output_len=5),
+                            tok)
+    for s in copies:
+        ids = s.turns[0].prompt.token_ids
+        assert len(ids) == 30 and ids[20:] == ids[:10]  # a passage of 20, its first 10 again
+
     chats = build_sessions(WorkloadConfig("multi-turn", num_requests=7, num_turns=3), None)
     assert [len(s.turns) for s in chats] == [3, 3, 1] and all(s.chat for s in chats)
     # The same seed gives the same prompts; the word fallback sizes prompts in words.
