@@ -131,12 +131,20 @@ def _perplexity(llm: LLM, ids: list[int]) -> float:
 def test_packed_kernels_perplexity_within_one_percent(llm, monkeypatch):
     """The packed kernels' one approximation (int8 activations per group of 32) costs at most 1%
     of perplexity against the exact path. Prefill in chunks of 16 rows so that every row goes
-    through the packed kernels, as decode does (larger chunks dequantise panels: exact)."""
+    through the packed kernels, as decode does (larger chunks dequantise panels: exact).
+
+    On 455 tokens (this text and the KV calibration text): the int8 rounding of activations
+    makes each position's log-prob wander (~0.1 nat) with float-rounding-level changes upstream
+    (attention summed in another order), so a 172-token estimate alone swings by ~1%
+    (measured +0.03% and +1.15% for two attention paths equal to 1e-7); 455 tokens: +0.07% /
+    +0.53%."""
+    from engine.kv_cache.kv_calibration import CALIBRATION_TEXT
+
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     packed = LLM(None, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
                  max_num_batched_tokens=16, quantization="auto")
     assert packed.engine.runner.quantized
-    ids = llm.tokenizer.encode(TEXT)
+    ids = llm.tokenizer.encode(TEXT + "\n\n" + CALIBRATION_TEXT)
     exact, approx = _perplexity(llm, ids), _perplexity(packed, ids)
     assert abs(approx / exact - 1) <= 0.01, f"perplexity {approx:.3f} vs exact {exact:.3f}"
 
