@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import random
 import statistics
@@ -34,19 +33,8 @@ import time
 from tqdm import tqdm
 
 from engine import LLM, SamplingParams
+from tests.models.teacher_forced import TEXT, forced, perplexity_of
 
-TEXT = (
-    "The lighthouse stood at the end of a narrow spit of rock, and for forty years the same "
-    "family had kept its lamp burning. Every evening the keeper climbed the spiral stairs, "
-    "trimmed the wick, polished the great lens and wrote the weather in a leather book. Ships "
-    "passed in the dark without ever knowing his name. In winter the storms came from the "
-    "north and the spray reached the gallery rail; in summer the fog rolled in so thick that "
-    "he rang the bell by hand through the night. When the harbour board installed an electric "
-    "lamp and a clockwork that needed no one, the keeper packed his books, locked the door "
-    "and walked along the causeway to the village, where children asked him what the sea "
-    "looked like from the top. He told them it looked like a field of moving glass, and that "
-    "the stars were closer there than anywhere else on earth."
-)
 VARIANTS = [  # (label, kv_cache_dtype, calculate_kv_scales)
     ("auto", "auto", False),
     ("int8", "int8", False),
@@ -66,13 +54,6 @@ def isa() -> str:
     if "avx512f" in flags:
         return "AVX-512"
     return "AVX2" if "avx2" in flags else platform.machine()
-
-
-def teacher_forced(llm: LLM, ids: list[int]) -> list[tuple[int, float]]:
-    """(rank of the true token, its logprob) at every position after the first."""
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-    return [(out.prompt_logprobs[p][ids[p]].rank, out.prompt_logprobs[p][ids[p]].logprob)
-            for p in range(1, len(ids))]
 
 
 def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int) -> float:
@@ -116,16 +97,16 @@ def main() -> None:
                   kv_cache_dtype=kind, calculate_kv_scales=calibrate)
         runner = llm.engine.runner
         ids = llm.tokenizer.encode(TEXT)
-        forced = teacher_forced(llm, ids)
-        ppl = math.exp(-sum(lp for _, lp in forced) / len(forced))
+        ranked = forced(llm, ids)
+        ppl = perplexity_of(ranked)
         r = {"kv_cache_dtype": kind, "calculate_kv_scales": calibrate,
              "bytes_per_token": runner.kv_bytes_per_token, "num_blocks": runner.num_blocks,
              "max_concurrency": runner.num_blocks * llm.engine.config.block_size
              / args.max_model_len, "perplexity": ppl}
         if reference is None:
-            reference = (forced, ppl)
+            reference = (ranked, ppl)
         ref_top1 = [rank == 1 for rank, _ in reference[0]]
-        agree = [(rank == 1) == want for (rank, _), want in zip(forced, ref_top1)]
+        agree = [(rank == 1) == want for (rank, _), want in zip(ranked, ref_top1)]
         r["top1_agreement"] = sum(agree) / len(agree)
         r["perplexity_delta"] = ppl / reference[1] - 1
         # Decode speed: a separate engine with whole-prompt prefill (the timed part is decode).

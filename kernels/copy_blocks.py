@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.kv_quant_layout import byte_view
+
 try:  # Triton is optional: the host-offload tier must work on CPU-only installs too.
     import triton
     import triton.language as tl
@@ -109,14 +111,6 @@ def copy_blocks_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor],
         ALIGNED=aligned, BLOCK=_COPY_BLOCK)
 
 
-def _bytes_if_fp8(pool: torch.Tensor) -> torch.Tensor:
-    """fp8 pools move as their uint8 view: CPU PyTorch has no float8 index_select/index_copy_,
-    and a block copy moves bytes anyway."""
-    if pool.dtype.itemsize == 1 and pool.dtype.is_floating_point:
-        return pool.view(torch.uint8)
-    return pool
-
-
 def _copy_same_device(srcs, dsts, mapping) -> None:
     if (triton is not None and srcs[0].is_cuda and srcs[0].element_size() in _INT_OF_SIZE
             and all(t.is_contiguous() for t in srcs + dsts)):
@@ -158,7 +152,8 @@ def copy_blocks(src: torch.Tensor | Sequence[torch.Tensor],
     """
     srcs, dsts = _as_list(src), _as_list(dst)
     _validate(srcs, dsts, mapping)
-    srcs, dsts = [_bytes_if_fp8(t) for t in srcs], [_bytes_if_fp8(t) for t in dsts]
+    # fp8 pools move as bytes: CPU PyTorch has no float8 index_select / index_copy_.
+    srcs, dsts = [byte_view(t) for t in srcs], [byte_view(t) for t in dsts]
     if not srcs or mapping.shape[0] == 0:
         return
     if srcs[0].device == dsts[0].device:

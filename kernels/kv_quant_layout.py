@@ -28,6 +28,11 @@ def kv_quant_kind(cache: torch.Tensor) -> int:
     return 0
 
 
+def byte_view(pool: torch.Tensor) -> torch.Tensor:
+    """``pool``, or for fp8 its uint8 view (for moves of bytes that PyTorch cannot index)."""
+    return pool.view(torch.uint8) if kv_quant_kind(pool) == 2 else pool
+
+
 @functools.lru_cache(maxsize=32)
 def unit_scales(num_kv_heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head fp8 scales of 1.0 (an uncalibrated fp8 pool), cached per shape and device."""

@@ -129,6 +129,10 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.kv_format: KVFormat = kv_format(config.kv_cache_dtype, self.dtype,
                                              self.arch.head_dim)
+        if self.kv_format.kind == "fp8":  # per-head scales 1.0 until calibrate_kv_scales
+            one = torch.ones(self.arch.num_kv_heads, device=self.device)
+            for layer in self.model.layers:
+                layer.kv_scales = (one, one)
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0

@@ -14,6 +14,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.kv_cache.kv_calc import kv_bytes_per_token
 from engine.loading.tiny import make_tiny_model_dir
+from tests.models.teacher_forced import top1
 
 BS = 4
 KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -41,15 +42,10 @@ def _agreement(llm: LLM, ids_list, reference) -> float:
     """Teacher-forced top-1 agreement with ``reference`` (lists of top-1 hits per position)."""
     same = total = 0
     for ids, ref in zip(ids_list, reference):
-        got = _top1(llm, ids)
+        got = top1(llm, ids)
         same += sum(a == b for a, b in zip(got, ref))
         total += len(ref)
     return same / total
-
-
-def _top1(llm: LLM, ids):
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-    return [out.prompt_logprobs[p][ids[p]].rank == 1 for p in range(1, len(ids))]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -69,7 +65,7 @@ def test_teacher_forced_agreement_with_the_exact_cache(tiny, kind):
     """Chunks of 4 tokens: every chunk after the first attends over the 8-bit cache."""
     ids_list = [p + p[::-1] for p in _prompts()]
     exact = _llm(tiny, max_num_batched_tokens=4, max_model_len=128)
-    reference = [_top1(exact, ids) for ids in ids_list]
+    reference = [top1(exact, ids) for ids in ids_list]
     quant = _llm(tiny, max_num_batched_tokens=4, max_model_len=128, kv_cache_dtype=kind,
                  calculate_kv_scales=kind.startswith("fp8"))
     assert _agreement(quant, ids_list, reference) >= 0.95

@@ -26,6 +26,7 @@ from engine.loading.tiny import make_tiny_model_dir
 from engine.models.quant_apply import HEAD_SCHEMES
 from engine.models.quant_linear import QuantEmbedding, QuantLinear, quant_kernels
 from engine.models.quant_rtn import quantise
+from tests.models.teacher_forced import continuation_hits
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 
@@ -72,15 +73,10 @@ def _llm(path, quantization: str, **kw) -> LLM:
 def _agreement(llm: LLM, continuations) -> float:
     """Teacher-forced top-1 agreement with ``continuations``, each cut before its first id the
     tokenizer lacks (the model's 260 logits include ids a prompt may not hold)."""
-    hits = total = 0
     bound = llm.engine.token_id_bound
-    for prompt, cont in zip(PROMPTS, continuations):
-        ids = prompt + list(itertools.takewhile(lambda t: t < bound, cont))
-        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1,
-                                                 prompt_logprobs=1))[0]
-        for pos in range(len(prompt), len(ids)):
-            total += 1
-            hits += out.prompt_logprobs[pos][ids[pos]].rank == 1
+    hits, total = continuation_hits(llm, [
+        (prompt, list(itertools.takewhile(lambda t: t < bound, cont)))
+        for prompt, cont in zip(PROMPTS, continuations)])
     assert total >= 30  # enough positions survive the cut to mean something
     return hits / total
 

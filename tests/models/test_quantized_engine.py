@@ -16,6 +16,7 @@ import logging
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.models.teacher_forced import continuation_hits
 
 PROMPTS = [list(b"hello world, "), list(b"The quick brown fox"), list(b"0123456789" * 5)]
 
@@ -33,19 +34,6 @@ def _llm(path, cache, monkeypatch, **kw) -> LLM:
     return LLM(str(path), dtype="float32", kv_cache_memory="16MiB", **kw)
 
 
-def _agreement(llm: LLM, prompts, continuations) -> float:
-    """Share of continuation positions where ``llm``'s top-1 (teacher-forced) is the token."""
-    hits = total = 0
-    for prompt, cont in zip(prompts, continuations):
-        ids = prompt + cont
-        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1,
-                                                 prompt_logprobs=1))[0]
-        for pos in range(len(prompt), len(ids)):
-            total += 1
-            hits += out.prompt_logprobs[pos][ids[pos]].rank == 1
-    return hits / total
-
-
 def test_auto_keeps_weights_packed_and_agrees_with_none(q_gguf, monkeypatch):
     path, cache = q_gguf
     none = _llm(path, cache, monkeypatch, quantization="none")
@@ -60,7 +48,8 @@ def test_auto_keeps_weights_packed_and_agrees_with_none(q_gguf, monkeypatch):
     kinds = {type(m).__name__ for m in runner.model.modules()}
     assert {"QuantLinear", "QuantEmbedding"} <= kinds and "Linear" not in kinds
     assert runner.weight_bytes < none.engine.runner.weight_bytes / 3
-    assert _agreement(auto, PROMPTS, expected) >= 0.95
+    hits, total = continuation_hits(auto, zip(PROMPTS, expected))
+    assert hits / total >= 0.95
     outs = auto.generate(PROMPTS, params)  # free-running greedy still works end to end
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     auto.engine.kv.check_integrity()
@@ -108,7 +97,8 @@ def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch):
     head = model.embed_tokens.head  # Q6_K: scales per 16
     assert not head.is_q4 and head.in_features // head.d.shape[1] == 16
     assert runner.weight_bytes < none.engine.runner.weight_bytes / 2.5
-    assert _agreement(auto, PROMPTS, expected) >= 0.95
+    hits, total = continuation_hits(auto, zip(PROMPTS, expected))
+    assert hits / total >= 0.95
     outs = auto.generate(PROMPTS, params)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     auto.engine.kv.check_integrity()

@@ -6,12 +6,17 @@ the exact path; quantised on load (``int4``: 4-bit projections and an 8-bit toke
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.loading.hf_reference import hf_greedy, load_hf
+from tests.models.teacher_forced import (
+    TEXT,
+    continuation_hits,
+    forced,
+    perplexity,
+    perplexity_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,15 +65,8 @@ def test_packed_weights_agree_with_hf(smollm2_files, monkeypatch):
     assert llm.engine.runner.quantized
     assert llm.engine.runner.weight_bytes <= 1.3 * embedded_gguf_path().stat().st_size
     hf = load_hf(smollm2_files.path)
-    hits = total = 0
-    for text in PROMPTS:
-        prompt = llm.tokenizer.encode(text)
-        ids = prompt + hf_greedy(hf, prompt, 24)
-        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1,
-                                                 prompt_logprobs=1))[0]
-        for pos in range(len(prompt), len(ids)):
-            total += 1
-            hits += out.prompt_logprobs[pos][ids[pos]].rank == 1
+    prompts = [llm.tokenizer.encode(text) for text in PROMPTS]
+    hits, total = continuation_hits(llm, [(p, hf_greedy(hf, p, 24)) for p in prompts])
     assert hits / total >= 0.95, f"top-1 agreement {hits}/{total}"
 
 
@@ -80,18 +78,6 @@ def hf_continuations(smollm2_files, llm):
     return [(p, hf_greedy(hf, p, 24)) for p in prompts]
 
 
-def _agreement_with(llm: LLM, continuations) -> tuple[int, int]:
-    hits = total = 0
-    for prompt, cont in continuations:
-        ids = prompt + cont
-        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1,
-                                                 prompt_logprobs=1))[0]
-        for pos in range(len(prompt), len(ids)):
-            total += 1
-            hits += out.prompt_logprobs[pos][ids[pos]].rank == 1
-    return hits, total
-
-
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_quantised_on_load_agrees_with_hf(llm, hf_continuations, scheme):
     """The embedded model's dequantised (float) weights quantised on load. Its projections come
@@ -101,31 +87,11 @@ def test_quantised_on_load_agrees_with_hf(llm, hf_continuations, scheme):
             quantization=scheme)
     assert q.engine.runner.quantized
     assert q.engine.runner.weight_bytes < llm.engine.runner.weight_bytes / 5
-    hits, total = _agreement_with(q, hf_continuations)
+    hits, total = continuation_hits(q, hf_continuations)
     assert hits / total >= 0.95, f"top-1 agreement {hits}/{total}"
     ids = llm.tokenizer.encode(TEXT)
-    exact, approx = _perplexity(llm, ids), _perplexity(q, ids)
+    exact, approx = perplexity(llm, ids), perplexity(q, ids)
     assert abs(approx / exact - 1) <= 0.03, f"perplexity {approx:.3f} vs exact {exact:.3f}"
-
-
-TEXT = (
-    "The lighthouse stood at the end of a narrow spit of rock, and for forty years the same "
-    "family had kept its lamp burning. Every evening the keeper climbed the spiral stairs, "
-    "trimmed the wick, polished the great lens and wrote the weather in a leather book. Ships "
-    "passed in the dark without ever knowing his name. In winter the storms came from the "
-    "north and the spray reached the gallery rail; in summer the fog rolled in so thick that "
-    "he rang the bell by hand through the night. When the harbour board installed an electric "
-    "lamp and a clockwork that needed no one, the keeper packed his books, locked the door "
-    "and walked along the causeway to the village, where children asked him what the sea "
-    "looked like from the top. He told them it looked like a field of moving glass, and that "
-    "the stars were closer there than anywhere else on earth."
-)
-
-
-def _perplexity(llm: LLM, ids: list[int]) -> float:
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
-    lps = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
-    return math.exp(-sum(lps) / len(lps))
 
 
 def test_packed_kernels_perplexity_within_one_percent(llm, monkeypatch):
@@ -145,7 +111,7 @@ def test_packed_kernels_perplexity_within_one_percent(llm, monkeypatch):
                  max_num_batched_tokens=16, quantization="auto")
     assert packed.engine.runner.quantized
     ids = llm.tokenizer.encode(TEXT + "\n\n" + CALIBRATION_TEXT)
-    exact, approx = _perplexity(llm, ids), _perplexity(packed, ids)
+    exact, approx = perplexity(llm, ids), perplexity(packed, ids)
     assert abs(approx / exact - 1) <= 0.01, f"perplexity {approx:.3f} vs exact {exact:.3f}"
 
 
@@ -163,10 +129,7 @@ def test_quantised_kv_cache_agreement_and_perplexity(llm, kind, max_delta):
     ids = llm.tokenizer.encode(TEXT)
     for prompt in PROMPTS:
         ids += llm.tokenizer.encode(" " + prompt)
-    ref = exact.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-    got = quant.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-    ref_top1 = [ref.prompt_logprobs[p][ids[p]].rank == 1 for p in range(1, len(ids))]
-    got_top1 = [got.prompt_logprobs[p][ids[p]].rank == 1 for p in range(1, len(ids))]
-    agreement = sum(a == b for a, b in zip(ref_top1, got_top1)) / len(ref_top1)
+    ref, got = forced(exact, ids), forced(quant, ids)  # one prefill each: ranks and log-probs
+    agreement = sum((a == 1) == (b == 1) for (a, _), (b, _) in zip(ref, got)) / len(ref)
     assert agreement >= 0.98, f"{kind}: top-1 agreement {agreement:.1%}"
-    assert abs(_perplexity(quant, ids) / _perplexity(exact, ids) - 1) <= max_delta
+    assert abs(perplexity_of(got) / perplexity_of(ref) - 1) <= max_delta
