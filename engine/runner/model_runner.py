@@ -34,7 +34,7 @@ from engine.kv_cache.kv_quant import KVFormat, kv_format
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.models.quant_apply import adopt, packed_replacements
+from engine.models.quant_apply import adopt, packed_replacements, serves_packed_gguf
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.runner.batch import ModelInput
@@ -62,7 +62,8 @@ class ModelOutput:
 
 
 def cpu_has_bf16() -> bool:
-    """True when the CPU has native bf16 matmul instructions (AVX-512 BF16 or AMX)."""
+    """True when the CPU has native bf16 matmul instructions (AVX-512 BF16 or AMX). Only says
+    whether probing bf16 is worth its time (benchmarks); never picks a dtype by itself."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -71,17 +72,24 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -> torch.dtype:
-    """``name`` as a torch dtype; ``auto`` is measured per device, float32 for int4/int8 (the
-    packed kernels' activations)."""
+def resolve_dtype(name: str, device: torch.device, quantization: str = "auto",
+                  hf_config: Any = None, packed_checkpoint: bool = False) -> torch.dtype:
+    """``name`` as a torch dtype. ``auto``: bf16 (fp16 without bf16) on a GPU; on the CPU
+    float32 where packed weights serve (int4/int8, or ``auto`` over a quantised GGUF: the
+    packed kernels take float32 activations, and their prefill panels' dtype is probed on its
+    own), else the faster of float32 and bfloat16 measured on this model's shapes
+    (``engine.runner.dtype_probe``; float32 when no config is given)."""
     if name != "auto":
         return _DTYPES[name]
     if quantization in ("int4", "int8"):
         return torch.float32
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # Measured on the development CPU (AVX-512 BF16): bf16 linears run ~2.3x fp32 at batch >= 32.
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if packed_checkpoint or hf_config is None:
+        return torch.float32
+    from engine.runner.dtype_probe import measured_cpu_dtype
+
+    return measured_cpu_dtype(hf_config)
 
 
 def total_ram_bytes() -> int:
@@ -99,7 +107,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         set_device_for_thread(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization, hf_config,
+                                   self.device.type == "cpu"
+                                   and serves_packed_gguf(config, files_dir))
         self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype)
         self.arch: ModelArch = self.model.arch
         if config.load_format == "dummy":

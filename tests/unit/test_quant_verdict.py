@@ -1,4 +1,4 @@
-"""The start-up choice between packed quantised and float linears (engine/models/quant_apply.py
+"""The start-up choice between packed quantised and float linears (engine/models/quant_probe.py
 ``choose``) and the per-call routing it sets up (``QuantLinear.keep_float_above``).
 
 The choice must follow the measurements only: the quantised path keeps the row counts it won,
@@ -13,10 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import quant_apply
-from engine.models.quant_apply import ProbeResult, QuantisedModules, choose
+from engine.models import quant_apply, quant_probe
+from engine.models.quant_linear import QuantisedModules
+from engine.models.quant_probe import ProbeResult, Verdict, choose
 
 gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(autouse=True)
+def _panels_measure_float32_faster(monkeypatch):
+    """The panel-dtype probe, deterministic unless a test replaces it: float32 panels win."""
+    monkeypatch.setattr(quant_probe, "probe_panels",
+                        lambda q, rows, repeats=3: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0)))
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -32,7 +40,7 @@ def _fake_probe(wins: dict[int, bool]):
     ({1: False, 4: True, 16: True, 64: True, 256: True}, "float", None),
 ])
 def test_choice_follows_the_measurements(monkeypatch, wins, mode, above):
-    monkeypatch.setattr(quant_apply, "probe", _fake_probe(wins))
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(wins))
     verdict = choose(nn.Module(), QuantisedModules())
     assert (verdict.mode, verdict.float_above) == (mode, above)
     assert sorted(verdict.probes) == [1, 4, 16, 64, 256]
@@ -40,7 +48,7 @@ def test_choice_follows_the_measurements(monkeypatch, wins, mode, above):
 
 
 def test_force_uses_the_quantised_path_for_every_size(monkeypatch):
-    monkeypatch.setattr(quant_apply, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256),
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256),
                                                                         False)))
     assert choose(nn.Module(), QuantisedModules(), force=True).mode == "quant"
 
@@ -86,7 +94,7 @@ def test_disagreeing_runs_are_measured_again(monkeypatch):
             return ProbeResult(1.0, 9.0, (1.0, 1.1), (9.0, 30.0))
         return ProbeResult(1.0, 0.5, (1.0, 1.0), (0.5, 0.5))
 
-    monkeypatch.setattr(quant_apply, "probe", probe)
+    monkeypatch.setattr(quant_probe, "probe", probe)
     verdict = choose(nn.Module(), QuantisedModules())
     assert calls.count(1) == 2 and calls.count(4) == 1
     assert verdict.probes[1].quant_s == 0.5 and verdict.mode == "quant" and verdict.confirmed
@@ -102,7 +110,7 @@ def test_verdict_is_cached_per_machine(monkeypatch, tmp_path):
         return ProbeResult(1.0, 0.5 if rows <= 4 else 2.0, (1.0, 1.0), (0.5, 0.5) if rows <= 4
                            else (2.0, 2.0))
 
-    monkeypatch.setattr(quant_apply, "probe", probe)
+    monkeypatch.setattr(quant_probe, "probe", probe)
     first, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
     assert (first.mode, first.float_above) == ("hybrid", 4) and "cached for later" in how
     n = len(calls)
@@ -123,7 +131,38 @@ def test_a_busy_machines_verdict_is_not_cached(monkeypatch, tmp_path):
         t = float(next(stall))
         return ProbeResult(t, 2 * t, (t, 5 * t), (2 * t, 9 * t))
 
-    monkeypatch.setattr(quant_apply, "probe", probe)
+    monkeypatch.setattr(quant_probe, "probe", probe)
     verdict, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
     assert not verdict.confirmed and "not cached" in how
     assert not list(tmp_path.rglob("*.json"))
+
+
+@pytest.mark.parametrize(("bf16_s", "want"), [(0.4, "bfloat16"), (2.5, "float32")])
+def test_panel_dtype_follows_its_measurement(monkeypatch, bf16_s, want):
+    """The dense (prefill) path's panel dtype is the one measured faster at the largest probed
+    row count above the kernels' limit; it is set on every module and kept in the verdict."""
+    seen = []
+
+    def probe_panels(q, rows, repeats=3):
+        seen.append(rows)
+        return ProbeResult(1.0, bf16_s, (1.0, 1.0), (bf16_s, bf16_s))
+
+    monkeypatch.setattr(quant_probe, "probe_panels", probe_panels)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
+    verdict = choose(nn.Module(), QuantisedModules())
+    assert seen == [256] and verdict.panel_dtype == want
+    assert f"prefill panels {want}" in verdict.describe()
+    back = Verdict.from_dict(verdict.to_dict())
+    assert (back.panel_dtype, back.mode) == (want, "quant")
+    # Only decode-sized row counts probed: no dense path to choose for.
+    seen.clear()
+    assert choose(nn.Module(), QuantisedModules(), rows=(1, 4)).panel_dtype == "float32"
+    assert seen == []
+
+
+def test_a_verdict_cached_before_panels_existed_reads_as_float32_panels():
+    old = {"mode": "hybrid", "float_above": 16, "probes": {"1": [2.0, 1.0]}}
+    v = Verdict.from_dict(old)
+    assert (v.mode, v.float_above, v.panel_dtype) == ("hybrid", 16, "float32")
+    with pytest.raises(ValueError, match="panel dtype"):
+        Verdict.from_dict({**old, "panel_dtype": "float16"})

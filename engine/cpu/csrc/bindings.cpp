@@ -28,9 +28,9 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
 torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                                 torch::Tensor m);
 torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                               torch::Tensor rows);
+                               torch::Tensor rows, bool bf16);
 torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
-                               torch::Tensor rows);
+                               torch::Tensor rows, bool bf16);
 std::string quant_gemm_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -49,7 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_q4", &quant_gemm_q4, "x @ W^T, W 4-bit groups of 32 (d*q+m)");
   m.def("quant_gemm_q4_fma", &quant_gemm_q4_fma, "q4 x float activations, float FMA (benchmark)");
   m.def("quant_gemm_q8", &quant_gemm_q8, "x @ W^T, W 8-bit groups of 32 (d*q [+ m]; d per 16 or 32)");
-  m.def("quant_dequant_q4", &quant_dequant_q4, "float32 rows of a 4-bit packed weight");
-  m.def("quant_dequant_q8", &quant_dequant_q8, "float32 rows of an 8-bit packed weight");
+  m.def("quant_dequant_q4", &quant_dequant_q4, "float32 (bf16=True: bfloat16) rows of a 4-bit packed weight",
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false);
+  m.def("quant_dequant_q8", &quant_dequant_q8, "float32 (bf16=True: bfloat16) rows of an 8-bit packed weight",
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false);
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
 }
