@@ -46,13 +46,11 @@ from engine.models.quant_linear import (
 )
 from engine.models.quant_probe import (
     MAX_PROBE_ATTEMPTS,
-    PROBE_ROWS,
     Verdict,
+    apply_settings,
     choose,
-    confirmed_probe,
     float_modules,
-    probe_panels,
-    set_panel_dtype,
+    measure_settings,
 )
 from engine.models.quant_rtn import SCHEMES, quantise
 
@@ -220,11 +218,9 @@ def adopt(model: nn.Module, quantised: QuantisedModules, config) -> Verdict:
     :func:`adopt_if_faster` (call it after)."""
     if config.quantization not in SCHEMES:
         return adopt_if_faster(model, quantised)
-    panel_probe = confirmed_probe(lambda repeats: probe_panels(quantised, PROBE_ROWS[-1], repeats), 2)
-    panel_dtype = "bfloat16" if panel_probe.use_quantised else "float32"
-    set_panel_dtype(quantised, panel_dtype)
+    settings = measure_settings(quantised)
     n = apply(model, quantised)
-    verdict = Verdict("quant", None, {}, panel_dtype, panel_probe)
+    verdict = Verdict("quant", None, {}, settings)
     logger.info("quantization=%s (round-to-nearest, groups of %d): %d modules on packed "
                 "weights, %.1f MiB, as requested (%s)", config.quantization,
                 config.quantization_group_size, n, quantised.nbytes / 2**20,
@@ -239,7 +235,7 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:
     packed weights for every size whatever the probe says (tests)."""
     force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
     verdict, how = _cached_or_probed(model, quantised, force)
-    set_panel_dtype(quantised, verdict.panel_dtype)
+    apply_settings(quantised, verdict)
     if verdict.mode == "float":
         logger.info("quantization=auto: keeping float weights, the quantised kernels are "
                     "slower on this machine (%s; %s)", verdict.describe(), how)

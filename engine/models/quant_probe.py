@@ -14,12 +14,12 @@ machine) are taken again. ``engine.models.quant_apply`` caches and applies the v
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from engine.models.quant_linear import DENSE_ROWS, QuantisedModules
+from engine.models.quant_linear import DENSE_ROWS, QuantisedModules, vnni_available
 
 
 @dataclass
@@ -63,72 +63,129 @@ class Verdict:
     mode: str
     float_above: int | None
     probes: dict[int, ProbeResult]
-    panel_dtype: str = "float32"
-    panel_probe: ProbeResult | None = None
+    settings: dict[str, Setting] = field(default_factory=dict)
+
+    def setting(self, key: str) -> str:
+        """The measured value of ``key`` (a :data:`SETTINGS` key), else its first option."""
+        s = self.settings.get(key)
+        return s.value if s is not None else SETTINGS[key][1][0]
+
+    @property
+    def panel_dtype(self) -> str:
+        return self.setting("panel_dtype")
+
+    @property
+    def q4_kernel(self) -> str:
+        return self.setting("q4_kernel")
 
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
                          f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
-        if self.panel_probe is not None:
-            r = self.panel_probe
-            text += (f"; prefill panels {self.panel_dtype} (float32 {r.float_s * 1e3:.2f} ms, "
-                     f"bfloat16 {r.quant_s * 1e3:.2f} ms)")
-        return text
+        return "; ".join(t for t in [text, *(s.describe() for s in self.settings.values())] if t)
 
     @property
     def confirmed(self) -> bool:
-        extra = [] if self.panel_probe is None else [self.panel_probe]
+        extra = [s.probe for s in self.settings.values() if s.probe is not None]
         return all(r.confirmed for r in [*self.probes.values(), *extra])
 
     def to_dict(self) -> dict:
-        d = {"mode": self.mode, "float_above": self.float_above, "panel_dtype": self.panel_dtype,
-             "probes": {str(n): [r.float_s, r.quant_s] for n, r in self.probes.items()}}
-        if self.panel_probe is not None:
-            d["panel_probe"] = [self.panel_probe.float_s, self.panel_probe.quant_s]
-        return d
+        return {"mode": self.mode, "float_above": self.float_above,
+                "probes": {str(n): [r.float_s, r.quant_s] for n, r in self.probes.items()},
+                "settings": {k: [s.value, *([s.probe.float_s, s.probe.quant_s] if s.probe else [])]
+                             for k, s in self.settings.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> Verdict:
         if d["mode"] not in ("quant", "hybrid", "float"):
             raise ValueError(f"unknown verdict mode {d['mode']!r}")
-        panel = d.get("panel_dtype", "float32")
-        if panel not in ("float32", "bfloat16"):
-            raise ValueError(f"unknown panel dtype {panel!r}")
         probes = {int(n): ProbeResult(f, q) for n, (f, q) in d["probes"].items()}
-        pp = d.get("panel_probe")
-        return cls(d["mode"], d["float_above"], probes, panel,
-                   None if pp is None else ProbeResult(*pp))
+        settings = {}
+        for key, (value, *times) in d.get("settings", {}).items():
+            if key not in SETTINGS or value not in SETTINGS[key][1]:
+                raise ValueError(f"unknown setting {key}={value!r}")
+            settings[key] = Setting(key, value, ProbeResult(*times) if times else None)
+        return cls(d["mode"], d["float_above"], probes, settings)
+
+
+# A measured binary choice of the quantised modules: key -> (what it is, (first, second option)).
+SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
+            "q4_kernel": ("4-bit decode kernel", ("base", "vnni"))}
+
+
+@dataclass
+class Setting:
+    """The value of a :data:`SETTINGS` key: its second option where ``probe`` measured it faster
+    (``probe.quant_s`` times the second option, ``probe.float_s`` the first)."""
+
+    key: str
+    value: str
+    probe: ProbeResult | None = None
+
+    @classmethod
+    def measured(cls, key: str, probe: ProbeResult) -> Setting:
+        return cls(key, SETTINGS[key][1][1 if probe.use_quantised else 0], probe)
+
+    def describe(self) -> str:
+        what, (first, second) = SETTINGS[self.key]
+        if self.probe is None:
+            return f"{what} {self.value}"
+        return (f"{what} {self.value} ({first} {self.probe.float_s * 1e3:.2f} ms, {second} "
+                f"{self.probe.quant_s * 1e3:.2f} ms)")
 
 
 @torch.no_grad()
 def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS,
            force: bool = False) -> Verdict:
-    """First the dense path's panel dtype: where row counts above the kernels' ``dense_rows``
-    are probed, their largest is timed with float32 and bfloat16 panels (:func:`probe_panels`)
-    and the faster kept. Then each row count in increasing order, float against quantised; the
-    quantised path keeps the smallest counts it wins, contiguously from 1 row. A measurement
-    whose runs disagree (:attr:`ProbeResult.confirmed`: the machine is busy) is taken again, up
-    to ``MAX_PROBE_ATTEMPTS`` times. ``force``: measure, but use the quantised path for all."""
-    panel_dtype, panel_probe = "float32", None
-    dense = [n for n in rows if n > DENSE_ROWS]
-    if dense:
-        panel_probe = confirmed_probe(lambda repeats: probe_panels(q, max(dense), repeats), 2)
-        if panel_probe.use_quantised:
-            panel_dtype = "bfloat16"
-    set_panel_dtype(q, panel_dtype)
+    """First the quantised modules' own settings (:func:`measure_settings`), then each row
+    count in increasing order, float against quantised; the quantised path keeps the smallest
+    counts it wins, contiguously from 1 row. A measurement whose runs disagree
+    (:attr:`ProbeResult.confirmed`: the machine is busy) is taken again, up to
+    ``MAX_PROBE_ATTEMPTS`` times. ``force``: measure, but use the quantised path for all."""
+    settings = measure_settings(q, rows)
     probes: dict[int, ProbeResult] = {}
     wins_up_to = 0
     for n in sorted(rows):
         probes[n] = confirmed_probe(lambda repeats, n=n: probe(model, q, rows=n, repeats=repeats),
-                               3 if n <= 16 else 2)
+                                    3 if n <= 16 else 2)
         if wins_up_to == len(probes) - 1 and probes[n].use_quantised:
             wins_up_to = len(probes)
     ordered = sorted(probes)
     if force or wins_up_to == len(ordered):
-        return Verdict("quant", None, probes, panel_dtype, panel_probe)
+        return Verdict("quant", None, probes, settings)
     if wins_up_to == 0:
-        return Verdict("float", None, probes, panel_dtype, panel_probe)
-    return Verdict("hybrid", ordered[wins_up_to - 1], probes, panel_dtype, panel_probe)
+        return Verdict("float", None, probes, settings)
+    return Verdict("hybrid", ordered[wins_up_to - 1], probes, settings)
+
+
+def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, Setting]:
+    """Time and apply the quantised modules' settings: the dense path's panel dtype at the
+    largest probed row count above ``DENSE_ROWS`` (:func:`probe_panels`; none probed: float32),
+    and where the AVX-512 VNNI kernel is built and 4-bit weights exist, the 4-bit decode kernel
+    at one row (:func:`probe_q4_kernels`)."""
+    settings: dict[str, Setting] = {}
+    dense = [n for n in rows if n > DENSE_ROWS]
+    if dense:
+        settings["panel_dtype"] = Setting.measured("panel_dtype", confirmed_probe(
+            lambda repeats: probe_panels(q, max(dense), repeats), 2))
+    if vnni_available() and any(m.is_q4 for m in _leaf_modules(q)):
+        settings["q4_kernel"] = Setting.measured("q4_kernel", confirmed_probe(
+            lambda repeats: probe_q4_kernels(q, 1, repeats), 3))
+    apply_settings(q, Verdict("quant", None, {}, settings))
+    return settings
+
+
+def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
+    """Set every quantised module's panel dtype and 4-bit kernel as ``verdict`` says."""
+    dt = getattr(torch, verdict.panel_dtype)
+    for m in _leaf_modules(q):
+        m.set_panel_dtype(dt)
+        m.set_q4_kernel(verdict.q4_kernel)
+
+
+def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
+    """Every ``QuantLinear`` of ``q`` (a ``QuantConcat``'s parts, the embedding's head)."""
+    mods = [*q.linears.values(), *([q.embedding.head] if q.embedding else [])]
+    return [p for m in mods for p in (m.parts if hasattr(m, "parts") else [m])]
 
 
 def confirmed_probe(measure, repeats: int) -> ProbeResult:
@@ -140,13 +197,6 @@ def confirmed_probe(measure, repeats: int) -> ProbeResult:
             break
         result = result.merged(measure(3))
     return result
-
-
-def set_panel_dtype(q: QuantisedModules, dtype: str | torch.dtype) -> None:
-    """Every quantised module's dense-path panel dtype (``"float32"`` / ``"bfloat16"``)."""
-    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    for m in [*q.linears.values(), *([q.embedding.head] if q.embedding else [])]:
-        m.set_panel_dtype(dt)
 
 
 
@@ -225,3 +275,25 @@ def probe_panels(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResul
     finally:
         for m in mods:
             m.set_panel_dtype(torch.float32)
+
+
+@torch.no_grad()
+def probe_q4_kernels(q: QuantisedModules, rows: int = 1, repeats: int = 3) -> ProbeResult:
+    """Time a ``rows``-row pass over the 4-bit modules (the logits head included: decode runs
+    it every step) with the ``base`` kernel (``float_s``) and the ``vnni`` one (``quant_s``),
+    alternated. The modules are left on ``base``."""
+    mods = [m for m in _leaf_modules(q) if m.is_q4]
+    inputs = _inputs(mods, rows)
+
+    def side(name: str):
+        def run() -> None:
+            for m in mods:
+                m.set_q4_kernel(name)
+                m(inputs[m.in_features])
+        return run
+
+    try:
+        return _alternate((side("base"), side("vnni")), repeats)
+    finally:
+        for m in mods:
+            m.set_q4_kernel("base")

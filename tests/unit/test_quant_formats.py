@@ -192,6 +192,31 @@ def test_quant_linear_matches_reference(case, rows):
     assert bool(((got.double() - exact).abs() <= bound + 1e-5 * scale).all())
 
 
+def _vnni_built() -> bool:
+    return quant_kernels() is not None and bool(quant_kernels().quant_gemm_q4_vnni_available())
+
+
+@pytest.mark.skipif(not _vnni_built(), reason="AVX-512 VNNI kernel not built on this CPU")
+@pytest.mark.parametrize("k", [32, 64, 96, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, DENSE_ROWS])
+def test_vnni_q4_kernel_equals_the_base_kernel(k, rows):
+    """The AVX-512 VNNI 4-bit kernel does the base kernel's integer math two groups at a time
+    (its own activation layout; an odd last group): equal up to float summation order, for
+    even and odd group counts and every row tile."""
+    w = torch.randn(37, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    rng = np.random.default_rng(k)
+    raw = quants.quantize(w.numpy(), T.Q4_1)
+    lin = QuantLinear(from_gguf_blocks(raw, int(T.Q4_1), (37, k)))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * float(rng.uniform(0.5, 4))
+    base = lin(x)
+    lin.set_q4_kernel("vnni")
+    got = lin(x)
+    scale = float((x.abs() @ torch.from_numpy(quants.dequantize(raw, T.Q4_1)).abs().t()).max())
+    torch.testing.assert_close(got, base, rtol=0, atol=1e-5 * scale)
+    with pytest.raises(ValueError, match="q4 kernel"):
+        lin.set_q4_kernel("avx9")
+
+
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=_case_id)
 def test_bf16_panels_are_a_bf16_matmul_of_the_dequantised_weight(case):

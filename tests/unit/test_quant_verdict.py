@@ -21,10 +21,12 @@ gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(autouse=True)
-def _panels_measure_float32_faster(monkeypatch):
-    """The panel-dtype probe, deterministic unless a test replaces it: float32 panels win."""
-    monkeypatch.setattr(quant_probe, "probe_panels",
-                        lambda q, rows, repeats=3: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0)))
+def _settings_measure_the_first_option_faster(monkeypatch):
+    """The settings' probes, deterministic unless a test replaces them: float32 panels and
+    the base 4-bit kernel win."""
+    slower = lambda q, rows, repeats=3: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0))  # noqa: E731
+    monkeypatch.setattr(quant_probe, "probe_panels", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_kernels", slower)
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -160,9 +162,36 @@ def test_panel_dtype_follows_its_measurement(monkeypatch, bf16_s, want):
     assert seen == []
 
 
-def test_a_verdict_cached_before_panels_existed_reads_as_float32_panels():
-    old = {"mode": "hybrid", "float_above": 16, "probes": {"1": [2.0, 1.0]}}
-    v = Verdict.from_dict(old)
-    assert (v.mode, v.float_above, v.panel_dtype) == ("hybrid", 16, "float32")
-    with pytest.raises(ValueError, match="panel dtype"):
-        Verdict.from_dict({**old, "panel_dtype": "float16"})
+def test_a_cached_verdict_with_an_unknown_setting_is_refused():
+    good = {"mode": "hybrid", "float_above": 16, "probes": {"1": [2.0, 1.0]},
+            "settings": {"panel_dtype": ["bfloat16", 1.0, 0.5], "q4_kernel": ["vnni"]}}
+    v = Verdict.from_dict(good)
+    assert (v.mode, v.float_above, v.panel_dtype, v.q4_kernel) == ("hybrid", 16, "bfloat16", "vnni")
+    assert Verdict.from_dict({**good, "settings": {}}).q4_kernel == "base"  # defaults
+    with pytest.raises(ValueError, match="unknown setting"):
+        Verdict.from_dict({**good, "settings": {"panel_dtype": ["float16"]}})
+
+
+def test_q4_kernel_follows_its_measurement(monkeypatch):
+    """Where the AVX-512 VNNI kernel is built, the 4-bit decode kernel is the one measured
+    faster at one row, set on every 4-bit module (a QuantConcat's parts too)."""
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "probe_q4_kernels",
+                        lambda q, rows, repeats=3: ProbeResult(1.0, 0.7, (1.0, 1.0), (0.7, 0.7)))
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
+    set_to = []
+
+    class FakeQ4(nn.Module):
+        is_q4 = True
+
+        def set_panel_dtype(self, dt):
+            pass
+
+        def set_q4_kernel(self, name):
+            set_to.append(name)
+
+    q = QuantisedModules(linears={"layers.0.qkv_proj": FakeQ4()})
+    verdict = choose(nn.Module(), q)
+    assert verdict.q4_kernel == "vnni" and set_to[-1] == "vnni"
+    assert "4-bit decode kernel vnni (base 1000.00 ms, vnni 700.00 ms)" in verdict.describe()
+    assert Verdict.from_dict(verdict.to_dict()).q4_kernel == "vnni"

@@ -32,6 +32,8 @@ torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor 
 torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
                                torch::Tensor rows, bool bf16);
 std::string quant_gemm_isa();
+torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+bool quant_gemm_q4_vnni_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)");
@@ -54,4 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequant_q8", &quant_dequant_q8, "float32 (bf16=True: bfloat16) rows of an 8-bit packed weight",
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false);
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
+  m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)");
+  m.def("quant_gemm_q4_vnni_available", &quant_gemm_q4_vnni_available,
+        "whether quant_gemm_q4_vnni was built (AVX-512 BW/VL + VNNI targeted)");
 }
