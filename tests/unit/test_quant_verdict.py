@@ -20,6 +20,11 @@ from engine.models.quant_probe import ProbeResult, Verdict, choose
 gguf = pytest.importorskip("gguf")
 
 
+# The real setting probes (the autouse fixture below replaces them in the module).
+REAL_PANELS, REAL_KERNEL_ROWS, REAL_Q4 = (quant_probe.probe_panels, quant_probe.probe_kernel_rows,
+                                          quant_probe.probe_q4_kernels)
+
+
 @pytest.fixture(autouse=True)
 def _settings_measure_the_first_option_faster(monkeypatch):
     """The settings' probes, deterministic unless a test replaces them: float32 panels and
@@ -230,8 +235,8 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
     g = torch.Generator().manual_seed(0)
     lin = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int4", 32))
     q = QuantisedModules(linears={"layers.0.o_proj": lin})
-    for result in (quant_probe.probe_panels(q, 40, 1), quant_probe.probe_kernel_rows(q, 4, 1)):
+    for result in (REAL_PANELS(q, 40, 1), REAL_KERNEL_ROWS(q, 4, 1)):
         assert result.float_s > 0 and result.quant_s > 0
     assert (lin.panel_dtype, lin.dense_rows) == (torch.float32, 32)
     if vnni_available():
-        assert quant_probe.probe_q4_kernels(q, 1, 1).quant_s > 0 and lin.q4_kernel == "base"
+        assert REAL_Q4(q, 1, 1).quant_s > 0 and lin.q4_kernel == "base"
