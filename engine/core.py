@@ -26,9 +26,9 @@ from collections.abc import Iterable
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.tp_runner import build_runner
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
-from engine.distributed.tp_runner import build_runner
 from engine.loading.loader import (
     default_generation_eos,
     load_config,
