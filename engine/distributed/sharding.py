@@ -14,7 +14,7 @@ Megatron's split of a Llama-family layer over ``N`` ranks:
 
 Heads follow their KV group, so every rank's query heads read only K/V heads it holds. With at
 least as many KV heads as ranks the KV heads are split into contiguous, near-even ranges (9 query
-/ 3 KV heads over 2 ranks: 6/2 and 3/1); with fewer, each KV head is replicated on ``N / kv``
+/ 3 KV heads over 2 ranks: 3/1 and 6/2); with fewer, each KV head is replicated on ``N / kv``
 ranks, which split its group's query heads (4 query / 1 KV head over 2 ranks: 2/1 each). Sizes
 that do not divide are split near-evenly (``size * r // N``): the embedded SmolLM2-135M has 9
 heads. :func:`check_tensor_parallel` says, in a user's terms, when a model cannot be split.
