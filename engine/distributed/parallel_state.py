@@ -92,11 +92,13 @@ class TPGroup:
 
     def send_order(self, order: Any) -> None:
         """Rank 0: broadcast ``order`` (plain data) to every worker: one pickled byte tensor,
-        its length first."""
+        its length first. Waits at most ``timeout_s`` for the workers to take it (gloo sends
+        only to a posted receive: a hung worker would block the control group's long wait)."""
         data = torch.frombuffer(bytearray(pickle.dumps(order, protocol=5)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.control)
-        dist.broadcast(data, src=0, group=self.control)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        for t in (size, data):
+            dist.broadcast(t, src=0, group=self.control, async_op=True).wait(timeout=timeout)
 
     def recv_order(self) -> Any:
         """A worker: wait for rank 0's next order."""

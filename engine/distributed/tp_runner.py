@@ -18,7 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.distributed.launcher import LocalWorkers, launch_plan, pin_to
@@ -28,6 +32,7 @@ from engine.distributed.worker import start_rank
 logger = logging.getLogger("kvserve.distributed")
 
 HEALTH_CHECK_INTERVAL_S = 1.0
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class WorkerDiedError(RuntimeError):
@@ -88,20 +93,38 @@ class TensorParallelRunner:
     def execute(self, inp, plan=None):
         if plan is None:
             raise ValueError("a tensor-parallel step needs its StepPlan (the workers' input)")
-        self._check_workers()
-        self.tp.send_order(("step", plan))
-        return self._runner.execute(inp)
+        with self._collectives("a step"):
+            self.tp.send_order(("step", plan))
+            return self._runner.execute(inp)
 
     def copy_kv_blocks(self, d2h, h2d) -> None:
-        self._check_workers()
-        self.tp.send_order(("copy", tuple(map(tuple, d2h)), tuple(map(tuple, h2d))))
-        self._runner.copy_kv_blocks(d2h, h2d)
+        with self._collectives("a block copy"):
+            self.tp.send_order(("copy", tuple(map(tuple, d2h)), tuple(map(tuple, h2d))))
+            self._runner.copy_kv_blocks(d2h, h2d)
 
     def check_health(self) -> None:
-        """Raise ``WorkerDiedError`` (or the collective's error) when a rank is gone."""
+        """Raise ``WorkerDiedError`` when a rank is gone or does not answer in time."""
+        with self._collectives("a liveness ping"):
+            self.tp.send_order(("ping",))
+            self.tp.ping()
+
+    @contextmanager
+    def _collectives(self, what: str) -> Iterator[None]:
+        """Check the spawned workers first; turn a failed or timed-out collective into
+        ``WorkerDiedError`` naming the cause (a dead worker, else the timeout)."""
         self._check_workers()
-        self.tp.send_order(("ping",))
-        self.tp.ping()
+        try:
+            yield
+        except _OUT_OF_MEMORY:
+            raise
+        except RuntimeError as exc:  # torch.distributed's errors (DistError) included
+            if isinstance(exc, WorkerDiedError):
+                raise
+            why = (self._workers.dead() if self._workers is not None else None) or (
+                f"a rank did not answer within distributed_timeout={self.tp.timeout_s:g} s "
+                f"or its connection broke")
+            raise WorkerDiedError(f"tensor parallelism: {what} failed: {why} "
+                                  f"({type(exc).__name__}: {exc})") from exc
 
     def _check_workers(self) -> None:
         if self._closed:
@@ -127,7 +150,7 @@ def _shutdown(group, workers: LocalWorkers | None, old_affinity: set[int] | None
         except Exception:  # noqa: BLE001 - a dead peer: kill below
             logger.debug("stop order failed", exc_info=True)
     if workers is not None:
-        workers.join(timeout=10.0)
+        workers.join(timeout=5.0)
     destroy_group()
     if old_affinity:
         os.sched_setaffinity(0, old_affinity)
