@@ -266,6 +266,17 @@ class EngineConfig:
                              f"come, first served (priority scheduling is off; start the server "
                              f"with --scheduling-policy priority to honour request priorities)")
 
+    def resolve_max_model_len(self, hf_config: Any) -> int:
+        """``max_model_len``, or the model's own context (``max_position_embeddings``, 2048
+        when the config has none); ValueError beyond the model's positions."""
+        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"max_model_len {self.max_model_len} is beyond the model's "
+                             f"{model_max} positions")
+        return self.max_model_len
+
     @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space * 1024**3)

@@ -26,7 +26,6 @@ from collections.abc import Iterable
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed.tp_runner import build_runner
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
 from engine.loading.loader import (
@@ -47,6 +46,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
 from engine.runner.batch import build_model_input
 from engine.runner.device import set_device_for_thread
+from engine.runner.factory import build_runner
 from engine.sampling.params import SamplingParams
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput
@@ -69,7 +69,7 @@ class EngineCore:
         self.hf_config = load_config(self.files)
         self.tokenizer = load_tokenizer(_tokenizer_files(config, self.files))
         self.model_name = config.served_model_name or self.files.name
-        self.max_model_len = _max_model_len(config, self.hf_config)
+        self.max_model_len = config.resolve_max_model_len(self.hf_config)
         # A ModelRunner, or with tensor_parallel_size > 1 rank 0's proxy (workers spawned).
         self.runner = build_runner(config, self.hf_config, self.files, self.max_model_len)
         num_blocks = self.runner.allocate_kv_cache()
@@ -424,13 +424,3 @@ def _tokenizer_files(config: EngineConfig, files):
         logger.info("%s has no tokenizer: using the embedded model's", files.path)
         return resolve_model(None)
     return files
-
-
-def _max_model_len(config: EngineConfig, hf_config) -> int:
-    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
-    if config.max_model_len is None:
-        return model_max
-    if config.max_model_len > model_max:
-        raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's "
-                         f"{model_max} positions")
-    return config.max_model_len

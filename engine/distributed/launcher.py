@@ -93,13 +93,6 @@ def launch_plan(config: EngineConfig, env: dict[str, str] | None = None,
     return LaunchPlan(world, local, init, spawn, cores, backend)
 
 
-def pin_to(cores: tuple[int, ...] | None, num_threads: int | None) -> None:
-    """Pin this process (its threads to come) to ``cores`` and size torch's thread pool."""
-    if cores:
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(num_threads or (len(cores) if cores else torch.get_num_threads()))
-
-
 class LocalWorkers:
     """The worker processes this process spawned; watched for liveness."""
 

@@ -1,4 +1,4 @@
-"""Rank 0's model runner under tensor parallelism, and the factory the engine core calls.
+"""Rank 0's model runner under tensor parallelism (``engine.runner.factory`` builds it).
 
 :class:`TensorParallelRunner` looks like a ``ModelRunner`` to ``EngineCore`` (it forwards every
 attribute to rank 0's own runner, whose sizing methods already agree with the other ranks) and
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed.launcher import LocalWorkers, launch_plan, pin_to
+from engine.distributed.launcher import LocalWorkers, launch_plan
 from engine.distributed.parallel_state import destroy_group, init_group
-from engine.distributed.worker import start_rank
+from engine.distributed.worker import pin_to, start_rank
 
 logger = logging.getLogger("kvserve.distributed")
 
@@ -37,18 +37,6 @@ _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker exited: the engine cannot run another step."""
-
-
-def build_runner(config: EngineConfig, hf_config: Any, files, max_model_len: int):
-    """The engine's model runner: a plain ``ModelRunner`` over the whole model, or with
-    ``tensor_parallel_size > 1`` rank 0's :class:`TensorParallelRunner` (workers spawned)."""
-    if config.tensor_parallel_size == 1:
-        from engine.loading.loader import iter_weights
-        from engine.runner.model_runner import ModelRunner
-
-        return ModelRunner(config, hf_config, iter_weights(files), max_model_len,
-                           files_dir=files.path)
-    return TensorParallelRunner.launch(config, hf_config, files, max_model_len)
 
 
 class TensorParallelRunner:

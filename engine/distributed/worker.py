@@ -40,6 +40,13 @@ from engine.models.arch import ModelArch
 logger = logging.getLogger("kvserve.distributed")
 
 
+def pin_to(cores: tuple[int, ...] | None, num_threads: int | None) -> None:
+    """Pin this process (its threads to come) to ``cores`` and size torch's thread pool."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(num_threads or (len(cores) if cores else torch.get_num_threads()))
+
+
 def start_rank(config: EngineConfig, setup: DistributedSetup, hf_config: Any, files,
                max_model_len: int):
     """This rank's ``ModelRunner`` over its shard of the weights (the process group must be
@@ -103,8 +110,6 @@ def _exit_with_parent(parent_pid: int) -> None:
 def worker_main(config: EngineConfig, setup: DistributedSetup, cores: tuple[int, ...] | None,
                 log_level: int, parent_pid: int | None) -> None:
     """Entry point of a worker process (or of a torchrun rank > 0)."""
-    from engine.core import _max_model_len
-    from engine.distributed.launcher import pin_to
     from engine.loading.loader import load_config, resolve_model
 
     logging.basicConfig(level=log_level,
@@ -118,7 +123,7 @@ def worker_main(config: EngineConfig, setup: DistributedSetup, cores: tuple[int,
         init_group(setup)
         files = resolve_model(config.model, progress=False)
         hf_config = load_config(files)
-        runner = start_rank(config, setup, hf_config, files, _max_model_len(config, hf_config))
+        runner = start_rank(config, setup, hf_config, files, config.resolve_max_model_len(hf_config))
         with torch.inference_mode():
             serve_orders(runner)
     except BaseException as exc:  # noqa: BLE001 - report, then a non-zero exit
