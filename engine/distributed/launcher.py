@@ -39,8 +39,13 @@ class LaunchPlan:
     cores: dict[int, tuple[int, ...]] = field(default_factory=dict)
     backend: str = "gloo"
 
+    local_rank_base: int | None = None  # torchrun's LOCAL_RANK for its one rank
+
     def setup(self, rank: int, timeout_s: float) -> DistributedSetup:
-        return DistributedSetup(self.init_method, rank, self.world_size, self.backend, timeout_s)
+        local = (self.local_rank_base if self.local_rank_base is not None
+                 else self.local_ranks.index(rank))
+        return DistributedSetup(self.init_method, rank, self.world_size, self.backend, timeout_s,
+                                local)
 
 
 def split_cores(cores: list[int], n: int) -> list[tuple[int, ...]] | None:
@@ -68,7 +73,8 @@ def launch_plan(config: EngineConfig, env: dict[str, str] | None = None,
                              f"tensor_parallel_size={world}")
         rank = int(env["RANK"])
         init = config.distributed_init_method or "env://"
-        return LaunchPlan(world, (rank,), init, (), {}, backend)
+        return LaunchPlan(world, (rank,), init, (), {}, backend,
+                          int(env.get("LOCAL_RANK", 0)))
     per_node = world // config.nnodes
     first = config.node_rank * per_node
     local = tuple(range(first, first + per_node))

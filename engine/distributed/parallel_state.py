@@ -32,13 +32,15 @@ CONTROL_TIMEOUT = datetime.timedelta(days=7)
 @dataclass(frozen=True)
 class DistributedSetup:
     """How this process joins the group: ``init_method`` (``tcp://host:port`` or ``env://``),
-    its global ``rank`` and the ``world_size``; ``backend`` gloo (CPU) or nccl (CUDA)."""
+    its global ``rank`` and the ``world_size``; ``backend`` gloo (CPU) or nccl (CUDA);
+    ``local_rank``: its index among this host's ranks (its GPU, ``cuda:<local_rank>``)."""
 
     init_method: str
     rank: int
     world_size: int
     backend: str = "gloo"
     timeout_s: float = 60.0
+    local_rank: int = 0
 
 
 class TPGroup:

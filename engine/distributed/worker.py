@@ -58,6 +58,9 @@ def start_rank(config: EngineConfig, setup: DistributedSetup, hf_config: Any, fi
     arch = ModelArch.from_hf_config(hf_config)
     shard = rank_shard(arch, setup.rank, setup.world_size)
     device = resolve_device(config.device)
+    if device.type == "cuda":  # one GPU per local rank
+        device = torch.device("cuda", setup.local_rank)
+        config = config.replace(device=str(device))
     group = TPGroup(setup, shard, device)
     start = time.perf_counter()
     weights = iter_shard_weights(files, shard) if config.load_format != "dummy" else iter(())

@@ -67,3 +67,11 @@ def test_torchrun_environment_means_one_rank_per_process():
 def test_cuda_ranks_use_nccl():
     assert launch_plan(EngineConfig(tensor_parallel_size=2), env={},
                        device_type="cuda").backend == "nccl"
+
+
+def test_each_local_rank_gets_its_own_device_index():
+    plan = launch_plan(EngineConfig(tensor_parallel_size=4, nnodes=2, node_rank=1,
+                                    distributed_init_method="tcp://h0:1"), env={})
+    assert [plan.setup(r, 5).local_rank for r in (2, 3)] == [0, 1]
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    assert launch_plan(EngineConfig(tensor_parallel_size=4), env=env).setup(3, 5).local_rank == 1
