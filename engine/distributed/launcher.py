@@ -155,7 +155,7 @@ class LocalWorkers:
 def run_worker_node(config: EngineConfig) -> int:
     """A host without the server (``node_rank > 0``, or a torchrun rank > 0): run its ranks
     until rank 0 stops them; the exit status is non-zero if any rank failed."""
-    level = logging.getLogger().getEffectiveLevel()
+    level = logging.getLogger("kvserve").getEffectiveLevel()
     plan = launch_plan(config)
     if not plan.spawn:  # torchrun: this process is the rank
         from engine.distributed.worker import worker_main

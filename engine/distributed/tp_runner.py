@@ -62,7 +62,7 @@ class TensorParallelRunner:
             raise ValueError("this process is not rank 0: run it as a worker node "
                              "(kvserve serve with --node-rank > 0 runs no server)")
         old = set(os.sched_getaffinity(0)) if plan.cores.get(0) else None
-        workers = LocalWorkers(config, plan, logging.getLogger().getEffectiveLevel())
+        workers = LocalWorkers(config, plan, logging.getLogger("kvserve").getEffectiveLevel())
         try:
             pin_to(plan.cores.get(0), config.num_threads)
             init_group(plan.setup(0, config.distributed_timeout))

@@ -124,3 +124,47 @@ def test_a_hung_worker_times_out_instead_of_hanging_the_server(tmp_path, tiny_di
             pass
         if proc.poll() is None:
             proc.kill()
+
+
+def test_two_nodes_on_loopback_serve_and_node_one_exits_with_node_zero(tmp_path, tiny_dir):
+    """The multi-host path on one machine: node 1 (no server) runs rank 1, node 0 serves;
+    SIGTERM on node 0 stops node 1 cleanly (status 0)."""
+    port = free_port()
+    common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method",
+              f"tcp://127.0.0.1:{port}", "--dtype", "float32", "--kv-cache-memory", "8MiB",
+              "--num-threads", "1", "--distributed-timeout", str(TIMEOUT_S)]
+    log1 = tmp_path / "node1.log"
+    with open(log1, "wb") as f:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", str(tiny_dir), "--node-rank", "1",
+             *common], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    http = free_port()
+    log0 = tmp_path / "node0.log"
+    with open(log0, "wb") as f:
+        node0 = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", str(tiny_dir), "--node-rank", "0",
+             "--port", str(http), *common], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert node0.poll() is None and node1.poll() is None, (log0.read_text(),
+                                                                    log1.read_text())
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log0.read_text()
+            time.sleep(0.1)
+        assert _complete(url)["usage"]["completion_tokens"] == 8
+        assert "rank 1/2" in log1.read_text() and "rank 0/2" in log0.read_text()
+        node0.send_signal(signal.SIGTERM)
+        assert node0.wait(60) in (0, -signal.SIGTERM)
+        assert node1.wait(60) == 0, log1.read_text()
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
