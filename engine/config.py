@@ -206,10 +206,6 @@ class EngineConfig:
                              f"{self.distributed_timeout}")
         if tp == 1:
             return
-        if self.quantization in ("int4", "int8"):
-            raise ValueError(f"quantization={self.quantization} is not supported with "
-                             f"tensor_parallel_size > 1 yet: use quantization auto or none "
-                             f"(tensor-parallel ranks hold float shards)")
         if self.calculate_kv_scales:
             raise ValueError("calculate_kv_scales is not supported with tensor_parallel_size "
                              "> 1 yet (fp8 KV pools use scales of 1.0)")

@@ -112,9 +112,10 @@ class ModelRunner:
         else:
             self.model.load_weights(weights)
         self.model.eval()
-        # Tensor parallel: float shards (a GGUF's packed blocks are not split; see README).
+        # Tensor parallel: int4/int8 quantise this rank's float shards; auto keeps them float
+        # (a GGUF's packed blocks are not split; see README).
         quantised = (packed_replacements(self.model, config, self.device, self.dtype, files_dir)
-                     if tp is None else None)
+                     if tp is None or config.quantization != "auto" else None)
         self.quant_verdict = None
         if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
             self.quant_verdict = adopt(self.model, quantised, config)

@@ -85,6 +85,26 @@ def test_pool_size_is_the_minimum_over_ranks(tmp_path):
         assert llm.engine.runner.kv_caches[0][0].shape[:3] == (10, 4, 1)
 
 
+def test_int8_shards_agree_with_one_rank(tmp_path):
+    """int8 quantises each rank's shard (the same groups as one rank, see
+    tests/unit/test_tp_reduce_points.py); the kernels' int8 activations can turn the
+    all-reduce's 1e-6 differences into one int8 step, so tokens are compared teacher-forced:
+    along one rank's greedy continuation, two ranks pick the same top-1 almost everywhere."""
+    from tests.models.teacher_forced import forced
+
+    path = make_tiny_model_dir(tmp_path / "m", "llama", **CASES["llama-9-heads-3kv-tied"][1])
+    prompts, lengths = _workload(11, n=4)
+    cfg = dict(BASE, quantization="int8")
+    with LLM(str(path), **cfg) as llm:
+        bound = llm.engine.token_id_bound  # the model may pick ids the tokenizer lacks
+        seqs = [p + t[:next((i for i, x in enumerate(t) if x >= bound), len(t))]
+                for p, t in zip(prompts, _greedy(llm, prompts, lengths))]
+    with LLM(str(path), tensor_parallel_size=2, **cfg) as llm:
+        ranks = [r for p, s in zip(prompts, seqs) if len(s) > len(p)
+                 for r, _ in forced(llm, s, start=len(p))]
+    assert len(ranks) >= 10 and sum(r == 1 for r in ranks) >= 0.9 * len(ranks)
+
+
 @pytest.mark.slow
 def test_embedded_model_two_ranks_match_one(smollm2_files):
     """SmolLM2-135M (9 heads, 3 KV heads, tied embeddings) in float32. TP=1 with

@@ -14,7 +14,6 @@ from engine.distributed.launcher import launch_plan, split_cores
     (dict(tensor_parallel_size=4, nnodes=3), "nnodes must be >= 1 and divide"),
     (dict(tensor_parallel_size=4, nnodes=2, node_rank=2), "node_rank must be in 0..1"),
     (dict(distributed_timeout=0), "distributed_timeout"),
-    (dict(tensor_parallel_size=2, quantization="int4"), "not supported with tensor_parallel"),
     (dict(tensor_parallel_size=2, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True),
      "calculate_kv_scales is not supported"),
 ])

@@ -123,3 +123,48 @@ def test_two_rank_forward_adds_up_to_the_whole_model(tiny_dir):
                                    rtol=1e-5, atol=1e-5)
     # Every rank's pool holds only its KV heads.
     assert runners[0].kv_caches[0][0].shape[2] == 1 and runners[1].kv_caches[0][0].shape[2] == 2
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantised_shards_are_slices_of_the_quantised_model(tiny_dir, scheme):
+    """int4/int8 under TP quantise each rank's float shard: row groups are the whole model's
+    (column-parallel outputs equal its rows exactly) and the row-parallel split falls on group
+    boundaries (partial sums add up to its output). End-to-end tokens may still differ from
+    TP=1: the kernels quantise activations to int8 per group, and a 1e-6 change of an input
+    (the all-reduce's summation order) can move one activation by an int8 step."""
+    from engine.models.quant_linear import quant_kernels
+
+    if quant_kernels() is None:
+        pytest.skip("the CPU quantised kernels did not build")
+    config = EngineConfig(model=str(tiny_dir), dtype="float32", block_size=4,
+                          quantization=scheme)
+    files = resolve_model(str(tiny_dir))
+    hf = load_config(files)
+    whole = ModelRunner(config, hf, iter_weights(files), 64)
+    arch, group = whole.model.arch, ThreadGroup(2)
+    d, inter = arch.head_dim, arch.intermediate_size
+    ranks = []
+    for r in range(2):
+        shard = rank_shard(arch, r, 2)
+        weights = ((n, shard_tensor(n, t, shard)) for n, t in iter_weights(files))
+        ranks.append((shard, ModelRunner(config, hf, weights, 64,
+                                         tp=group.member(r, shard)).model))
+    torch.manual_seed(0)
+    full, x = whole.model.layers[0], torch.randn(3, arch.hidden_size)
+    assert type(full.qkv_proj).__name__ == "QuantLinear"
+    qkv, gate_up = full.qkv_proj(x), full.gate_up_proj(x)
+    q_end, k_end = arch.num_heads * d, (arch.num_heads + arch.num_kv_heads) * d
+    for s, model in ranks:
+        (qa, qb), (ka, kb), (ia, ib) = s.q_heads, s.kv_heads, s.intermediate
+        layer = model.layers[0]
+        expect = torch.cat([qkv[:, qa * d:qb * d], qkv[:, q_end + ka * d:q_end + kb * d],
+                            qkv[:, k_end + ka * d:k_end + kb * d]], 1)
+        assert torch.equal(layer.qkv_proj(x), expect)
+        assert torch.equal(layer.gate_up_proj(x),
+                           torch.cat([gate_up[:, ia:ib], gate_up[:, inter + ia:inter + ib]], 1))
+    xo, xd = torch.randn(3, arch.num_heads * d), torch.randn(3, inter)
+    o = sum(m.layers[0].o_proj(xo[:, s.q_heads[0] * d:s.q_heads[1] * d]) for s, m in ranks)
+    down = sum(m.layers[0].down_proj(xd[:, s.intermediate[0]:s.intermediate[1]])
+               for s, m in ranks)
+    torch.testing.assert_close(o, full.o_proj(xo), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(down, full.down_proj(xd), rtol=1e-5, atol=1e-4)
