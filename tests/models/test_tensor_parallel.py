@@ -59,6 +59,21 @@ def test_two_ranks_give_the_same_greedy_tokens(case):
         llm.engine.kv.check_integrity()
 
 
+def test_ngram_speculation_rows_reach_every_rank(tmp_path):
+    """Drafted tokens travel in the step plan (``SeqChunk.num_draft``): a repetitive prompt
+    gets drafts accepted, and the tokens equal one rank's plain greedy decoding."""
+    path = make_tiny_model_dir(tmp_path / "m", "qwen2")
+    prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 8]
+    lengths = [16, 16]
+    with LLM(str(path), **BASE) as llm:
+        expected = _greedy(llm, prompts, lengths)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    with LLM(str(path), tensor_parallel_size=2, speculative_config=spec, **BASE) as llm:
+        assert _greedy(llm, prompts, lengths) == expected
+        assert llm.engine.spec_counters.snapshot().num_draft_tokens > 0
+
+
 def test_swap_preemption_moves_blocks_on_every_rank(tmp_path):
     path = make_tiny_model_dir(tmp_path / "m", "llama")
     prompts, lengths = _workload(7, n=10)
