@@ -101,23 +101,34 @@ def total_ram_bytes() -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int,
-                 files_dir: Path | None = None) -> None:
+                 files_dir: Path | None = None, tp: Any = None) -> None:
         """``files_dir``: the model's (converted) directory; with ``quantization="auto"`` the
-        GGUF it came from is read for packed weights; int4/int8 quantise the loaded weights."""
+        GGUF it came from is read for packed weights; int4/int8 quantise the loaded weights.
+        ``tp`` (an ``engine.distributed.parallel_state.TPGroup``): this runner is one rank of a
+        tensor-parallel group; ``weights`` are this rank's shards, the pools hold its KV heads,
+        and every method that sizes or runs something is called on every rank in the same
+        order (its collectives pair up)."""
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.device)
         set_device_for_thread(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization, hf_config,
-                                   self.device.type == "cpu"
+        # Under tensor parallelism every rank must agree without talking: no per-rank probe
+        # (resolve_dtype without a config: float32 on the CPU).
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization,
+                                   hf_config if tp is None else None,
+                                   tp is None and self.device.type == "cpu"
                                    and serves_packed_gguf(config, files_dir))
-        self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype)
+        self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype, tp)
         self.arch: ModelArch = self.model.arch
         if config.load_format == "dummy":
             self.model.init_dummy_weights(seed=config.seed)
         else:
             self.model.load_weights(weights)
         self.model.eval()
-        quantised = packed_replacements(self.model, config, self.device, self.dtype, files_dir)
+        # Tensor parallel: int4/int8 quantise this rank's float shards; auto keeps them float
+        # (a GGUF's packed blocks are not split; see README).
+        quantised = (packed_replacements(self.model, config, self.device, self.dtype, files_dir)
+                     if tp is None or config.quantization != "auto" else None)
         self.quant_verdict = None
         if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
             self.quant_verdict = adopt(self.model, quantised, config)
@@ -230,6 +241,8 @@ class ModelRunner:
         bs = self.config.block_size
         if num_blocks is None:
             num_blocks = self.kv_budget_bytes() // (self.kv_bytes_per_token * bs)
+            if self.tp is not None:  # every rank's pool has the same number of blocks
+                num_blocks = self.tp.min_int(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {bs} tokens "
                              f"({self.kv_bytes_per_token * bs} bytes)")
@@ -287,6 +300,8 @@ class ModelRunner:
         is only ever read after a copy filled it."""
         block_bytes = self.kv_bytes_per_token * self.config.block_size
         n = self.config.swap_space_bytes // block_bytes
+        if self.tp is not None:
+            n = self.tp.min_int(n)
         if self.config.swap_space > 0 and n == 0:
             logger.warning("swap_space %.3g GiB holds no block of %d bytes: host tier off",
                            self.config.swap_space, block_bytes)
@@ -327,7 +342,7 @@ class ModelRunner:
         and, on CUDA with the Triton backend, capture the decode graphs (``enforce_eager``
         turns them off). Nothing compiles later, while requests wait."""
         use_graphs = (self.device.type == "cuda" and self.backend.name == "triton"
-                      and not self.config.enforce_eager)
+                      and not self.config.enforce_eager and self.tp is None)
         if self.device.type != "cuda":
             return
         self._warm_up()
@@ -386,9 +401,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> ModelOutput:
+    def execute(self, inp: ModelInput, plan: Any = None) -> ModelOutput:
         """Run one step. ``inp`` is host data; pure decode steps replay a CUDA graph when one
-        was captured, everything else runs eagerly after one host->device copy."""
+        was captured, everything else runs eagerly after one host->device copy. ``plan``
+        (the ``StepPlan`` ``inp`` was built from) is for a tensor-parallel rank 0, which
+        sends it to the workers; unused here."""
         if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
             if inp.sample_indices.numel() != hidden.shape[0]:
@@ -406,13 +423,13 @@ class ModelRunner:
 
 
 def _build_on_device(hf_config: Any, max_model_len: int, device: torch.device,
-                     dtype: torch.dtype):
+                     dtype: torch.dtype, tp: Any = None):
     """The model with uninitialised weights allocated once, on ``device``, in ``dtype``:
     built on the meta device (no host copy of the weights, no random init), then given
     storage. The RoPE tables, computed at construction, are rebuilt in float32 on the device.
     """
     with torch.device("meta"):
-        model = build_model(hf_config, max_positions=max_model_len)
+        model = build_model(hf_config, max_positions=max_model_len, tp=tp)
     model = model.to(dtype).to_empty(device=device)
     with torch.device(device):
         model.rotary = RotaryEmbedding(model.arch.rope, model.arch.head_dim, max_model_len)
