@@ -34,6 +34,8 @@ torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<
 std::string quant_gemm_isa();
 torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 bool quant_gemm_q4_vnni_available();
+void store_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor slots);
 
 // Every tensor kernel runs without the GIL (py::call_guard): the server's event loop thread
 // can format and send tokens while the engine thread computes, instead of queueing for the GIL
@@ -62,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
   m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)", nogil());
+  m.def("store_kv_cpu", &store_kv_cpu, "k/v rows into pool slots (negative: skipped), as bytes",
+        nogil());
   m.def("quant_gemm_q4_vnni_available", &quant_gemm_q4_vnni_available,
         "whether quant_gemm_q4_vnni was built (AVX-512 BW/VL + VNNI targeted)");
 }
