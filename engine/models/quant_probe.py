@@ -286,71 +286,67 @@ def probe(model: nn.Module, q: QuantisedModules, rows: int = 1, repeats: int = 5
     return _alternate((side(0), side(1)), repeats)
 
 
+def _layer_modules(q: QuantisedModules) -> list[nn.Module]:
+    return [m for path, m in q.linears.items() if path.startswith("layers.")]
+
+
 @torch.no_grad()
+def _toggle(mods: list[nn.Module], rows: int, set_all, first, second, repeats: int) -> ProbeResult:
+    """Time a ``rows``-row pass over ``mods`` after ``set_all(first)`` (``float_s``) and after
+    ``set_all(second)`` (``quant_s``), alternated; ``set_all(first)`` again at the end."""
+    inputs = _inputs(mods, rows)
+
+    def side(value):
+        def run() -> None:
+            set_all(value)
+            for m in mods:
+                m(inputs[m.in_features])
+        return run
+
+    try:
+        return _alternate((side(first), side(second)), repeats)
+    finally:
+        set_all(first)
+
+
 def probe_panels(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResult:
-    """Time a ``rows``-row pass over the layers' quantised projections on their dense (prefill)
-    path with float32 panels (``float_s``) and with bfloat16 panels (``quant_s``), alternated
-    (the logits head is left out: prefill runs it on a few rows only). The modules are left
-    with float32 panels."""
-    mods = [m for path, m in q.linears.items() if path.startswith("layers.")]
-    inputs = _inputs(mods, rows)
+    """The layers' quantised projections on their dense (prefill) path with float32 panels
+    (``float_s``) against bfloat16 panels (``quant_s``), ``rows`` rows (the logits head is left
+    out: prefill runs it on a few rows only). The modules are left with float32 panels."""
+    mods = _layer_modules(q)
 
-    def side(dtype: torch.dtype):
-        def run() -> None:
-            for m in mods:
-                m.set_panel_dtype(dtype)
-                m(inputs[m.in_features])
-        return run
-
-    try:
-        return _alternate((side(torch.float32), side(torch.bfloat16)), repeats)
-    finally:
+    def set_all(dt: torch.dtype) -> None:
         for m in mods:
-            m.set_panel_dtype(torch.float32)
+            m.set_panel_dtype(dt)
+
+    return _toggle(mods, rows, set_all, torch.float32, torch.bfloat16, repeats)
 
 
-@torch.no_grad()
 def probe_q4_kernels(q: QuantisedModules, rows: int = 1, repeats: int = 3) -> ProbeResult:
-    """Time a ``rows``-row pass over the 4-bit modules (the logits head included: decode runs
-    it every step) with the ``base`` kernel (``float_s``) and the ``vnni`` one (``quant_s``),
-    alternated. The modules are left on ``base``."""
+    """The 4-bit modules (the logits head included: decode runs it every step) on the ``base``
+    kernel (``float_s``) against the ``vnni`` one (``quant_s``). Left on ``base``."""
     mods = [m for m in _leaf_modules(q) if m.is_q4]
-    inputs = _inputs(mods, rows)
 
-    def side(name: str):
-        def run() -> None:
-            for m in mods:
-                m.set_q4_kernel(name)
-                m(inputs[m.in_features])
-        return run
-
-    try:
-        return _alternate((side("base"), side("vnni")), repeats)
-    finally:
+    def set_all(name: str) -> None:
         for m in mods:
-            m.set_q4_kernel("base")
+            m.set_q4_kernel(name)
+
+    return _toggle(mods, rows, set_all, "base", "vnni", repeats)
 
 
-@torch.no_grad()
 def probe_kernel_rows(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResult:
-    """Time a ``rows``-row pass over the layers' quantised projections on the decode kernels
-    (``float_s``) and on the dense path (``quant_s``), alternated; the modules' row limit is
-    restored."""
-    mods = [m for path, m in q.linears.items() if path.startswith("layers.")]
+    """The layers' quantised projections at ``rows`` rows on the decode kernels (``float_s``)
+    against the dense path (``quant_s``). Their row limits are restored."""
+    mods = _layer_modules(q)
     leaves = [p for m in mods for p in (m.parts if hasattr(m, "parts") else [m])]
     saved = [m.dense_rows for m in leaves]
-    inputs = _inputs(mods, rows)
 
-    def side(limit: int):
-        def run() -> None:
-            for m in leaves:
-                m.dense_rows = limit
-            for m in mods:
-                m(inputs[m.in_features])
-        return run
+    def set_all(limit: int) -> None:
+        for m in leaves:
+            m.dense_rows = limit
 
     try:
-        return _alternate((side(rows), side(0)), repeats)
+        return _toggle(mods, rows, set_all, rows, 0, repeats)
     finally:
         for m, limit in zip(leaves, saved):
             m.dense_rows = limit

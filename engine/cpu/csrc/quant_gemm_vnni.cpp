@@ -26,6 +26,7 @@
 #endif
 
 using kvserve_quant::kGroup;
+using kvserve_quant::row_tiles;
 
 bool quant_gemm_q4_vnni_available() {
 #ifdef KVSERVE_VNNI
@@ -120,18 +121,6 @@ void dot_q4_vnni(const uint8_t* w, const float* d, const float* m, const int8_t*
   for (int r = 0; r < R; r++) {
     y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + last[r] +
                  dot_f32(m, sx + r * G, G);
-  }
-}
-
-template <typename F>
-void row_tiles(int64_t M, F&& f) {
-  int64_t r0 = 0;
-  for (; r0 + 4 <= M; r0 += 4) f(std::integral_constant<int, 4>{}, r0);
-  switch (M - r0) {
-    case 3: f(std::integral_constant<int, 3>{}, r0); break;
-    case 2: f(std::integral_constant<int, 2>{}, r0); break;
-    case 1: f(std::integral_constant<int, 1>{}, r0); break;
-    default: break;
   }
 }
 
