@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("kvserve %s: loading %s", version(), engine_config.model or "the embedded model")
     from engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(engine_config)
+    engine = AsyncEngine(engine_config, start=False)
     app = build_app(engine, settings)
     return run_server(app, engine, settings)
 
@@ -144,7 +144,34 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
             return await super().on_tick(counter)
 
     server = _Server(uvicorn_config(app, settings))
-    server.run()
+    if engine.is_healthy:  # already driven by its own thread: serve on this one
+        server.run()
+        return ENGINE_DIED_EXIT_STATUS if server.engine_died else 0
+    # The engine steps on this (the main) thread, where OpenMP runs its parallel regions at
+    # full speed (see AsyncEngine.claim_calling_thread); HTTP is served by a second thread.
+    # uvicorn installs no signal handlers off the main thread, so ours forward them.
+    import signal
+    import threading
+
+    engine.claim_calling_thread()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    http_exit: list[Any] = []
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        except SystemExit as exc:  # e.g. the port is taken: uvicorn exits at start-up
+            http_exit.append(exc.code)
+        finally:
+            engine.stop(join_timeout=0)  # however HTTP ended, the engine loop ends too
+
+    http = threading.Thread(target=serve_http, name="kvserve-http")
+    http.start()
+    engine.run()  # returns once stopped (lifespan shutdown, HTTP gone) or dead
+    http.join()  # a dead engine: the server's tick notices it, drains and returns
+    if http_exit and http_exit[0]:
+        return http_exit[0] if isinstance(http_exit[0], int) else 1
     return ENGINE_DIED_EXIT_STATUS if server.engine_died else 0
 
 

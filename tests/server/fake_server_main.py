@@ -36,7 +36,9 @@ def main() -> None:
     settings = ServerSettings(host=args.host, port=args.port,
                               shutdown_timeout=args.shutdown_timeout)
     configure_logging(settings.log_level)
-    engine = AsyncEngine(core=DyingCore(max_model_len=4096, step_delay=args.step_delay))
+    # start=False: run_server drives it on the main thread, as `kvserve serve` does.
+    engine = AsyncEngine(core=DyingCore(max_model_len=4096, step_delay=args.step_delay),
+                         start=False)
     sys.exit(run_server(build_app(engine, settings), engine, settings))
 
 

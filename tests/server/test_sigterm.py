@@ -98,3 +98,18 @@ def test_a_dead_engine_makes_the_process_exit_non_zero(tmp_path):
     text = log.read_text()
     assert "the engine died (RuntimeError: simulated forward-pass failure)" in text
     assert "supervisor" in text
+
+
+def test_a_taken_port_exits_non_zero_instead_of_hanging(tmp_path):
+    """HTTP runs on a second thread (the engine on the main one): when uvicorn cannot bind, the
+    engine loop is stopped too and the process exits with uvicorn's status, at once."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tests.server.fake_server_main",
+                               "--port", str(port)], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
