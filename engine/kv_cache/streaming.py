@@ -29,10 +29,14 @@ rotated in place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.manager import KVCacheManager
 from engine.step_plan import KeyShift
+
+if TYPE_CHECKING:
+    from engine.request import Sequence
 
 
 @dataclass
@@ -92,6 +96,13 @@ class StreamingEviction:
             self._shifts.append(KeyShift(delta, tuple(moved)))
         self.num_evicted_blocks += n
         return n
+
+    def before_chunk(self, seq: Sequence) -> None:
+        """Before a running sequence's chunk: a recomputation that has redone the sinks jumps
+        the gap; then the middle blocks past sinks + window are evicted."""
+        seq.num_computed_tokens = self.resume_point(seq.seq_id, seq.num_computed_tokens)
+        self.evict(seq.seq_id, seq.num_computed_tokens,
+                   seq.num_computed_tokens >= seq.num_prompt_tokens)
 
     def take_shifts(self) -> tuple[KeyShift, ...]:
         """The shifts recorded since the last call, for the step plan (once)."""

@@ -29,6 +29,10 @@ Policy, whole (one screen):
    above the adaptive switch); a sequence with a draft takes ``1 + len(draft)`` tokens of the
    budget. After the step the core appends the tokens verification kept and calls
    ``accept_drafts``, which rolls the KV back to them.
+4. Streaming eviction (``--kv-eviction``; ``engine.kv_cache.streaming``): before a running
+   sequence's chunk its middle blocks past sinks + window are evicted (the plan carries the
+   kept keys' re-rotation); the KV manager and the plan count cache positions, the
+   ``Sequence`` text positions. Prefix caching and sibling sharing are off under it.
 
 The waiting queue is a heap (``engine.scheduling.waiting_queue``): O(log n) per insert and admission.
 The scheduler owns the waiting and running sets and the KV manager with its host tier: every
@@ -48,9 +52,10 @@ from engine.kv_cache.manager import RELEASED, KVCacheManager, PrefixHit
 from engine.kv_cache.streaming import StreamingEviction
 from engine.request import Request, SeqStatus, Sequence
 from engine.scheduling.drafts import fit_draft, propose_drafts
+from engine.scheduling.prompt_span import prompt_logit_span
 from engine.scheduling.waiting_queue import WaitingQueue
 from engine.spec_decode.proposer import Proposer
-from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
+from engine.step_plan import BlockCopyOrders, SeqChunk, StepPlan
 
 _NO_COPIES = BlockCopyOrders()
 
@@ -186,8 +191,8 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if self.stream is not None:
-                self._stream_before_chunk(seq)
+            if self.stream is not None:  # jump a recomputation's gap, evict the middle
+                self.stream.before_chunk(seq)
             num_new = min(self._remaining(seq, seq.num_computed_tokens), budget)
             draft = drafts.get(seq.seq_id)
             if draft:
@@ -223,7 +228,7 @@ class Scheduler:
                 continue
             chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
                                    self._cached(seq), table(seq.seq_id), s.sample,
-                                   _prompt_logit_span(s)))
+                                   prompt_logit_span(s.seq, s.start, s.num_new_tokens)))
         seqs = tuple(chunks)
         shifts = self.stream.take_shifts() if self.stream is not None else ()
         copies = kv.take_copies() if self.has_host_tier else None
@@ -251,14 +256,6 @@ class Scheduler:
         if self.stream is None:
             return num_new
         return self.stream.chunk_limit(seq.seq_id, start, num_new)
-
-    def _stream_before_chunk(self, seq: Sequence) -> None:
-        """Streaming eviction, before a running sequence's chunk: jump a recomputation over
-        the gap once the sinks are done; evict the middle blocks past sinks + window."""
-        stream = self.stream
-        seq.num_computed_tokens = stream.resume_point(seq.seq_id, seq.num_computed_tokens)
-        stream.evict(seq.seq_id, seq.num_computed_tokens,
-                     seq.num_computed_tokens >= seq.num_prompt_tokens)
 
     @staticmethod
     def _samples(seq: Sequence, num_new: int) -> bool:
@@ -421,23 +418,3 @@ class Scheduler:
         if self.sliding_window is not None:
             self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
                                            self.sliding_window)
-
-
-def _prompt_logit_span(s: ScheduledSeq) -> PromptLogitSpan | None:
-    """Positions of this chunk whose prompt logprobs are still to record, or None.
-
-    Position ``p`` predicts prompt token ``p + 1``; ``request.prompt_logprobs`` holds
-    ``None`` then one entry per recorded target, so positions below ``len - 1`` are done. A
-    recompute preemption during prefill restarts the chunk at 0: the rows already recorded
-    are not asked for again (they were once duplicated).
-    """
-    req = s.seq.request
-    if s.seq.index != 0 or not req.wants_prompt_logprobs:
-        return None
-    done = len(req.prompt_logprobs) - 1 if req.prompt_logprobs else 0
-    first = max(s.start, done)
-    last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
-    if first >= last:
-        return None
-    return PromptLogitSpan(first, last, tuple(req.prompt_token_ids[first + 1:last + 1]),
-                           req.params.prompt_logprobs or 0)
