@@ -4,8 +4,9 @@
 
 Times the embedded model's fused matmul shapes (576x1728 QKV, 576x3072 gate/up, 1536x576 down)
 at 1, 32 and 256 rows in float32 and bfloat16 and prints GFLOP/s and the bf16/fp32 ratio, plus
-what ``dtype="auto"`` picks on this machine (bf16 only where the CPU has native bf16 matmul:
-AVX-512 BF16 or AMX).
+what ``dtype="auto"`` picks on this machine for a float checkpoint of the embedded model's
+shape (measured: engine/runner/dtype_probe.py; a packed GGUF always runs float32 activations,
+its prefill panels' dtype probed separately).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def main() -> int:
     for rows in rows_list:
         f32, b16 = results[("float32", rows)], results[("bfloat16", rows)]
         print(f"{rows:>5} {f32:>13.1f} {b16:>13.1f} {b16 / f32:>9.2f}x")
-    picked = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    print(f"dtype='auto' picks {picked} on this CPU")
+    smollm2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+               "num_key_value_heads": 3, "num_hidden_layers": 30}
+    picked = str(resolve_dtype("auto", torch.device("cpu"), "auto", smollm2)).removeprefix("torch.")
+    print(f"dtype='auto' picks {picked} on this CPU for a float checkpoint of this shape")
     return 0
 
 

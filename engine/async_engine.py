@@ -323,10 +323,20 @@ class AsyncEngine:
             bind = getattr(self.core, "bind_thread", None)
             if bind is not None:  # CUDA: this thread launches on the engine's device
                 bind()
+            interval = getattr(self.core, "health_check_interval", None)
             while True:
                 with self._cond:
-                    while not (self._inbox or self._aborts or self._stop or has_work):
+                    idle = not (self._inbox or self._aborts or self._stop or has_work)
+                    while idle and interval is None:
                         self._cond.wait()
+                        idle = not (self._inbox or self._aborts or self._stop or has_work)
+                    if idle:  # tensor parallel: ask the workers now and then while idle
+                        self._cond.wait(interval)
+                        idle = not (self._inbox or self._aborts or self._stop or has_work)
+                if idle:
+                    self.core.check_health()  # outside the lock: it may wait on a collective
+                    continue
+                with self._cond:
                     if self._stop:
                         break
                     new, self._inbox = self._inbox, []
@@ -355,8 +365,19 @@ class AsyncEngine:
                 self._inbox_seqs = 0
             for stream in streams:
                 self._send(stream, RequestAbortedError("the engine was stopped"))
+            self._close_core()
         except BaseException as exc:  # noqa: BLE001 - the loop must report, whatever happened
             self._die(exc)
+            self._close_core()
+
+    def _close_core(self) -> None:
+        close = getattr(self.core, "close", None)
+        if close is None:
+            return
+        try:
+            close()  # tensor-parallel workers stop (or are killed) here
+        except Exception:  # noqa: BLE001
+            logger.exception("closing the engine core failed")
 
     def _process_aborts(self, aborts: list[str]) -> None:
         live = [rid for rid in aborts if rid in self._active]

@@ -114,6 +114,15 @@ class EngineConfig:
     # vLLM's speculative_config: a dict, its JSON text or a SpeculativeConfig (None: off);
     # normalised to a SpeculativeConfig (engine.spec_decode.config) at construction.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Tensor parallelism (engine/distributed/): ranks holding 1/N of the weights each; across
+    # hosts, nnodes hosts of tensor_parallel_size / nnodes ranks each, meeting at
+    # distributed_init_method (tcp://HOST:PORT; None: MASTER_ADDR/MASTER_PORT, else a free
+    # loopback port on one host). Collectives fail after distributed_timeout seconds.
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    distributed_timeout: float = 60.0
     # StreamingLLM eviction, "sink:S,window:N" (None: off); engine/kv_cache/streaming.py.
     kv_eviction: str | None = None
 
@@ -167,6 +176,7 @@ class EngineConfig:
                              f" got {self.scheduling_policy!r}")
         if not 0 <= self.max_logprobs <= 100:
             raise ValueError(f"max_logprobs must be in [0, 100]; got {self.max_logprobs}")
+        self._check_parallel()
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_value(self.speculative_config))
         if self.kv_eviction is not None:
@@ -192,6 +202,27 @@ class EngineConfig:
         if explicit and self.device.startswith("cuda"):
             raise ValueError(f"quantization={self.quantization} has CPU kernels only; use "
                              f"device cpu (or quantization none on {self.device})")
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1; got {tp!r}")
+        if self.nnodes < 1 or tp % self.nnodes:
+            raise ValueError(f"nnodes must be >= 1 and divide tensor_parallel_size ({tp}); "
+                             f"got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout (seconds) must be > 0; got "
+                             f"{self.distributed_timeout}")
+        if tp == 1:
+            return
+        if self.calculate_kv_scales:
+            raise ValueError("calculate_kv_scales is not supported with tensor_parallel_size "
+                             "> 1 yet (fp8 KV pools use scales of 1.0)")
+        if self.kv_eviction is not None:
+            raise ValueError("kv_eviction is not supported with tensor_parallel_size > 1 yet "
+                             "(the kept keys' re-rotation runs on one rank's pool only)")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -248,6 +279,17 @@ class EngineConfig:
     def eviction_spec(self) -> KVEvictionSpec | None:
         """``kv_eviction`` parsed (None when off); ValueError for a malformed one."""
         return KVEvictionSpec.parse(self.kv_eviction) if self.kv_eviction is not None else None
+
+    def resolve_max_model_len(self, hf_config: Any) -> int:
+        """``max_model_len``, or the model's own context (``max_position_embeddings``, 2048
+        when the config has none); ValueError beyond the model's positions."""
+        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"max_model_len {self.max_model_len} is beyond the model's "
+                             f"{model_max} positions")
+        return self.max_model_len
 
     @property
     def swap_space_bytes(self) -> int:

@@ -32,7 +32,6 @@ from engine.kv_cache.offload import SwapCostModel
 from engine.kv_cache.streaming import StreamingEviction
 from engine.loading.loader import (
     default_generation_eos,
-    iter_weights,
     load_config,
     load_tokenizer,
     resolve_model,
@@ -49,7 +48,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
 from engine.runner.batch import build_model_input
 from engine.runner.device import set_device_for_thread
-from engine.runner.model_runner import ModelRunner
+from engine.runner.factory import build_runner
 from engine.sampling.params import SamplingParams
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput
@@ -72,9 +71,9 @@ class EngineCore:
         self.hf_config = load_config(self.files)
         self.tokenizer = load_tokenizer(_tokenizer_files(config, self.files))
         self.model_name = config.served_model_name or self.files.name
-        self.max_model_len = _max_model_len(config, self.hf_config)
-        self.runner = ModelRunner(config, self.hf_config, iter_weights(self.files),
-                                  self.max_model_len, files_dir=self.files.path)
+        self.max_model_len = config.resolve_max_model_len(self.hf_config)
+        # A ModelRunner, or with tensor_parallel_size > 1 rank 0's proxy (workers spawned).
+        self.runner = build_runner(config, self.hf_config, self.files, self.max_model_len)
         num_blocks = self.runner.allocate_kv_cache()
         if config.calculate_kv_scales:
             self._calibrate_kv_scales()
@@ -235,6 +234,23 @@ class EngineCore:
                 self.requests.pop(req.request_id, None)
         return outputs
 
+    @property
+    def health_check_interval(self) -> float | None:
+        """Seconds between :meth:`check_health` calls while idle (None: not needed)."""
+        return getattr(self.runner, "health_check_interval", None)
+
+    def check_health(self) -> None:
+        """Raise when the engine can no longer run a step (a tensor-parallel worker died)."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def close(self) -> None:
+        """Release what outlives the object (tensor-parallel workers). Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def bind_thread(self) -> None:
         """Call on the thread that will drive ``step``: kernels launch on the engine's device
         (``cuda:N``), not on the thread's default device 0."""
@@ -286,7 +302,8 @@ class EngineCore:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         inp = build_model_input(out.plan)
-        result = self.runner.execute(inp)  # a failure here is the engine's, not a request's
+        # A failure here is the engine's, not a request's. The plan is what TP workers get.
+        result = self.runner.execute(inp, out.plan)
         self.scheduler.update_after_step(out)
         if result.prompt_logprobs is not None:
             for rows in inp.prompt_rows:
@@ -434,13 +451,3 @@ def _eviction_spec(config: EngineConfig, max_model_len: int, windows) -> KVEvict
                          "one has sliding-window layers, which already bound their KV")
     spec.validate(config.block_size, max_model_len)
     return spec
-
-
-def _max_model_len(config: EngineConfig, hf_config) -> int:
-    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
-    if config.max_model_len is None:
-        return model_max
-    if config.max_model_len > model_max:
-        raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's "
-                         f"{model_max} positions")
-    return config.max_model_len

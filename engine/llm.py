@@ -44,6 +44,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Release the engine's workers (tensor parallelism); the LLM cannot generate after.
+        Also at exit and on garbage collection; idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

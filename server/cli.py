@@ -50,6 +50,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.logs import configure_logging
 
     configure_logging(settings.log_level)
+    torchrun_worker = "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) > 0
+    if engine_config.tensor_parallel_size > 1 and (engine_config.node_rank > 0
+                                                    or torchrun_worker):
+        from engine.distributed.launcher import run_worker_node
+
+        logger.info("tensor parallel: node %d runs its ranks only (no HTTP server)",
+                    engine_config.node_rank)
+        return run_worker_node(engine_config)
     from server.app import build_app, version
 
     logger.info("kvserve %s: loading %s", version(), engine_config.model or "the embedded model")

@@ -171,6 +171,18 @@ ENGINE_OPTIONS = [
            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; '
            '"disable_by_batch_size": N turns it off in steps with more than N decoding '
            'sequences (null: never)', nullable=True),
+    Option("tensor-parallel-size", "tensor_parallel_size", "engine", int,
+           "ranks that each hold 1/N of the weights (torch.distributed: gloo on CPUs, NCCL on "
+           "GPUs); on one host kvserve spawns ranks 1..N-1 itself"),
+    Option("distributed-init-method", "distributed_init_method", "engine", str,
+           "where the ranks meet, tcp://NODE0_HOST:PORT, the same on every host (default: "
+           "MASTER_ADDR/MASTER_PORT, else a free loopback port on one host)", nullable=True),
+    Option("nnodes", "nnodes", "engine", int,
+           "hosts sharing the tensor-parallel group (tensor-parallel-size / nnodes ranks each)"),
+    Option("node-rank", "node_rank", "engine", int,
+           "this host's index; node 0 serves HTTP, the others only run their ranks"),
+    Option("distributed-timeout", "distributed_timeout", "engine", float,
+           "seconds before a collective fails (a dead or hung rank stops the server)"),
 ]
 SERVER_OPTIONS = [
     Option("host", "host", "server", str, "address to listen on"),

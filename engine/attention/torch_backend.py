@@ -78,6 +78,10 @@ class TorchAttentionBackend:
         if q.device.type != "cpu" or q.dtype != torch.float32 or \
                 (fmt.kind == "float" and fmt.storage_dtype != torch.float32):
             return None
+        return self._cpu_kernels()
+
+    def _cpu_kernels(self):
+        """The compiled CPU kernels (engine/cpu/kernels.py), or None; loaded once."""
         if not self._cpu_kernel_tried:
             from engine.cpu.kernels import load
 
@@ -125,7 +129,7 @@ class TorchAttentionBackend:
         fmt = format_of(k_cache, q.shape[-1])
         ks, vs = kv_scales if kv_scales is not None else (None, None)
         self._store(quantize_rows(k, fmt, ks), quantize_rows(v, fmt, vs), k_cache, v_cache,
-                    meta.slot_mapping, state["store_all"])
+                    meta.slot_mapping, state["store_all"], self._store_kernel(k_cache))
         kv = _KVReader(fmt, q.dtype, ks, vs)
         out = torch.empty_like(q)
         masks = state["masks"].setdefault(sliding_window, {})
@@ -151,9 +155,18 @@ class TorchAttentionBackend:
                                        sliding_window, kv)
         return out
 
+    def _store_kernel(self, k_cache: torch.Tensor):
+        """The compiled CPU kernels (for ``store_kv_cpu``) when the pool is on the CPU."""
+        return self._cpu_kernels() if k_cache.device.type == "cpu" else None
+
     @staticmethod
-    def _store(k, v, k_cache, v_cache, slots, store_all: bool) -> None:
-        """``k``/``v`` are pool rows already (``quantize_rows``)."""
+    def _store(k, v, k_cache, v_cache, slots, store_all: bool, kernels=None) -> None:
+        """``k``/``v`` are pool rows already (``quantize_rows``). On the CPU one compiled call
+        writes both (negative slots skipped), else two ``index_copy_``."""
+        if kernels is not None:
+            kernels.store_kv_cpu(byte_view(k), byte_view(v), byte_view(k_cache),
+                                 byte_view(v_cache), slots)
+            return
         kvh, w = k_cache.shape[-2:]
         if not store_all:
             keep = slots >= 0

@@ -9,6 +9,7 @@ Weights are loaded from HF parameter names (``model.layers.N.self_attn.q_proj.we
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from engine.models.arch import ModelArch
 from engine.models.layer_ops import TorchLayerOps
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from engine.distributed.parallel_state import TPGroup
 
 _TORCH_OPS = TorchLayerOps()
 
@@ -36,8 +40,12 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+    """``arch`` holds this rank's head and feature counts under tensor parallelism (``tp``):
+    the O and down outputs are then partial sums, added across ranks here."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
@@ -91,26 +99,39 @@ class DecoderLayer(nn.Module):
             self.kv_observer(self.layer_idx, k, v)
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                self.sliding_window, self.kv_scales)
-        x, residual = ops.add_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), residual,
-                                       self.post_attention_layernorm.weight,
+        o = self.o_proj(attn.reshape(t, self.q_size))
+        if self.tp is not None:
+            self.tp.all_reduce_(o)
+        x, residual = ops.add_rms_norm(o, residual, self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x))), residual
+        down = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        if self.tp is not None:
+            self.tp.all_reduce_(down)
+        return down, residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder over packed tokens. ``forward`` returns final hidden states ``[T, hidden]``;
-    ``compute_logits`` projects only the rows that are sampled."""
+    ``compute_logits`` projects only the rows that are sampled.
 
-    def __init__(self, arch: ModelArch, max_positions: int | None = None) -> None:
+    Tensor parallelism (``tp``, see ``engine.distributed.sharding``): ``arch`` holds this rank's
+    head and feature counts; the token table and the logits head hold this rank's vocabulary
+    rows; lookups are summed and logits gathered across ranks, so ``forward`` and
+    ``compute_logits`` return what the whole model would, on every rank."""
+
+    def __init__(self, arch: ModelArch, max_positions: int | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.tp = tp
+        rows = arch.vocab_size if tp is None else tp.shard.vocab[1] - tp.shard.vocab[0]
+        self.embed_tokens = nn.Embedding(rows, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = nn.Linear(arch.hidden_size, rows, bias=False)
         self.tied_head: PackedLinear | None = None  # set by pack_linears when embeddings are tied
         self.ops: TorchLayerOps = _TORCH_OPS  # the runner may swap in the fused CPU ops
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim,
@@ -120,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend: AttentionBackend, ops: TorchLayerOps | None = None) -> torch.Tensor:
         """Final hidden states ``[T, hidden]``; ``ops`` overrides the model's layer ops."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype, meta.max_seq_len - 1)
         backend.prepare(meta)
         ops = ops or self.ops
@@ -129,12 +150,23 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend, ops)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the lookup (zero for ids outside its range), summed over ranks:
+        exact, as every row has one non-zero term."""
+        start, stop = self.tp.shard.vocab
+        outside = (input_ids < start) | (input_ids >= stop)
+        x = self.embed_tokens((input_ids - start).clamp_(0, stop - start - 1))
+        x.masked_fill_(outside.unsqueeze(1), 0)
+        return self.tp.all_reduce_(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_head is not None:
-            return self.tied_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        elif self.tied_head is not None:
+            logits = self.tied_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def pack_linears(self, backend: str) -> int:
         """Move every projection (and a tied logits head) onto packed weights for ``backend``;

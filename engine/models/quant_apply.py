@@ -14,14 +14,14 @@ the float weights on load (``engine.models.quant_rtn``) and always use them, as 
    against the float weight already loaded from the converted checkpoint; a mismatch (a name
    or row-order error) raises ``ValueError`` instead of serving wrong weights. For int4/int8,
    :func:`build_rtn` quantises every projection, the token table and an untied head.
-2. :func:`adopt`: for int4/int8, :func:`apply` at once (no probe: an explicit request is
-   honoured). For auto, :func:`adopt_if_faster` after float packing: :func:`choose` has
-   :func:`probe` time a pass over every linear, the float modules against the quantised ones,
-   at ``PROBE_ROWS`` rows (decode of 1..64 sequences, and a prefill chunk), on this machine and
-   these shapes (a verdict whose runs agreed is cached per machine and reused:
-   ``engine.models.quant_probe_cache``). The quantised path is used for the row counts where it
-   measured faster, never by a rule: for all of them (``quant``, the float copies are dropped), up to a crossover
-   (``hybrid``: the float modules are kept for larger inputs), or for none (``float``).
+2. :func:`adopt`: for int4/int8, :func:`apply` at once (an explicit request is honoured; only
+   the prefill panels' dtype is measured). For auto, :func:`adopt_if_faster` after float
+   packing: ``engine.models.quant_probe.choose`` times the float modules against the quantised
+   ones on this machine and these shapes (a verdict whose runs agreed is cached per machine and
+   reused: ``engine.models.quant_probe_cache``). The quantised path is used for the row counts
+   where it measured faster, never by a rule: for all of them (``quant``, the float copies are
+   dropped), up to a crossover (``hybrid``: the float modules are kept for larger inputs), or
+   for none (``float``); its prefill panels in the dtype measured faster.
 3. :func:`apply` swaps the modules in (with their float fallbacks in ``hybrid``).
 """
 
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,7 +37,21 @@ from torch import nn
 from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.models import quant_probe_cache as probe_cache
 from engine.models.quant_formats import Packed, cat, same_layout
-from engine.models.quant_linear import QuantConcat, QuantEmbedding, QuantLinear, quant_kernels
+from engine.models.quant_linear import (
+    QuantConcat,
+    QuantEmbedding,
+    QuantisedModules,
+    QuantLinear,
+    quant_kernels,
+)
+from engine.models.quant_probe import (
+    MAX_PROBE_ATTEMPTS,
+    Verdict,
+    apply_settings,
+    choose,
+    float_modules,
+    measure_settings,
+)
 from engine.models.quant_rtn import SCHEMES, quantise
 
 logger = logging.getLogger("kvserve.engine")
@@ -50,108 +62,6 @@ HEAD_SCHEMES = {"int4": "int8", "int8": "int8"}
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "o_proj": ("self_attn.o_proj",), "down_proj": ("mlp.down_proj",)}
-
-
-@dataclass
-class QuantisedModules:
-    """Replacement modules by attribute path (``layers.3.qkv_proj``, ``lm_head``), and the
-    embedding (None when the token table is not packed)."""
-
-    linears: dict[str, QuantLinear | QuantConcat] = field(default_factory=dict)
-    embedding: QuantEmbedding | None = None
-
-    @property
-    def nbytes(self) -> int:
-        mods = [*self.linears.values(), *([self.embedding.head] if self.embedding else [])]
-        return sum(m.nbytes for m in mods)
-
-
-@dataclass
-class ProbeResult:
-    """Seconds of one pass over all linears (and the logits head) on each path: the best of
-    the timed runs (``float_runs`` / ``quant_runs``, all of them)."""
-
-    float_s: float
-    quant_s: float
-    float_runs: tuple[float, ...] = ()
-    quant_runs: tuple[float, ...] = ()
-
-    @property
-    def use_quantised(self) -> bool:
-        return self.quant_s < self.float_s
-
-    @property
-    def confirmed(self) -> bool:
-        """Each side's best run has a second run within 25% of it: the best is the machine's
-        speed, not a lucky or an unlucky moment (another busy process stalls every run)."""
-        return all(len(runs) >= 2 and sorted(runs)[1] <= 1.25 * min(runs)
-                   for runs in (self.float_runs, self.quant_runs))
-
-    def merged(self, other: ProbeResult) -> ProbeResult:
-        """Both measurements' runs together (a result without runs counts as one run)."""
-        f = (self.float_runs or (self.float_s,)) + (other.float_runs or (other.float_s,))
-        q = (self.quant_runs or (self.quant_s,)) + (other.quant_runs or (other.quant_s,))
-        return ProbeResult(min(f), min(q), f, q)
-
-
-PROBE_ROWS = (1, 4, 16, 64, 256)
-MAX_PROBE_ATTEMPTS = 4
-
-
-@dataclass
-class Verdict:
-    """Which path serves which row counts: ``mode`` is ``quant`` (every size), ``hybrid``
-    (quantised up to ``float_above`` rows, float beyond) or ``float``; ``probes`` maps each
-    probed row count to its measurement."""
-
-    mode: str
-    float_above: int | None
-    probes: dict[int, ProbeResult]
-
-    def describe(self) -> str:
-        return "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
-                         f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
-
-    @property
-    def confirmed(self) -> bool:
-        return all(r.confirmed for r in self.probes.values())
-
-    def to_dict(self) -> dict:
-        return {"mode": self.mode, "float_above": self.float_above,
-                "probes": {str(n): [r.float_s, r.quant_s] for n, r in self.probes.items()}}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Verdict:
-        if d["mode"] not in ("quant", "hybrid", "float"):
-            raise ValueError(f"unknown verdict mode {d['mode']!r}")
-        probes = {int(n): ProbeResult(f, q) for n, (f, q) in d["probes"].items()}
-        return cls(d["mode"], d["float_above"], probes)
-
-
-@torch.no_grad()
-def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS,
-           force: bool = False) -> Verdict:
-    """Probe each row count in increasing order; the quantised path keeps the smallest counts
-    it wins, contiguously from 1 row. A count whose runs disagree (:attr:`ProbeResult.
-    confirmed`: the machine is busy) is measured again, up to ``MAX_PROBE_ATTEMPTS`` times.
-    ``force``: measure, but use the quantised path for all."""
-    probes: dict[int, ProbeResult] = {}
-    wins_up_to = 0
-    for n in sorted(rows):
-        result = probe(model, q, rows=n, repeats=3 if n <= 16 else 2)
-        for _ in range(MAX_PROBE_ATTEMPTS - 1):
-            if result.confirmed:
-                break
-            result = result.merged(probe(model, q, rows=n, repeats=3))
-        probes[n] = result
-        if wins_up_to == len(probes) - 1 and probes[n].use_quantised:
-            wins_up_to = len(probes)
-    ordered = sorted(probes)
-    if force or wins_up_to == len(ordered):
-        return Verdict("quant", None, probes)
-    if wins_up_to == 0:
-        return Verdict("float", None, probes)
-    return Verdict("hybrid", ordered[wins_up_to - 1], probes)
 
 
 @torch.no_grad()
@@ -211,54 +121,11 @@ def _check(q: QuantLinear | QuantConcat, weight: torch.Tensor, name: str) -> Non
                              "(row order or tensor mapping is wrong); use quantization='none'")
 
 
-def _float_modules(model: nn.Module, q: QuantisedModules) -> list[tuple[nn.Module, nn.Module]]:
-    pairs = [(model.get_submodule(path), mod) for path, mod in q.linears.items()]
-    if q.embedding is not None and model.lm_head is None:
-        dense_head = model.tied_head
-        pairs.append((dense_head if dense_head is not None else _TiedHead(model), q.embedding.head))
-    return pairs
-
-
-class _TiedHead(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.weight = model.embed_tokens.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
-
-
-@torch.no_grad()
-def probe(model: nn.Module, q: QuantisedModules, rows: int = 1, repeats: int = 5) -> ProbeResult:
-    """Time a ``rows``-row pass over every replaced linear, float then quantised, alternated
-    ``repeats`` times (best pass of each kept). Each pass touches every weight once, as a decode
-    step does, so the weights come from memory, not cache."""
-    pairs = _float_modules(model, q)
-    xs = {m.in_features if hasattr(m, "in_features") else m.weight.shape[1] for _, m in pairs}
-    xs |= {qm.in_features for _, qm in pairs}
-    inputs = {k: torch.randn(rows, k) for k in xs}
-
-    def run(side: int) -> float:
-        start = time.perf_counter()
-        for pair in pairs:
-            mod = pair[side]
-            mod(inputs[pair[1].in_features])
-        return time.perf_counter() - start
-
-    run(0)
-    run(1)
-    runs: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for side in (0, 1):
-            runs[side].append(run(side))
-    return ProbeResult(min(runs[0]), min(runs[1]), tuple(runs[0]), tuple(runs[1]))
-
-
 def apply(model: nn.Module, q: QuantisedModules, float_above: int | None = None) -> int:
     """Swap the quantised modules into ``model``; returns how many modules were replaced. With
     ``float_above``, each keeps the float module it replaces for inputs of more rows."""
     if float_above is not None:
-        for dense, quant in _float_modules(model, q):
+        for dense, quant in float_modules(model, q):
             quant.keep_float_above(float_above, dense)
     for path, mod in q.linears.items():
         parent, _, attr = path.rpartition(".")
@@ -298,6 +165,14 @@ def packed_replacements(model: nn.Module, config, device: torch.device, dtype: t
         return None
     packed = read_packed(source)
     return build_quantised(model, packed) if packed else None
+
+
+def serves_packed_gguf(config, files_dir: Path | None) -> bool:
+    """Whether ``quantization="auto"`` may keep this checkpoint's GGUF tensors packed (a GGUF
+    source, real weights, the CPU kernels built): then the model runs float32 activations."""
+    return (config.quantization == "auto" and config.load_format != "dummy"
+            and files_dir is not None and quant_kernels() is not None
+            and gguf_source(files_dir) is not None)
 
 
 @torch.no_grad()
@@ -343,11 +218,14 @@ def adopt(model: nn.Module, quantised: QuantisedModules, config) -> Verdict:
     :func:`adopt_if_faster` (call it after)."""
     if config.quantization not in SCHEMES:
         return adopt_if_faster(model, quantised)
+    settings = measure_settings(quantised)
     n = apply(model, quantised)
+    verdict = Verdict("quant", None, {}, settings)
     logger.info("quantization=%s (round-to-nearest, groups of %d): %d modules on packed "
-                "weights, %.1f MiB, as requested (no probe)", config.quantization,
-                config.quantization_group_size, n, quantised.nbytes / 2**20)
-    return Verdict("quant", None, {})
+                "weights, %.1f MiB, as requested (%s)", config.quantization,
+                config.quantization_group_size, n, quantised.nbytes / 2**20,
+                verdict.describe().removeprefix("; "))
+    return verdict
 
 
 def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:
@@ -357,6 +235,7 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:
     packed weights for every size whatever the probe says (tests)."""
     force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
     verdict, how = _cached_or_probed(model, quantised, force)
+    apply_settings(quantised, verdict)
     if verdict.mode == "float":
         logger.info("quantization=auto: keeping float weights, the quantised kernels are "
                     "slower on this machine (%s; %s)", verdict.describe(), how)

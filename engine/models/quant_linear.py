@@ -4,11 +4,15 @@
 (8-bit: scales per 32 or 16, optional mins):
 
 * up to ``dense_rows`` rows (decode steps): the C++ kernels ``quant_gemm_q4`` / ``quant_gemm_q8``
-  (engine/cpu/csrc/quant_gemm_cpu.cpp), which quantise each activation row to int8 per group
-  of 32 and take integer dot products. The result differs from float by the activation's
+  (engine/cpu/csrc/quant_gemm_cpu.cpp; for 4-bit weights ``quant_gemm_q4_vnni`` where the CPU
+  has AVX-512 VNNI and the start-up probe measured it faster), which quantise each activation
+  row to int8 per group of 32 and take integer dot products. The result differs from float by the activation's
   rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
-* above (prefill): panels of ``PANEL_ROWS`` output rows are dequantised to float32 and
-  multiplied densely; compute-bound there, so the dequantisation is a small extra.
+* above (prefill): panels of ``PANEL_ROWS`` output rows are dequantised to ``panel_dtype``
+  (float32, or bfloat16 where the start-up probe measured a bf16 matmul faster: on CPUs with
+  AMX/AVX-512 BF16 ~2-4x at 256+ rows; the activations are rounded to bf16 for it, the output
+  stays float32) and multiplied densely; compute-bound there, so the dequantisation is a small
+  extra.
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster.
@@ -20,6 +24,8 @@ module's ``buffers()`` and move with it, they are not parameters).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +33,9 @@ from torch import nn
 from engine.models.quant_formats import Packed, PackedQ4
 
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
-PANEL_ROWS = 1024  # output rows dequantised at a time on that path
+PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+Q4_KERNELS = ("base", "vnni")
 
 
 def quant_kernels():
@@ -35,6 +43,12 @@ def quant_kernels():
     from engine.cpu.kernels import load
 
     return load()
+
+
+def vnni_available() -> bool:
+    """Whether the AVX-512 VNNI 4-bit kernel was built (the compiler targets it on this CPU)."""
+    k = quant_kernels()
+    return k is not None and bool(k.quant_gemm_q4_vnni_available())
 
 
 class QuantLinear(nn.Module):
@@ -55,16 +69,38 @@ class QuantLinear(nn.Module):
         self.dense_rows = dense_rows
         self.fallback: nn.Module | None = None
         self.float_above: int | None = None
+        self.panel_dtype = torch.float32
+        self._gemm = self._kernels.quant_gemm_q4 if self.is_q4 else self._kernels.quant_gemm_q8
+        self.q4_kernel = "base"
+
+    def set_q4_kernel(self, name: str) -> None:
+        """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
+        or ``vnni`` (``quant_gemm_q4_vnni``, where built). 8-bit weights ignore it."""
+        if name not in Q4_KERNELS:
+            raise ValueError(f"q4 kernel must be one of {', '.join(Q4_KERNELS)}, not {name!r}")
+        if name == "vnni" and not vnni_available():
+            raise ValueError("the AVX-512 VNNI kernel is not built on this CPU")
+        self.q4_kernel = name
+        if self.is_q4:
+            self._gemm = (self._kernels.quant_gemm_q4_vnni if name == "vnni"
+                          else self._kernels.quant_gemm_q4)
 
     def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
         """Send inputs of more than ``rows`` rows to ``fallback`` (same weights, float)."""
         self.fallback, self.float_above = fallback, rows
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Float32 rows ``W[rows]``."""
+    def set_panel_dtype(self, dtype: torch.dtype) -> None:
+        """The dtype of the dense path's dequantised panels and matmul (float32 or bfloat16)."""
+        if dtype not in PANEL_DTYPES:
+            raise ValueError(f"panel dtype must be float32 or bfloat16, not {dtype}")
+        self.panel_dtype = dtype
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``W[rows]`` as float32 (or bfloat16)."""
+        bf16 = dtype == torch.bfloat16
         if self.is_q4:
-            return self._kernels.quant_dequant_q4(self.qs, self.d, self.m, rows)
-        return self._kernels.quant_dequant_q8(self.qs, self.d, self.m, rows)
+            return self._kernels.quant_dequant_q4(self.qs, self.d, self.m, rows, bf16)
+        return self._kernels.quant_dequant_q8(self.qs, self.d, self.m, rows, bf16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -74,10 +110,7 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         if x2.shape[0] <= self.dense_rows:
-            if self.is_q4:
-                out = self._kernels.quant_gemm_q4(x2, self.qs, self.d, self.m)
-            else:
-                out = self._kernels.quant_gemm_q8(x2, self.qs, self.d, self.m)
+            out = self._gemm(x2, self.qs, self.d, self.m)
         else:
             out = self._dense(x2)
         if self.bias is not None:
@@ -85,11 +118,14 @@ class QuantLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        dt = self.panel_dtype
+        xin = x2 if dt == torch.float32 else x2.to(dt)
+        if self.out_features <= PANEL_ROWS:
+            return F.linear(xin, self.dequantize_rows(torch.arange(self.out_features), dt)).float()
         out = torch.empty(x2.shape[0], self.out_features)
         for start in range(0, self.out_features, PANEL_ROWS):
             stop = min(start + PANEL_ROWS, self.out_features)
-            w = self.dequantize_rows(torch.arange(start, stop))
-            out[:, start:stop] = F.linear(x2, w)
+            out[:, start:stop] = F.linear(xin, self.dequantize_rows(torch.arange(start, stop), dt))
         return out
 
     @property
@@ -121,12 +157,20 @@ class QuantConcat(nn.Module):
     def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
         self.fallback, self.float_above = fallback, rows
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.numel(), self.in_features)
+    def set_panel_dtype(self, dtype: torch.dtype) -> None:
+        for part in self.parts:
+            part.set_panel_dtype(dtype)
+
+    def set_q4_kernel(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q4_kernel(name)
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out = torch.empty(rows.numel(), self.in_features, dtype=dtype)
         start = 0
         for part in self.parts:
             hit = (rows >= start) & (rows < start + part.out_features)
-            out[hit] = part.dequantize_rows(rows[hit] - start)
+            out[hit] = part.dequantize_rows(rows[hit] - start, dtype)
             start += part.out_features
         return out
 
@@ -156,3 +200,17 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         return self.head.dequantize_rows(flat).view(*ids.shape, self.embedding_dim)
+
+
+@dataclass
+class QuantisedModules:
+    """Replacement modules by attribute path (``layers.3.qkv_proj``, ``lm_head``), and the
+    embedding (None when the token table is not packed)."""
+
+    linears: dict[str, QuantLinear | QuantConcat] = field(default_factory=dict)
+    embedding: QuantEmbedding | None = None
+
+    @property
+    def nbytes(self) -> int:
+        mods = [*self.linears.values(), *([self.embedding.head] if self.embedding else [])]
+        return sum(m.nbytes for m in mods)

@@ -15,8 +15,10 @@ _ARCHITECTURES = {
 }
 
 
-def build_model(hf_config: Any, max_positions: int | None = None) -> LlamaForCausalLM:
-    """Instantiate (uninitialised weights) the model class for ``hf_config``."""
+def build_model(hf_config: Any, max_positions: int | None = None,
+                tp: Any = None) -> LlamaForCausalLM:
+    """Instantiate (uninitialised weights) the model class for ``hf_config``; with ``tp`` (an
+    ``engine.distributed.parallel_state.TPGroup``) only this rank's shard of it."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     known = [a for a in archs if a in _ARCHITECTURES]
     if archs and not known:
@@ -24,4 +26,8 @@ def build_model(hf_config: Any, max_positions: int | None = None) -> LlamaForCau
                          f"{', '.join(sorted(_ARCHITECTURES))}")
     arch = ModelArch.from_hf_config(hf_config)
     cls = _ARCHITECTURES[known[0]] if known else LlamaForCausalLM
-    return cls(arch, max_positions=max_positions)
+    if tp is None:
+        return cls(arch, max_positions=max_positions)
+    from engine.distributed.sharding import local_arch
+
+    return cls(local_arch(arch, tp.shard), max_positions=max_positions, tp=tp)

@@ -35,7 +35,7 @@ from engine.kv_cache.rope_shift import shift_block_keys
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.models.quant_apply import adopt, packed_replacements
+from engine.models.quant_apply import adopt, packed_replacements, serves_packed_gguf
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.runner.batch import ModelInput
@@ -64,7 +64,8 @@ class ModelOutput:
 
 
 def cpu_has_bf16() -> bool:
-    """True when the CPU has native bf16 matmul instructions (AVX-512 BF16 or AMX)."""
+    """True when the CPU has native bf16 matmul instructions (AVX-512 BF16 or AMX). Only says
+    whether probing bf16 is worth its time (benchmarks); never picks a dtype by itself."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -73,17 +74,24 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -> torch.dtype:
-    """``name`` as a torch dtype; ``auto`` is measured per device, float32 for int4/int8 (the
-    packed kernels' activations)."""
+def resolve_dtype(name: str, device: torch.device, quantization: str = "auto",
+                  hf_config: Any = None, packed_checkpoint: bool = False) -> torch.dtype:
+    """``name`` as a torch dtype. ``auto``: bf16 (fp16 without bf16) on a GPU; on the CPU
+    float32 where packed weights serve (int4/int8, or ``auto`` over a quantised GGUF: the
+    packed kernels take float32 activations, and their prefill panels' dtype is probed on its
+    own), else the faster of float32 and bfloat16 measured on this model's shapes
+    (``engine.runner.dtype_probe``; float32 when no config is given)."""
     if name != "auto":
         return _DTYPES[name]
     if quantization in ("int4", "int8"):
         return torch.float32
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # Measured on the development CPU (AVX-512 BF16): bf16 linears run ~2.3x fp32 at batch >= 32.
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if packed_checkpoint or hf_config is None:
+        return torch.float32
+    from engine.runner.dtype_probe import measured_cpu_dtype
+
+    return measured_cpu_dtype(hf_config)
 
 
 def total_ram_bytes() -> int:
@@ -95,21 +103,34 @@ def total_ram_bytes() -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int,
-                 files_dir: Path | None = None) -> None:
+                 files_dir: Path | None = None, tp: Any = None) -> None:
         """``files_dir``: the model's (converted) directory; with ``quantization="auto"`` the
-        GGUF it came from is read for packed weights; int4/int8 quantise the loaded weights."""
+        GGUF it came from is read for packed weights; int4/int8 quantise the loaded weights.
+        ``tp`` (an ``engine.distributed.parallel_state.TPGroup``): this runner is one rank of a
+        tensor-parallel group; ``weights`` are this rank's shards, the pools hold its KV heads,
+        and every method that sizes or runs something is called on every rank in the same
+        order (its collectives pair up)."""
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.device)
         set_device_for_thread(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization)
-        self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype)
+        # Under tensor parallelism every rank must agree without talking: no per-rank probe
+        # (resolve_dtype without a config: float32 on the CPU).
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization,
+                                   hf_config if tp is None else None,
+                                   tp is None and self.device.type == "cpu"
+                                   and serves_packed_gguf(config, files_dir))
+        self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype, tp)
         self.arch: ModelArch = self.model.arch
         if config.load_format == "dummy":
             self.model.init_dummy_weights(seed=config.seed)
         else:
             self.model.load_weights(weights)
         self.model.eval()
-        quantised = packed_replacements(self.model, config, self.device, self.dtype, files_dir)
+        # Tensor parallel: int4/int8 quantise this rank's float shards; auto keeps them float
+        # (a GGUF's packed blocks are not split; see README).
+        quantised = (packed_replacements(self.model, config, self.device, self.dtype, files_dir)
+                     if tp is None or config.quantization != "auto" else None)
         self.quant_verdict = None
         if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
             self.quant_verdict = adopt(self.model, quantised, config)
@@ -222,6 +243,8 @@ class ModelRunner:
         bs = self.config.block_size
         if num_blocks is None:
             num_blocks = self.kv_budget_bytes() // (self.kv_bytes_per_token * bs)
+            if self.tp is not None:  # every rank's pool has the same number of blocks
+                num_blocks = self.tp.min_int(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {bs} tokens "
                              f"({self.kv_bytes_per_token * bs} bytes)")
@@ -279,6 +302,8 @@ class ModelRunner:
         is only ever read after a copy filled it."""
         block_bytes = self.kv_bytes_per_token * self.config.block_size
         n = self.config.swap_space_bytes // block_bytes
+        if self.tp is not None:
+            n = self.tp.min_int(n)
         if self.config.swap_space > 0 and n == 0:
             logger.warning("swap_space %.3g GiB holds no block of %d bytes: host tier off",
                            self.config.swap_space, block_bytes)
@@ -332,7 +357,7 @@ class ModelRunner:
         and, on CUDA with the Triton backend, capture the decode graphs (``enforce_eager``
         turns them off). Nothing compiles later, while requests wait."""
         use_graphs = (self.device.type == "cuda" and self.backend.name == "triton"
-                      and not self.config.enforce_eager)
+                      and not self.config.enforce_eager and self.tp is None)
         if self.device.type != "cuda":
             return
         self._warm_up()
@@ -391,9 +416,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> ModelOutput:
+    def execute(self, inp: ModelInput, plan: Any = None) -> ModelOutput:
         """Run one step. ``inp`` is host data; pure decode steps replay a CUDA graph when one
-        was captured, everything else runs eagerly after one host->device copy."""
+        was captured, everything else runs eagerly after one host->device copy. ``plan``
+        (the ``StepPlan`` ``inp`` was built from) is for a tensor-parallel rank 0, which
+        sends it to the workers; unused here."""
         if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
             if inp.sample_indices.numel() != hidden.shape[0]:
@@ -411,13 +438,13 @@ class ModelRunner:
 
 
 def _build_on_device(hf_config: Any, max_model_len: int, device: torch.device,
-                     dtype: torch.dtype):
+                     dtype: torch.dtype, tp: Any = None):
     """The model with uninitialised weights allocated once, on ``device``, in ``dtype``:
     built on the meta device (no host copy of the weights, no random init), then given
     storage. The RoPE tables, computed at construction, are rebuilt in float32 on the device.
     """
     with torch.device("meta"):
-        model = build_model(hf_config, max_positions=max_model_len)
+        model = build_model(hf_config, max_positions=max_model_len, tp=tp)
     model = model.to(dtype).to_empty(device=device)
     with torch.device(device):
         model.rotary = RotaryEmbedding(model.arch.rope, model.arch.head_dim, max_model_len)

@@ -74,11 +74,11 @@ def test_out_of_memory_in_a_step_fails_its_requests_not_the_engine(tmp_path):
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(inp):
+    def flaky(inp, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)("fake OOM")
-        return real(inp)
+        return real(inp, *args, **kwargs)
 
     runner.execute = flaky
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

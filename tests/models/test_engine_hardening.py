@@ -122,7 +122,7 @@ def test_failure_in_stop_checks_or_sampling_ends_only_that_request(llm, monkeypa
 
 def test_a_failing_forward_pass_is_not_swallowed(llm, monkeypatch):
     core = llm.engine
-    monkeypatch.setattr(core.runner, "execute", lambda inp: 1 / 0)
+    monkeypatch.setattr(core.runner, "execute", lambda inp, *args, **kwargs: 1 / 0)
     core.add_request("x", [5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(ZeroDivisionError):
         core.step()

@@ -50,6 +50,8 @@ def test_eviction_refuses_speculative_decoding():
     with pytest.raises(ValueError, match="speculative_config"):
         EngineConfig(kv_eviction="sink:4,window:64",
                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(kv_eviction="sink:4,window:64", tensor_parallel_size=2)
 
 
 # ---- the K re-rotation ----------------------------------------------------------------------

@@ -74,6 +74,9 @@ def test_dequantize_equals_gguf(case):
         rows = torch.tensor([shape[0] - 1, 0, shape[0] // 2])
         got = QuantLinear(packed).dequantize_rows(rows)
         torch.testing.assert_close(got, ref[rows], rtol=0, atol=1e-6 * float(ref.abs().max()))
+        # bfloat16 panels (prefill's bf16 matmul): the float rows rounded to nearest even.
+        got16 = QuantLinear(packed).dequantize_rows(rows, torch.bfloat16)
+        assert got16.dtype == torch.bfloat16 and torch.equal(got16, got.bfloat16())
 
 
 def test_q4_0_is_exact_and_layouts():
@@ -187,6 +190,54 @@ def test_quant_linear_matches_reference(case, rows):
     torch.testing.assert_close(got.double(), ref + bias.double(), rtol=0,
                                atol=1e-5 * scale + step)
     assert bool(((got.double() - exact).abs() <= bound + 1e-5 * scale).all())
+
+
+def _vnni_built() -> bool:
+    return quant_kernels() is not None and bool(quant_kernels().quant_gemm_q4_vnni_available())
+
+
+@pytest.mark.skipif(not _vnni_built(), reason="AVX-512 VNNI kernel not built on this CPU")
+@pytest.mark.parametrize("k", [32, 64, 96, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, DENSE_ROWS])
+def test_vnni_q4_kernel_equals_the_base_kernel(k, rows):
+    """The AVX-512 VNNI 4-bit kernel does the base kernel's integer math two groups at a time
+    (its own activation layout; an odd last group): equal up to float summation order, for
+    even and odd group counts and every row tile."""
+    w = torch.randn(37, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    rng = np.random.default_rng(k)
+    raw = quants.quantize(w.numpy(), T.Q4_1)
+    lin = QuantLinear(from_gguf_blocks(raw, int(T.Q4_1), (37, k)))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * float(rng.uniform(0.5, 4))
+    base = lin(x)
+    lin.set_q4_kernel("vnni")
+    got = lin(x)
+    scale = float((x.abs() @ torch.from_numpy(quants.dequantize(raw, T.Q4_1)).abs().t()).max())
+    torch.testing.assert_close(got, base, rtol=0, atol=1e-5 * scale)
+    with pytest.raises(ValueError, match="q4 kernel"):
+        lin.set_q4_kernel("avx9")
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=_case_id)
+def test_bf16_panels_are_a_bf16_matmul_of_the_dequantised_weight(case):
+    """With bfloat16 panels (chosen by the start-up probe where faster) the dense path is
+    exactly ``F.linear`` of bf16-rounded activations and weights, float32 out (+ bias); the
+    decode-sized kernel path is unchanged."""
+    qtype, shape = case
+    packed, w = _packed(*shape, qtype)
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(7))
+    lin = QuantLinear(packed, bias)
+    x = torch.randn(DENSE_ROWS + 7, shape[1], generator=torch.Generator().manual_seed(3))
+    small = lin(x[:3])
+    lin.set_panel_dtype(torch.bfloat16)
+    w16 = lin.dequantize_rows(torch.arange(shape[0]), torch.bfloat16)
+    want = F.linear(x.bfloat16(), w16).float() + bias
+    torch.testing.assert_close(lin(x), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    assert torch.equal(lin(x[:3]), small)
+    scale = float((x.abs() @ w.abs().t()).max())
+    assert float((lin(x) - F.linear(x, w, bias)).abs().max()) < 2e-2 * scale  # bf16 rounding
+    with pytest.raises(ValueError, match="panel dtype"):
+        lin.set_panel_dtype(torch.float16)
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")

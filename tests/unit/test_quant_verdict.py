@@ -1,4 +1,4 @@
-"""The start-up choice between packed quantised and float linears (engine/models/quant_apply.py
+"""The start-up choice between packed quantised and float linears (engine/models/quant_probe.py
 ``choose``) and the per-call routing it sets up (``QuantLinear.keep_float_above``).
 
 The choice must follow the measurements only: the quantised path keeps the row counts it won,
@@ -13,10 +13,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import quant_apply
-from engine.models.quant_apply import ProbeResult, QuantisedModules, choose
+from engine.models import quant_apply, quant_probe
+from engine.models.quant_linear import QuantisedModules
+from engine.models.quant_probe import ProbeResult, Verdict, choose
 
 gguf = pytest.importorskip("gguf")
+
+
+# The real setting probes (the autouse fixture below replaces them in the module).
+REAL_PANELS, REAL_KERNEL_ROWS, REAL_Q4 = (quant_probe.probe_panels, quant_probe.probe_kernel_rows,
+                                          quant_probe.probe_q4_kernels)
+
+
+@pytest.fixture(autouse=True)
+def _settings_measure_the_first_option_faster(monkeypatch):
+    """The settings' probes, deterministic unless a test replaces them: float32 panels and
+    the base 4-bit kernel win."""
+    slower = lambda q, rows, repeats=3: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0))  # noqa: E731
+    monkeypatch.setattr(quant_probe, "probe_panels", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_kernels", slower)
+    monkeypatch.setattr(quant_probe, "probe_kernel_rows", slower)
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -32,7 +48,7 @@ def _fake_probe(wins: dict[int, bool]):
     ({1: False, 4: True, 16: True, 64: True, 256: True}, "float", None),
 ])
 def test_choice_follows_the_measurements(monkeypatch, wins, mode, above):
-    monkeypatch.setattr(quant_apply, "probe", _fake_probe(wins))
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(wins))
     verdict = choose(nn.Module(), QuantisedModules())
     assert (verdict.mode, verdict.float_above) == (mode, above)
     assert sorted(verdict.probes) == [1, 4, 16, 64, 256]
@@ -40,7 +56,7 @@ def test_choice_follows_the_measurements(monkeypatch, wins, mode, above):
 
 
 def test_force_uses_the_quantised_path_for_every_size(monkeypatch):
-    monkeypatch.setattr(quant_apply, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256),
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256),
                                                                         False)))
     assert choose(nn.Module(), QuantisedModules(), force=True).mode == "quant"
 
@@ -86,7 +102,7 @@ def test_disagreeing_runs_are_measured_again(monkeypatch):
             return ProbeResult(1.0, 9.0, (1.0, 1.1), (9.0, 30.0))
         return ProbeResult(1.0, 0.5, (1.0, 1.0), (0.5, 0.5))
 
-    monkeypatch.setattr(quant_apply, "probe", probe)
+    monkeypatch.setattr(quant_probe, "probe", probe)
     verdict = choose(nn.Module(), QuantisedModules())
     assert calls.count(1) == 2 and calls.count(4) == 1
     assert verdict.probes[1].quant_s == 0.5 and verdict.mode == "quant" and verdict.confirmed
@@ -102,7 +118,7 @@ def test_verdict_is_cached_per_machine(monkeypatch, tmp_path):
         return ProbeResult(1.0, 0.5 if rows <= 4 else 2.0, (1.0, 1.0), (0.5, 0.5) if rows <= 4
                            else (2.0, 2.0))
 
-    monkeypatch.setattr(quant_apply, "probe", probe)
+    monkeypatch.setattr(quant_probe, "probe", probe)
     first, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
     assert (first.mode, first.float_above) == ("hybrid", 4) and "cached for later" in how
     n = len(calls)
@@ -123,7 +139,104 @@ def test_a_busy_machines_verdict_is_not_cached(monkeypatch, tmp_path):
         t = float(next(stall))
         return ProbeResult(t, 2 * t, (t, 5 * t), (2 * t, 9 * t))
 
-    monkeypatch.setattr(quant_apply, "probe", probe)
+    monkeypatch.setattr(quant_probe, "probe", probe)
     verdict, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
     assert not verdict.confirmed and "not cached" in how
     assert not list(tmp_path.rglob("*.json"))
+
+
+@pytest.mark.parametrize(("bf16_s", "want"), [(0.4, "bfloat16"), (2.5, "float32")])
+def test_panel_dtype_follows_its_measurement(monkeypatch, bf16_s, want):
+    """The dense (prefill) path's panel dtype is the one measured faster at the largest probed
+    row count above the kernels' limit; it is set on every module and kept in the verdict."""
+    seen = []
+
+    def probe_panels(q, rows, repeats=3):
+        seen.append(rows)
+        return ProbeResult(1.0, bf16_s, (1.0, 1.0), (bf16_s, bf16_s))
+
+    monkeypatch.setattr(quant_probe, "probe_panels", probe_panels)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
+    verdict = choose(nn.Module(), QuantisedModules())
+    assert seen == [256] and verdict.panel_dtype == want
+    assert f"prefill panels {want}" in verdict.describe()
+    back = Verdict.from_dict(verdict.to_dict())
+    assert (back.panel_dtype, back.mode) == (want, "quant")
+    # Only decode-sized row counts probed: no dense path to choose for.
+    seen.clear()
+    assert choose(nn.Module(), QuantisedModules(), rows=(1, 4)).panel_dtype == "float32"
+    assert seen == []
+
+
+def test_a_cached_verdict_with_an_unknown_setting_is_refused():
+    good = {"mode": "hybrid", "float_above": 16, "probes": {"1": [2.0, 1.0]},
+            "settings": {"panel_dtype": ["bfloat16", 1.0, 0.5], "q4_kernel": ["vnni"]}}
+    v = Verdict.from_dict(good)
+    assert (v.mode, v.float_above, v.panel_dtype, v.q4_kernel) == ("hybrid", 16, "bfloat16", "vnni")
+    assert Verdict.from_dict({**good, "settings": {}}).q4_kernel == "base"  # defaults
+    with pytest.raises(ValueError, match="unknown setting"):
+        Verdict.from_dict({**good, "settings": {"panel_dtype": ["float16"]}})
+
+
+def test_q4_kernel_follows_its_measurement(monkeypatch):
+    """Where the AVX-512 VNNI kernel is built, the 4-bit decode kernel is the one measured
+    faster at one row, set on every 4-bit module (a QuantConcat's parts too)."""
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "probe_q4_kernels",
+                        lambda q, rows, repeats=3: ProbeResult(1.0, 0.7, (1.0, 1.0), (0.7, 0.7)))
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
+    set_to = []
+
+    class FakeQ4(nn.Module):
+        is_q4 = True
+
+        def set_panel_dtype(self, dt):
+            pass
+
+        def set_q4_kernel(self, name):
+            set_to.append(name)
+
+    q = QuantisedModules(linears={"layers.0.qkv_proj": FakeQ4()})
+    verdict = choose(nn.Module(), q)
+    assert verdict.q4_kernel == "vnni" and set_to[-1] == "vnni"
+    assert "4-bit decode kernel vnni (base 1000.00 ms, vnni 700.00 ms)" in verdict.describe()
+    assert Verdict.from_dict(verdict.to_dict()).q4_kernel == "vnni"
+
+
+@pytest.mark.parametrize(("dense_wins_from", "want"), [(16, 8), (2, 1), (None, 32)])
+def test_kernel_rows_stop_where_the_dense_path_first_wins(monkeypatch, dense_wins_from, want):
+    """Decode kernels serve up to the last doubling row count before the dense path (dequantise
+    then matmul) first measured faster; the limit is set on every module and cached."""
+    seen = []
+
+    def probe_kernel_rows(q, rows, repeats=3):
+        seen.append(rows)
+        wins = dense_wins_from is not None and rows >= dense_wins_from
+        return ProbeResult(1.0, 0.5 if wins else 2.0, (1.0, 1.0), (0.5, 0.5) if wins else (2.0, 2.0))
+
+    monkeypatch.setattr(quant_probe, "probe_kernel_rows", probe_kernel_rows)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
+    lin = nn.Module()
+    lin.is_q4, lin.dense_rows = True, 32
+    lin.set_panel_dtype = lambda dt: None
+    lin.set_q4_kernel = lambda name: None
+    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": lin}))
+    assert verdict.kernel_rows == want and lin.dense_rows == want
+    assert seen == [r for r in (2, 4, 8, 16, 32) if dense_wins_from is None or r <= dense_wins_from]
+    assert Verdict.from_dict(verdict.to_dict()).kernel_rows == want
+
+
+def test_the_real_setting_probes_run_and_restore_the_modules():
+    from engine.models.quant_linear import QuantLinear, quant_kernels, vnni_available
+    from engine.models.quant_rtn import quantise
+
+    if quant_kernels() is None:
+        pytest.skip("CPU kernels unavailable")
+    g = torch.Generator().manual_seed(0)
+    lin = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int4", 32))
+    q = QuantisedModules(linears={"layers.0.o_proj": lin})
+    for result in (REAL_PANELS(q, 40, 1), REAL_KERNEL_ROWS(q, 4, 1)):
+        assert result.float_s > 0 and result.quant_s > 0
+    assert (lin.panel_dtype, lin.dense_rows) == (torch.float32, 32)
+    if vnni_available():
+        assert REAL_Q4(q, 1, 1).quant_s > 0 and lin.q4_kernel == "base"

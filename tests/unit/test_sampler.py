@@ -365,3 +365,13 @@ def test_logit_bias_tensors_are_built_once_per_request(monkeypatch):
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("rebuilt the bias"))
     penalties.apply_logit_bias(x.clone(), [r])
     assert cache["logit_bias"] is first
+
+
+def test_first_argmax_equals_argmax_on_ties():
+    """The greedy path's ``max(dim=-1).indices`` picks the first maximal index, as argmax."""
+    from engine.sampling.sampler import first_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        x = torch.randint(0, 4, (5, 300), generator=g).float()  # many ties per row
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1))

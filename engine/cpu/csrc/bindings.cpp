@@ -28,28 +28,44 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
 torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                                 torch::Tensor m);
 torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                               torch::Tensor rows);
+                               torch::Tensor rows, bool bf16);
 torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
-                               torch::Tensor rows);
+                               torch::Tensor rows, bool bf16);
 std::string quant_gemm_isa();
+torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+bool quant_gemm_q4_vnni_available();
+void store_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor slots);
+
+// Every tensor kernel runs without the GIL (py::call_guard): the server's event loop thread
+// can format and send tokens while the engine thread computes, instead of queueing for the GIL
+// behind a kernel (and then holding the engine thread up when it gets it).
+using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)");
+  m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)", nogil());
   m.def("paged_decode_cpu_int8", &paged_decode_cpu_int8,
-        "paged decode attention over an int8 pool (rows: int8 x D, float16 scale)");
+        "paged decode attention over an int8 pool (rows: int8 x D, float16 scale)", nogil());
   m.def("paged_decode_cpu_fp8", &paged_decode_cpu_fp8,
-        "paged decode attention over an fp8 pool (uint8 view, byte table, per-head scales)");
-  m.def("rms_norm", &rms_norm, "RMSNorm (CPU, fp32)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (CPU, fp32)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over [gate | up] (CPU, fp32)");
-  m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, fp32)");
-  m.def("small_gemm_pack", &small_gemm_pack, "pack W [N, K] into 16-column panels");
+        "paged decode attention over an fp8 pool (uint8 view, byte table, per-head scales)", nogil());
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU, fp32)", nogil());
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (CPU, fp32)", nogil());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over [gate | up] (CPU, fp32)", nogil());
+  m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, fp32)", nogil());
+  m.def("small_gemm_pack", &small_gemm_pack, "pack W [N, K] into 16-column panels", nogil());
   m.def("small_gemm_supported", &small_gemm_supported, "built with AVX2+FMA");
-  m.def("small_gemm", &small_gemm, "x @ W^T (+ b) for few rows (CPU, fp32, AVX2)");
-  m.def("quant_gemm_q4", &quant_gemm_q4, "x @ W^T, W 4-bit groups of 32 (d*q+m)");
-  m.def("quant_gemm_q4_fma", &quant_gemm_q4_fma, "q4 x float activations, float FMA (benchmark)");
-  m.def("quant_gemm_q8", &quant_gemm_q8, "x @ W^T, W 8-bit groups of 32 (d*q [+ m]; d per 16 or 32)");
-  m.def("quant_dequant_q4", &quant_dequant_q4, "float32 rows of a 4-bit packed weight");
-  m.def("quant_dequant_q8", &quant_dequant_q8, "float32 rows of an 8-bit packed weight");
+  m.def("small_gemm", &small_gemm, "x @ W^T (+ b) for few rows (CPU, fp32, AVX2)", nogil());
+  m.def("quant_gemm_q4", &quant_gemm_q4, "x @ W^T, W 4-bit groups of 32 (d*q+m)", nogil());
+  m.def("quant_gemm_q4_fma", &quant_gemm_q4_fma, "q4 x float activations, float FMA (benchmark)", nogil());
+  m.def("quant_gemm_q8", &quant_gemm_q8, "x @ W^T, W 8-bit groups of 32 (d*q [+ m]; d per 16 or 32)", nogil());
+  m.def("quant_dequant_q4", &quant_dequant_q4, "float32 (bf16=True: bfloat16) rows of a 4-bit packed weight",
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
+  m.def("quant_dequant_q8", &quant_dequant_q8, "float32 (bf16=True: bfloat16) rows of an 8-bit packed weight",
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
+  m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)", nogil());
+  m.def("store_kv_cpu", &store_kv_cpu, "k/v rows into pool slots (negative: skipped), as bytes",
+        nogil());
+  m.def("quant_gemm_q4_vnni_available", &quant_gemm_q4_vnni_available,
+        "whether quant_gemm_q4_vnni was built (AVX-512 BW/VL + VNNI targeted)");
 }

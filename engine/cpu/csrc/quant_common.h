@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <type_traits>
+
 namespace kvserve_quant {
 
 constexpr int64_t kGroup = 32;
@@ -22,6 +24,19 @@ inline int64_t q8_scale_group(const torch::Tensor& qs, const torch::Tensor& d,
                 "malformed q8 weight: a min needs one per group of 32, like its scale");
   }
   return S;
+}
+
+// Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
+template <typename F>
+void row_tiles(int64_t M, F&& f) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= M; r0 += 4) f(std::integral_constant<int, 4>{}, r0);
+  switch (M - r0) {
+    case 3: f(std::integral_constant<int, 3>{}, r0); break;
+    case 2: f(std::integral_constant<int, 2>{}, r0); break;
+    case 1: f(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
+  }
 }
 
 }  // namespace kvserve_quant

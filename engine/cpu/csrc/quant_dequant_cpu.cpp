@@ -1,6 +1,8 @@
-// Float32 rows of a packed weight (engine/models/quant_formats.py; layouts in
+// Float32 (or bfloat16) rows of a packed weight (engine/models/quant_formats.py; layouts in
 // quant_gemm_cpu.cpp): embedding lookups, and panels for prefill's dense matmul. Exact up to one
-// rounding of d * q + m (a fused multiply-add).
+// rounding of d * q + m (a fused multiply-add); with bf16 = true the float result is then
+// rounded to bfloat16 (nearest even) as it is stored, for a bf16 matmul (no float32 panel is
+// written and read back).
 #include <torch/extension.h>
 
 #include "quant_common.h"
@@ -16,22 +18,20 @@ static void check_rows(const int64_t* idp, int64_t R, int64_t num_rows) {
   }
 }
 
-torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                               torch::Tensor rows) {
-  const int64_t K = qs.size(1) * 2, G = K / kGroup, R = rows.numel();
-  auto ids = rows.to(torch::kInt64).contiguous();
-  auto out = torch::empty({R, K});
+template <typename T>
+static void dequant_q4(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
+                       const torch::Tensor& ids, torch::Tensor& out) {
+  const int64_t K = qs.size(1) * 2, G = K / kGroup, R = ids.numel();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  check_rows(idp, R, qs.size(0));
+  T* o = out.data_ptr<T>();
 #pragma omp parallel for schedule(static) if (R * K > 65536)
   for (int64_t i = 0; i < R; i++) {
     const int64_t n = idp[i];
     for (int64_t g = 0; g < G; g++) {
       const uint8_t* src = w + n * (K / 2) + g * 16;
-      float* dst = o + i * K + g * kGroup;
+      T* dst = o + i * K + g * kGroup;
       const float a = dw[n * G + g], b = mw[n * G + g];
 #ifdef KVSERVE_AVX2
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
@@ -41,32 +41,46 @@ torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor 
       const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
       for (int h = 0; h < 4; h++) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
-        _mm256_storeu_ps(dst + 8 * h, _mm256_fmadd_ps(av, q, bv));
+        kvserve::store8(dst + 8 * h, _mm256_fmadd_ps(av, q, bv));
       }
 #else
       for (int j = 0; j < 16; j++) {
-        dst[j] = a * static_cast<float>(src[j] & 0x0F) + b;
-        dst[j + 16] = a * static_cast<float>(src[j] >> 4) + b;
+        dst[j] = static_cast<T>(a * static_cast<float>(src[j] & 0x0F) + b);
+        dst[j + 16] = static_cast<T>(a * static_cast<float>(src[j] >> 4) + b);
       }
 #endif
     }
   }
+}
+
+// The packed weight's rows ``rows`` as float32, or bfloat16 when ``bf16``.
+static torch::Tensor rows_out(const torch::Tensor& rows, int64_t K, bool bf16,
+                              torch::Tensor* ids, int64_t num_rows) {
+  *ids = rows.to(torch::kInt64).contiguous();
+  check_rows(ids->data_ptr<int64_t>(), ids->numel(), num_rows);
+  return torch::empty({ids->numel(), K}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+}
+
+torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                               torch::Tensor rows, bool bf16) {
+  torch::Tensor ids;
+  auto out = rows_out(rows, qs.size(1) * 2, bf16, &ids, qs.size(0));
+  if (bf16) {
+    dequant_q4<c10::BFloat16>(qs, d, m, ids, out);
+  } else {
+    dequant_q4<float>(qs, d, m, ids, out);
+  }
   return out;
 }
 
-torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
-                               torch::Tensor rows) {
-  const int64_t S = q8_scale_group(qs, d, m);
-  const int64_t K = qs.size(1), G = K / kGroup, D = d.size(1), R = rows.numel();
-  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous(), "malformed q8 weight");
-  auto ids = rows.to(torch::kInt64).contiguous();
-  auto out = torch::empty({R, K});
+template <typename T>
+static void dequant_q8(const torch::Tensor& qs, const torch::Tensor& d, const float* mw,
+                       int64_t S, const torch::Tensor& ids, torch::Tensor& out) {
+  const int64_t K = qs.size(1), G = K / kGroup, D = d.size(1), R = ids.numel();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int8_t* w = qs.data_ptr<int8_t>();
   const float* dw = d.data_ptr<float>();
-  const float* mw = m.has_value() ? m->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  check_rows(idp, R, qs.size(0));
+  T* o = out.data_ptr<T>();
 #pragma omp parallel for schedule(static) if (R * K > 65536)
   for (int64_t i = 0; i < R; i++) {
     const int64_t n = idp[i];
@@ -76,18 +90,34 @@ torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<
       const float a1 = S == 16 ? dw[n * D + 2 * g + 1] : a0;
       const float b = mw == nullptr ? 0.f : mw[n * G + g];
       const int8_t* src = w + n * K + g * kGroup;
-      float* dst = o + i * K + g * kGroup;
+      T* dst = o + i * K + g * kGroup;
 #ifdef KVSERVE_AVX2
       for (int h = 0; h < 4; h++) {
         const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * h));
         const __m256 a = _mm256_set1_ps(h < 2 ? a0 : a1);
-        _mm256_storeu_ps(dst + 8 * h, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)),
-                                                      _mm256_set1_ps(b)));
+        kvserve::store8(dst + 8 * h, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)),
+                                                     _mm256_set1_ps(b)));
       }
 #else
-      for (int j = 0; j < 32; j++) dst[j] = (j < 16 ? a0 : a1) * static_cast<float>(src[j]) + b;
+      for (int j = 0; j < 32; j++) {
+        dst[j] = static_cast<T>((j < 16 ? a0 : a1) * static_cast<float>(src[j]) + b);
+      }
 #endif
     }
+  }
+}
+
+torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
+                               torch::Tensor rows, bool bf16) {
+  const int64_t S = q8_scale_group(qs, d, m);
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous(), "malformed q8 weight");
+  torch::Tensor ids;
+  auto out = rows_out(rows, qs.size(1), bf16, &ids, qs.size(0));
+  const float* mw = m.has_value() ? m->data_ptr<float>() : nullptr;
+  if (bf16) {
+    dequant_q8<c10::BFloat16>(qs, d, mw, S, ids, out);
+  } else {
+    dequant_q8<float>(qs, d, mw, S, ids, out);
   }
   return out;
 }

@@ -32,6 +32,7 @@
 
 using kvserve_quant::kGroup;
 using kvserve_quant::q8_scale_group;
+using kvserve_quant::row_tiles;
 
 namespace {
 
@@ -196,19 +197,6 @@ void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, co
     y[r * ldy] = acc;
   }
 #endif
-}
-
-// Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
-template <typename F>
-void row_tiles(int64_t M, F&& f) {
-  int64_t r0 = 0;
-  for (; r0 + 4 <= M; r0 += 4) f(std::integral_constant<int, 4>{}, r0);
-  switch (M - r0) {
-    case 3: f(std::integral_constant<int, 3>{}, r0); break;
-    case 2: f(std::integral_constant<int, 2>{}, r0); break;
-    case 1: f(std::integral_constant<int, 1>{}, r0); break;
-    default: break;
-  }
 }
 
 void check_common(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,

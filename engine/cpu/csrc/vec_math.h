@@ -3,6 +3,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
 #define KVSERVE_AVX2 1
 
 namespace kvserve {
@@ -26,6 +28,21 @@ inline __m256 exp256(__m256 x) {
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+// 8 floats stored as bfloat16, rounded to nearest even (torch's float->bfloat16 conversion for
+// every finite value; NaN is not expected here).
+inline void store_bf16x8(c10::BFloat16* dst, __m256 v) {
+  const __m256i i = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(i, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; gather the 64-bit halves 0, 2.
+  const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(p));
+}
+
+inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+inline void store8(c10::BFloat16* dst, __m256 v) { store_bf16x8(dst, v); }
 
 }  // namespace kvserve
 #endif

@@ -1,0 +1,169 @@
+// y[M, N] = x[M, K] @ W^T for 4-bit packed weights (the q4 format of quant_gemm_cpu.cpp), on
+// AVX-512 VNNI: the same integer math as quant_gemm_q4 (each activation row quantised to int8 per
+// group of 32, dx = amax/127; per group d*dx*sum(q*qx) + m*dx*sum(qx)), two groups per 512-bit
+// step instead of one per 256-bit step.
+//
+// Two groups' 32 packed bytes unpack to one 64-byte register ordered [g.lo | g+1.lo | g.hi |
+// g+1.hi] (lo: the 16 low nibbles = elements 0..15 of a group, hi: elements 16..31). The
+// activation rows are quantised once per call straight into that order, so one vpdpbusd gives
+// 16 int32 partial sums, lanes 0-3 and 8-11 for group g, 4-7 and 12-15 for g+1; one float FMA
+// with the scales [s_g x4, s_g+1 x4, s_g x4, s_g+1 x4] (s = d*dx) accumulates them. An odd last
+// group runs the 256-bit form. Rows go in tiles of up to 4 sharing each unpacked weight pair;
+// threads split the output columns.
+//
+// Compiled only where the compiler targets AVX-512 F/BW/VL and VNNI (-march=native on such a
+// CPU); quant_gemm_q4_vnni_available() says whether it was. Which of this and quant_gemm_q4
+// serves is measured at start-up (engine/models/quant_probe.py), not assumed.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "quant_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KVSERVE_VNNI 1
+#include <immintrin.h>
+#endif
+
+using kvserve_quant::kGroup;
+using kvserve_quant::row_tiles;
+
+bool quant_gemm_q4_vnni_available() {
+#ifdef KVSERVE_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef KVSERVE_VNNI
+namespace {
+
+// Row r of x -> qx (K bytes, pairs of groups in [g.lo, g+1.lo, g.hi, g+1.hi] order; an odd last
+// group in natural order), dx[g] = amax/127 and sx[g] = dx * sum(qx of the group).
+void quantise_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const int64_t G = K / kGroup;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t g = 0; g < G; g++) {
+    const __m512 a = _mm512_loadu_ps(x + g * kGroup), b = _mm512_loadu_ps(x + g * kGroup + 16);
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, id),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, id),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // Destination of this group's two halves: in a pair, lo at 16*(g%2), hi at 32 + 16*(g%2).
+    const bool paired = (g | 1) < G;
+    const int64_t base = (g & ~int64_t(1)) * kGroup;
+    int8_t* lo = paired ? qx + base + 16 * (g & 1) : qx + g * kGroup;
+    int8_t* hi = paired ? qx + base + 32 + 16 * (g & 1) : qx + g * kGroup + 16;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(qb));
+    const float d = amax / 127.f;
+    dx[g] = d;
+    sx[g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+}
+
+// sum_k a[k] * b[k], k < n, 16 lanes at a time (the last step masked).
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
+  if (k < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - k)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + k), _mm512_maskz_loadu_ps(mask, b + k), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// R rows against one weight row. Two accumulators per row (even and odd pairs of groups), so
+// consecutive FMAs do not wait on each other's latency.
+template <int R>
+void dot_q4_vnni(const uint8_t* w, const float* d, const float* m, const int8_t* x,
+                 const float* dx, const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
+  __m512 acc[2][R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // Lane i of the scale register takes element (i / 4) % 2 of [s_g, s_g+1].
+  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
+    const __m512i wq = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(raw, low4)),
+        _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), 1);
+    const __m128 dw = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + g)));
+    const int odd = (g >> 1) & 1;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      const __m512i xq = _mm512_loadu_si512(x + r * K + g * kGroup);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
+      const __m128 dxr = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + r * G + g)));
+      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(dw, dxr)));
+      acc[odd][r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(p), acc[odd][r]);
+    }
+  }
+  float last[R] = {};
+  if (g < G) {  // an odd last group, natural order: 256-bit
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+    const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)),
+                                        _mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+    for (int r = 0; r < R; r++) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + g * kGroup));
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xq);
+      last[r] = d[g] * dx[r * G + g] *
+                static_cast<float>(_mm512_reduce_add_epi32(_mm512_zextsi256_si512(p)));
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + last[r] +
+                 dot_f32(m, sx + r * G, G);
+  }
+}
+
+}  // namespace
+#endif
+
+torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                 torch::Tensor m) {
+#ifdef KVSERVE_VNNI
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.size(1) == K && K % kGroup == 0,
+              "x must be a 2-D float32 CPU tensor with the weight's columns (a multiple of 32)");
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && d.is_contiguous() &&
+                  m.is_contiguous() && d.scalar_type() == torch::kFloat32 && d.size(0) == N &&
+                  d.size(1) == G && m.sizes() == d.sizes(),
+              "malformed q4 weight");
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dxv, sxv;
+  q.resize(M * K);
+  dxv.resize(M * G);
+  sxv.resize(M * G);
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  for (int64_t r = 0; r < M; r++) {
+    quantise_row(xp + r * K, K, q.data() + r * K, dxv.data() + r * G, sxv.data() + r * G);
+  }
+  auto y = torch::empty({M, N});
+  const uint8_t* w = qs.data_ptr<uint8_t>();
+  const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
+  const int8_t* xq = q.data();
+  const float *dx = dxv.data(), *sx = sxv.data();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    row_tiles(M, [&](auto tile, int64_t r0) {
+      dot_q4_vnni<decltype(tile)::value>(w + n * (K / 2), dw + n * G, mw + n * G, xq + r0 * K,
+                                         dx + r0 * G, sx + r0 * G, K, G, yp + r0 * N + n, N);
+    });
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "quant_gemm_q4_vnni: not built for this CPU (needs AVX-512 BW/VL and VNNI)");
+  return x;
+#endif
+}

@@ -1,0 +1,144 @@
+"""Rank 0's model runner under tensor parallelism (``engine.runner.factory`` builds it).
+
+:class:`TensorParallelRunner` looks like a ``ModelRunner`` to ``EngineCore`` (it forwards every
+attribute to rank 0's own runner, whose sizing methods already agree with the other ranks) and
+adds the orders: before rank 0 runs a step or a block copy on its shard, every worker is sent the
+same plain data (the ``StepPlan``, the copy pairs). Workers answer nothing; the logits are
+gathered inside the forward pass, and rank 0 alone samples.
+
+Liveness: a spawned worker that has exited is noticed before each step and by
+:meth:`check_health` (the engine loop calls it while idle, which also pings every rank, remote
+ones included); a collective that fails or passes ``distributed_timeout`` raises. Either way the
+exception reaches ``AsyncEngine``, which marks the engine dead: ``/health`` answers 503 and the
+server exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed.launcher import LocalWorkers, launch_plan
+from engine.distributed.parallel_state import destroy_group, init_group
+from engine.distributed.worker import pin_to, start_rank
+
+logger = logging.getLogger("kvserve.distributed")
+
+HEALTH_CHECK_INTERVAL_S = 1.0
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker exited: the engine cannot run another step."""
+
+
+class TensorParallelRunner:
+    health_check_interval = HEALTH_CHECK_INTERVAL_S
+
+    def __init__(self, runner, workers: LocalWorkers | None,
+                 old_affinity: set[int] | None) -> None:
+        self._runner = runner
+        self.tp = runner.tp
+        self._workers = workers
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, runner.tp, workers, old_affinity,
+                                           [False])
+
+    @classmethod
+    def launch(cls, config: EngineConfig, hf_config: Any, files,
+               max_model_len: int) -> TensorParallelRunner:
+        from engine.runner.device import resolve_device
+
+        device = resolve_device(config.device)
+        plan = launch_plan(config, device_type=device.type)
+        if config.node_rank != 0 or plan.local_ranks[0] != 0:
+            raise ValueError("this process is not rank 0: run it as a worker node "
+                             "(kvserve serve with --node-rank > 0 runs no server)")
+        old = set(os.sched_getaffinity(0)) if plan.cores.get(0) else None
+        workers = LocalWorkers(config, plan, logging.getLogger("kvserve").getEffectiveLevel())
+        try:
+            pin_to(plan.cores.get(0), config.num_threads)
+            init_group(plan.setup(0, config.distributed_timeout))
+            runner = start_rank(config, plan.setup(0, config.distributed_timeout), hf_config,
+                                files, max_model_len)
+        except BaseException:
+            _shutdown(None, workers, old, [False])
+            raise
+        return cls(runner, workers, old)
+
+    def __getattr__(self, name: str) -> Any:  # everything else: rank 0's own runner
+        return getattr(self._runner, name)
+
+    # ---- orders ------------------------------------------------------------------------------
+
+    def execute(self, inp, plan=None):
+        if plan is None:
+            raise ValueError("a tensor-parallel step needs its StepPlan (the workers' input)")
+        with self._collectives("a step"):
+            self.tp.send_order(("step", plan))
+            return self._runner.execute(inp)
+
+    def copy_kv_blocks(self, d2h, h2d) -> None:
+        with self._collectives("a block copy"):
+            self.tp.send_order(("copy", tuple(map(tuple, d2h)), tuple(map(tuple, h2d))))
+            self._runner.copy_kv_blocks(d2h, h2d)
+
+    def check_health(self) -> None:
+        """Raise ``WorkerDiedError`` when a rank is gone or does not answer in time."""
+        with self._collectives("a liveness ping"):
+            self.tp.send_order(("ping",))
+            self.tp.ping()
+
+    @contextmanager
+    def _collectives(self, what: str) -> Iterator[None]:
+        """Check the spawned workers first; turn a failed or timed-out collective into
+        ``WorkerDiedError`` naming the cause (a dead worker, else the timeout)."""
+        self._check_workers()
+        try:
+            yield
+        except _OUT_OF_MEMORY:
+            raise
+        except RuntimeError as exc:  # torch.distributed's errors (DistError) included
+            if isinstance(exc, WorkerDiedError):
+                raise
+            why = (self._workers.dead() if self._workers is not None else None) or (
+                f"a rank did not answer within distributed_timeout={self.tp.timeout_s:g} s "
+                f"or its connection broke")
+            raise WorkerDiedError(f"tensor parallelism: {what} failed: {why} "
+                                  f"({type(exc).__name__}: {exc})") from exc
+
+    def _check_workers(self) -> None:
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel group was shut down")
+        why = self._workers.dead() if self._workers is not None else None
+        if why is not None:
+            raise WorkerDiedError(why)
+
+    def close(self) -> None:
+        """Stop the workers (an order, then a bounded wait, then kill) and leave the group."""
+        self._closed = True
+        self._finalizer()
+
+
+def _shutdown(group, workers: LocalWorkers | None, old_affinity: set[int] | None,
+              done: list[bool]) -> None:
+    if done[0]:
+        return
+    done[0] = True
+    if group is not None and workers is not None and workers.dead() is None:
+        try:
+            group.send_order(("stop",))
+        except Exception:  # noqa: BLE001 - a dead peer: kill below
+            logger.debug("stop order failed", exc_info=True)
+    if workers is not None:
+        workers.join(timeout=5.0)
+    destroy_group()
+    if old_affinity:
+        os.sched_setaffinity(0, old_affinity)

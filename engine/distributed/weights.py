@@ -1,0 +1,47 @@
+"""Read only this rank's shard of each checkpoint tensor.
+
+safetensors files (HF checkpoints, and the GGUF files kvserve converts once into its cache) are
+sliced on read (``safe_open(...).get_slice``): a rank never holds a whole projection, token
+table or logits head. A ``.bin`` checkpoint is memory-mapped and sliced after the map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from engine.distributed.sharding import RankShard
+from engine.loading.loader import ModelFiles, weight_files
+
+
+def shard_tensor(name: str, tensor, shard: RankShard) -> torch.Tensor:
+    """``tensor`` (a torch tensor, or a safetensors slice with ``get_shape`` and ``[]``)
+    narrowed to ``shard``'s part of ``name``."""
+    how = shard.weight_slice(name)
+    if how is None:
+        return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+    if how == "zero":
+        shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+        dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else torch.float32
+        return torch.zeros(tuple(shape), dtype=dtype)
+    dim, start, stop = how
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(dim, start, stop - start).contiguous()
+    return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+
+
+def iter_shard_weights(files: ModelFiles, shard: RankShard) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, this rank's part of the tensor)`` for every stored tensor, one at a time."""
+    for file in weight_files(files.path):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, shard_tensor(name, handle.get_slice(name), shard)
+        else:
+            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            for name, tensor in state.items():
+                yield name, shard_tensor(name, tensor, shard)
+            del state

@@ -1,0 +1,139 @@
+"""A tensor-parallel rank: load its shard, size its pools with the others, then run rank 0's
+orders until told to stop.
+
+:func:`start_rank` is shared by rank 0 (inside ``EngineCore``) and the workers: the same model
+construction, and the same start-up calls in the same order (``allocate_kv_cache``,
+``allocate_host_kv_cache``, ``prepare_for_serving``), so that their collectives pair up.
+After that a worker only obeys orders (``engine.distributed.tp_runner`` sends them):
+
+- ``("step", StepPlan)``: pack the plan (``engine.runner.batch``) and run the same forward pass
+  as rank 0 (logits are gathered on every rank; only rank 0 samples);
+- ``("copy", d2h, h2d)``: the step's block moves, on this rank's pools;
+- ``("ping",)``: one tiny all-reduce (rank 0's liveness check while idle);
+- ``("stop",)``: leave the loop and exit 0.
+
+Any error ends the worker with a non-zero status; rank 0 then sees it dead or its collective
+fail, and the server goes down (``/health`` 503, non-zero exit) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed.parallel_state import (
+    DistributedSetup,
+    TPGroup,
+    destroy_group,
+    init_group,
+)
+from engine.distributed.sharding import rank_shard
+from engine.models.arch import ModelArch
+
+logger = logging.getLogger("kvserve.distributed")
+
+
+def pin_to(cores: tuple[int, ...] | None, num_threads: int | None) -> None:
+    """Pin this process (its threads to come) to ``cores`` and size torch's thread pool."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(num_threads or (len(cores) if cores else torch.get_num_threads()))
+
+
+def start_rank(config: EngineConfig, setup: DistributedSetup, hf_config: Any, files,
+               max_model_len: int):
+    """This rank's ``ModelRunner`` over its shard of the weights (the process group must be
+    initialised). Logs the rank's shard, load time and resident weight bytes."""
+    from engine.distributed.weights import iter_shard_weights
+    from engine.runner.device import resolve_device
+    from engine.runner.model_runner import ModelRunner
+
+    arch = ModelArch.from_hf_config(hf_config)
+    shard = rank_shard(arch, setup.rank, setup.world_size)
+    device = resolve_device(config.device)
+    if device.type == "cuda":  # one GPU per local rank
+        device = torch.device("cuda", setup.local_rank)
+        config = config.replace(device=str(device))
+    group = TPGroup(setup, shard, device)
+    start = time.perf_counter()
+    weights = iter_shard_weights(files, shard) if config.load_format != "dummy" else iter(())
+    runner = ModelRunner(config, hf_config, weights, max_model_len, files_dir=files.path,
+                         tp=group)
+    logger.info("rank %d/%d: q heads %s, kv heads %s, mlp %s, vocab %s | loaded in %.2f s, "
+                "resident weights %.1f MiB, %d threads, cores %s", setup.rank, setup.world_size,
+                shard.q_heads, shard.kv_heads, shard.intermediate, shard.vocab,
+                time.perf_counter() - start, runner.weight_bytes / 2**20,
+                torch.get_num_threads(),
+                sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?")
+    return runner
+
+
+def serve_orders(runner) -> None:
+    """The worker's side of the start-up, then its order loop (returns on ``stop``)."""
+    from engine.runner.batch import build_model_input
+
+    runner.allocate_kv_cache()
+    runner.allocate_host_kv_cache()
+    runner.prepare_for_serving()
+    logger.info("rank %d: KV pool %d blocks (%.2f GiB); serving", runner.tp.rank,
+                runner.num_blocks, runner.kv_pool_bytes() / 2**30)
+    group: TPGroup = runner.tp
+    while True:
+        order = group.recv_order()
+        kind = order[0]
+        if kind == "step":
+            runner.execute(build_model_input(order[1]))
+        elif kind == "copy":
+            runner.copy_kv_blocks(order[1], order[2])
+        elif kind == "ping":
+            group.ping()
+        elif kind == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown order {kind!r} from rank 0")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A spawned worker must not outlive the server that spawned it."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
+
+
+def worker_main(config: EngineConfig, setup: DistributedSetup, cores: tuple[int, ...] | None,
+                log_level: int, parent_pid: int | None) -> None:
+    """Entry point of a worker process (or of a torchrun rank > 0)."""
+    from engine.loading.loader import load_config, resolve_model
+
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [rank {setup.rank}] %(name)s: "
+                               f"%(message)s")
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
+    status = 0
+    try:
+        pin_to(cores, config.num_threads)
+        init_group(setup)
+        files = resolve_model(config.model, progress=False)
+        hf_config = load_config(files)
+        runner = start_rank(config, setup, hf_config, files, config.resolve_max_model_len(hf_config))
+        with torch.inference_mode():
+            serve_orders(runner)
+    except BaseException as exc:  # noqa: BLE001 - report, then a non-zero exit
+        logger.error("rank %d failed: %s: %s", setup.rank, type(exc).__name__, exc,
+                     exc_info=not isinstance(exc, KeyboardInterrupt))
+        status = 1
+    finally:
+        if status == 0:
+            destroy_group()
+    sys.exit(status)

@@ -1,0 +1,352 @@
+"""The start-up probe behind ``quantization="auto"``: which row counts run on packed
+quantised weights and which on the float modules they replace, and which dtype the packed
+modules' dense (prefill) path multiplies in, all by timing this model's modules on this machine.
+
+:func:`choose` first times the dense path with float32 and bfloat16 panels
+(:func:`probe_panels`, at the largest probed row count above the kernels' ``DENSE_ROWS``) and
+keeps the faster, then times a pass over every replaced linear, float against quantised, at each
+of ``PROBE_ROWS`` (decode of 1..64 sequences, and a prefill chunk) (:func:`probe`): the
+quantised path keeps the smallest counts it wins, contiguously from one row (a
+:class:`Verdict`: ``quant``, ``hybrid`` or ``float``). Measurements whose runs disagree (a busy
+machine) are taken again. ``engine.models.quant_apply`` caches and applies the verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.models.quant_linear import DENSE_ROWS, QuantisedModules, vnni_available
+
+
+@dataclass
+class ProbeResult:
+    """Seconds of one pass over all linears (and the logits head) on each path: the best of
+    the timed runs (``float_runs`` / ``quant_runs``, all of them)."""
+
+    float_s: float
+    quant_s: float
+    float_runs: tuple[float, ...] = ()
+    quant_runs: tuple[float, ...] = ()
+
+    @property
+    def use_quantised(self) -> bool:
+        return self.quant_s < self.float_s
+
+    @property
+    def confirmed(self) -> bool:
+        """Each side's best run has a second run within 25% of it: the best is the machine's
+        speed, not a lucky or an unlucky moment (another busy process stalls every run)."""
+        return all(len(runs) >= 2 and sorted(runs)[1] <= 1.25 * min(runs)
+                   for runs in (self.float_runs, self.quant_runs))
+
+    def merged(self, other: ProbeResult) -> ProbeResult:
+        """Both measurements' runs together (a result without runs counts as one run)."""
+        f = (self.float_runs or (self.float_s,)) + (other.float_runs or (other.float_s,))
+        q = (self.quant_runs or (self.quant_s,)) + (other.quant_runs or (other.quant_s,))
+        return ProbeResult(min(f), min(q), f, q)
+
+
+PROBE_ROWS = (1, 4, 16, 64, 256)
+MAX_PROBE_ATTEMPTS = 4
+
+
+@dataclass
+class Verdict:
+    """Which path serves which row counts: ``mode`` is ``quant`` (every size), ``hybrid``
+    (quantised up to ``float_above`` rows, float beyond) or ``float``; ``probes`` maps each
+    probed row count to its measurement."""
+
+    mode: str
+    float_above: int | None
+    probes: dict[int, ProbeResult]
+    settings: dict[str, Setting] = field(default_factory=dict)
+
+    def setting(self, key: str) -> str:
+        """The measured value of ``key`` (a :data:`SETTINGS` key), else its first option."""
+        s = self.settings.get(key)
+        return s.value if s is not None else SETTINGS[key][1][0]
+
+    @property
+    def panel_dtype(self) -> str:
+        return self.setting("panel_dtype")
+
+    @property
+    def q4_kernel(self) -> str:
+        return self.setting("q4_kernel")
+
+    @property
+    def kernel_rows(self) -> int:
+        return int(self.setting("kernel_rows"))
+
+    def describe(self) -> str:
+        text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
+                         f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
+        return "; ".join(t for t in [text, *(s.describe() for s in self.settings.values())] if t)
+
+    @property
+    def confirmed(self) -> bool:
+        extra = [s.probe for s in self.settings.values() if s.probe is not None]
+        return all(r.confirmed for r in [*self.probes.values(), *extra])
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "float_above": self.float_above,
+                "probes": {str(n): [r.float_s, r.quant_s] for n, r in self.probes.items()},
+                "settings": {k: [s.value, *([s.probe.float_s, s.probe.quant_s] if s.probe else [])]
+                             for k, s in self.settings.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Verdict:
+        if d["mode"] not in ("quant", "hybrid", "float"):
+            raise ValueError(f"unknown verdict mode {d['mode']!r}")
+        probes = {int(n): ProbeResult(f, q) for n, (f, q) in d["probes"].items()}
+        settings = {}
+        for key, (value, *times) in d.get("settings", {}).items():
+            if key not in SETTINGS or value not in SETTINGS[key][1]:
+                raise ValueError(f"unknown setting {key}={value!r}")
+            settings[key] = Setting(key, value, ProbeResult(*times) if times else None)
+        return cls(d["mode"], d["float_above"], probes, settings)
+
+
+# A measured choice of the quantised modules: key -> (what it is, its options, the first the
+# default). kernel_rows: inputs of up to that many rows take the decode kernels, larger ones the
+# dequantise-then-matmul path (``QuantLinear.dense_rows``).
+KERNEL_ROWS = ("32", "16", "8", "4", "2", "1")
+SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
+            "q4_kernel": ("4-bit decode kernel", ("base", "vnni")),
+            "kernel_rows": ("decode kernels up to rows", KERNEL_ROWS)}
+
+
+@dataclass
+class Setting:
+    """The value of a :data:`SETTINGS` key. For a two-option key measured by ``probe``: the
+    second option where it measured faster (``probe.quant_s`` times the second option,
+    ``probe.float_s`` the first). For ``kernel_rows``, ``probe`` is the measurement at the
+    first row count where the dense path won (``float_s`` the kernels, ``quant_s`` dense)."""
+
+    key: str
+    value: str
+    probe: ProbeResult | None = None
+
+    @classmethod
+    def measured(cls, key: str, probe: ProbeResult) -> Setting:
+        return cls(key, SETTINGS[key][1][1 if probe.use_quantised else 0], probe)
+
+    def describe(self) -> str:
+        what, options = SETTINGS[self.key]
+        if self.probe is None:
+            return f"{what} {self.value}"
+        first, second = options[:2] if self.key != "kernel_rows" else ("kernels", "dense")
+        return (f"{what} {self.value} ({first} {self.probe.float_s * 1e3:.2f} ms, {second} "
+                f"{self.probe.quant_s * 1e3:.2f} ms{self._at()})")
+
+    def _at(self) -> str:
+        return "" if self.key != "kernel_rows" else f" at {2 * int(self.value)} rows"
+
+
+@torch.no_grad()
+def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS,
+           force: bool = False) -> Verdict:
+    """First the quantised modules' own settings (:func:`measure_settings`), then each row
+    count in increasing order, float against quantised; the quantised path keeps the smallest
+    counts it wins, contiguously from 1 row. A measurement whose runs disagree
+    (:attr:`ProbeResult.confirmed`: the machine is busy) is taken again, up to
+    ``MAX_PROBE_ATTEMPTS`` times. ``force``: measure, but use the quantised path for all."""
+    settings = measure_settings(q, rows)
+    probes: dict[int, ProbeResult] = {}
+    wins_up_to = 0
+    for n in sorted(rows):
+        probes[n] = confirmed_probe(lambda repeats, n=n: probe(model, q, rows=n, repeats=repeats),
+                                    3 if n <= 16 else 2)
+        if wins_up_to == len(probes) - 1 and probes[n].use_quantised:
+            wins_up_to = len(probes)
+    ordered = sorted(probes)
+    if force or wins_up_to == len(ordered):
+        return Verdict("quant", None, probes, settings)
+    if wins_up_to == 0:
+        return Verdict("float", None, probes, settings)
+    return Verdict("hybrid", ordered[wins_up_to - 1], probes, settings)
+
+
+def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, Setting]:
+    """Time and apply the quantised modules' settings: the dense path's panel dtype at the
+    largest probed row count above ``DENSE_ROWS`` (:func:`probe_panels`; none probed: float32),
+    and where the AVX-512 VNNI kernel is built and 4-bit weights exist, the 4-bit decode kernel
+    at one row (:func:`probe_q4_kernels`)."""
+    settings: dict[str, Setting] = {}
+    dense = [n for n in rows if n > DENSE_ROWS]
+    if dense:
+        settings["panel_dtype"] = Setting.measured("panel_dtype", confirmed_probe(
+            lambda repeats: probe_panels(q, max(dense), repeats), 2))
+    if vnni_available() and any(m.is_q4 for m in _leaf_modules(q)):
+        settings["q4_kernel"] = Setting.measured("q4_kernel", confirmed_probe(
+            lambda repeats: probe_q4_kernels(q, 1, repeats), 3))
+    apply_settings(q, Verdict("quant", None, {}, settings))
+    if dense:
+        settings["kernel_rows"] = measure_kernel_rows(q)
+        apply_settings(q, Verdict("quant", None, {}, settings))
+    return settings
+
+
+def measure_kernel_rows(q: QuantisedModules) -> Setting:
+    """The decode kernels' row limit: from 2 rows up to ``DENSE_ROWS``, doubling, the kernels
+    are timed against the dense path (:func:`probe_kernel_rows`, panels as already chosen); the
+    limit is the last count before the dense path first wins (1 when it wins at 2 rows; the
+    kernels' cost grows with the rows, the dense path's barely)."""
+    n = 2
+    while n <= DENSE_ROWS:
+        result = confirmed_probe(lambda repeats, n=n: probe_kernel_rows(q, n, repeats), 2)
+        if result.use_quantised:
+            return Setting("kernel_rows", str(n // 2), result)
+        n *= 2
+    return Setting("kernel_rows", str(DENSE_ROWS))
+
+
+def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
+    """Set every quantised module's panel dtype and 4-bit kernel as ``verdict`` says."""
+    dt = getattr(torch, verdict.panel_dtype)
+    for m in _leaf_modules(q):
+        m.set_panel_dtype(dt)
+        m.set_q4_kernel(verdict.q4_kernel)
+        m.dense_rows = verdict.kernel_rows
+
+
+def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
+    """Every ``QuantLinear`` of ``q`` (a ``QuantConcat``'s parts, the embedding's head)."""
+    mods = [*q.linears.values(), *([q.embedding.head] if q.embedding else [])]
+    return [p for m in mods for p in (m.parts if hasattr(m, "parts") else [m])]
+
+
+def confirmed_probe(measure, repeats: int) -> ProbeResult:
+    """``measure(repeats)``, merged with further measurements (3 repeats each) until its runs
+    agree or ``MAX_PROBE_ATTEMPTS`` measurements were taken."""
+    result = measure(repeats)
+    for _ in range(MAX_PROBE_ATTEMPTS - 1):
+        if result.confirmed:
+            break
+        result = result.merged(measure(3))
+    return result
+
+
+
+def float_modules(model: nn.Module, q: QuantisedModules) -> list[tuple[nn.Module, nn.Module]]:
+    pairs = [(model.get_submodule(path), mod) for path, mod in q.linears.items()]
+    if q.embedding is not None and model.lm_head is None:
+        dense_head = model.tied_head
+        pairs.append((dense_head if dense_head is not None else _TiedHead(model), q.embedding.head))
+    return pairs
+
+
+class _TiedHead(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.weight = model.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def _inputs(modules: list[nn.Module], rows: int) -> dict[int, torch.Tensor]:
+    widths = {m.in_features if hasattr(m, "in_features") else m.weight.shape[1] for m in modules}
+    return {k: torch.randn(rows, k) for k in widths}
+
+
+def _alternate(passes: tuple, repeats: int) -> ProbeResult:
+    """Time the two zero-argument ``passes`` alternately, ``repeats`` times each after one
+    warm-up each; ``float_s`` is the first's best run, ``quant_s`` the second's."""
+
+    def timed(run) -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+
+    for run in passes:
+        run()
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for side in (0, 1):
+            runs[side].append(timed(passes[side]))
+    return ProbeResult(min(runs[0]), min(runs[1]), tuple(runs[0]), tuple(runs[1]))
+
+
+@torch.no_grad()
+def probe(model: nn.Module, q: QuantisedModules, rows: int = 1, repeats: int = 5) -> ProbeResult:
+    """Time a ``rows``-row pass over every replaced linear, float then quantised, alternated
+    ``repeats`` times (best pass of each kept). Each pass touches every weight once, as a decode
+    step does, so the weights come from memory, not cache."""
+    pairs = float_modules(model, q)
+    inputs = _inputs([m for pair in pairs for m in pair], rows)
+
+    def side(i: int):
+        return lambda: [pair[i](inputs[pair[1].in_features]) for pair in pairs]
+
+    return _alternate((side(0), side(1)), repeats)
+
+
+def _layer_modules(q: QuantisedModules) -> list[nn.Module]:
+    return [m for path, m in q.linears.items() if path.startswith("layers.")]
+
+
+@torch.no_grad()
+def _toggle(mods: list[nn.Module], rows: int, set_all, first, second, repeats: int) -> ProbeResult:
+    """Time a ``rows``-row pass over ``mods`` after ``set_all(first)`` (``float_s``) and after
+    ``set_all(second)`` (``quant_s``), alternated; ``set_all(first)`` again at the end."""
+    inputs = _inputs(mods, rows)
+
+    def side(value):
+        def run() -> None:
+            set_all(value)
+            for m in mods:
+                m(inputs[m.in_features])
+        return run
+
+    try:
+        return _alternate((side(first), side(second)), repeats)
+    finally:
+        set_all(first)
+
+
+def probe_panels(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResult:
+    """The layers' quantised projections on their dense (prefill) path with float32 panels
+    (``float_s``) against bfloat16 panels (``quant_s``), ``rows`` rows (the logits head is left
+    out: prefill runs it on a few rows only). The modules are left with float32 panels."""
+    mods = _layer_modules(q)
+
+    def set_all(dt: torch.dtype) -> None:
+        for m in mods:
+            m.set_panel_dtype(dt)
+
+    return _toggle(mods, rows, set_all, torch.float32, torch.bfloat16, repeats)
+
+
+def probe_q4_kernels(q: QuantisedModules, rows: int = 1, repeats: int = 3) -> ProbeResult:
+    """The 4-bit modules (the logits head included: decode runs it every step) on the ``base``
+    kernel (``float_s``) against the ``vnni`` one (``quant_s``). Left on ``base``."""
+    mods = [m for m in _leaf_modules(q) if m.is_q4]
+
+    def set_all(name: str) -> None:
+        for m in mods:
+            m.set_q4_kernel(name)
+
+    return _toggle(mods, rows, set_all, "base", "vnni", repeats)
+
+
+def probe_kernel_rows(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResult:
+    """The layers' quantised projections at ``rows`` rows on the decode kernels (``float_s``)
+    against the dense path (``quant_s``). Their row limits are restored."""
+    mods = _layer_modules(q)
+    leaves = [p for m in mods for p in (m.parts if hasattr(m, "parts") else [m])]
+    saved = [m.dense_rows for m in leaves]
+
+    def set_all(limit: int) -> None:
+        for m in leaves:
+            m.dense_rows = limit
+
+    try:
+        return _toggle(mods, rows, set_all, rows, 0, repeats)
+    finally:
+        for m, limit in zip(leaves, saved):
+            m.dense_rows = limit
