@@ -389,6 +389,9 @@ class Scheduler:
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens - len(s.draft)
+            if self.stream is not None:  # a recomputation that redid the sinks: skip the gap
+                seq.num_computed_tokens = self.stream.resume_point(seq.seq_id,
+                                                                   seq.num_computed_tokens)
             if not seq.finished:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_extra_keys)
