@@ -176,3 +176,51 @@ def test_evicted_blocks_counter_counts_both_kinds():
     stats = EngineStats(num_blocks_released_window=2, num_blocks_evicted_stream=5)
     text = ServerMetrics("m", lambda: stats).render().decode()
     assert 'kvserve:kv_cache_evicted_blocks_total{model_name="m"} 7.0' in text
+
+
+# ---- the scheduler --------------------------------------------------------------------------
+
+def test_scheduler_plans_cache_positions_and_recomputes_around_the_gap():
+    """Decoding past sinks + window: every chunk starts at the cache length, never past
+    (1 + 2 + 1) blocks, and the plan carries each eviction's shift. A recompute preemption
+    then recomputes the sink block (text 0..3, cache 0..3), jumps the gap at once, and
+    recomputes the kept tail at cache positions 4.. with the tail's own token ids."""
+    from engine.request import Request, Sequence
+    from engine.scheduling.scheduler import Scheduler, SchedulerOutput
+
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    stream = StreamingEviction(KVEvictionSpec(sink=4, window=8), kv)
+    sched = Scheduler(EngineConfig(block_size=4, enable_prefix_caching=False), kv,
+                      stream=stream)
+    prompt = list(range(10, 16))
+    req = Request(request_id="r", prompt=None, prompt_token_ids=prompt,
+                  params=SamplingParams(max_tokens=100))
+    seq = Sequence(seq_id="r", index=0, request=req, token_ids=list(prompt), text_state=None,
+                   generator=None)
+    req.seqs.append(seq)
+    sched.add_request(req)
+    shifts = []
+    for i in range(40):
+        out = sched.schedule()
+        [chunk] = out.plan.seqs
+        shifts += out.plan.shifts
+        assert chunk.start == seq.num_computed_tokens - stream.num_evicted_tokens("r")
+        assert chunk.seq_len <= 16 and kv.num_live_blocks("r") <= 4
+        sched.update_after_step(out)
+        seq.token_ids.append(100 + i)
+        kv.check_integrity()
+    evicted = stream.num_evicted_tokens("r")
+    assert evicted > 0 and sum(s.delta for s in shifts) == evicted
+    sched._preempt(seq, SchedulerOutput())  # recompute: the blocks go, the gap stays
+    assert seq.num_computed_tokens == 0 and kv.num_live_blocks("r") == 0
+    out = sched.schedule()
+    [chunk] = out.plan.seqs
+    assert (chunk.start, chunk.token_ids, chunk.sample) == (0, seq.token_ids[:4], False)
+    sched.update_after_step(out)
+    assert seq.num_computed_tokens == 4 + evicted  # jumped at once
+    out = sched.schedule()
+    [chunk] = out.plan.seqs
+    assert chunk.start == 4 and chunk.token_ids == seq.token_ids[4 + evicted:] and chunk.sample
+    assert kv.num_live_blocks("r") <= 4
+    sched.finish_seq(seq, "stop")
+    assert kv.num_free_blocks == 64 and stream.num_evicted_tokens("r") == 0
