@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.spec_decode.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -63,6 +64,9 @@ class EngineConfig:
     ``kv_cache_dtype`` stores K/V at the model's dtype ("auto") or 8-bit ("int8": a float16
     scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
     ``calculate_kv_scales`` calibrates it at start-up); see ``engine/kv_cache/kv_quant.py``.
+    ``kv_eviction="sink:S,window:N"`` streams past the context (StreamingLLM): the first S and
+    the last N tokens' KV are kept, block-aligned, positions re-used; approximate. It turns
+    prefix caching off; see ``engine/kv_cache/streaming.py``.
 
     ``quantization``: ``auto`` keeps a GGUF's quantised tensors packed where a start-up probe
     measures that faster (a float checkpoint stays float); ``int4`` / ``int8`` quantise the
@@ -119,6 +123,8 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     distributed_timeout: float = 60.0
+    # StreamingLLM eviction, "sink:S,window:N" (None: off); engine/kv_cache/streaming.py.
+    kv_eviction: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -173,6 +179,11 @@ class EngineConfig:
         self._check_parallel()
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_value(self.speculative_config))
+        if self.kv_eviction is not None:
+            self.eviction_spec()  # the format; sizes are checked against the model at start
+            if self.speculative_config is not None:
+                raise ValueError("kv_eviction cannot be combined with speculative_config: "
+                                 "draft rollback does not cross evicted blocks; use one")
         # Normalise the size once so that every reader sees bytes.
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
 
@@ -209,6 +220,9 @@ class EngineConfig:
         if self.calculate_kv_scales:
             raise ValueError("calculate_kv_scales is not supported with tensor_parallel_size "
                              "> 1 yet (fp8 KV pools use scales of 1.0)")
+        if self.kv_eviction is not None:
+            raise ValueError("kv_eviction is not supported with tensor_parallel_size > 1 yet "
+                             "(the kept keys' re-rotation runs on one rank's pool only)")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -261,6 +275,10 @@ class EngineConfig:
             raise ValueError(f"priority {priority} is not allowed: this server schedules first "
                              f"come, first served (priority scheduling is off; start the server "
                              f"with --scheduling-policy priority to honour request priorities)")
+
+    def eviction_spec(self) -> KVEvictionSpec | None:
+        """``kv_eviction`` parsed (None when off); ValueError for a malformed one."""
+        return KVEvictionSpec.parse(self.kv_eviction) if self.kv_eviction is not None else None
 
     def resolve_max_model_len(self, hf_config: Any) -> int:
         """``max_model_len``, or the model's own context (``max_position_embeddings``, 2048

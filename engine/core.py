@@ -26,8 +26,10 @@ from collections.abc import Iterable
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
+from engine.kv_cache.streaming import StreamingEviction
 from engine.loading.loader import (
     default_generation_eos,
     load_config,
@@ -82,15 +84,20 @@ class EngineCore:
                                         self._block_bytes) if num_host_blocks else None)
         # The scheduler owns the manager (and its host tier): the core keeps a reference for
         # stats and integrity checks only, and never allocates, frees or looks up through it.
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 num_host_blocks=num_host_blocks, cost=cost)
         windows = self.runner.arch.sliding_windows
         self.sliding_window = (min(windows) if windows and None not in windows else None)
+        eviction = _eviction_spec(config, self.max_model_len, windows)
+        # Streaming eviction re-rotates kept keys: their blocks no longer match a text hash.
+        self.kv = KVCacheManager(num_blocks, config.block_size,
+                                 config.enable_prefix_caching and eviction is None,
+                                 num_host_blocks=num_host_blocks, cost=cost)
+        self.stream = StreamingEviction(eviction, self.kv) if eviction is not None else None
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
                                   vocab_size=self.runner.arch.vocab_size,
                                   num_blocks=num_blocks) if spec else None
-        self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window)
+        self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window,
+                                   stream=self.stream)
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -101,7 +108,9 @@ class EngineCore:
         self.limits = AdmissionLimits(
             max_model_len=self.max_model_len, token_id_bound=self.token_id_bound,
             block_size=config.block_size, num_blocks=num_blocks,
-            swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0)
+            swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0,
+            max_cache_tokens=(eviction.max_cache_tokens(config.block_size)
+                              if eviction is not None else None))
         self.eos_token_ids = frozenset(default_generation_eos(self.files))
         self.token_text = token_text_fn(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -135,6 +144,9 @@ class EngineCore:
             self.max_model_len, self.config.kv_cache_dtype if r.kv_format.quantized else
             str(r.kv_format.storage_dtype).removeprefix("torch."), r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
+        if self.stream is not None:
+            logger.info("KV eviction (streaming, approximate; prefix caching off): %s",
+                        self.stream.spec.describe(self.config.block_size))
         spec = self.config.speculative_config
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe(
@@ -199,6 +211,8 @@ class EngineCore:
         self._finished_unreported = []
         out = self.scheduler.schedule()
         copies = out.plan.copies
+        if out.plan.shifts:  # streaming eviction: before a swap-out copies the blocks
+            self.runner.shift_keys(out.plan.shifts)
         try:  # spills, load-backs, swaps: before the model runs
             if copies:
                 self.runner.copy_kv_blocks(copies.d2h, copies.h2d)
@@ -407,6 +421,7 @@ class EngineCore:
             num_blocks_cached=kv.num_cached_blocks,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             num_blocks_released_window=self.kv.num_window_released,
+            num_blocks_evicted_stream=self.stream.num_evicted_blocks if self.stream else 0,
             computed_tokens=self.counters["computed_tokens"],
             spec_decode=self.spec_counters.snapshot(),
             host=HostTierStats.from_offload(
@@ -424,3 +439,15 @@ def _tokenizer_files(config: EngineConfig, files):
         logger.info("%s has no tokenizer: using the embedded model's", files.path)
         return resolve_model(None)
     return files
+
+
+def _eviction_spec(config: EngineConfig, max_model_len: int, windows) -> KVEvictionSpec | None:
+    """``config.kv_eviction`` parsed and checked against the model (None when off)."""
+    spec = config.eviction_spec()
+    if spec is None:
+        return None
+    if any(w is not None for w in windows):
+        raise ValueError("kv_eviction is for models whose layers see the whole context; this "
+                         "one has sliding-window layers, which already bound their KV")
+    spec.validate(config.block_size, max_model_len)
+    return spec

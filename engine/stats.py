@@ -81,6 +81,7 @@ class EngineStats:
     num_blocks_cached: int = 0
     kv_bytes_per_token: int = 0
     num_blocks_released_window: int = 0  # given back outside a sliding window, cumulative
+    num_blocks_evicted_stream: int = 0  # evicted by --kv-eviction (sinks + window), cumulative
     computed_tokens: int = 0
     host: HostTierStats = field(default_factory=HostTierStats)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)

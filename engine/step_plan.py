@@ -83,15 +83,28 @@ class BlockCopyOrders:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyShift:
+    """Re-rotate the K rows of ``block_ids`` (whole blocks, every layer) from position ``p``
+    to ``p - delta`` (streaming eviction moved them ``delta`` cache positions down)."""
+
+    delta: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step: ``seqs`` in row order (decodes — one new token — first, then speculating
     decodes), the pool's
-    ``block_size``, and the copies to run first. ``seqs`` may be empty while ``copies`` is not
+    ``block_size``, the key shifts and then the copies to run first. ``seqs`` may be empty
+    while ``copies`` is not
     (every candidate was preempted and swapped out)."""
 
     seqs: tuple[SeqChunk, ...]
     block_size: int
     copies: BlockCopyOrders = field(default_factory=BlockCopyOrders)
+    # Streaming eviction (``engine.kv_cache.streaming``): key re-rotations to run before the
+    # copies, moving kept keys to their new cache positions.
+    shifts: tuple[KeyShift, ...] = ()
 
     @property
     def num_tokens(self) -> int:

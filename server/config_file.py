@@ -140,6 +140,12 @@ ENGINE_OPTIONS = [
            "KV cache storage: auto (the model's dtype, exact), int8 (a float16 scale per token "
            "and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the bytes per "
            "token of bf16", choices=KV_CACHE_DTYPES),
+    Option("kv-eviction", "kv_eviction", "engine", str,
+           "stream past the context (StreamingLLM attention sinks), e.g. sink:4,window:1024: "
+           "keep the first S and the last N tokens' KV (rounded up to whole blocks), evict "
+           "the middle and re-use positions, so a generation may run past --max-model-len in "
+           "bounded memory; approximate; turns prefix caching off (default: off)",
+           nullable=True),
     Option("calculate-kv-scales", "calculate_kv_scales", "engine", bool,
            "fp8 KV: calibrate per-layer, per-head scales on a built-in text at start-up "
            "(else 1.0)", boolean=True),

@@ -70,8 +70,9 @@ _COUNTERS = [
     ("kvserve:prefix_cache_host_hits", "Prompt tokens found in the host tier's prefix cache.",
      None, [(lambda s: s.host.prefix_cache_host_hits, None)]),
     ("kvserve:kv_cache_evicted_blocks", "KV blocks given back because they fell wholly "
-     "outside every layer's sliding window.", None,
-     [(lambda s: s.num_blocks_released_window, None)]),
+     "outside every layer's sliding window, or were evicted from the middle of a sequence by "
+     "--kv-eviction (sinks + window).", None,
+     [(lambda s: s.num_blocks_released_window + s.num_blocks_evicted_stream, None)]),
     ("kvserve:num_preemptions", "Cumulative number of preemptions.", None,
      [(lambda s: s.num_preemptions, None)]),
     ("kvserve:num_preemptions_by_mode", "Preemptions by how the KV was given up.", "mode",

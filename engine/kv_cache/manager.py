@@ -465,6 +465,30 @@ class KVCacheManager:
         self.num_window_released += released
         return released
 
+    def evict_middle(self, seq_id: str, start: int, count: int) -> list[int]:
+        """Streaming eviction (``engine.kv_cache.streaming``): take table entries
+        ``start .. start + count - 1`` out of ``seq_id``'s table and free their blocks; the
+        entries behind them move up by ``count`` (the table stays dense: cache positions).
+        Returns the moved block ids, which the caller re-rotates. Needs private blocks
+        (ValueError for a shared one: it is rotated in place) and no window release."""
+        state = self._seqs.get(seq_id)
+        if state is None or count <= 0:
+            return []
+        ids = state.block_ids
+        if state.num_released or start + count > len(ids):
+            raise ValueError(f"{seq_id}: cannot evict blocks {start}..{start + count - 1} of "
+                             f"a table of {len(ids)} ({state.num_released} released)")
+        blocks = self.pool.blocks
+        moved = ids[start + count:]
+        if any(blocks[b].ref_count != 1 for b in ids[start:]):
+            raise ValueError(f"{seq_id}: streaming eviction needs private blocks")
+        for b in ids[start:start + count]:
+            self.pool.free(blocks[b])
+        del ids[start:start + count]
+        state.num_committed = min(state.num_committed, start)
+        del state.hashes[start:]
+        return list(moved)
+
     def num_live_blocks(self, seq_id: str) -> int:
         """Blocks ``seq_id`` holds now (its table less the released entries)."""
         state = self._seqs.get(seq_id)

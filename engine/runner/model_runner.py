@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.kv_cache.host_copy import HostTierCopier
 from engine.kv_cache.host_pool import allocate_host_pools
 from engine.kv_cache.kv_quant import KVFormat, kv_format
+from engine.kv_cache.rope_shift import shift_block_keys
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
@@ -47,6 +48,7 @@ from engine.sampling.prompt_logprobs import (
     prompt_logprobs_in_chunks,
     reduce_logits,
 )
+from engine.step_plan import KeyShift
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -330,6 +332,19 @@ class ModelRunner:
         CUDA they run on a side stream ordered after the queued work; the compute stream waits
         only for what this step reads (see ``engine.kv_cache.host_copy.HostTierCopier``)."""
         self._host_copier.copy(d2h, h2d)
+
+    def shift_keys(self, shifts: Sequence[KeyShift]) -> None:
+        """Streaming eviction's K-shift (``StepPlan.shifts``): re-rotate the K rows of each
+        shift's blocks by ``-delta`` in every layer (``engine.kv_cache.rope_shift``). Runs
+        before the step's copies and forward pass."""
+        rot = self.model.rotary
+        with torch.inference_mode():
+            for sh in shifts:
+                idx = torch.tensor(sh.block_ids, dtype=torch.long, device=self.device)
+                cos, sin = rot.cos[sh.delta], rot.sin[sh.delta]
+                for layer, (k, _) in zip(self.model.layers, self.kv_caches):
+                    scale = layer.kv_scales[0] if layer.kv_scales is not None else None
+                    shift_block_keys(k, idx, cos, sin, self.kv_format, scale)
 
     def kv_pool_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size()

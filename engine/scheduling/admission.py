@@ -20,6 +20,9 @@ class AdmissionLimits:
     block_size: int
     num_blocks: int  # the device KV pool
     swap_blocks: int  # host blocks samples may wait in under swap preemption (0: none)
+    # --kv-eviction: the most cached tokens of a decoding sequence (None: eviction off; then
+    # a sequence's text must fit max_model_len)
+    max_cache_tokens: int | None = None
 
 
 def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_ids: list[int],
@@ -36,7 +39,8 @@ def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_id
     _check_ids(limits, "the prompt", prompt_token_ids)
     max_len = limits.max_model_len
     max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n
-    if n + max_tokens > max_len:
+    if n + max_tokens > max_len and not (limits.max_cache_tokens and n < max_len):
+        # (under streaming eviction only the prompt, and one token after it, must fit)
         raise ValueError(
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
@@ -72,11 +76,15 @@ def _check_fits_pool(limits: AdmissionLimits, prompt_len: int, max_tokens: int, 
     by preempting its own samples over and over: refused.)"""
     bs, num_blocks = limits.block_size, limits.num_blocks
     total = prompt_len + max_tokens
+    shared = (prompt_len - 1) // bs  # prompt blocks samples 2..n share with sample 1
+    if limits.max_cache_tokens is not None:  # the cache stops growing; no block sharing
+        total = min(total, max(prompt_len, limits.max_cache_tokens))
+        shared = 0
     if total > num_blocks * bs:
         raise ValueError(f"the request needs {total} tokens of KV cache but the whole pool "
                          f"holds {num_blocks * bs}; raise kv_cache_memory or shorten it")
     per_seq = -(-total // bs)
-    need = per_seq + (n - 1) * (per_seq - (prompt_len - 1) // bs)
+    need = per_seq + (n - 1) * (per_seq - shared)
     capacity = num_blocks + limits.swap_blocks
     if need > capacity:
         raise ValueError(f"the request's {n} samples need {need} KV blocks of {bs} tokens at "

@@ -29,6 +29,10 @@ Policy, whole (one screen):
    above the adaptive switch); a sequence with a draft takes ``1 + len(draft)`` tokens of the
    budget. After the step the core appends the tokens verification kept and calls
    ``accept_drafts``, which rolls the KV back to them.
+4. Streaming eviction (``--kv-eviction``; ``engine.kv_cache.streaming``): before a running
+   sequence's chunk its middle blocks past sinks + window are evicted (the plan carries the
+   kept keys' re-rotation); the KV manager and the plan count cache positions, the
+   ``Sequence`` text positions. Prefix caching and sibling sharing are off under it.
 
 The waiting queue is a heap (``engine.scheduling.waiting_queue``): O(log n) per insert and admission.
 The scheduler owns the waiting and running sets and the KV manager with its host tier: every
@@ -45,11 +49,13 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import RELEASED, KVCacheManager, PrefixHit
+from engine.kv_cache.streaming import StreamingEviction
 from engine.request import Request, SeqStatus, Sequence
 from engine.scheduling.drafts import fit_draft, propose_drafts
+from engine.scheduling.prompt_span import prompt_logit_span
 from engine.scheduling.waiting_queue import WaitingQueue
 from engine.spec_decode.proposer import Proposer
-from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
+from engine.step_plan import BlockCopyOrders, SeqChunk, StepPlan
 
 _NO_COPIES = BlockCopyOrders()
 
@@ -86,15 +92,20 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
-                 proposer: Proposer | None = None, sliding_window: int | None = None) -> None:
+                 proposer: Proposer | None = None, sliding_window: int | None = None,
+                 stream: StreamingEviction | None = None) -> None:
         """``proposer`` drafts tokens when ``config.speculative_config`` is set.
         ``sliding_window``: the window every layer of the model attends through, if all
-        have one; a running sequence's blocks wholly behind it are given back each step."""
+        have one; a running sequence's blocks wholly behind it are given back each step.
+        ``stream`` (``--kv-eviction``): before each chunk a running sequence's middle blocks
+        beyond sinks + window are evicted; the KV manager and the plan then count cache
+        positions (``stream.cache_pos``), the ``Sequence`` text positions."""
         self.config = config
         self.spec = config.speculative_config if proposer is not None else None
         self.proposer = proposer
         self.kv = kv  # owned: nothing outside the scheduler allocates, frees or looks up
         self.sliding_window = sliding_window
+        self.stream = stream
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
         self.has_host_tier = kv.host is not None
         self.use_priority = config.scheduling_policy == "priority"
@@ -146,6 +157,8 @@ class Scheduler:
                 if not parked:
                     del self._parked[seq.request.request_id]
         self.kv.free(seq.seq_id)
+        if self.stream is not None:
+            self.stream.forget(seq.seq_id)
         if self.proposer is not None:
             self.proposer.release(seq.seq_id)
         seq.status = SeqStatus.FINISHED
@@ -178,12 +191,14 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.stream is not None:  # jump a recomputation's gap, evict the middle
+                self.stream.before_chunk(seq)
+            num_new = min(self._remaining(seq, seq.num_computed_tokens), budget)
             draft = drafts.get(seq.seq_id)
             if draft:
                 draft = fit_draft(self.kv, seq, draft, budget, len(self.running))
                 num_new += len(draft)
-            if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, out):
+            if not self._allocate_or_preempt(seq, self._cached(seq) + num_new, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new),
                                               tuple(draft) if draft else ()))
@@ -211,20 +226,36 @@ class Scheduler:
                 chunks.append(SeqChunk([seq.token_ids[start], *s.draft], start,
                                        table(seq.seq_id), True, None, len(s.draft)))
                 continue
-            chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens], start,
-                                   table(seq.seq_id), s.sample, _prompt_logit_span(s)))
+            chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
+                                   self._cached(seq), table(seq.seq_id), s.sample,
+                                   prompt_logit_span(s.seq, s.start, s.num_new_tokens)))
         seqs = tuple(chunks)
+        shifts = self.stream.take_shifts() if self.stream is not None else ()
         copies = kv.take_copies() if self.has_host_tier else None
         if copies:
             return StepPlan(seqs, kv.block_size, BlockCopyOrders(tuple(copies.d2h),
-                                                                 tuple(copies.h2d)))
-        return StepPlan(seqs, kv.block_size, _NO_COPIES)
+                                                                 tuple(copies.h2d)), shifts)
+        return StepPlan(seqs, kv.block_size, _NO_COPIES, shifts)
 
     def complete_copies(self) -> None:
         """The copies of the last plan have run (or failed): release the host blocks they
         pinned. Call once after every ``schedule``, before the next one."""
         if self.has_host_tier:
             self.kv.complete_copies()
+
+    def _cached(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` in its KV cache: its computed tokens less any evicted ones."""
+        if self.stream is None:
+            return seq.num_computed_tokens
+        return self.stream.cache_pos(seq.seq_id, seq.num_computed_tokens)
+
+    def _remaining(self, seq: Sequence, start: int) -> int:
+        """Tokens still to compute from text position ``start`` (under streaming eviction,
+        a recomputation stops at the evicted gap: the sinks first)."""
+        num_new = seq.num_tokens - start
+        if self.stream is None:
+            return num_new
+        return self.stream.chunk_limit(seq.seq_id, start, num_new)
 
     @staticmethod
     def _samples(seq: Sequence, num_new: int) -> bool:
@@ -277,9 +308,10 @@ class Scheduler:
         mode = self.config.preemption_mode
         if not self.has_host_tier or mode == "recompute":
             return False
-        if mode == "auto" and not self.kv.swap_is_cheaper(seq.seq_id, seq.num_computed_tokens):
+        cached = self._cached(seq)
+        if mode == "auto" and not self.kv.swap_is_cheaper(seq.seq_id, cached):
             return False
-        return self.kv.swap_out(seq.seq_id, seq.num_computed_tokens)
+        return self.kv.swap_out(seq.seq_id, cached)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -291,15 +323,19 @@ class Scheduler:
                 budget -= num_new
                 continue
             prefix = self._prefix_for(seq)
-            num_new = seq.num_tokens - prefix.num_tokens
+            start = prefix.num_tokens
+            if self.stream is not None:  # a recomputation resuming past the evicted gap
+                start = self.stream.resume_point(seq.seq_id, start)
+            num_new = self._remaining(seq, start)
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate(seq.seq_id, prefix.num_tokens + num_new, prefix) is None:
+            cached = self.stream.cache_pos(seq.seq_id, start) if self.stream else start
+            if self.kv.allocate(seq.seq_id, cached + num_new, prefix) is None:
                 break
             self.waiting.pop()
             self.kv.record_prefix_stats(seq.num_tokens, prefix.num_tokens)
-            seq.num_computed_tokens = prefix.num_tokens
+            seq.num_computed_tokens = start
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = prefix.num_tokens  # device and host hits
             self._start_running(seq)
@@ -310,11 +346,11 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Resume swapped ``seq`` (at the head of the queue) with its next tokens; returns how
         many it computes this step, or None if it cannot run now (it keeps waiting)."""
-        num_new = seq.num_tokens - seq.num_computed_tokens
+        num_new = self._remaining(seq, seq.num_computed_tokens)
         if num_new > budget and not self.config.enable_chunked_prefill:
             return None
         num_new = min(num_new, budget)
-        if self.kv.swap_in(seq.seq_id, seq.num_computed_tokens + num_new) is None:
+        if self.kv.swap_in(seq.seq_id, self._cached(seq) + num_new) is None:
             return None
         self.waiting.pop()
         self._start_running(seq)
@@ -337,7 +373,7 @@ class Scheduler:
         hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys,
                                   record_stats=False)
         first = request.seqs[0]
-        if seq.index > 0 and first.status is SeqStatus.RUNNING:
+        if seq.index > 0 and first.status is SeqStatus.RUNNING and self.stream is None:
             # Share the first sample's full prompt blocks (also with prefix caching off).
             bs = self.kv.block_size
             n_blocks = min((seq.num_prompt_tokens - 1) // bs, first.num_computed_tokens // bs)
@@ -353,6 +389,9 @@ class Scheduler:
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens - len(s.draft)
+            if self.stream is not None:  # a recomputation that redid the sinks: skip the gap
+                seq.num_computed_tokens = self.stream.resume_point(seq.seq_id,
+                                                                   seq.num_computed_tokens)
             if not seq.finished:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_extra_keys)
@@ -382,23 +421,3 @@ class Scheduler:
         if self.sliding_window is not None:
             self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
                                            self.sliding_window)
-
-
-def _prompt_logit_span(s: ScheduledSeq) -> PromptLogitSpan | None:
-    """Positions of this chunk whose prompt logprobs are still to record, or None.
-
-    Position ``p`` predicts prompt token ``p + 1``; ``request.prompt_logprobs`` holds
-    ``None`` then one entry per recorded target, so positions below ``len - 1`` are done. A
-    recompute preemption during prefill restarts the chunk at 0: the rows already recorded
-    are not asked for again (they were once duplicated).
-    """
-    req = s.seq.request
-    if s.seq.index != 0 or not req.wants_prompt_logprobs:
-        return None
-    done = len(req.prompt_logprobs) - 1 if req.prompt_logprobs else 0
-    first = max(s.start, done)
-    last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
-    if first >= last:
-        return None
-    return PromptLogitSpan(first, last, tuple(req.prompt_token_ids[first + 1:last + 1]),
-                           req.params.prompt_logprobs or 0)

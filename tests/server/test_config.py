@@ -97,6 +97,17 @@ def test_engine_validation_errors_surface(tmp_path):
         resolve({}, _write(tmp_path, "block-size: 12\n"))
 
 
+def test_kv_eviction_flag_and_key(tmp_path):
+    engine, _ = _parse("--kv-eviction", "sink:4,window:1024")
+    assert engine.kv_eviction == "sink:4,window:1024"
+    assert (engine.eviction_spec().sink, engine.eviction_spec().window) == (4, 1024)
+    engine, _ = _parse("--config", str(_write(tmp_path, "kv-eviction: sink:0,window:64\n")))
+    assert engine.eviction_spec().window == 64
+    assert _parse()[0].kv_eviction is None
+    with pytest.raises(ValueError, match="sink:S,window:N"):
+        _parse("--kv-eviction", "window:64")
+
+
 def test_cli_reports_config_errors_as_usage_errors(tmp_path, capsys):
     f = _write(tmp_path, "bogus: 1\n")
     with pytest.raises(SystemExit) as info:

@@ -26,7 +26,8 @@ def test_flat_form_keeps_the_offline_api_keys():
     stats = EngineStats(num_blocks_used=3, host=HostTierStats(offload_spills=2))
     flat = stats.as_dict()
     assert LEGACY_KEYS <= set(flat)  # kept; new counters may join
-    assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window"} | SPEC_KEYS
+    assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window",
+                                       "num_blocks_evicted_stream"} | SPEC_KEYS
     per_pos = EngineStats(spec_decode=SpecDecodeStats(2, 8, 3, (2, 1, 0, 0))).as_dict()
     assert per_pos["spec_decode_num_accepted_tokens_pos1"] == 1
     assert set(per_pos) - set(flat) == {f"spec_decode_num_accepted_tokens_pos{j}"
