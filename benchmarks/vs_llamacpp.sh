@@ -68,10 +68,25 @@ PID=""
 cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null || true; }
 trap cleanup EXIT
 
-"$SERVER_BIN" -m "$GGUF" --host 127.0.0.1 --port "$PORT_LLAMA" -c 32768 -np 16 -t "$THREADS" \
-    > "$OUT/llama-server.log" 2>&1 &
-PID=$!
-wait_health "$PORT_LLAMA"
+start_llama() {  # start_llama [EXTRA_ARGS...]: returns non-zero if it died before serving
+    "$SERVER_BIN" -m "$GGUF" --host 127.0.0.1 --port "$PORT_LLAMA" -c 32768 -np 16 \
+        -t "$THREADS" "$@" > "$OUT/llama-server.log" 2>&1 &
+    PID=$!
+    for _ in $(seq 1 300); do
+        if curl -sf "http://127.0.0.1:$PORT_LLAMA/health" >/dev/null 2>&1; then return 0; fi
+        kill -0 "$PID" 2>/dev/null || { PID=""; return 1; }
+        sleep 1
+    done
+    return 1
+}
+LLAMA_ARGS=""
+if ! start_llama; then
+    # Seen 2026-12-01 on an AMX (Sapphire Rapids) VM: llama-server segfaults at "threadpool
+    # init" in its AMX weight-repacking path; without repacking it serves (AVX-512 VNNI kernels).
+    echo "llama-server died at start-up; retrying with --no-repack" | tee -a "$OUT/notes.txt"
+    LLAMA_ARGS="--no-repack"
+    start_llama --no-repack
+fi
 bench llamacpp "$PORT_LLAMA"
 kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""
 
@@ -101,7 +116,8 @@ for wl, title in (("single", "single stream, 128 out: TPOT p50 (ms)"),
 print(f"\n| ({isa}) | llama-server | kvserve | kvserve advantage |\n|---|---:|---:|---:|")
 for title, a, b, ratio in rows:
     print(f"| {title} | {a:.1f} | {b:.1f} | {ratio:.2f}x |")
+notes = (out / "notes.txt").read_text() if (out / "notes.txt").exists() else ""
 (out / "summary.json").write_text(json.dumps(
-    {"isa": isa, "rows": [dict(zip(("metric", "llamacpp", "kvserve", "advantage"), r))
+    {"isa": isa, "llama_server_notes": notes, "rows": [dict(zip(("metric", "llamacpp", "kvserve", "advantage"), r))
                           for r in rows]}, indent=1))
 EOF
