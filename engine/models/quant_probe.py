@@ -78,9 +78,6 @@ class Verdict:
     def q4_kernel(self) -> str:
         return self.setting("q4_kernel")
 
-    @property
-    def kernel_rows(self) -> int:
-        return int(self.setting("kernel_rows"))
 
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
@@ -112,20 +109,18 @@ class Verdict:
 
 
 # A measured choice of the quantised modules: key -> (what it is, its options, the first the
-# default). kernel_rows: inputs of up to that many rows take the decode kernels, larger ones the
-# dequantise-then-matmul path (``QuantLinear.dense_rows``).
-KERNEL_ROWS = ("32", "16", "8", "4", "2", "1")
+# default). The decode kernels' row limit (``QuantLinear.dense_rows``, 32) is deliberately not
+# one: measured lower (16 on an AMX machine), a short prompt would take the dense path on its
+# first run and the decode kernels after a prefix-cache hit, and the same request would then
+# decode differently (two numerics: int8-rounded activations vs bf16 panels).
 SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
-            "q4_kernel": ("4-bit decode kernel", ("base", "vnni")),
-            "kernel_rows": ("decode kernels up to rows", KERNEL_ROWS)}
+            "q4_kernel": ("4-bit decode kernel", ("base", "vnni"))}
 
 
 @dataclass
 class Setting:
-    """The value of a :data:`SETTINGS` key. For a two-option key measured by ``probe``: the
-    second option where it measured faster (``probe.quant_s`` times the second option,
-    ``probe.float_s`` the first). For ``kernel_rows``, ``probe`` is the measurement at the
-    first row count where the dense path won (``float_s`` the kernels, ``quant_s`` dense)."""
+    """The value of a :data:`SETTINGS` key: its second option where ``probe`` measured it faster
+    (``probe.quant_s`` times the second option, ``probe.float_s`` the first)."""
 
     key: str
     value: str
@@ -136,15 +131,11 @@ class Setting:
         return cls(key, SETTINGS[key][1][1 if probe.use_quantised else 0], probe)
 
     def describe(self) -> str:
-        what, options = SETTINGS[self.key]
+        what, (first, second) = SETTINGS[self.key]
         if self.probe is None:
             return f"{what} {self.value}"
-        first, second = options[:2] if self.key != "kernel_rows" else ("kernels", "dense")
         return (f"{what} {self.value} ({first} {self.probe.float_s * 1e3:.2f} ms, {second} "
-                f"{self.probe.quant_s * 1e3:.2f} ms{self._at()})")
-
-    def _at(self) -> str:
-        return "" if self.key != "kernel_rows" else f" at {2 * int(self.value)} rows"
+                f"{self.probe.quant_s * 1e3:.2f} ms)")
 
 
 @torch.no_grad()
@@ -185,24 +176,7 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
         settings["q4_kernel"] = Setting.measured("q4_kernel", confirmed_probe(
             lambda repeats: probe_q4_kernels(q, 1, repeats), 3))
     apply_settings(q, Verdict("quant", None, {}, settings))
-    if dense:
-        settings["kernel_rows"] = measure_kernel_rows(q)
-        apply_settings(q, Verdict("quant", None, {}, settings))
     return settings
-
-
-def measure_kernel_rows(q: QuantisedModules) -> Setting:
-    """The decode kernels' row limit: from 2 rows up to ``DENSE_ROWS``, doubling, the kernels
-    are timed against the dense path (:func:`probe_kernel_rows`, panels as already chosen); the
-    limit is the last count before the dense path first wins (1 when it wins at 2 rows; the
-    kernels' cost grows with the rows, the dense path's barely)."""
-    n = 2
-    while n <= DENSE_ROWS:
-        result = confirmed_probe(lambda repeats, n=n: probe_kernel_rows(q, n, repeats), 2)
-        if result.use_quantised:
-            return Setting("kernel_rows", str(n // 2), result)
-        n *= 2
-    return Setting("kernel_rows", str(DENSE_ROWS))
 
 
 def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
@@ -211,7 +185,6 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
     for m in _leaf_modules(q):
         m.set_panel_dtype(dt)
         m.set_q4_kernel(verdict.q4_kernel)
-        m.dense_rows = verdict.kernel_rows
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -332,21 +305,3 @@ def probe_q4_kernels(q: QuantisedModules, rows: int = 1, repeats: int = 3) -> Pr
             m.set_q4_kernel(name)
 
     return _toggle(mods, rows, set_all, "base", "vnni", repeats)
-
-
-def probe_kernel_rows(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResult:
-    """The layers' quantised projections at ``rows`` rows on the decode kernels (``float_s``)
-    against the dense path (``quant_s``). Their row limits are restored."""
-    mods = _layer_modules(q)
-    leaves = [p for m in mods for p in (m.parts if hasattr(m, "parts") else [m])]
-    saved = [m.dense_rows for m in leaves]
-
-    def set_all(limit: int) -> None:
-        for m in leaves:
-            m.dense_rows = limit
-
-    try:
-        return _toggle(mods, rows, set_all, rows, 0, repeats)
-    finally:
-        for m, limit in zip(leaves, saved):
-            m.dense_rows = limit

@@ -21,8 +21,7 @@ gguf = pytest.importorskip("gguf")
 
 
 # The real setting probes (the autouse fixture below replaces them in the module).
-REAL_PANELS, REAL_KERNEL_ROWS, REAL_Q4 = (quant_probe.probe_panels, quant_probe.probe_kernel_rows,
-                                          quant_probe.probe_q4_kernels)
+REAL_PANELS, REAL_Q4 = quant_probe.probe_panels, quant_probe.probe_q4_kernels
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +31,6 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     slower = lambda q, rows, repeats=3: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0))  # noqa: E731
     monkeypatch.setattr(quant_probe, "probe_panels", slower)
     monkeypatch.setattr(quant_probe, "probe_q4_kernels", slower)
-    monkeypatch.setattr(quant_probe, "probe_kernel_rows", slower)
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -203,29 +201,6 @@ def test_q4_kernel_follows_its_measurement(monkeypatch):
     assert Verdict.from_dict(verdict.to_dict()).q4_kernel == "vnni"
 
 
-@pytest.mark.parametrize(("dense_wins_from", "want"), [(16, 8), (2, 1), (None, 32)])
-def test_kernel_rows_stop_where_the_dense_path_first_wins(monkeypatch, dense_wins_from, want):
-    """Decode kernels serve up to the last doubling row count before the dense path (dequantise
-    then matmul) first measured faster; the limit is set on every module and cached."""
-    seen = []
-
-    def probe_kernel_rows(q, rows, repeats=3):
-        seen.append(rows)
-        wins = dense_wins_from is not None and rows >= dense_wins_from
-        return ProbeResult(1.0, 0.5 if wins else 2.0, (1.0, 1.0), (0.5, 0.5) if wins else (2.0, 2.0))
-
-    monkeypatch.setattr(quant_probe, "probe_kernel_rows", probe_kernel_rows)
-    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
-    lin = nn.Module()
-    lin.is_q4, lin.dense_rows = True, 32
-    lin.set_panel_dtype = lambda dt: None
-    lin.set_q4_kernel = lambda name: None
-    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": lin}))
-    assert verdict.kernel_rows == want and lin.dense_rows == want
-    assert seen == [r for r in (2, 4, 8, 16, 32) if dense_wins_from is None or r <= dense_wins_from]
-    assert Verdict.from_dict(verdict.to_dict()).kernel_rows == want
-
-
 def test_the_real_setting_probes_run_and_restore_the_modules():
     from engine.models.quant_linear import QuantLinear, quant_kernels, vnni_available
     from engine.models.quant_rtn import quantise
@@ -235,8 +210,7 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
     g = torch.Generator().manual_seed(0)
     lin = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int4", 32))
     q = QuantisedModules(linears={"layers.0.o_proj": lin})
-    for result in (REAL_PANELS(q, 40, 1), REAL_KERNEL_ROWS(q, 4, 1)):
-        assert result.float_s > 0 and result.quant_s > 0
-    assert (lin.panel_dtype, lin.dense_rows) == (torch.float32, 32)
+    result = REAL_PANELS(q, 40, 1)
+    assert result.float_s > 0 and result.quant_s > 0 and lin.panel_dtype == torch.float32
     if vnni_available():
         assert REAL_Q4(q, 1, 1).quant_s > 0 and lin.q4_kernel == "base"

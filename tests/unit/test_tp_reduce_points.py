@@ -150,14 +150,12 @@ def test_quantised_shards_are_slices_of_the_quantised_model(tiny_dir, scheme):
         ranks.append((shard, ModelRunner(config, hf, weights, 64,
                                          tp=group.member(r, shard)).model))
     # Each runner measured its own kernel settings (e.g. the AVX-512 VNNI 4-bit kernel on one,
-    # the base one on another, equal up to float summation order; or a lower row limit for
-    # the decode kernels); compare all on the same ones.
+    # the base one on another: equal up to float summation order); compare on the same ones.
     for model in [whole.model, *(m for _, m in ranks)]:
         for mod in model.modules():
             if type(mod).__name__ == "QuantLinear":
                 mod.set_q4_kernel("base")
                 mod.set_panel_dtype(torch.float32)
-                mod.dense_rows = 32
     torch.manual_seed(0)
     full, x = whole.model.layers[0], torch.randn(3, arch.hidden_size)
     assert type(full.qkv_proj).__name__ == "QuantLinear"
