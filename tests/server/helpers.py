@@ -3,8 +3,12 @@ the OpenAI error shape."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -71,3 +75,29 @@ def assert_error(r: httpx.Response, status: int, *, param: str | None = None,
         assert err["code"] == code
     assert contains in err["message"]
     return err
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_server_process(args: list[str], log: Path,
+                         timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """``python ARGS --port P`` from the repository root (``PYTHONPATH`` set, output to
+    ``log``), once ``/health`` answers 200; fails with the log when the process exits first or
+    ``timeout`` seconds pass. Returns the process and its base URL."""
+    port = free_port()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], cwd=ROOT,
+                                stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)

@@ -15,34 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.bench.serve import free_port
 from server.cli import ENGINE_DIED_EXIT_STATUS
 from server.sse import parse_events
 from tests.server.fake_server_main import DIE_PROMPT
-from tests.server.helpers import assert_error
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.server.helpers import ROOT, assert_error, start_server_process
 
 
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
     log = tmp_path / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.server.fake_server_main",
-                                 "--port", str(port), *args], cwd=ROOT, stdout=f,
-                                stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
+    proc, url = start_server_process(["-m", "tests.server.fake_server_main", *args], log)
+    return proc, url, log
 
 
 @pytest.mark.parametrize("timeout,tokens,finishes", [("30", 60, True), ("0.5", 4000, False)])

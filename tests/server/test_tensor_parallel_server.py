@@ -19,6 +19,7 @@ import pytest
 from engine.loading.tiny import make_tiny_model_dir
 from server.bench.serve import free_port
 from server.cli import ENGINE_DIED_EXIT_STATUS
+from tests.server.helpers import start_server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5
@@ -32,26 +33,11 @@ def tiny_dir(tmp_path_factory):
 
 
 def _start(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, str, Path, int]:
-    port = free_port()
     log = tmp_path / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", str(model), "--port", str(port),
-             "--tensor-parallel-size", "2", "--distributed-timeout", str(TIMEOUT_S),
-             "--dtype", "float32", "--kv-cache-memory", "8MiB", "--num-threads", "1"],
-            cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
+    proc, url = start_server_process(
+        ["-m", "server.cli", "serve", str(model), "--tensor-parallel-size", "2",
+         "--distributed-timeout", str(TIMEOUT_S), "--dtype", "float32",
+         "--kv-cache-memory", "8MiB", "--num-threads", "1"], log, timeout=180)
     worker = int(re.search(r"spawned ranks \[1\] \(pids \[(\d+)\]", log.read_text()).group(1))
     return proc, url, log, worker
 
