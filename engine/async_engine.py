@@ -341,6 +341,7 @@ class AsyncEngine:
         try:
             self._loop()
         finally:
+            self._close_core()  # tensor-parallel workers stop (or are killed) here
             self._done.set()
 
     def _loop(self) -> None:
@@ -349,18 +350,16 @@ class AsyncEngine:
             bind = getattr(self.core, "bind_thread", None)
             if bind is not None:  # CUDA: this thread launches on the engine's device
                 bind()
+            # Tensor parallel: while idle, ask the workers every `interval` seconds.
             interval = getattr(self.core, "health_check_interval", None)
             while True:
                 with self._cond:
+                    if not (self._inbox or self._aborts or self._stop or has_work):
+                        self._cond.wait(interval)  # None: until notified
                     idle = not (self._inbox or self._aborts or self._stop or has_work)
-                    while idle and interval is None:
-                        self._cond.wait()
-                        idle = not (self._inbox or self._aborts or self._stop or has_work)
-                    if idle:  # tensor parallel: ask the workers now and then while idle
-                        self._cond.wait(interval)
-                        idle = not (self._inbox or self._aborts or self._stop or has_work)
                 if idle:
-                    self.core.check_health()  # outside the lock: it may wait on a collective
+                    if interval is not None:
+                        self.core.check_health()  # outside the lock: may wait on a collective
                     continue
                 with self._cond:
                     if self._stop:
@@ -391,17 +390,15 @@ class AsyncEngine:
                 self._inbox_seqs = 0
             for stream in streams:
                 self._send(stream, RequestAbortedError("the engine was stopped"))
-            self._close_core()
         except BaseException as exc:  # noqa: BLE001 - the loop must report, whatever happened
             self._die(exc)
-            self._close_core()
 
     def _close_core(self) -> None:
         close = getattr(self.core, "close", None)
         if close is None:
             return
         try:
-            close()  # tensor-parallel workers stop (or are killed) here
+            close()
         except Exception:  # noqa: BLE001
             logger.exception("closing the engine core failed")
 

@@ -210,7 +210,10 @@ class QuantisedModules:
     linears: dict[str, QuantLinear | QuantConcat] = field(default_factory=dict)
     embedding: QuantEmbedding | None = None
 
+    def modules(self) -> list[QuantLinear | QuantConcat]:
+        """The linears and the embedding's head (the packed table, also a tied logits head)."""
+        return [*self.linears.values(), *([self.embedding.head] if self.embedding else [])]
+
     @property
     def nbytes(self) -> int:
-        mods = [*self.linears.values(), *([self.embedding.head] if self.embedding else [])]
-        return sum(m.nbytes for m in mods)
+        return sum(m.nbytes for m in self.modules())

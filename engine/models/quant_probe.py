@@ -189,8 +189,7 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
     """Every ``QuantLinear`` of ``q`` (a ``QuantConcat``'s parts, the embedding's head)."""
-    mods = [*q.linears.values(), *([q.embedding.head] if q.embedding else [])]
-    return [p for m in mods for p in (m.parts if hasattr(m, "parts") else [m])]
+    return [p for m in q.modules() for p in (m.parts if hasattr(m, "parts") else [m])]
 
 
 def confirmed_probe(measure, repeats: int) -> ProbeResult:
@@ -202,7 +201,6 @@ def confirmed_probe(measure, repeats: int) -> ProbeResult:
             break
         result = result.merged(measure(3))
     return result
-
 
 
 def float_modules(model: nn.Module, q: QuantisedModules) -> list[tuple[nn.Module, nn.Module]]:

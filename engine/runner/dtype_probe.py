@@ -14,7 +14,7 @@ gate/up, down). Each dtype is timed alternately, best of several runs; a verdict
 agree is cached per machine (``engine.models.quant_probe_cache``, keyed by the CPU, threads,
 torch and the shapes). Packed-weight checkpoints never get here: their kernels take float32
 activations and their prefill panels' dtype is probed separately
-(``engine.models.quant_apply.probe_panels``).
+(``engine.models.quant_probe.probe_panels``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,27 @@ inline int64_t q8_scale_group(const torch::Tensor& qs, const torch::Tensor& d,
   return S;
 }
 
+// The arguments of a packed-weight GEMM: x [M, K] float32 on the CPU, qs/d contiguous rows of
+// the weight, d float32 with one scale per scale_group of the K columns.
+inline void check_gemm_args(const torch::Tensor& x, const torch::Tensor& qs,
+                            const torch::Tensor& d, int64_t K, int64_t scale_group = kGroup) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(x.size(1) == K && K % kGroup == 0, "x has ", x.size(1), " columns; the weight has ",
+              K, " (a multiple of 32)");
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
+                  d.size(0) == qs.size(0) && d.size(1) == K / scale_group,
+              "malformed packed weight");
+}
+
+// check_gemm_args for a q4 weight (uint8 nibble pairs, a min per group like its scale).
+inline void check_q4_args(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                          const torch::Tensor& m) {
+  check_gemm_args(x, qs, d, qs.size(1) * 2);
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && m.is_contiguous() && m.sizes() == d.sizes(),
+              "malformed q4 weight");
+}
+
 // Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
 template <typename F>
 void row_tiles(int64_t M, F&& f) {

@@ -32,6 +32,8 @@
 
 using kvserve_quant::kGroup;
 using kvserve_quant::q8_scale_group;
+using kvserve_quant::check_gemm_args;
+using kvserve_quant::check_q4_args;
 using kvserve_quant::row_tiles;
 
 namespace {
@@ -199,17 +201,6 @@ void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, co
 #endif
 }
 
-void check_common(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                  int64_t K, int64_t scale_group = kGroup) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
-              "x must be a 2-D float32 CPU tensor");
-  TORCH_CHECK(x.size(1) == K && K % kGroup == 0, "x has ", x.size(1), " columns; the weight has ",
-              K, " (a multiple of 32)");
-  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
-                  d.size(0) == qs.size(0) && d.size(1) == K / scale_group,
-              "malformed packed weight");
-}
-
 // The quantised activation rows, in buffers reused across calls on the calling thread (a
 // decode step makes ~100 of these calls; three tensor allocations each were measurable).
 struct QuantisedRows {
@@ -233,9 +224,7 @@ QuantisedRows quantise(const torch::Tensor& x) {
 
 torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
-  check_common(x, qs, d, K);
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && m.is_contiguous() && m.sizes() == d.sizes(),
-              "malformed q4 weight");
+  check_q4_args(x, qs, d, m);
   const auto xq = quantise(x);
   auto y = torch::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
@@ -257,7 +246,7 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                             c10::optional<torch::Tensor> m) {
   const int64_t N = qs.size(0), K = qs.size(1), G = K / kGroup, M = x.size(0);
   const int64_t S = q8_scale_group(qs, d, m);
-  check_common(x, qs, d, K, S);
+  check_gemm_args(x, qs, d, K, S);
   const auto xq = quantise(x);
   auto y = torch::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();
@@ -295,7 +284,7 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
 torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                                 torch::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
-  check_common(x, qs, d, K);
+  check_gemm_args(x, qs, d, K);
   auto xc = x.contiguous();
   auto y = torch::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();

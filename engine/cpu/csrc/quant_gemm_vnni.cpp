@@ -131,13 +131,7 @@ torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tenso
                                  torch::Tensor m) {
 #ifdef KVSERVE_VNNI
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
-                  x.size(1) == K && K % kGroup == 0,
-              "x must be a 2-D float32 CPU tensor with the weight's columns (a multiple of 32)");
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && d.is_contiguous() &&
-                  m.is_contiguous() && d.scalar_type() == torch::kFloat32 && d.size(0) == N &&
-                  d.size(1) == G && m.sizes() == d.sizes(),
-              "malformed q4 weight");
+  kvserve_quant::check_q4_args(x, qs, d, m);
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dxv, sxv;
   q.resize(M * K);
