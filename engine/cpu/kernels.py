@@ -8,6 +8,8 @@
   products over a once-quantised activation row.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
   one pass each (PyTorch runs each as 3-5 separate passes over the activations).
+* ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (the
+  Python loop costs ~50 us per layer around them); see engine/models/cpu_decode_stack.py.
 
 They are compiled with torch's cpp_extension (gcc + ninja) into torch's extension cache the
 first time they are needed (about a minute), and used for float32 on CPU. If they cannot be
@@ -26,7 +28,7 @@ logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_gemm_cpu.cpp",
             "quant_gemm_cpu.cpp", "quant_gemm_vnni.cpp", "quant_dequant_cpu.cpp",
-            "kv_store_cpu.cpp"]
+            "kv_store_cpu.cpp", "decode_stack_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
 STALE_LOCK_SECONDS = 900.0  # a build takes ~1.5 minutes; a lock this old was left by a killed one
 _module = None

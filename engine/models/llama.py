@@ -23,6 +23,7 @@ from engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from engine.distributed.parallel_state import TPGroup
+    from engine.models.cpu_decode_stack import CpuDecodeStack
 
 _TORCH_OPS = TorchLayerOps()
 
@@ -134,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, rows, bias=False)
         self.tied_head: PackedLinear | None = None  # set by pack_linears when embeddings are tied
         self.ops: TorchLayerOps = _TORCH_OPS  # the runner may swap in the fused CPU ops
+        # The C++ decode-step layer loop (engine.models.cpu_decode_stack), set by the runner.
+        self.decode_stack: CpuDecodeStack | None = None
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim,
                                       max_positions or arch.max_position_embeddings)
 
@@ -145,6 +148,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype, meta.max_seq_len - 1)
         backend.prepare(meta)
         ops = ops or self.ops
+        stack = self.decode_stack
+        if stack is not None and stack.accepts(x, meta, backend, kv_caches, ops):
+            return stack(x, cos, sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend, ops)

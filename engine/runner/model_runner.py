@@ -33,6 +33,7 @@ from engine.kv_cache.host_pool import allocate_host_pools
 from engine.kv_cache.kv_quant import KVFormat, kv_format
 from engine.kv_cache.rope_shift import shift_block_keys
 from engine.models.arch import ModelArch
+from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
 from engine.models.quant_apply import adopt, packed_replacements, serves_packed_gguf
@@ -149,6 +150,10 @@ class ModelRunner:
                     f"{self.quant_verdict.float_above} rows")
         logger.info("resident weights: %.1f MiB (%s)", self.weight_bytes / 2**20, what)
         self.model.ops = layer_ops_for(self.device, self.dtype)
+        if self.device.type == "cpu":
+            self.model.decode_stack, why_not = build_decode_stack(self.model)
+            logger.info("decode steps: %s", "one C++ layer-stack call" if why_not == ""
+                        else f"Python layer loop ({why_not})")
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.kv_format: KVFormat = kv_format(config.kv_cache_dtype, self.dtype,
                                              self.arch.head_dim)

@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "decode_stack_cpu.h"
+
 torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                int64_t window);
@@ -68,4 +70,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("quant_gemm_q4_vnni_available", &quant_gemm_q4_vnni_available,
         "whether quant_gemm_q4_vnni was built (AVX-512 BW/VL + VNNI targeted)");
+  using kvserve_stack::StackLayer;
+  using kvserve_stack::StackLinear;
+  py::class_<StackLinear>(m, "StackLinear", "one linear of a DecodeStack layer")
+      .def(py::init<int64_t, torch::Tensor, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t>(),
+           py::arg("kind"), py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bias"),
+           py::arg("out_features"));
+  py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecodeStack")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+                       StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+                       double scale, std::optional<torch::Tensor> q_norm,
+                       std::optional<torch::Tensor> k_norm) {
+             return StackLayer{input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads,
+                               num_kv_heads, head_dim, window, scale, q_norm, k_norm};
+           }),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("window"), py::arg("scale"),
+           py::arg("q_norm"), py::arg("k_norm"));
+  py::class_<DecodeStack>(m, "DecodeStack", "a decode step's layer stack in one call")
+      .def(py::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_kv_caches", &DecodeStack::set_kv_caches)
+      .def("forward", &DecodeStack::forward, nogil())
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

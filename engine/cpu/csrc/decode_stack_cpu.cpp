@@ -1,0 +1,142 @@
+// The decoder layer stack of a decode step in one call (CPU, float32): for a step whose rows
+// are all decode rows (one new token per sequence, or the few rows of a short query against a
+// cached context), the Python layer loop costs ~50 us per layer in module calls, views and
+// argument checks around kernels that themselves take ~100 us; this runs the same loop in C++.
+//
+// It calls exactly the kernels the Python path calls, in the same order, on the same tensors
+// (engine/models/llama.py DecoderLayer.forward with FusedCpuOps and the torch attention
+// backend's CPU decode kernel), so its output is bit-identical to that path; the tests hold it
+// to torch.equal. What it does not cover (prefill rows, 8-bit KV pools, tensor parallelism,
+// QuantConcat projections, oneDNN-only linears) stays on the Python path; the Python side
+// (engine/models/cpu_decode_stack.py) decides per step.
+//
+// Per layer, as DecoderLayer.forward:
+//   h = rms_norm(x) (first layer, residual = x) or add_rms_norm_(x, residual)
+//   qkv = L_qkv(h); RoPE in place on the Q and K heads (after per-head RMSNorm where the model
+//   has q_norm/k_norm); K/V rows stored into the pool slots; attn = paged decode over the pool;
+//   x = L_down(silu_mul(L_gate_up(add_rms_norm_(L_o(attn), residual))))
+// and after the last layer the final norm: add_rms_norm_(x, residual).
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "decode_stack_cpu.h"
+
+torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                               int64_t window);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                            double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
+                         c10::optional<torch::Tensor> bias);
+torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                 torch::Tensor m);
+torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                            c10::optional<torch::Tensor> m);
+void store_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor slots);
+
+namespace kvserve_stack {
+
+StackLinear::StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Tensor> d,
+                         std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias,
+                         int64_t out_features)
+    : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
+      out_features(out_features) {
+  TORCH_CHECK(kind >= kFloat && kind <= kPanels, "StackLinear: unknown kind ", kind);
+  const bool quant = kind == kQ4 || kind == kQ4Vnni || kind == kQ8;
+  TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
+  TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni || this->m.has_value(),
+              "StackLinear: a 4-bit weight needs its mins");
+}
+
+torch::Tensor StackLinear::operator()(const torch::Tensor& x) const {
+  torch::Tensor y;
+  switch (kind) {
+    case kFloat:
+      return at::linear(x, w, bias);
+    case kPanels:  // bias: the panel-padded copy, added by the kernel
+      return small_gemm(x.stride(-1) == 1 ? x : x.contiguous(), w, out_features, bias);
+    case kQ4:
+      y = quant_gemm_q4(x, w, *d, *m);
+      break;
+    case kQ4Vnni:
+      y = quant_gemm_q4_vnni(x, w, *d, *m);
+      break;
+    default:
+      y = quant_gemm_q8(x, w, *d, m);
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace kvserve_stack
+
+using kvserve_stack::StackLayer;
+
+void DecodeStack::add_layer(StackLayer layer) {
+  TORCH_CHECK(layer.num_heads % layer.num_kv_heads == 0,
+              "DecodeStack: heads must be a multiple of KV heads");
+  TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
+              "DecodeStack: q_norm and k_norm come together");
+  layers_.push_back(std::move(layer));
+}
+
+void DecodeStack::set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
+  TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(),
+              "DecodeStack: one K and one V pool per layer");
+  for (size_t i = 0; i < k.size(); i++) {
+    TORCH_CHECK(k[i].scalar_type() == torch::kFloat32 && v[i].scalar_type() == torch::kFloat32,
+                "DecodeStack: float32 KV pools only");
+  }
+  k_caches_ = std::move(k);
+  v_caches_ = std::move(v);
+}
+
+torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                   torch::Tensor slots, torch::Tensor block_tables,
+                                   torch::Tensor seq_lens, torch::Tensor final_norm,
+                                   double final_eps) {
+  TORCH_CHECK(!layers_.empty() && k_caches_.size() == layers_.size(),
+              "DecodeStack: layers and KV pools must be set before forward");
+  const int64_t t = x.size(0);
+  torch::Tensor residual;
+  for (size_t i = 0; i < layers_.size(); i++) {
+    const StackLayer& L = layers_[i];
+    const int64_t H = L.num_heads, KVH = L.num_kv_heads, D = L.head_dim;
+    const int64_t q_size = H * D, kv_size = KVH * D;
+    torch::Tensor h;
+    if (i == 0) {
+      residual = x;
+      h = rms_norm(x, L.input_norm, L.eps);
+    } else {
+      h = add_rms_norm_(x, residual, L.input_norm, L.eps);
+    }
+    const torch::Tensor qkv = L.qkv(h);
+    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
+    torch::Tensor q, k;
+    if (L.q_norm.has_value()) {
+      q = rms_norm(qkv.narrow(1, 0, q_size).reshape({t, H, D}), *L.q_norm, L.eps);
+      rotary_(q, cos, sin);
+      k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({t, KVH, D}), *L.k_norm, L.eps);
+      rotary_(k, cos, sin);
+    } else {
+      const torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, H + KVH, D});
+      rotary_(qk, cos, sin);
+      q = qk.narrow(1, 0, H);
+      k = qk.narrow(1, H, KVH);
+    }
+    store_kv_cpu(k, v, k_caches_[i], v_caches_[i], slots);
+    const torch::Tensor attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables,
+                                                seq_lens, L.scale, L.window);
+    const torch::Tensor o = L.o(attn.reshape({t, q_size}));
+    h = add_rms_norm_(o, residual, L.post_norm, L.eps);
+    x = L.down(silu_mul(L.gate_up(h)));
+  }
+  return add_rms_norm_(x, residual, final_norm, final_eps);
+}

@@ -1,0 +1,56 @@
+// The decode-step layer stack (decode_stack_cpu.cpp): its linears, layers and the stack itself,
+// declared for the bindings.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace kvserve_stack {
+
+// What computes a linear: a float weight (at::linear), 4-bit groups (the base or the AVX-512
+// VNNI kernel), 8-bit groups, or the AVX2 panel kernel over pre-packed float panels.
+enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ4Vnni = 2, kQ8 = 3, kPanels = 4 };
+
+// y = x @ W^T (+ bias). w: the float weight, the packed qs, or the panels; d/m: scales and
+// mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself.
+struct StackLinear {
+  StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Tensor> d,
+              std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias,
+              int64_t out_features);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+
+  int64_t kind;
+  torch::Tensor w;
+  std::optional<torch::Tensor> d, m, bias;
+  int64_t out_features;
+};
+
+struct StackLayer {
+  torch::Tensor input_norm, post_norm;
+  double eps;
+  StackLinear qkv, o, gate_up, down;
+  int64_t num_heads, num_kv_heads, head_dim, window;
+  double scale;
+  std::optional<torch::Tensor> q_norm, k_norm;
+};
+
+}  // namespace kvserve_stack
+
+class DecodeStack {
+ public:
+  void add_layer(kvserve_stack::StackLayer layer);
+  // The KV pools, one K and one V per layer (float32), kept until set again.
+  void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v);
+  // Final hidden states [T, hidden] of decode rows x [T, hidden] (the embedding output, which
+  // becomes the residual stream and is overwritten, as in the Python path).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
+                        torch::Tensor final_norm, double final_eps);
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<kvserve_stack::StackLayer> layers_;
+  std::vector<torch::Tensor> k_caches_, v_caches_;
+};
