@@ -27,7 +27,8 @@ from pathlib import Path
 logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_gemm_cpu.cpp",
-            "quant_gemm_cpu.cpp", "quant_gemm_vnni.cpp", "quant_dequant_cpu.cpp",
+            "quant_gemm_cpu.cpp", "quant_gemm_vnni.cpp",
+            "quant_gemm_vnni_q8.cpp", "quant_dequant_cpu.cpp",
             "kv_store_cpu.cpp", "decode_stack_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
 STALE_LOCK_SECONDS = 900.0  # a build takes ~1.5 minutes; a lock this old was left by a killed one

@@ -33,7 +33,7 @@ from engine.models.quant_linear import QuantLinear
 
 NO_LIMIT = 1 << 62
 # StackLinear kinds (decode_stack_cpu.h)
-_FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS = 0, 1, 2, 3, 4
+_FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,10 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
     """The C++ description of one projection, or why it has none."""
     if isinstance(mod, QuantLinear):
         rows = mod.dense_rows if mod.fallback is None else min(mod.dense_rows, mod.float_above)
-        kind = (_Q4_VNNI if mod.q4_kernel == "vnni" else _Q4) if mod.is_q4 else _Q8
+        if mod.is_q4:
+            kind = _Q4_VNNI if mod.q4_kernel == "vnni" else _Q4
+        else:
+            kind = _Q8_VNNI if mod.q8_kernel == "vnni" else _Q8
         return _Linear(kernels.StackLinear(kind, mod.qs, mod.d, mod.m, mod.bias,
                                            mod.out_features), rows)
     if isinstance(mod, PackedLinear):

@@ -4,8 +4,8 @@
 (8-bit: scales per 32 or 16, optional mins):
 
 * up to ``dense_rows`` rows (decode steps): the C++ kernels ``quant_gemm_q4`` / ``quant_gemm_q8``
-  (engine/cpu/csrc/quant_gemm_cpu.cpp; for 4-bit weights ``quant_gemm_q4_vnni`` where the CPU
-  has AVX-512 VNNI and the start-up probe measured it faster), which quantise each activation
+  (engine/cpu/csrc/quant_gemm_cpu.cpp; ``quant_gemm_q4_vnni`` / ``quant_gemm_q8_vnni`` where the
+  CPU has AVX-512 VNNI and the start-up probe measured them faster), which quantise each activation
   row to int8 per group of 32 and take integer dot products. The result differs from float by the activation's
   rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
 * above (prefill): panels of ``PANEL_ROWS`` output rows are dequantised to ``panel_dtype``
@@ -35,7 +35,7 @@ from engine.models.quant_formats import Packed, PackedQ4
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
 PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
-Q4_KERNELS = ("base", "vnni")
+KERNELS = ("base", "vnni")  # the decode kernels of either width
 
 
 def quant_kernels():
@@ -46,7 +46,7 @@ def quant_kernels():
 
 
 def vnni_available() -> bool:
-    """Whether the AVX-512 VNNI 4-bit kernel was built (the compiler targets it on this CPU)."""
+    """Whether the AVX-512 VNNI kernels were built (the compiler targets VNNI on this CPU)."""
     k = quant_kernels()
     return k is not None and bool(k.quant_gemm_q4_vnni_available())
 
@@ -71,19 +71,32 @@ class QuantLinear(nn.Module):
         self.float_above: int | None = None
         self.panel_dtype = torch.float32
         self._gemm = self._kernels.quant_gemm_q4 if self.is_q4 else self._kernels.quant_gemm_q8
-        self.q4_kernel = "base"
+        self.q4_kernel = self.q8_kernel = "base"
 
     def set_q4_kernel(self, name: str) -> None:
         """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
         or ``vnni`` (``quant_gemm_q4_vnni``, where built). 8-bit weights ignore it."""
-        if name not in Q4_KERNELS:
-            raise ValueError(f"q4 kernel must be one of {', '.join(Q4_KERNELS)}, not {name!r}")
-        if name == "vnni" and not vnni_available():
-            raise ValueError("the AVX-512 VNNI kernel is not built on this CPU")
+        self._check_kernel(name)
         self.q4_kernel = name
         if self.is_q4:
             self._gemm = (self._kernels.quant_gemm_q4_vnni if name == "vnni"
                           else self._kernels.quant_gemm_q4)
+
+    def set_q8_kernel(self, name: str) -> None:
+        """As :meth:`set_q4_kernel` for 8-bit weights (``quant_gemm_q8`` or
+        ``quant_gemm_q8_vnni``); 4-bit weights ignore it."""
+        self._check_kernel(name)
+        self.q8_kernel = name
+        if not self.is_q4:
+            self._gemm = (self._kernels.quant_gemm_q8_vnni if name == "vnni"
+                          else self._kernels.quant_gemm_q8)
+
+    @staticmethod
+    def _check_kernel(name: str) -> None:
+        if name not in KERNELS:
+            raise ValueError(f"decode kernel must be one of {', '.join(KERNELS)}, not {name!r}")
+        if name == "vnni" and not vnni_available():
+            raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
 
     def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
         """Send inputs of more than ``rows`` rows to ``fallback`` (same weights, float)."""
@@ -164,6 +177,10 @@ class QuantConcat(nn.Module):
     def set_q4_kernel(self, name: str) -> None:
         for part in self.parts:
             part.set_q4_kernel(name)
+
+    def set_q8_kernel(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q8_kernel(name)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

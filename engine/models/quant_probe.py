@@ -51,6 +51,7 @@ class ProbeResult:
 
 
 PROBE_ROWS = (1, 4, 16, 64, 256)
+DECODE_ROWS = (1, 16)  # the decode kernels' probe: one pass at each
 MAX_PROBE_ATTEMPTS = 4
 
 
@@ -77,6 +78,10 @@ class Verdict:
     @property
     def q4_kernel(self) -> str:
         return self.setting("q4_kernel")
+
+    @property
+    def q8_kernel(self) -> str:
+        return self.setting("q8_kernel")
 
 
     def describe(self) -> str:
@@ -114,7 +119,8 @@ class Verdict:
 # first run and the decode kernels after a prefix-cache hit, and the same request would then
 # decode differently (two numerics: int8-rounded activations vs bf16 panels).
 SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
-            "q4_kernel": ("4-bit decode kernel", ("base", "vnni"))}
+            "q4_kernel": ("4-bit decode kernel", ("base", "vnni")),
+            "q8_kernel": ("8-bit decode kernel", ("base", "vnni"))}
 
 
 @dataclass
@@ -165,26 +171,28 @@ def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_
 def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, Setting]:
     """Time and apply the quantised modules' settings: the dense path's panel dtype at the
     largest probed row count above ``DENSE_ROWS`` (:func:`probe_panels`; none probed: float32),
-    and where the AVX-512 VNNI kernel is built and 4-bit weights exist, the 4-bit decode kernel
-    at one row (:func:`probe_q4_kernels`)."""
+    and where the AVX-512 VNNI kernels are built, the 4-bit and the 8-bit decode kernels at 1
+    and 16 rows, each where such weights exist (:func:`probe_decode_kernels`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
     if dense:
         settings["panel_dtype"] = Setting.measured("panel_dtype", confirmed_probe(
             lambda repeats: probe_panels(q, max(dense), repeats), 2))
-    if vnni_available() and any(m.is_q4 for m in _leaf_modules(q)):
-        settings["q4_kernel"] = Setting.measured("q4_kernel", confirmed_probe(
-            lambda repeats: probe_q4_kernels(q, 1, repeats), 3))
+    for key, is_q4 in (("q4_kernel", True), ("q8_kernel", False)):
+        if vnni_available() and any(m.is_q4 == is_q4 for m in _leaf_modules(q)):
+            settings[key] = Setting.measured(key, confirmed_probe(
+                lambda repeats, is_q4=is_q4: probe_decode_kernels(q, is_q4, repeats=repeats), 3))
     apply_settings(q, Verdict("quant", None, {}, settings))
     return settings
 
 
 def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
-    """Set every quantised module's panel dtype and 4-bit kernel as ``verdict`` says."""
+    """Set every quantised module's panel dtype and decode kernels as ``verdict`` says."""
     dt = getattr(torch, verdict.panel_dtype)
     for m in _leaf_modules(q):
         m.set_panel_dtype(dt)
         m.set_q4_kernel(verdict.q4_kernel)
+        m.set_q8_kernel(verdict.q8_kernel)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -262,16 +270,19 @@ def _layer_modules(q: QuantisedModules) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def _toggle(mods: list[nn.Module], rows: int, set_all, first, second, repeats: int) -> ProbeResult:
-    """Time a ``rows``-row pass over ``mods`` after ``set_all(first)`` (``float_s``) and after
-    ``set_all(second)`` (``quant_s``), alternated; ``set_all(first)`` again at the end."""
-    inputs = _inputs(mods, rows)
+def _toggle(mods: list[nn.Module], rows: tuple[int, ...], set_all, first, second,
+            repeats: int) -> ProbeResult:
+    """Time a pass over ``mods`` at each of ``rows`` row counts after ``set_all(first)``
+    (``float_s``) and after ``set_all(second)`` (``quant_s``), alternated; ``set_all(first)``
+    again at the end."""
+    inputs = {n: _inputs(mods, n) for n in rows}
 
     def side(value):
         def run() -> None:
             set_all(value)
-            for m in mods:
-                m(inputs[m.in_features])
+            for n in rows:
+                for m in mods:
+                    m(inputs[n][m.in_features])
         return run
 
     try:
@@ -290,16 +301,19 @@ def probe_panels(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResul
         for m in mods:
             m.set_panel_dtype(dt)
 
-    return _toggle(mods, rows, set_all, torch.float32, torch.bfloat16, repeats)
+    return _toggle(mods, (rows,), set_all, torch.float32, torch.bfloat16, repeats)
 
 
-def probe_q4_kernels(q: QuantisedModules, rows: int = 1, repeats: int = 3) -> ProbeResult:
-    """The 4-bit modules (the logits head included: decode runs it every step) on the ``base``
-    kernel (``float_s``) against the ``vnni`` one (``quant_s``). Left on ``base``."""
-    mods = [m for m in _leaf_modules(q) if m.is_q4]
+def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,
+                         repeats: int = 3) -> ProbeResult:
+    """The 4-bit (``is_q4``) or 8-bit modules, the logits head among them (decode runs it every
+    step), on the ``base`` decode kernel (``float_s``) against the ``vnni`` one (``quant_s``):
+    one pass at each of ``rows`` (a single stream and a batch of decodes; at one row a
+    memory-bound weight can tie, and the batch then decides). Left on ``base``."""
+    mods = [m for m in _leaf_modules(q) if m.is_q4 == is_q4]
 
     def set_all(name: str) -> None:
         for m in mods:
-            m.set_q4_kernel(name)
+            (m.set_q4_kernel if is_q4 else m.set_q8_kernel)(name)
 
     return _toggle(mods, rows, set_all, "base", "vnni", repeats)

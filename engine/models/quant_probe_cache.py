@@ -4,7 +4,7 @@ The probe measures this machine; measuring again at every start costs seconds an
 machine, can mislead (a run stalled by another process). So a verdict whose runs agreed
 (``Verdict.confirmed``) is stored and later starts reuse it. It is keyed by everything the
 measurement depends on: the CPU (model name and flags), the torch threads, the torch version,
-the CPU kernels' sources and the shapes and formats of the modules probed. A file that cannot
+the CPU kernels' and the probe's sources and the shapes and formats of the modules probed. A file that cannot
 be read or written is ignored (the probe runs). ``KVSERVE_QUANT_REPROBE=1`` measures again and
 replaces the entry.
 
@@ -44,8 +44,9 @@ def _cpu_identity() -> str:
 
 
 def _kernel_sources() -> str:
+    """A hash of the kernels' sources and of the probe itself (what it measures, and how)."""
     h = hashlib.sha256()
-    for path in sorted(_CSRC.glob("*")):
+    for path in [*sorted(_CSRC.glob("*")), Path(__file__).with_name("quant_probe.py")]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()

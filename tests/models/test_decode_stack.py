@@ -69,15 +69,17 @@ def test_stack_equals_python_loop(model_dirs, kind, quantization):
     assert counts["python"] >= 1  # the prefill did not
 
 
-@pytest.mark.parametrize("q4_kernel", ["base", "vnni"])
-def test_stack_serves_both_4bit_kernels(model_dirs, q4_kernel):
-    if q4_kernel == "vnni" and not vnni_available():
-        pytest.skip("no AVX-512 VNNI kernel on this CPU")
-    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4")
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("kernel", ["base", "vnni"])
+def test_stack_serves_both_decode_kernels(model_dirs, scheme, kernel):
+    if kernel == "vnni" and not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernels on this CPU")
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization=scheme)
     model = llm.engine.runner.model
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            mod.set_q4_kernel(q4_kernel)
+            mod.set_q4_kernel(kernel)
+            mod.set_q8_kernel(kernel)
     model.decode_stack, why = build_decode_stack(model)  # rebuilt: its kernels are fixed at build
     assert why == ""
     counts = _checked(llm)

@@ -213,8 +213,28 @@ def test_vnni_q4_kernel_equals_the_base_kernel(k, rows):
     got = lin(x)
     scale = float((x.abs() @ torch.from_numpy(quants.dequantize(raw, T.Q4_1)).abs().t()).max())
     torch.testing.assert_close(got, base, rtol=0, atol=1e-5 * scale)
-    with pytest.raises(ValueError, match="q4 kernel"):
+    with pytest.raises(ValueError, match="decode kernel"):
         lin.set_q4_kernel("avx9")
+
+
+@pytest.mark.skipif(not _vnni_built(), reason="AVX-512 VNNI kernels not built on this CPU")
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=_case_id)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, DENSE_ROWS])
+def test_vnni_q8_kernel_equals_the_base_kernel(case, rows):
+    """The AVX-512 VNNI 8-bit kernel does the base kernel's integer math 64 weights at a time,
+    for every 8-bit layout (a scale per 32: Q8_0; per 16: Q6_K; with mins: Q5_K), even and odd
+    group counts and every row tile: equal up to float summation order."""
+    qtype, shape = case
+    packed, w = _packed(*shape, qtype)
+    lin = QuantLinear(packed, torch.randn(shape[0], generator=torch.Generator().manual_seed(1)))
+    if lin.is_q4:
+        pytest.skip("a 4-bit format")
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)) * 2
+    base = lin(x)
+    lin.set_q8_kernel("vnni")
+    got = lin(x)
+    scale = float((x.abs() @ w.abs().t()).max())
+    torch.testing.assert_close(got, base, rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")

@@ -21,16 +21,16 @@ gguf = pytest.importorskip("gguf")
 
 
 # The real setting probes (the autouse fixture below replaces them in the module).
-REAL_PANELS, REAL_Q4 = quant_probe.probe_panels, quant_probe.probe_q4_kernels
+REAL_PANELS, REAL_KERNELS = quant_probe.probe_panels, quant_probe.probe_decode_kernels
 
 
 @pytest.fixture(autouse=True)
 def _settings_measure_the_first_option_faster(monkeypatch):
     """The settings' probes, deterministic unless a test replaces them: float32 panels and
-    the base 4-bit kernel win."""
-    slower = lambda q, rows, repeats=3: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0))  # noqa: E731
+    the base decode kernels win."""
+    slower = lambda q, *args, **kw: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0))  # noqa: E731
     monkeypatch.setattr(quant_probe, "probe_panels", slower)
-    monkeypatch.setattr(quant_probe, "probe_q4_kernels", slower)
+    monkeypatch.setattr(quant_probe, "probe_decode_kernels", slower)
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -176,29 +176,42 @@ def test_a_cached_verdict_with_an_unknown_setting_is_refused():
         Verdict.from_dict({**good, "settings": {"panel_dtype": ["float16"]}})
 
 
-def test_q4_kernel_follows_its_measurement(monkeypatch):
-    """Where the AVX-512 VNNI kernel is built, the 4-bit decode kernel is the one measured
-    faster at one row, set on every 4-bit module (a QuantConcat's parts too)."""
+@pytest.mark.parametrize("is_q4", [True, False], ids=["4-bit", "8-bit"])
+def test_decode_kernel_follows_its_measurement(monkeypatch, is_q4):
+    """Where the AVX-512 VNNI kernels are built, each width's decode kernel is the one measured
+    faster (1 and 16 rows), set on every module of that width (a QuantConcat's parts too); a width
+    without modules is not probed and keeps ``base``."""
     monkeypatch.setattr(quant_probe, "vnni_available", lambda: True)
-    monkeypatch.setattr(quant_probe, "probe_q4_kernels",
-                        lambda q, rows, repeats=3: ProbeResult(1.0, 0.7, (1.0, 1.0), (0.7, 0.7)))
+    probed = []
+
+    def vnni_faster(q, width_is_q4, rows=(1, 16), repeats=3):
+        probed.append(width_is_q4)
+        return ProbeResult(1.0, 0.7, (1.0, 1.0), (0.7, 0.7))
+
+    monkeypatch.setattr(quant_probe, "probe_decode_kernels", vnni_faster)
     monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
-    set_to = []
+    set_to = {"q4": [], "q8": []}
 
-    class FakeQ4(nn.Module):
-        is_q4 = True
-
+    class Fake(nn.Module):
         def set_panel_dtype(self, dt):
             pass
 
         def set_q4_kernel(self, name):
-            set_to.append(name)
+            set_to["q4"].append(name)
 
-    q = QuantisedModules(linears={"layers.0.qkv_proj": FakeQ4()})
+        def set_q8_kernel(self, name):
+            set_to["q8"].append(name)
+
+    Fake.is_q4 = is_q4
+    q = QuantisedModules(linears={"layers.0.qkv_proj": Fake()})
     verdict = choose(nn.Module(), q)
-    assert verdict.q4_kernel == "vnni" and set_to[-1] == "vnni"
-    assert "4-bit decode kernel vnni (base 1000.00 ms, vnni 700.00 ms)" in verdict.describe()
-    assert Verdict.from_dict(verdict.to_dict()).q4_kernel == "vnni"
+    mine, other = ("q4", "q8") if is_q4 else ("q8", "q4")
+    assert probed == [is_q4]
+    assert getattr(verdict, f"{mine}_kernel") == "vnni" and set_to[mine][-1] == "vnni"
+    assert getattr(verdict, f"{other}_kernel") == "base"
+    width = "4-bit" if is_q4 else "8-bit"
+    assert f"{width} decode kernel vnni (base 1000.00 ms, vnni 700.00 ms)" in verdict.describe()
+    assert getattr(Verdict.from_dict(verdict.to_dict()), f"{mine}_kernel") == "vnni"
 
 
 def test_the_real_setting_probes_run_and_restore_the_modules():
@@ -213,4 +226,7 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
     result = REAL_PANELS(q, 40, 1)
     assert result.float_s > 0 and result.quant_s > 0 and lin.panel_dtype == torch.float32
     if vnni_available():
-        assert REAL_Q4(q, 1, 1).quant_s > 0 and lin.q4_kernel == "base"
+        assert REAL_KERNELS(q, True, (1, 3), 1).quant_s > 0 and lin.q4_kernel == "base"
+        lin8 = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int8", 32))
+        q8 = QuantisedModules(linears={"layers.0.o_proj": lin8})
+        assert REAL_KERNELS(q8, False, (1, 3), 1).quant_s > 0 and lin8.q8_kernel == "base"

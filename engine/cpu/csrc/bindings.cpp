@@ -36,6 +36,8 @@ torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<
 std::string quant_gemm_isa();
 torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 bool quant_gemm_q4_vnni_available();
+torch::Tensor quant_gemm_q8_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                 c10::optional<torch::Tensor> m);
 void store_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slots);
 
@@ -66,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
   m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)", nogil());
+  m.def("quant_gemm_q8_vnni", &quant_gemm_q8_vnni, "quant_gemm_q8 on AVX-512 VNNI (64 weights per step)", nogil());
   m.def("store_kv_cpu", &store_kv_cpu, "k/v rows into pool slots (negative: skipped), as bytes",
         nogil());
   m.def("quant_gemm_q4_vnni_available", &quant_gemm_q4_vnni_available,

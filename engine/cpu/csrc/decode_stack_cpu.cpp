@@ -38,6 +38,8 @@ torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tenso
                                  torch::Tensor m);
 torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
                             c10::optional<torch::Tensor> m);
+torch::Tensor quant_gemm_q8_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                 c10::optional<torch::Tensor> m);
 void store_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slots);
 
@@ -48,8 +50,8 @@ StackLinear::StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Ten
                          int64_t out_features)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
       out_features(out_features) {
-  TORCH_CHECK(kind >= kFloat && kind <= kPanels, "StackLinear: unknown kind ", kind);
-  const bool quant = kind == kQ4 || kind == kQ4Vnni || kind == kQ8;
+  TORCH_CHECK(kind >= kFloat && kind <= kQ8Vnni, "StackLinear: unknown kind ", kind);
+  const bool quant = kind != kFloat && kind != kPanels;
   TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
   TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni || this->m.has_value(),
               "StackLinear: a 4-bit weight needs its mins");
@@ -67,6 +69,9 @@ torch::Tensor StackLinear::operator()(const torch::Tensor& x) const {
       break;
     case kQ4Vnni:
       y = quant_gemm_q4_vnni(x, w, *d, *m);
+      break;
+    case kQ8Vnni:
+      y = quant_gemm_q8_vnni(x, w, *d, m);
       break;
     default:
       y = quant_gemm_q8(x, w, *d, m);

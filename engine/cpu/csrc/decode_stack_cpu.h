@@ -9,9 +9,9 @@
 
 namespace kvserve_stack {
 
-// What computes a linear: a float weight (at::linear), 4-bit groups (the base or the AVX-512
-// VNNI kernel), 8-bit groups, or the AVX2 panel kernel over pre-packed float panels.
-enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ4Vnni = 2, kQ8 = 3, kPanels = 4 };
+// What computes a linear: a float weight (at::linear), 4-bit or 8-bit groups (each on the base
+// or the AVX-512 VNNI kernel), or the AVX2 panel kernel over pre-packed float panels.
+enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ4Vnni = 2, kQ8 = 3, kPanels = 4, kQ8Vnni = 5 };
 
 // y = x @ W^T (+ bias). w: the float weight, the packed qs, or the panels; d/m: scales and
 // mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself.
