@@ -1,8 +1,11 @@
 """One-time conversion of a GGUF checkpoint into a local Hugging Face model directory.
 
 The engine reads Hugging Face layouts only (config.json, safetensors, tokenizer files). A GGUF file
-is turned into one, once, with transformers' own GGUF reader (which dequantises every tensor and
-undoes llama.cpp's Q/K row permutation), and the result is kept in a cache directory.
+is turned into one, once, with transformers' own GGUF pieces (config and tokenizer readers, its
+dequantiser, tensor processors that undo llama.cpp's Q/K row permutation, and its name map), and
+the result is kept in a cache directory. The tensors are dequantised and written one shard at a
+time: converting never holds the float32 model in memory (transformers' ``from_pretrained`` on a
+GGUF holds it twice), so a GGUF whose float32 size exceeds the machine's memory converts too.
 
 Contract of :func:`ensure_converted`:
 - The target directory either does not exist or is complete: conversion writes into a temporary
@@ -108,7 +111,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
     cannot read the file (e.g. an architecture or tokenizer its GGUF reader does not know) and
     ``RuntimeError`` when the written directory does not load back with a working chat template.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_path = gguf_path.resolve()
     src_dir, name = str(gguf_path.parent), gguf_path.name
@@ -123,27 +126,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
             tokenizer.chat_template = _gguf_chat_template(gguf_path)
         stages.update()
 
-        stages.set_postfix_str("dequantise weights")
-        with _unreadable_as_value_error(gguf_path):
-            model = AutoModelForCausalLM.from_pretrained(
-                src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
-            )
-        stages.update()
-
-        stages.set_postfix_str("write weights")
-        _write_weights(model, out_dir, disable=disable)
-        stages.update()
-
         stages.set_postfix_str("config")
-        config = model.config
+        with _unreadable_as_value_error(gguf_path):
+            config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+        stages.update()
+
+        stages.set_postfix_str("dequantise and write weights")
+        with _unreadable_as_value_error(gguf_path):
+            model_class = _write_weights_streaming(gguf_path, config, out_dir, disable=disable)
+        stages.update()
+
+        stages.set_postfix_str("save config")
         # The GGUF quantisation note would make transformers treat the fp32 directory as GGUF.
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        config.architectures = [type(model).__name__]
+        config.architectures = [model_class]
         config.dtype = torch.float32
         config.save_pretrained(out_dir)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(out_dir)
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
         limit = getattr(config, "max_position_embeddings", None)
         if limit and tokenizer.model_max_length > limit:  # GGUF gives no limit: a 1e30 sentinel
             tokenizer.model_max_length = limit
@@ -152,7 +152,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
 
         stages.set_postfix_str("verify")
         _verify(out_dir)
-        _write_marker(out_dir, gguf_path, model.config.model_type)
+        _write_marker(out_dir, gguf_path, config.model_type)
         stages.update()
 
 
@@ -168,53 +168,79 @@ def _unreadable_as_value_error(gguf_path: Path) -> Iterator[None]:
         ) from exc
 
 
-def _write_weights(model: torch.nn.Module, out_dir: Path, *, disable: bool | None) -> None:
-    """Save the state dict as safetensors (sharded above MAX_SHARD_BYTES), tied copies omitted."""
+def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *,
+                             disable: bool | None) -> str:
+    """Dequantise the GGUF's tensors one at a time (transformers' own dequantiser, tensor
+    processor and name map, so the values and names are exactly what its ``from_pretrained``
+    would hold) and save them as float32 safetensors, sharded above MAX_SHARD_BYTES; a tied
+    output projection is omitted. Memory: one shard, never the whole model. Returns the HF
+    model class name."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
 
-    tensors = dict(_tensors_to_save(model, disable=disable))
-    shards = _shard(tensors, MAX_SHARD_BYTES)
-    if len(shards) == 1:
-        save_file(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
-        return
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out_dir / file, metadata={"format": "pt"})
-        for tname, tensor in shard.items():
-            weight_map[tname] = file
-            total += tensor.numel() * tensor.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def _tensors_to_save(model: torch.nn.Module, *, disable: bool | None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    state = model.state_dict()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    embed = model.get_input_embeddings().weight
-    embed_name = next(n for n, p in model.named_parameters() if p is embed)
-    for tname, tensor in tqdm(state.items(), desc="tensors", unit="tensor", leave=False,
-                              disable=disable):
-        if tied and tname != embed_name and tensor.data_ptr() == embed.data_ptr():
-            # The tied output projection is the embedding itself; loaders re-tie it from config.
-            logger.debug("omitting %s: tied to %s", tname, embed_name)
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
+    reader = GGUFReader(gguf_path)
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
+    with torch.device("meta"):  # names and shapes only: no weights are allocated
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    expected = skeleton.state_dict()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    plan = []  # (reader tensor, HF name), in file order
+    for tensor in reader.tensors:
+        hf = names.get(tensor.name)
+        if hf is None or hf not in expected or (tied and hf == "lm_head.weight"):
             continue
-        yield tname, tensor.detach().to("cpu").contiguous()
-
-
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+        plan.append((tensor, hf))
+    shards: list[list[tuple]] = [[]]
     size = 0
-    for tname, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
+    for tensor, hf in plan:
+        nbytes = int(tensor.n_elements) * 4
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append([])
             size = 0
-        shards[-1][tname] = tensor
+        shards[-1].append((tensor, hf))
         size += nbytes
-    return shards
+    weight_map, total = {}, 0
+    bar = tqdm(total=len(plan), desc="tensors", unit="tensor", leave=False, disable=disable)
+    for i, shard in enumerate(shards, start=1):
+        file = ("model.safetensors" if len(shards) == 1
+                else f"model-{i:05d}-of-{len(shards):05d}.safetensors")
+        tensors = {}
+        for tensor, hf in shard:
+            result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
+                                       name=tensor.name, tensor_key_mapping=names,
+                                       parsed_parameters=parsed)
+            t = torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+            if tuple(t.shape) != tuple(expected[hf].shape):
+                raise ValueError(f"GGUF tensor {tensor.name} has shape {tuple(t.shape)}; "
+                                 f"{hf} needs {tuple(expected[hf].shape)}")
+            tensors[hf] = t.contiguous()
+            weight_map[hf] = file
+            total += t.numel() * 4
+            bar.update()
+        save_file(tensors, out_dir / file, metadata={"format": "pt"})
+        del tensors
+    bar.close()
+    missing = [n for n in expected if n not in weight_map
+               and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"the GGUF lacks tensors for {', '.join(missing[:5])}"
+                         + (" …" if len(missing) > 5 else ""))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return type(skeleton).__name__
 
 
 def _gguf_chat_template(gguf_path: Path) -> str | None:

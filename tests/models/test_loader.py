@@ -59,6 +59,21 @@ def test_tiny_gguf_converts_to_the_original_weights(tiny_gguf, tiny_converted):
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
 
 
+def test_conversion_streams_tensors_into_shards(tiny_gguf, tmp_path, monkeypatch):
+    """The weights are dequantised and written a shard at a time (a multi-GB GGUF never sits in
+    memory as float32): with a small shard limit the directory gets several shards and an
+    index, and loads back as the same tensors."""
+    _, model = tiny_gguf
+    monkeypatch.setattr(gguf_convert, "MAX_SHARD_BYTES", 64 * 1024)
+    files = resolve_model(str(tiny_gguf[0]), cache_dir=tmp_path, progress=False)
+    shards = sorted(files.path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and (files.path / "model.safetensors.index.json").is_file()
+    expected = model.state_dict()
+    weights = dict(iter_weights(files))
+    assert set(weights) == set(expected) - {"lm_head.weight"}
+    assert all(torch.equal(weights[n], expected[n]) for n in weights)
+
+
 def test_tiny_gguf_untied_output_is_kept(tmp_path, make_llama_gguf):
     model = make_llama_gguf(tmp_path / "untied.gguf", tied=False)
     files = resolve_model(tmp_path / "untied.gguf", cache_dir=tmp_path / "cache", progress=False)
@@ -131,11 +146,11 @@ def test_changed_gguf_gets_a_new_cache_entry(tiny_gguf, tmp_path):
 
 
 def test_failed_conversion_leaves_no_cache(tiny_gguf, tmp_path, monkeypatch):
-    def broken(model, out_dir, **kwargs):
+    def broken(gguf_path, config, out_dir, **kwargs):
         (out_dir / "model.safetensors").write_bytes(b"half written")
         raise OSError("disk full")
 
-    monkeypatch.setattr(gguf_convert, "_write_weights", broken)
+    monkeypatch.setattr(gguf_convert, "_write_weights_streaming", broken)
     with pytest.raises(OSError, match="disk full"):
         resolve_model(str(tiny_gguf[0]), cache_dir=tmp_path, progress=False)
     models = tmp_path / "models"
