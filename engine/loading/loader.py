@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,16 +174,23 @@ def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
     Names are the checkpoint's (the HF ``state_dict`` keys). Dtypes are as stored (converted GGUFs:
     float32). A tied ``lm_head.weight`` may be absent (see the module docstring).
     """
-    for file in weight_files(files.path):
+    return iter_dir_weights(files.path)
+
+
+def iter_dir_weights(path: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_weights` over a model directory; tensors named in ``skip`` are not read at
+    all (safetensors; a ``.bin`` checkpoint is read whole and only their yield is skipped)."""
+    for file in weight_files(path):
         if file.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    if name not in skip:
+                        yield name, handle.get_tensor(name)
         else:
             state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-            yield from state.items()
+            yield from ((n, t) for n, t in state.items() if n not in skip)
             del state
 
 

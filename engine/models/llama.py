@@ -200,35 +200,50 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param.fill_(1.0)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     skip: Iterable[str] = ()) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises ValueError naming any
-        parameter that is missing or has the wrong shape."""
+        parameter that is missing or has the wrong shape. ``skip``: HF names that count as
+        loaded without being given (tensors another module will serve, e.g. packed weights);
+        their parameters are left as they are."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = {self._loaded_key(name) for name in skip}
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied to the embeddings
-            target = name.removeprefix("model.")
-            target = target.replace(".self_attn.", ".").replace(".mlp.", ".")
-            parts = target.split(".")
-            if len(parts) >= 3 and parts[-2] in fused:
-                fused_name, shard = fused[parts[-2]]
-                target = ".".join([*parts[:-2], fused_name, parts[-1]])
+            target, shard = self._target(name)
+            if shard is not None:
                 self._load_shard(params, target, shard, tensor)
-                loaded.add(f"{target}#{shard}")
-                continue
-            if target not in params:
+            elif target not in params:
                 raise ValueError(f"checkpoint has an unexpected parameter {name!r}")
-            self._copy(params[target], tensor, name)
-            loaded.add(target)
+            else:
+                self._copy(params[target], tensor, name)
+            loaded.add(self._loaded_key(name))
         missing = [n for n in params if n not in loaded and not self._fully_sharded(n, loaded)]
         if missing:
             raise ValueError(f"checkpoint lacks parameters: {', '.join(missing[:5])}"
                              + (" …" if len(missing) > 5 else ""))
+
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    @classmethod
+    def _target(cls, name: str) -> tuple[str, int | None]:
+        """Our parameter for an HF name, and the part of a fused projection it fills (or None)."""
+        target = name.removeprefix("model.")
+        target = target.replace(".self_attn.", ".").replace(".mlp.", ".")
+        parts = target.split(".")
+        if len(parts) >= 3 and parts[-2] in cls._FUSED:
+            fused_name, shard = cls._FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused_name, parts[-1]]), shard
+        return target, None
+
+    @classmethod
+    def _loaded_key(cls, name: str) -> str:
+        target, shard = cls._target(name)
+        return target if shard is None else f"{target}#{shard}"
 
     def _shard_sizes(self, fused_name: str) -> list[int]:
         layer = self.layers[0]

@@ -59,15 +59,18 @@ logger = logging.getLogger("kvserve.engine")
 # The token table / logits head's scheme per requested scheme (see build_rtn). int4 keeps
 # them at 8 bits: on the embedded model a 4-bit head cost +12.5% perplexity, 8-bit +0.03%.
 HEAD_SCHEMES = {"int4": "int8", "int8": "int8"}
+PACKED_ONLY_RAM_FRACTION = 0.5  # float copies above this share of RAM: packed only, no probe
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "o_proj": ("self_attn.o_proj",), "down_proj": ("mlp.down_proj",)}
 
 
 @torch.no_grad()
-def build_quantised(model: nn.Module, packed: dict[str, Packed]) -> QuantisedModules:
+def build_quantised(model: nn.Module, packed: dict[str, Packed],
+                    check: bool = True) -> QuantisedModules:
     """Quantised replacements for ``model``'s float ``nn.Linear``/``nn.Embedding`` modules
-    (still in place, weights loaded). Does not change ``model``."""
+    (still in place; their biases loaded, and with ``check`` their weights too, each packed
+    weight compared with its float copy). Does not change ``model``."""
     out = QuantisedModules()
     for i, layer in enumerate(model.layers):
         for attr, sources in _FUSED.items():
@@ -76,16 +79,19 @@ def build_quantised(model: nn.Module, packed: dict[str, Packed]) -> QuantisedMod
                 continue  # not all packed: this projection stays float
             dense = getattr(layer, attr)
             q = _fused(parts, dense.bias)
-            _check(q, dense.weight, f"layers.{i}.{attr}")
+            if check:
+                _check(q, dense.weight, f"layers.{i}.{attr}")
             out.linears[f"layers.{i}.{attr}"] = q
     table = packed.get("model.embed_tokens.weight")
     if table is not None:
         out.embedding = QuantEmbedding(table)
-        _check(out.embedding.head, model.embed_tokens.weight, "embed_tokens")
+        if check:
+            _check(out.embedding.head, model.embed_tokens.weight, "embed_tokens")
     head = packed.get("lm_head.weight")
     if head is not None and model.lm_head is not None:
         out.linears["lm_head"] = QuantLinear(head)
-        _check(out.linears["lm_head"], model.lm_head.weight, "lm_head")
+        if check:
+            _check(out.linears["lm_head"], model.lm_head.weight, "lm_head")
     return out
 
 
@@ -140,12 +146,14 @@ def apply(model: nn.Module, q: QuantisedModules, float_above: int | None = None)
 
 
 def packed_replacements(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
-                        files_dir: Path | None) -> QuantisedModules | None:
+                        files_dir: Path | None,
+                        packed: dict[str, Packed] | None = None) -> QuantisedModules | None:
     """Step 1 for an engine: packed replacements for ``model``'s float modules, or None when
     the path does not apply. ``auto``: None unless the checkpoint is a GGUF with supported
     quantised tensors, loaded as float32 on the CPU with the CPU kernels built (dummy weights
     too). ``int4``/``int8``: the float weights quantised; ValueError when the packed kernels
-    cannot run here (not the CPU, not float32, kernels unavailable)."""
+    cannot run here (not the CPU, not float32, kernels unavailable). ``packed``: the GGUF's
+    tensors already read (:func:`read_served_packed`)."""
     scheme = config.quantization
     if scheme in SCHEMES:
         if device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None:
@@ -160,11 +168,49 @@ def packed_replacements(model: nn.Module, config, device: torch.device, dtype: t
     if (scheme != "auto" or config.load_format == "dummy" or files_dir is None
             or device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None):
         return None
-    source = gguf_source(files_dir)
-    if source is None:
-        return None
-    packed = read_packed(source)
+    if packed is None:
+        source = gguf_source(files_dir)
+        if source is None:
+            return None
+        packed = read_packed(source)
     return build_quantised(model, packed) if packed else None
+
+
+def read_served_packed(config, device: torch.device, dtype: torch.dtype,
+                       files_dir: Path | None) -> dict[str, Packed] | None:
+    """The GGUF's packed tensors when ``quantization="auto"`` serves them (see
+    :func:`packed_replacements`), else None."""
+    if (not serves_packed_gguf(config, files_dir) or device.type != "cpu"
+            or dtype != torch.float32):
+        return None
+    return read_packed(gguf_source(files_dir)) or None
+
+
+def packed_only_reason(packed: dict[str, Packed], ram_bytes: int) -> str | None:
+    """Why the packed weights must serve without float copies, or None (then the float model
+    is built and the probe may keep it): ``KVSERVE_QUANT_PACKED_ONLY=1``, or float32 copies of
+    the packed tensors that would take more than :data:`PACKED_ONLY_RAM_FRACTION` of the
+    machine's memory (a multi-GB GGUF: its float model cannot be held next to the packed one,
+    so float is not a candidate and is not probed)."""
+    if os.environ.get("KVSERVE_QUANT_PACKED_ONLY", "0") == "1":
+        return "KVSERVE_QUANT_PACKED_ONLY=1"
+    float_bytes = sum(4 * p.shape[0] * p.shape[1] for p in packed.values())
+    if float_bytes > PACKED_ONLY_RAM_FRACTION * ram_bytes:
+        return (f"their float32 copies would take {float_bytes / 2**30:.1f} GiB, more than "
+                f"{PACKED_ONLY_RAM_FRACTION:.0%} of this machine's {ram_bytes / 2**30:.1f} GiB")
+    return None
+
+
+def adopt_packed_only(model: nn.Module, quantised: QuantisedModules, reason: str) -> Verdict:
+    """Swap every packed module in without probing float (:func:`packed_only_reason`); only
+    the packed modules' own settings are measured. Logged."""
+    settings = measure_settings(quantised)
+    n = apply(model, quantised)
+    verdict = Verdict("quant", None, {}, settings)
+    logger.info("quantization=auto: %d modules on packed weights for every batch size, "
+                "float weights never built (%s)", n,
+                "; ".join(t for t in (reason, verdict.describe()) if t))
+    return verdict
 
 
 def serves_packed_gguf(config, files_dir: Path | None) -> bool:

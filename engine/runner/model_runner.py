@@ -32,11 +32,20 @@ from engine.kv_cache.host_copy import HostTierCopier
 from engine.kv_cache.host_pool import allocate_host_pools
 from engine.kv_cache.kv_quant import KVFormat, kv_format
 from engine.kv_cache.rope_shift import shift_block_keys
+from engine.loading.loader import iter_dir_weights
 from engine.models.arch import ModelArch
 from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.models.quant_apply import adopt, packed_replacements, serves_packed_gguf
+from engine.models.quant_apply import (
+    adopt,
+    adopt_packed_only,
+    build_quantised,
+    packed_only_reason,
+    packed_replacements,
+    read_served_packed,
+    serves_packed_gguf,
+)
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.runner.batch import ModelInput
@@ -123,16 +132,31 @@ class ModelRunner:
                                    and serves_packed_gguf(config, files_dir))
         self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype, tp)
         self.arch: ModelArch = self.model.arch
+        # quantization=auto on a GGUF: its packed tensors (None under tensor parallelism: a
+        # GGUF's packed blocks are not split, ranks hold float shards; see README).
+        packed = (read_served_packed(config, self.device, self.dtype, files_dir)
+                  if tp is None else None)
+        packed_only = packed_only_reason(packed, total_ram_bytes()) if packed else None
+        self.quant_verdict = None
         if config.load_format == "dummy":
             self.model.init_dummy_weights(seed=config.seed)
+        elif packed_only:  # the packed tensors' float parameters are never read nor touched
+            if hasattr(weights, "close"):
+                weights.close()
+            self.model.load_weights(iter_dir_weights(files_dir, skip=packed), skip=packed)
         else:
             self.model.load_weights(weights)
         self.model.eval()
-        # Tensor parallel: int4/int8 quantise this rank's float shards; auto keeps them float
-        # (a GGUF's packed blocks are not split; see README).
-        quantised = (packed_replacements(self.model, config, self.device, self.dtype, files_dir)
-                     if tp is None or config.quantization != "auto" else None)
-        self.quant_verdict = None
+        if packed_only:
+            self.quant_verdict = adopt_packed_only(
+                self.model, build_quantised(self.model, packed, check=False), packed_only)
+            quantised = None
+        else:
+            # Tensor parallel: int4/int8 quantise this rank's float shards; auto keeps them
+            # float.
+            quantised = (packed_replacements(self.model, config, self.device, self.dtype,
+                                             files_dir, packed)
+                         if tp is None or config.quantization != "auto" else None)
         if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
             self.quant_verdict = adopt(self.model, quantised, config)
         self.linear_backend = linear_backend(self.device, self.dtype,

@@ -102,3 +102,58 @@ def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch):
     outs = auto.generate(PROMPTS, params)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     auto.engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize("fixture", ["q_gguf", "k_gguf"])
+def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatch, caplog):
+    """Where the float copies would not fit (forced here by KVSERVE_QUANT_PACKED_ONLY=1) the
+    packed tensors are never read from the converted float checkpoint, the float side is not
+    probed, and the engine serves the same modules as a forced-packed start: with the same
+    settings (the defaults, both sides) its greedy tokens are identical."""
+    from engine.models import quant_apply, quant_probe
+    from engine.runner import model_runner
+
+    path, cache = request.getfixturevalue(fixture)
+    defaults = lambda q, rows=(): {}  # noqa: E731 - float32 panels, base kernels on both sides
+    monkeypatch.setattr(quant_probe, "measure_settings", defaults)
+    monkeypatch.setattr(quant_apply, "measure_settings", defaults)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    forced = _llm(path, cache, monkeypatch, quantization="auto")
+    expected = [o.outputs[0].token_ids for o in forced.generate(PROMPTS, params)]
+    monkeypatch.delenv("KVSERVE_QUANT_FORCE")
+
+    read: list[str] = []
+    real = model_runner.iter_dir_weights
+
+    def spy(path_, skip=()):
+        for name, tensor in real(path_, skip):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(model_runner, "iter_dir_weights", spy)
+    monkeypatch.setenv("KVSERVE_QUANT_PACKED_ONLY", "1")
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        lean = _llm(path, cache, monkeypatch, quantization="auto")
+    runner = lean.engine.runner
+    assert runner.quantized and runner.quant_verdict.probes == {}
+    assert any("float weights never built (KVSERVE_QUANT_PACKED_ONLY=1" in r.getMessage()
+               for r in caplog.records)
+    assert read and all(n.endswith("norm.weight") for n in read)  # norms only: all else packed
+    assert runner.weight_bytes == forced.engine.runner.weight_bytes
+    assert [o.outputs[0].token_ids for o in lean.generate(PROMPTS, params)] == expected
+
+
+def test_packed_only_reason(monkeypatch):
+    import torch
+
+    from engine.models.quant_apply import packed_only_reason
+    from engine.models.quant_rtn import quantise
+
+    monkeypatch.delenv("KVSERVE_QUANT_PACKED_ONLY", raising=False)
+    packed = {"w": quantise(torch.randn(256, 1024), "int4", 32)}  # 1 MiB as float32
+    assert packed_only_reason(packed, ram_bytes=2**30) is None
+    reason = packed_only_reason(packed, ram_bytes=2 * 2**20 - 1)
+    assert reason is not None and "more than 50%" in reason
+    monkeypatch.setenv("KVSERVE_QUANT_PACKED_ONLY", "1")
+    assert packed_only_reason(packed, ram_bytes=2**40) == "KVSERVE_QUANT_PACKED_ONLY=1"
