@@ -60,4 +60,19 @@ void row_tiles(int64_t M, F&& f) {
   }
 }
 
+// Calls run(s16, has_m) with the compile-time layout of a q8 weight: a scale per 16 (never with
+// mins), a scale and a min per 32, or a scale per 32.
+template <typename Run>
+void dispatch_q8(int64_t scale_group, bool has_m, Run&& run) {
+  using T = std::true_type;
+  using F = std::false_type;
+  if (scale_group == 16) {
+    run(T{}, F{});
+  } else if (has_m) {
+    run(F{}, T{});
+  } else {
+    run(F{}, F{});
+  }
+}
+
 }  // namespace kvserve_quant

@@ -266,15 +266,7 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
       });
     }
   };
-  using T = std::true_type;
-  using F = std::false_type;
-  if (S == 16) {
-    run(T{}, F{});
-  } else if (mw != nullptr) {
-    run(F{}, T{});
-  } else {
-    run(F{}, F{});
-  }
+  kvserve_quant::dispatch_q8(S, mw != nullptr, run);
   return y;
 }
 

@@ -19,11 +19,7 @@
 #include <vector>
 
 #include "quant_common.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define KVSERVE_VNNI 1
-#include <immintrin.h>
-#endif
+#include "quant_vnni_common.h"
 
 using kvserve_quant::kGroup;
 using kvserve_quant::row_tiles;
@@ -43,16 +39,9 @@ namespace {
 // group in natural order), dx[g] = amax/127 and sx[g] = dx * sum(qx of the group).
 void quantise_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
   const int64_t G = K / kGroup;
-  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t g = 0; g < G; g++) {
-    const __m512 a = _mm512_loadu_ps(x + g * kGroup), b = _mm512_loadu_ps(x + g * kGroup + 16);
-    const float amax = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, id),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, id),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i qa, qb;
+    const float amax = kvserve_vnni::round_group(x + g * kGroup, &qa, &qb);
     // Destination of this group's two halves: in a pair, lo at 16*(g%2), hi at 32 + 16*(g%2).
     const bool paired = (g | 1) < G;
     const int64_t base = (g & ~int64_t(1)) * kGroup;
@@ -60,22 +49,9 @@ void quantise_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
     int8_t* hi = paired ? qx + base + 32 + 16 * (g & 1) : qx + g * kGroup + 16;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(qb));
-    const float d = amax / 127.f;
-    dx[g] = d;
-    sx[g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    dx[g] = amax / 127.f;
+    sx[g] = kvserve_vnni::scaled_sum(dx[g], qa, qb);
   }
-}
-
-// sum_k a[k] * b[k], k < n, 16 lanes at a time (the last step masked).
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-  if (k < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - k)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + k), _mm512_maskz_loadu_ps(mask, b + k), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
 }
 
 // R rows against one weight row. Two accumulators per row (even and odd pairs of groups), so
@@ -120,7 +96,7 @@ void dot_q4_vnni(const uint8_t* w, const float* d, const float* m, const int8_t*
   }
   for (int r = 0; r < R; r++) {
     y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + last[r] +
-                 dot_f32(m, sx + r * G, G);
+                 kvserve_vnni::dot_f32(m, sx + r * G, G);
   }
 }
 

@@ -15,7 +15,7 @@
 // with the matching scale vector accumulates them. An odd last group runs the 256-bit form. Rows
 // go in tiles of up to 4 sharing each weight load; threads split the output columns.
 //
-// Compiled only where the compiler targets AVX-512 F/BW/VL and VNNI (-march=native on such a CPU;
+// Compiled only where the compiler targets AVX-512 F/BW/VL and VNNI (quant_vnni_common.h;
 // quant_gemm_q4_vnni_available() says whether it was). Which of this and quant_gemm_q8 serves is
 // measured at start-up (engine/models/quant_probe.py), not assumed.
 #include <torch/extension.h>
@@ -24,11 +24,7 @@
 #include <vector>
 
 #include "quant_common.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define KVSERVE_VNNI 1
-#include <immintrin.h>
-#endif
+#include "quant_vnni_common.h"
 
 using kvserve_quant::kGroup;
 using kvserve_quant::row_tiles;
@@ -40,37 +36,17 @@ namespace {
 // amax/127 and sx[g] = dx * sum of the group's rounded values: quant_gemm_q8's rounding.
 void quantise_row(const float* x, int64_t K, uint8_t* ax, uint32_t* sg, float* dx, float* sx) {
   const int64_t G = K / kGroup;
-  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t g = 0; g < G; g++) {
-    const __m512 a = _mm512_loadu_ps(x + g * kGroup), b = _mm512_loadu_ps(x + g * kGroup + 16);
-    const float amax = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, id),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, id),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i qa, qb;
+    const float amax = kvserve_vnni::round_group(x + g * kGroup, &qa, &qb);
     const __m128i lo = _mm512_cvtepi32_epi8(qa), hi = _mm512_cvtepi32_epi8(qb);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ax + g * kGroup), _mm_abs_epi8(lo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ax + g * kGroup + 16), _mm_abs_epi8(hi));
     sg[g] = static_cast<uint32_t>(_mm_movemask_epi8(lo)) |
             (static_cast<uint32_t>(_mm_movemask_epi8(hi)) << 16);
-    const float d = amax / 127.f;
-    dx[g] = d;
-    sx[g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    dx[g] = amax / 127.f;
+    sx[g] = kvserve_vnni::scaled_sum(dx[g], qa, qb);
   }
-}
-
-// sum_k a[k] * b[k], k < n (the min term).
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-  if (k < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - k)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + k), _mm512_maskz_loadu_ps(mask, b + k), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
 }
 
 // The scales of groups g, g+1 for the 16 int32 lanes: a scale per 32 -> [s_g x8, s_g+1 x8];
@@ -133,7 +109,7 @@ void dot_q8_vnni(const int8_t* w, const float* d, const float* m, const uint8_t*
   }
   for (int r = 0; r < R; r++) {
     float tail = last[r];
-    if constexpr (kHasM) tail += dot_f32(m, sx + r * G, G);
+    if constexpr (kHasM) tail += kvserve_vnni::dot_f32(m, sx + r * G, G);
     y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + tail;
   }
 }
@@ -179,15 +155,7 @@ torch::Tensor quant_gemm_q8_vnni(torch::Tensor x, torch::Tensor qs, torch::Tenso
       });
     }
   };
-  using T = std::true_type;
-  using F = std::false_type;
-  if (S == 16) {
-    run(T{}, F{});
-  } else if (mw != nullptr) {
-    run(F{}, T{});
-  } else {
-    run(F{}, F{});
-  }
+  kvserve_quant::dispatch_q8(S, mw != nullptr, run);
   return y;
 #else
   TORCH_CHECK(false, "quant_gemm_q8_vnni: not built for this CPU (needs AVX-512 BW/VL and VNNI)");

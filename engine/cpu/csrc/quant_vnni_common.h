@@ -1,0 +1,46 @@
+// Shared by the AVX-512 VNNI kernels (quant_gemm_vnni.cpp: 4-bit, quant_gemm_vnni_q8.cpp: 8-bit):
+// whether they are built (KVSERVE_VNNI: the compiler targets AVX-512 F/BW/VL and VNNI, as
+// -march=native does on such a CPU), the activations' int8 rounding of one group of 32 (the
+// base kernels' rounding, quant_gemm_cpu.cpp) and a float dot product for the mins' term.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KVSERVE_VNNI 1
+#include <immintrin.h>
+
+namespace kvserve_vnni {
+
+// The 32 floats at x rounded to int8 steps of amax/127 (to nearest, ties to even):
+// lo/hi the two halves' integers (16 int32 lanes each); returns amax.
+inline float round_group(const float* x, __m512i* lo, __m512i* hi) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+  const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  *lo = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  *hi = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return amax;
+}
+
+// dx * (the sum of a group's integers), the activation term of a weight's min.
+inline float scaled_sum(float dx, __m512i lo, __m512i hi) {
+  return dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi)));
+}
+
+// sum_k a[k] * b[k], k < n, 16 lanes at a time (the last step masked).
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
+  if (k < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - k)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + k), _mm512_maskz_loadu_ps(mask, b + k), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+}  // namespace kvserve_vnni
+#endif
