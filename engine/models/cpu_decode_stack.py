@@ -7,8 +7,8 @@ on the same tensors from C++, so its output is bit-identical to ``LlamaForCausal
 layer loop with the fused CPU ops and the torch backend's CPU decode kernel.
 
 ``build_decode_stack(model)`` returns one when the model can use it (no tensor parallelism, the
-fused CPU ops, float32, every projection a single ``QuantLinear``, a panel ``PackedLinear`` or a
-plain ``nn.Linear``), else None and the reason. ``accepts`` then decides per step: every row of
+fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of them (Q4_K_M
+files), a panel ``PackedLinear`` or a plain ``nn.Linear``), else None and the reason. ``accepts`` then decides per step: every row of
 the step a decode row of the torch backend's decode group (no prefill), no more rows than the
 linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
 other kernels), float32 KV pools, no KV observer or fp8 scales. Anything else runs the Python
@@ -29,7 +29,7 @@ from torch import nn
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
 from engine.models.packed_linear import PackedLinear
-from engine.models.quant_linear import QuantLinear
+from engine.models.quant_linear import QuantConcat, QuantLinear
 
 NO_LIMIT = 1 << 62
 # StackLinear kinds (decode_stack_cpu.h)
@@ -44,6 +44,14 @@ class _Linear:
 
 def _linear(kernels, mod: nn.Module) -> _Linear | str:
     """The C++ description of one projection, or why it has none."""
+    if isinstance(mod, QuantConcat):
+        parts = [_linear(kernels, p) for p in mod.parts]
+        if any(isinstance(p, str) for p in parts):
+            return next(p for p in parts if isinstance(p, str))
+        rows = min(p.max_rows for p in parts)
+        if mod.fallback is not None:
+            rows = min(rows, mod.float_above)
+        return _Linear(kernels.StackLinear([p.spec for p in parts]), rows)
     if isinstance(mod, QuantLinear):
         rows = mod.dense_rows if mod.fallback is None else min(mod.dense_rows, mod.float_above)
         if mod.is_q4:

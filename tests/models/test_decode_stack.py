@@ -87,6 +87,22 @@ def test_stack_serves_both_decode_kernels(model_dirs, scheme, kernel):
     assert counts["stack"] >= PARAMS.max_tokens - 1
 
 
+def test_mixed_format_projections(make_llama_gguf, tmp_path, monkeypatch):
+    """A Q4_K_M-style GGUF: Q/K/V packed as Q4_K and Q6_K rows (a QuantConcat), down as Q5_K
+    (8-bit with mins), a Q6_K token table."""
+    from engine.models.quant_linear import QuantConcat
+
+    path = tmp_path / "tiny-llama.Q4_K_M.gguf"
+    make_llama_gguf(path, tied=True, kquants=True)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    llm = LLM(str(path), kv_cache_memory="16MiB")
+    assert isinstance(llm.engine.runner.model.layers[0].qkv_proj, QuantConcat)
+    counts = _checked(llm)
+    llm.generate(PROMPTS, PARAMS)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+
+
 def test_plain_linears(model_dirs, monkeypatch):
     monkeypatch.setenv("KVSERVE_PACKED_LINEAR", "0")  # nn.Linear, F.linear
     llm = LLM(str(model_dirs["qwen2"]), kv_cache_memory="16MiB", quantization="none")

@@ -79,7 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, torch::Tensor, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t>(),
            py::arg("kind"), py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bias"),
-           py::arg("out_features"));
+           py::arg("out_features"))
+      .def(py::init<std::vector<StackLinear>>(), py::arg("parts"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecodeStack")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps,
                        StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down,

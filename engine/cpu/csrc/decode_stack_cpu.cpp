@@ -7,7 +7,7 @@
 // (engine/models/llama.py DecoderLayer.forward with FusedCpuOps and the torch attention
 // backend's CPU decode kernel), so its output is bit-identical to that path; the tests hold it
 // to torch.equal. What it does not cover (prefill rows, 8-bit KV pools, tensor parallelism,
-// QuantConcat projections, oneDNN-only linears) stays on the Python path; the Python side
+// oneDNN-only linears) stays on the Python path; the Python side
 // (engine/models/cpu_decode_stack.py) decides per step.
 //
 // Per layer, as DecoderLayer.forward:
@@ -50,16 +50,31 @@ StackLinear::StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Ten
                          int64_t out_features)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
       out_features(out_features) {
-  TORCH_CHECK(kind >= kFloat && kind <= kQ8Vnni, "StackLinear: unknown kind ", kind);
+  TORCH_CHECK(kind >= kFloat && kind < kConcat, "StackLinear: unknown kind ", kind);
   const bool quant = kind != kFloat && kind != kPanels;
   TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
   TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni || this->m.has_value(),
               "StackLinear: a 4-bit weight needs its mins");
 }
 
+StackLinear::StackLinear(std::vector<StackLinear> parts)
+    : kind(kConcat), out_features(0), parts(std::move(parts)) {
+  TORCH_CHECK(!this->parts.empty(), "StackLinear: a concatenation needs parts");
+  for (const auto& p : this->parts) {
+    TORCH_CHECK(p.kind != kConcat, "StackLinear: concatenations do not nest");
+    out_features += p.out_features;
+  }
+}
+
 torch::Tensor StackLinear::operator()(const torch::Tensor& x) const {
   torch::Tensor y;
   switch (kind) {
+    case kConcat: {  // as QuantConcat.forward: torch.cat of the parts' outputs
+      std::vector<torch::Tensor> outs;
+      outs.reserve(parts.size());
+      for (const auto& p : parts) outs.push_back(p(x));
+      return torch::cat(outs, -1);
+    }
     case kFloat:
       return at::linear(x, w, bias);
     case kPanels:  // bias: the panel-padded copy, added by the kernel

@@ -11,7 +11,10 @@ namespace kvserve_stack {
 
 // What computes a linear: a float weight (at::linear), 4-bit or 8-bit groups (each on the base
 // or the AVX-512 VNNI kernel), or the AVX2 panel kernel over pre-packed float panels.
-enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ4Vnni = 2, kQ8 = 3, kPanels = 4, kQ8Vnni = 5 };
+// kConcat: the outputs of parts side by side (a projection whose parts differ in format).
+enum Kind : int64_t {
+  kFloat = 0, kQ4 = 1, kQ4Vnni = 2, kQ8 = 3, kPanels = 4, kQ8Vnni = 5, kConcat = 6
+};
 
 // y = x @ W^T (+ bias). w: the float weight, the packed qs, or the panels; d/m: scales and
 // mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself.
@@ -19,12 +22,15 @@ struct StackLinear {
   StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Tensor> d,
               std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias,
               int64_t out_features);
+  // A kConcat of parts (each a packed kind).
+  explicit StackLinear(std::vector<StackLinear> parts);
   torch::Tensor operator()(const torch::Tensor& x) const;
 
   int64_t kind;
   torch::Tensor w;
   std::optional<torch::Tensor> d, m, bias;
   int64_t out_features;
+  std::vector<StackLinear> parts;
 };
 
 struct StackLayer {
