@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.distributed.sharding import RankShard
+from engine.loading import gguf_convert
 from engine.loading.loader import ModelFiles, weight_files
 
 
@@ -45,3 +46,8 @@ def iter_shard_weights(files: ModelFiles, shard: RankShard) -> Iterator[tuple[st
             for name, tensor in state.items():
                 yield name, shard_tensor(name, tensor, shard)
             del state
+    # A big GGUF's packed tensors left in the file by its conversion: dequantised one at a
+    # time, then sliced (packed blocks are not split across ranks; see README).
+    for name, tensor in gguf_convert.iter_gguf_tensors(files.path,
+                                                       gguf_convert.in_gguf_names(files.path)):
+        yield name, shard_tensor(name, tensor, shard)

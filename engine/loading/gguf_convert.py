@@ -6,6 +6,10 @@ dequantiser, tensor processors that undo llama.cpp's Q/K row permutation, and it
 the result is kept in a cache directory. The tensors are dequantised and written one shard at a
 time: converting never holds the float32 model in memory (transformers' ``from_pretrained`` on a
 GGUF holds it twice), so a GGUF whose float32 size exceeds the machine's memory converts too.
+When the float32 copies of its packed tensors would be too big for this machine
+(``engine.loading.packed_policy``), those are not written at all: the marker names them
+(``in_gguf``) and :func:`iter_gguf_tensors` dequantises them from the GGUF when a float load
+asks for them.
 
 Contract of :func:`ensure_converted`:
 - The target directory either does not exist or is complete: conversion writes into a temporary
@@ -133,7 +137,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
 
         stages.set_postfix_str("dequantise and write weights")
         with _unreadable_as_value_error(gguf_path):
-            model_class = _write_weights_streaming(gguf_path, config, out_dir, disable=disable)
+            model_class, in_gguf = _write_weights_streaming(gguf_path, config, out_dir,
+                                                            disable=disable)
         stages.update()
 
         stages.set_postfix_str("save config")
@@ -152,7 +157,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
 
         stages.set_postfix_str("verify")
         _verify(out_dir)
-        _write_marker(out_dir, gguf_path, config.model_type)
+        _write_marker(out_dir, gguf_path, config.model_type, in_gguf)
         stages.update()
 
 
@@ -168,40 +173,72 @@ def _unreadable_as_value_error(gguf_path: Path) -> Iterator[None]:
         ) from exc
 
 
-def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *,
-                             disable: bool | None) -> str:
-    """Dequantise the GGUF's tensors one at a time (transformers' own dequantiser, tensor
-    processor and name map, so the values and names are exactly what its ``from_pretrained``
-    would hold) and save them as float32 safetensors, sharded above MAX_SHARD_BYTES; a tied
-    output projection is omitted. Memory: one shard, never the whole model. Returns the HF
-    model class name."""
-    import numpy as np
-    from gguf import GGUFReader, dequantize
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-    )
+class _GGUFTensors:
+    """A GGUF's tensors under HF names, each dequantised to float32 on demand exactly as
+    transformers' ``from_pretrained`` would hold it (its dequantiser, tensor processor and name
+    map; a tied output projection is left out)."""
 
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
-    reader = GGUFReader(gguf_path)
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode("utf-8")
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
-    with torch.device("meta"):  # names and shapes only: no weights are allocated
-        skeleton = AutoModelForCausalLM.from_config(config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
-    expected = skeleton.state_dict()
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    plan = []  # (reader tensor, HF name), in file order
-    for tensor in reader.tensors:
-        hf = names.get(tensor.name)
-        if hf is None or hf not in expected or (tied and hf == "lm_head.weight"):
-            continue
-        plan.append((tensor, hf))
+    def __init__(self, gguf_path: Path, config) -> None:
+        from gguf import GGUFReader
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            load_gguf_checkpoint,
+        )
+
+        self.parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
+        reader = GGUFReader(gguf_path)
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
+            config=self.parsed.get("config", {}))
+        with torch.device("meta"):  # names and shapes only: no weights are allocated
+            skeleton = AutoModelForCausalLM.from_config(config)
+        self.model_class = type(skeleton).__name__
+        self.names = get_gguf_hf_weights_map(skeleton, self.processor)
+        self.expected = {n: tuple(t.shape) for n, t in skeleton.state_dict().items()}
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
+            self.expected.pop("lm_head.weight", None)
+        self.plan = [(t, self.names[t.name]) for t in reader.tensors
+                     if self.names.get(t.name) in self.expected]
+
+    def float32(self, tensor, hf: str) -> torch.Tensor:
+        import numpy as np
+        from gguf import dequantize
+
+        result = self.processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
+                                        name=tensor.name, tensor_key_mapping=self.names,
+                                        parsed_parameters=self.parsed)
+        t = torch.from_numpy(np.copy(result.weights)).to(torch.float32).contiguous()
+        if tuple(t.shape) != self.expected[hf]:
+            raise ValueError(f"GGUF tensor {tensor.name} has shape {tuple(t.shape)}; "
+                             f"{hf} needs {self.expected[hf]}")
+        return t
+
+
+def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *,
+                             disable: bool | None) -> tuple[str, list[str]]:
+    """Save the GGUF's tensors (:class:`_GGUFTensors`) as float32 safetensors, dequantised one
+    at a time and written a shard at a time (sharded above MAX_SHARD_BYTES): memory holds one
+    shard, never the whole model. The packable tensors
+    (``engine.loading.packed_policy``) are left out when their float32 copies would be too big
+    for this machine: the engine serves them packed, and reads them from the GGUF only if asked
+    for float. Returns the HF model class name and the names left in the GGUF."""
+    from safetensors.torch import save_file
+
+    from engine.loading.packed_policy import float_copies_too_big, is_packable
+
+    src = _GGUFTensors(gguf_path, config)
+    packable = [(t, hf) for t, hf in src.plan if is_packable(t)]
+    too_big = float_copies_too_big(sum(4 * int(t.n_elements) for t, _ in packable))
+    in_gguf = sorted(hf for _, hf in packable) if too_big else []
+    if too_big:
+        logger.info("%s: packed tensors stay in the GGUF, not converted (%s)", gguf_path.name,
+                    too_big)
+    plan = [(t, hf) for t, hf in src.plan if hf not in set(in_gguf)]
     shards: list[list[tuple]] = [[]]
     size = 0
     for tensor, hf in plan:
@@ -218,29 +255,47 @@ def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *,
                 else f"model-{i:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
         for tensor, hf in shard:
-            result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
-                                       name=tensor.name, tensor_key_mapping=names,
-                                       parsed_parameters=parsed)
-            t = torch.from_numpy(np.copy(result.weights)).to(torch.float32)
-            if tuple(t.shape) != tuple(expected[hf].shape):
-                raise ValueError(f"GGUF tensor {tensor.name} has shape {tuple(t.shape)}; "
-                                 f"{hf} needs {tuple(expected[hf].shape)}")
-            tensors[hf] = t.contiguous()
+            tensors[hf] = src.float32(tensor, hf)
             weight_map[hf] = file
-            total += t.numel() * 4
+            total += tensors[hf].numel() * 4
             bar.update()
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         del tensors
     bar.close()
-    missing = [n for n in expected if n not in weight_map
-               and not (tied and n == "lm_head.weight")]
+    missing = [n for n in src.expected if n not in weight_map and n not in set(in_gguf)]
     if missing:
         raise ValueError(f"the GGUF lacks tensors for {', '.join(missing[:5])}"
                          + (" …" if len(missing) > 5 else ""))
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return type(skeleton).__name__
+    return src.model_class, in_gguf
+
+
+def in_gguf_names(model_dir: Path) -> list[str]:
+    """The tensors a converted directory left in its GGUF (none for a full conversion)."""
+    try:
+        return list(json.loads((Path(model_dir) / MARKER).read_text()).get("in_gguf", []))
+    except (OSError, ValueError):
+        return []
+
+
+def iter_gguf_tensors(model_dir: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, float32 tensor)`` for ``names`` left in the GGUF of a converted directory,
+    dequantised one at a time exactly as a full conversion would have written them."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    if not names:
+        return
+    source = Path(json.loads((model_dir / MARKER).read_text())["source"])
+    if not is_gguf_file(source):
+        raise ValueError(f"{model_dir} keeps tensors in {source}, which is no longer readable")
+    src = _GGUFTensors(source, AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    wanted = set(names)
+    for tensor, hf in src.plan:
+        if hf in wanted:
+            yield hf, src.float32(tensor, hf)
 
 
 def _gguf_chat_template(gguf_path: Path) -> str | None:
@@ -267,7 +322,8 @@ def _verify(out_dir: Path) -> None:
             raise RuntimeError(f"the converted chat template does not render: {exc}") from exc
 
 
-def _write_marker(out_dir: Path, gguf_path: Path, model_type: str) -> None:
+def _write_marker(out_dir: Path, gguf_path: Path, model_type: str,
+                  in_gguf: list[str] | None = None) -> None:
     st = gguf_path.stat()
     info = {
         "format": CONVERSION_FORMAT,
@@ -276,6 +332,7 @@ def _write_marker(out_dir: Path, gguf_path: Path, model_type: str) -> None:
         "source_mtime_ns": st.st_mtime_ns,
         "model_type": model_type,
         "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "in_gguf": in_gguf or [],  # tensors not converted: read from the source when needed
     }
     (out_dir / MARKER).write_text(json.dumps(info, indent=2))
 

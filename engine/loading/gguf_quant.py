@@ -23,17 +23,12 @@ import numpy as np
 import torch
 
 from engine.loading import gguf_convert
-from engine.models.gguf_blocks import SUPPORTED, from_gguf_blocks
+from engine.loading.packed_policy import hf_name, is_packable
+from engine.models.gguf_blocks import from_gguf_blocks
 from engine.models.quant_formats import Packed
 
 logger = logging.getLogger("kvserve.loader")
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 _PERMUTED_ARCHS = ("llama", "mistral")  # transformers reverse-permutes Q/K for these only
 
 
@@ -45,16 +40,6 @@ def gguf_source(model_dir: Path) -> Path | None:
     except (OSError, ValueError, KeyError):
         return None
     return source if gguf_convert.is_gguf_file(source) else None
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor name, or None when not a linear."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    return None
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -75,9 +60,9 @@ def read_packed(path: Path) -> dict[str, Packed]:
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
     out: dict[str, Packed] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name is None or int(tensor.tensor_type) not in SUPPORTED or len(tensor.shape) != 2:
+        if not is_packable(tensor):
             continue
+        name = hf_name(tensor.name)
         k, n = (int(s) for s in tensor.shape)  # GGUF lists the innermost dimension first
         packed = from_gguf_blocks(np.asarray(tensor.data), int(tensor.tensor_type), (n, k))
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -179,7 +179,8 @@ def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
 
 def iter_dir_weights(path: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`iter_weights` over a model directory; tensors named in ``skip`` are not read at
-    all (safetensors; a ``.bin`` checkpoint is read whole and only their yield is skipped)."""
+    all (safetensors; a ``.bin`` checkpoint is read whole and only their yield is skipped).
+    Tensors a GGUF conversion left in the GGUF come last, dequantised one at a time."""
     for file in weight_files(path):
         if file.suffix == ".safetensors":
             from safetensors import safe_open
@@ -192,6 +193,9 @@ def iter_dir_weights(path: Path, skip: Container[str] = ()) -> Iterator[tuple[st
             state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
             yield from ((n, t) for n, t in state.items() if n not in skip)
             del state
+    # A conversion that left a big GGUF's packed tensors in the file (gguf_convert).
+    yield from gguf_convert.iter_gguf_tensors(
+        path, [n for n in gguf_convert.in_gguf_names(path) if n not in skip])
 
 
 def default_generation_eos(files: ModelFiles) -> list[int]:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from engine.loading.gguf_quant import gguf_source, read_packed
+from engine.loading.packed_policy import float_copies_too_big
 from engine.models import quant_probe_cache as probe_cache
 from engine.models.quant_formats import Packed, cat, same_layout
 from engine.models.quant_linear import (
@@ -59,7 +60,6 @@ logger = logging.getLogger("kvserve.engine")
 # The token table / logits head's scheme per requested scheme (see build_rtn). int4 keeps
 # them at 8 bits: on the embedded model a 4-bit head cost +12.5% perplexity, 8-bit +0.03%.
 HEAD_SCHEMES = {"int4": "int8", "int8": "int8"}
-PACKED_ONLY_RAM_FRACTION = 0.5  # float copies above this share of RAM: packed only, no probe
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "o_proj": ("self_attn.o_proj",), "down_proj": ("mlp.down_proj",)}
@@ -186,19 +186,16 @@ def read_served_packed(config, device: torch.device, dtype: torch.dtype,
     return read_packed(gguf_source(files_dir)) or None
 
 
-def packed_only_reason(packed: dict[str, Packed], ram_bytes: int) -> str | None:
+def packed_only_reason(packed: dict[str, Packed], ram_bytes: int | None = None) -> str | None:
     """Why the packed weights must serve without float copies, or None (then the float model
     is built and the probe may keep it): ``KVSERVE_QUANT_PACKED_ONLY=1``, or float32 copies of
-    the packed tensors that would take more than :data:`PACKED_ONLY_RAM_FRACTION` of the
-    machine's memory (a multi-GB GGUF: its float model cannot be held next to the packed one,
-    so float is not a candidate and is not probed)."""
+    the packed tensors too big for this machine (``engine.loading.packed_policy``: a
+    multi-GB GGUF's float model cannot be held next to the packed one, so float is not a
+    candidate and is not probed)."""
     if os.environ.get("KVSERVE_QUANT_PACKED_ONLY", "0") == "1":
         return "KVSERVE_QUANT_PACKED_ONLY=1"
-    float_bytes = sum(4 * p.shape[0] * p.shape[1] for p in packed.values())
-    if float_bytes > PACKED_ONLY_RAM_FRACTION * ram_bytes:
-        return (f"their float32 copies would take {float_bytes / 2**30:.1f} GiB, more than "
-                f"{PACKED_ONLY_RAM_FRACTION:.0%} of this machine's {ram_bytes / 2**30:.1f} GiB")
-    return None
+    return float_copies_too_big(sum(4 * p.shape[0] * p.shape[1] for p in packed.values()),
+                                ram_bytes)
 
 
 def adopt_packed_only(model: nn.Module, quantised: QuantisedModules, reason: str) -> Verdict:

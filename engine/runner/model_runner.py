@@ -16,7 +16,6 @@ once, here, at start-up: one ``(K, V)`` pair per layer, each
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from engine.kv_cache.host_pool import allocate_host_pools
 from engine.kv_cache.kv_quant import KVFormat, kv_format
 from engine.kv_cache.rope_shift import shift_block_keys
 from engine.loading.loader import iter_dir_weights
+from engine.loading.packed_policy import total_ram_bytes
 from engine.models.arch import ModelArch
 from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
@@ -104,13 +104,6 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "auto",
     return measured_cpu_dtype(hf_config)
 
 
-def total_ram_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 8 * 1024**3
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int,
                  files_dir: Path | None = None, tp: Any = None) -> None:
@@ -136,7 +129,7 @@ class ModelRunner:
         # GGUF's packed blocks are not split, ranks hold float shards; see README).
         packed = (read_served_packed(config, self.device, self.dtype, files_dir)
                   if tp is None else None)
-        packed_only = packed_only_reason(packed, total_ram_bytes()) if packed else None
+        packed_only = packed_only_reason(packed) if packed else None
         self.quant_verdict = None
         if config.load_format == "dummy":
             self.model.init_dummy_weights(seed=config.seed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.models.teacher_forced import continuation_hits
@@ -145,8 +146,6 @@ def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatc
 
 
 def test_packed_only_reason(monkeypatch):
-    import torch
-
     from engine.models.quant_apply import packed_only_reason
     from engine.models.quant_rtn import quantise
 
@@ -157,3 +156,48 @@ def test_packed_only_reason(monkeypatch):
     assert reason is not None and "more than 50%" in reason
     monkeypatch.setenv("KVSERVE_QUANT_PACKED_ONLY", "1")
     assert packed_only_reason(packed, ram_bytes=2**40) == "KVSERVE_QUANT_PACKED_ONLY=1"
+
+
+@pytest.mark.parametrize("fixture", ["q_gguf", "k_gguf"])
+def test_too_big_gguf_keeps_packed_tensors_in_the_file(fixture, request, tmp_path, monkeypatch,
+                                                       caplog):
+    """A GGUF whose packed tensors' float32 copies are too big for the machine (forced here:
+    the RAM share set to 0) converts without them: they stay in the GGUF (named in the marker),
+    the engine serves them packed without a float model, and a float load (``none``) reads them
+    from the GGUF, dequantised exactly as a full conversion would have written them."""
+    from engine.loading import gguf_convert, packed_policy
+    from engine.loading.loader import iter_weights, resolve_model
+    from engine.models import quant_apply, quant_probe
+
+    path, cache = request.getfixturevalue(fixture)
+    full = resolve_model(str(path), cache_dir=tmp_path / "full", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    defaults = lambda q, rows=(): {}  # noqa: E731 - the same settings on both sides
+    monkeypatch.setattr(quant_probe, "measure_settings", defaults)
+    monkeypatch.setattr(quant_apply, "measure_settings", defaults)
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    expected = [o.outputs[0].token_ids
+                for o in _llm(path, tmp_path / "full", monkeypatch).generate(PROMPTS, params)]
+    expected_none = [o.outputs[0].token_ids for o in _llm(
+        path, tmp_path / "full", monkeypatch, quantization="none").generate(PROMPTS, params)]
+    monkeypatch.delenv("KVSERVE_QUANT_FORCE")
+
+    monkeypatch.setattr(packed_policy, "PACKED_ONLY_RAM_FRACTION", 0.0)
+    lean = resolve_model(str(path), cache_dir=tmp_path / "lean", progress=False)
+    kept = gguf_convert.in_gguf_names(lean.path)
+    assert kept and all(n.endswith(("proj.weight", "embed_tokens.weight")) for n in kept)
+    from safetensors import safe_open
+
+    with safe_open(str(lean.path / "model.safetensors"), framework="pt") as handle:
+        assert not set(handle.keys()) & set(kept)
+    full_weights, lean_weights = dict(iter_weights(full)), dict(iter_weights(lean))
+    assert full_weights.keys() == lean_weights.keys()
+    assert all(torch.equal(full_weights[n], lean_weights[n]) for n in full_weights)
+
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        auto = _llm(path, tmp_path / "lean", monkeypatch)
+    assert any("float weights never built (their float32 copies would take" in r.getMessage()
+               for r in caplog.records)
+    assert [o.outputs[0].token_ids for o in auto.generate(PROMPTS, params)] == expected
+    none = _llm(path, tmp_path / "lean", monkeypatch, quantization="none")
+    assert [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)] == expected_none
