@@ -14,7 +14,9 @@
 They are compiled with torch's cpp_extension (gcc + ninja) into torch's extension cache the
 first time they are needed (about a minute), and used for float32 on CPU. If they cannot be
 built, ``load()`` returns None, a warning says why, and the engine keeps the PyTorch route.
-``KVSERVE_CPU_KERNELS=0`` turns them off.
+``KVSERVE_CPU_KERNELS=0`` turns them off. ``KVSERVE_CPU_MARCH`` (default ``native``) builds them
+for another instruction set under its own name, e.g. ``haswell`` (AVX2, no AVX-512) to run the
+AVX2 paths on an AVX-512 machine (their correctness, not an AVX2 CPU's speed).
 """
 
 from __future__ import annotations
@@ -66,12 +68,14 @@ def load():
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_ext
 
-        clear_stale_lock(Path(_get_build_directory(_NAME, verbose=False)))
+        march = os.environ.get("KVSERVE_CPU_MARCH", "native")
+        name = _NAME if march == "native" else f"{_NAME}_{march.replace('-', '_')}"
+        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
         logger.info("building the CPU kernels (first use only, about a minute)")
-        _module = load_ext(name=_NAME,
+        _module = load_ext(name=name,
                            sources=[str(_CSRC / s) for s in _SOURCES],
                            extra_include_paths=[str(_CSRC)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         logger.warning("CPU kernels unavailable (%s); using the PyTorch route",

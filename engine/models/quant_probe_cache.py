@@ -4,7 +4,8 @@ The probe measures this machine; measuring again at every start costs seconds an
 machine, can mislead (a run stalled by another process). So a verdict whose runs agreed
 (``Verdict.confirmed``) is stored and later starts reuse it. It is keyed by everything the
 measurement depends on: the CPU (model name and flags), the torch threads, the torch version,
-the CPU kernels' and the probe's sources and the shapes and formats of the modules probed. A file that cannot
+the CPU kernels' and the probe's sources, the instruction set they were built for
+(``KVSERVE_CPU_MARCH``) and the shapes and formats of the modules probed. A file that cannot
 be read or written is ignored (the probe runs). ``KVSERVE_QUANT_REPROBE=1`` measures again and
 replaces the entry.
 
@@ -55,7 +56,7 @@ def _kernel_sources() -> str:
 def cache_key(modules_signature: str) -> str:
     """The key of a verdict for modules of ``modules_signature`` on this machine, now."""
     parts = [_cpu_identity(), str(torch.get_num_threads()), torch.__version__,
-             _kernel_sources(), modules_signature]
+             _kernel_sources(), os.environ.get("KVSERVE_CPU_MARCH", "native"), modules_signature]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
