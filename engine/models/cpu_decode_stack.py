@@ -11,7 +11,7 @@ fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of
 files), a panel ``PackedLinear`` or a plain ``nn.Linear``), else None and the reason. ``accepts`` then decides per step: every row of
 the step a decode row of the torch backend's decode group (no prefill), no more rows than the
 linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
-other kernels), float32 KV pools, no KV observer or fp8 scales. Anything else runs the Python
+other kernels), float32 or int8 KV pools (not fp8), no KV observer or fp8 scales. Anything else runs the Python
 loop. ``KVSERVE_DECODE_STACK=0`` turns it off (for A/B runs).
 
 The stack holds references to the modules' weight tensors: it is built after the weights are
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.kv_cache.kv_quant import INT8_SCALE_FLOOR
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
 from engine.models.packed_linear import PackedLinear
@@ -116,7 +117,8 @@ class CpuDecodeStack:
         t = x.shape[0]
         if state.get("prefills") or group is None or group.num_rows != t or t > self.max_rows:
             return False
-        if not kv_caches or kv_caches[0][0].dtype != torch.float32 or x.dtype != torch.float32:
+        if (not kv_caches or kv_caches[0][0].dtype not in (torch.float32, torch.int8)
+                or x.dtype != torch.float32):
             return False
         return all(layer.kv_observer is None and layer.kv_scales is None
                    for layer in self._layers)
@@ -125,7 +127,8 @@ class CpuDecodeStack:
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` (what the model's forward returns)."""
         if kv_caches is not self._bound_caches or kv_caches[0][0] is not self._bound_k0:
-            self._stack.set_kv_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
+            self._stack.set_kv_caches([k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                      INT8_SCALE_FLOOR)
             self._bound_caches, self._bound_k0 = kv_caches, kv_caches[0][0]
         group = meta.backend_state["decode"]
         self.calls += 1

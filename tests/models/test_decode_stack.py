@@ -111,9 +111,20 @@ def test_plain_linears(model_dirs, monkeypatch):
     assert counts["stack"] >= PARAMS.max_tokens - 1
 
 
-def test_int8_pool_keeps_the_python_loop(model_dirs):
-    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4",
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_int8_pool(model_dirs, kind):
+    """Rows quantised to the int8 pool's bytes exactly as kv_quant.quantize_rows does, read by
+    the int8 decode kernel: pools and hidden states equal to the Python loop's."""
+    llm = LLM(str(model_dirs[kind]), kv_cache_memory="16MiB", quantization="int4",
               kv_cache_dtype="int8")
+    counts = _checked(llm)
+    llm.generate(PROMPTS, PARAMS)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+
+
+def test_fp8_pool_keeps_the_python_loop(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4",
+              kv_cache_dtype="fp8_e4m3")
     counts = _checked(llm)
     out = llm.generate(PROMPTS, PARAMS)
     assert counts["stack"] == 0 and all(len(o.outputs[0].token_ids) == 12 for o in out)

@@ -6,7 +6,7 @@
 // It calls exactly the kernels the Python path calls, in the same order, on the same tensors
 // (engine/models/llama.py DecoderLayer.forward with FusedCpuOps and the torch attention
 // backend's CPU decode kernel), so its output is bit-identical to that path; the tests hold it
-// to torch.equal. What it does not cover (prefill rows, 8-bit KV pools, tensor parallelism,
+// to torch.equal. What it does not cover (prefill rows, fp8 KV pools, tensor parallelism,
 // oneDNN-only linears) stays on the Python path; the Python side
 // (engine/models/cpu_decode_stack.py) decides per step.
 //
@@ -26,6 +26,9 @@
 torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                int64_t window);
+torch::Tensor paged_decode_cpu_int8(torch::Tensor q, torch::Tensor k_cache,
+                                    torch::Tensor v_cache, torch::Tensor block_tables,
+                                    torch::Tensor seq_lens, double scale, int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                             double eps);
@@ -95,6 +98,23 @@ torch::Tensor StackLinear::operator()(const torch::Tensor& x) const {
   return y;
 }
 
+namespace {
+
+// K or V rows [T, KVH, D] as int8 pool rows [T, KVH, D + 2]: engine/kv_cache/kv_quant.py
+// quantize_rows, op for op (the same ATen kernels, so the same bytes): a float16 scale
+// amax/127 (at least floor) and round-half-away values in -127..127, the scale's bytes last.
+torch::Tensor int8_rows(const torch::Tensor& x, double floor) {
+  const torch::Tensor xf = x.to(torch::kFloat32);
+  const torch::Tensor s = xf.abs().amax({-1}, true).div(127.0).clamp_min_(floor);
+  const torch::Tensor s16 = s.to(torch::kFloat16);
+  const torch::Tensor y = xf / s16.to(torch::kFloat32);
+  const torch::Tensor q =
+      y.abs().add(0.5).floor_().mul_(y.sign()).clamp_(-127, 127).to(torch::kInt8);
+  return torch::cat({q, s16.view(torch::kInt8)}, -1);
+}
+
+}  // namespace
+
 }  // namespace kvserve_stack
 
 using kvserve_stack::StackLayer;
@@ -107,15 +127,21 @@ void DecodeStack::add_layer(StackLayer layer) {
   layers_.push_back(std::move(layer));
 }
 
-void DecodeStack::set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
-  TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(),
+void DecodeStack::set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+                                double int8_scale_floor) {
+  TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size() && !k.empty(),
               "DecodeStack: one K and one V pool per layer");
+  const auto dtype = k[0].scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kInt8,
+              "DecodeStack: float32 or int8 KV pools only");
   for (size_t i = 0; i < k.size(); i++) {
-    TORCH_CHECK(k[i].scalar_type() == torch::kFloat32 && v[i].scalar_type() == torch::kFloat32,
-                "DecodeStack: float32 KV pools only");
+    TORCH_CHECK(k[i].scalar_type() == dtype && v[i].scalar_type() == dtype,
+                "DecodeStack: every pool of one dtype");
   }
   k_caches_ = std::move(k);
   v_caches_ = std::move(v);
+  int8_ = dtype == torch::kInt8;
+  int8_floor_ = int8_scale_floor;
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -151,9 +177,17 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
       q = qk.narrow(1, 0, H);
       k = qk.narrow(1, H, KVH);
     }
-    store_kv_cpu(k, v, k_caches_[i], v_caches_[i], slots);
-    const torch::Tensor attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables,
-                                                seq_lens, L.scale, L.window);
+    torch::Tensor attn;
+    if (int8_) {
+      store_kv_cpu(kvserve_stack::int8_rows(k, int8_floor_),
+                   kvserve_stack::int8_rows(v, int8_floor_), k_caches_[i], v_caches_[i], slots);
+      attn = paged_decode_cpu_int8(q, k_caches_[i], v_caches_[i], block_tables, seq_lens,
+                                   L.scale, L.window);
+    } else {
+      store_kv_cpu(k, v, k_caches_[i], v_caches_[i], slots);
+      attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
+                              L.window);
+    }
     const torch::Tensor o = L.o(attn.reshape({t, q_size}));
     h = add_rms_norm_(o, residual, L.post_norm, L.eps);
     x = L.down(silu_mul(L.gate_up(h)));

@@ -47,8 +47,10 @@ struct StackLayer {
 class DecodeStack {
  public:
   void add_layer(kvserve_stack::StackLayer layer);
-  // The KV pools, one K and one V per layer (float32), kept until set again.
-  void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v);
+  // The KV pools, one K and one V per layer, kept until set again: float32, or int8 rows of
+  // head_dim values and a float16 scale (int8_scale_floor: the smallest scale stored).
+  void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+                     double int8_scale_floor);
   // Final hidden states [T, hidden] of decode rows x [T, hidden] (the embedding output, which
   // becomes the residual stream and is overwritten, as in the Python path).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -59,4 +61,6 @@ class DecodeStack {
  private:
   std::vector<kvserve_stack::StackLayer> layers_;
   std::vector<torch::Tensor> k_caches_, v_caches_;
+  bool int8_ = false;
+  double int8_floor_ = 0.0;
 };
