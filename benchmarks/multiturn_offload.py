@@ -33,7 +33,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.loading.loader import load_config, resolve_model  # noqa: E402
 from engine.models.arch import ModelArch  # noqa: E402
 from engine.runner.device import resolve_device  # noqa: E402
-from engine.runner.model_runner import resolve_dtype  # noqa: E402
+from engine.runner.dtype_choice import resolve_dtype  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

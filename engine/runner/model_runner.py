@@ -52,6 +52,7 @@ from engine.runner.batch import ModelInput
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.device import resolve_device, set_device_for_thread
 from engine.runner.device_input import HostToDeviceStager, to_device
+from engine.runner.dtype_choice import resolve_dtype
 from engine.sampling.prompt_logprobs import (
     PROMPT_LOGPROB_CHUNK,
     PromptLogprobs,
@@ -62,7 +63,6 @@ from engine.step_plan import KeyShift
 
 logger = logging.getLogger("kvserve.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DEFAULT_KV_SHARE = 0.2
 _CPU_DEFAULT_KV_CAP = 4 * 1024**3
 
@@ -71,37 +71,6 @@ _CPU_DEFAULT_KV_CAP = 4 * 1024**3
 class ModelOutput:
     sample_logits: torch.Tensor  # [S, V] float32
     prompt_logprobs: PromptLogprobs | None  # host; rows as ModelInput.prompt_indices
-
-
-def cpu_has_bf16() -> bool:
-    """True when the CPU has native bf16 matmul instructions (AVX-512 BF16 or AMX). Only says
-    whether probing bf16 is worth its time (benchmarks); never picks a dtype by itself."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device, quantization: str = "auto",
-                  hf_config: Any = None, packed_checkpoint: bool = False) -> torch.dtype:
-    """``name`` as a torch dtype. ``auto``: bf16 (fp16 without bf16) on a GPU; on the CPU
-    float32 where packed weights serve (int4/int8, or ``auto`` over a quantised GGUF: the
-    packed kernels take float32 activations, and their prefill panels' dtype is probed on its
-    own), else the faster of float32 and bfloat16 measured on this model's shapes
-    (``engine.runner.dtype_probe``; float32 when no config is given)."""
-    if name != "auto":
-        return _DTYPES[name]
-    if quantization in ("int4", "int8"):
-        return torch.float32
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if packed_checkpoint or hf_config is None:
-        return torch.float32
-    from engine.runner.dtype_probe import measured_cpu_dtype
-
-    return measured_cpu_dtype(hf_config)
 
 
 class ModelRunner:

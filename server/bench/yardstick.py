@@ -124,7 +124,7 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
         onednn_linear_available,
         panel_kernels_available,
     )
-    from engine.runner.model_runner import cpu_has_bf16
+    from engine.runner.dtype_choice import cpu_has_bf16
 
     if dtype == "auto":
         dtypes = ["float32"] + (["bfloat16"] if device != "cpu" or cpu_has_bf16() else [])

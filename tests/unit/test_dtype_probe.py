@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.runner import dtype_probe
-from engine.runner.model_runner import resolve_dtype
+from engine.runner.dtype_choice import resolve_dtype
 
 CONFIG = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
           "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100}
