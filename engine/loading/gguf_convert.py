@@ -235,10 +235,11 @@ def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *,
     packable = [(t, hf) for t, hf in src.plan if is_packable(t)]
     too_big = float_copies_too_big(sum(4 * int(t.n_elements) for t, _ in packable))
     in_gguf = sorted(hf for _, hf in packable) if too_big else []
+    left_out = set(in_gguf)
     if too_big:
         logger.info("%s: packed tensors stay in the GGUF, not converted (%s)", gguf_path.name,
                     too_big)
-    plan = [(t, hf) for t, hf in src.plan if hf not in set(in_gguf)]
+    plan = [(t, hf) for t, hf in src.plan if hf not in left_out]
     shards: list[list[tuple]] = [[]]
     size = 0
     for tensor, hf in plan:
@@ -262,7 +263,7 @@ def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *,
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         del tensors
     bar.close()
-    missing = [n for n in src.expected if n not in weight_map and n not in set(in_gguf)]
+    missing = [n for n in src.expected if n not in weight_map and n not in left_out]
     if missing:
         raise ValueError(f"the GGUF lacks tensors for {', '.join(missing[:5])}"
                          + (" …" if len(missing) > 5 else ""))

@@ -149,11 +149,10 @@ def packed_replacements(model: nn.Module, config, device: torch.device, dtype: t
                         files_dir: Path | None,
                         packed: dict[str, Packed] | None = None) -> QuantisedModules | None:
     """Step 1 for an engine: packed replacements for ``model``'s float modules, or None when
-    the path does not apply. ``auto``: None unless the checkpoint is a GGUF with supported
-    quantised tensors, loaded as float32 on the CPU with the CPU kernels built (dummy weights
-    too). ``int4``/``int8``: the float weights quantised; ValueError when the packed kernels
-    cannot run here (not the CPU, not float32, kernels unavailable). ``packed``: the GGUF's
-    tensors already read (:func:`read_served_packed`)."""
+    the path does not apply. ``auto``: the modules over ``packed``, the GGUF's tensors that
+    :func:`read_served_packed` read (None or empty: none). ``int4``/``int8``: the float weights
+    quantised; ValueError when the packed kernels cannot run here (not the CPU, not float32,
+    kernels unavailable)."""
     scheme = config.quantization
     if scheme in SCHEMES:
         if device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None:
@@ -165,21 +164,13 @@ def packed_replacements(model: nn.Module, config, device: torch.device, dtype: t
             logger.warning("quantization=%s on a GGUF checkpoint: its dequantised weights are "
                            "quantised again (auto keeps the file's own format)", scheme)
         return build_rtn(model, scheme, config.quantization_group_size)
-    if (scheme != "auto" or config.load_format == "dummy" or files_dir is None
-            or device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None):
-        return None
-    if packed is None:
-        source = gguf_source(files_dir)
-        if source is None:
-            return None
-        packed = read_packed(source)
-    return build_quantised(model, packed) if packed else None
+    return build_quantised(model, packed) if scheme == "auto" and packed else None
 
 
 def read_served_packed(config, device: torch.device, dtype: torch.dtype,
                        files_dir: Path | None) -> dict[str, Packed] | None:
-    """The GGUF's packed tensors when ``quantization="auto"`` serves them (see
-    :func:`packed_replacements`), else None."""
+    """The GGUF's packed tensors when ``quantization="auto"`` serves them (a GGUF source, real
+    weights, the CPU kernels built, float32 activations on the CPU), else None."""
     if (not serves_packed_gguf(config, files_dir) or device.type != "cpu"
             or dtype != torch.float32):
         return None

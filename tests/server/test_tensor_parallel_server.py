@@ -5,12 +5,14 @@ collective timeout (5 s here), never hangs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,14 +34,23 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tp-server"), "llama")
 
 
-def _start(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, str, Path, int]:
+@contextlib.contextmanager
+def _started(tmp_path: Path, model: Path) -> Iterator[tuple[subprocess.Popen, str, Path, int]]:
+    """The 2-rank server, its URL, log and rank 1's pid; both processes killed on the way out
+    (whatever the test left running, e.g. a SIGSTOPped worker)."""
     log = tmp_path / "server.log"
     proc, url = start_server_process(
         ["-m", "server.cli", "serve", str(model), "--tensor-parallel-size", "2",
          "--distributed-timeout", str(TIMEOUT_S), "--dtype", "float32",
          "--kv-cache-memory", "8MiB", "--num-threads", "1"], log, timeout=180)
     worker = int(re.search(r"spawned ranks \[1\] \(pids \[(\d+)\]", log.read_text()).group(1))
-    return proc, url, log, worker
+    try:
+        yield proc, url, log, worker
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _health_turns_503_and_process_exits(proc, url, log, since: float) -> None:
@@ -64,22 +75,17 @@ def _complete(url: str) -> dict:
 
 
 def test_server_answers_then_a_killed_idle_worker_means_503_and_exit(tmp_path, tiny_dir):
-    proc, url, log, worker = _start(tmp_path, tiny_dir)
-    try:
+    with _started(tmp_path, tiny_dir) as (proc, url, log, worker):
         body = _complete(url)
         assert body["usage"]["completion_tokens"] == 8
         os.kill(worker, signal.SIGKILL)
         start = time.monotonic()
         _health_turns_503_and_process_exits(proc, url, log, start)
         assert "WorkerDiedError" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_worker_killed_during_a_stream_ends_the_stream_and_the_server(tmp_path, tiny_dir):
-    proc, url, log, worker = _start(tmp_path, tiny_dir)
-    try:
+    with _started(tmp_path, tiny_dir) as (proc, url, log, worker):
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
                 "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
             lines = r.iter_lines()
@@ -92,24 +98,13 @@ def test_worker_killed_during_a_stream_ends_the_stream_and_the_server(tmp_path, 
                 rest = []
         assert not rest or rest[-1] != "data: [DONE]" or "error" in "".join(rest)
         _health_turns_503_and_process_exits(proc, url, log, start)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_a_hung_worker_times_out_instead_of_hanging_the_server(tmp_path, tiny_dir):
-    proc, url, log, worker = _start(tmp_path, tiny_dir)
-    try:
+    with _started(tmp_path, tiny_dir) as (proc, url, log, worker):
         os.kill(worker, signal.SIGSTOP)
         start = time.monotonic()
         _health_turns_503_and_process_exits(proc, url, log, start)
-    finally:
-        try:
-            os.kill(worker, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_two_nodes_on_loopback_serve_and_node_one_exits_with_node_zero(tmp_path, tiny_dir):
