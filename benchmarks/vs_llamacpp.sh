@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # kvserve next to llama.cpp's own llama-server, same GGUF, same machine, same run.
 #
-#   bash benchmarks/vs_llamacpp.sh [OUT_DIR]        (default docs/perf/vs-llamacpp-<isa>-<date>)
+#   bash benchmarks/vs_llamacpp.sh [--avx2] [OUT_DIR]  (default docs/perf/vs-llamacpp-<isa>-<date>)
+#
+# --avx2 (on an AVX-512 machine): both servers restricted to AVX2 instructions. llama-server is
+#    built without AVX-512 (GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C/BMI2 on; its own build dir);
+#    kvserve runs with its kernels built for AVX2 (KVSERVE_CPU_MARCH=haswell) and PyTorch's own
+#    ops capped at AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
+#    MKL_ENABLE_INSTRUCTIONS=AVX2). The instruction paths an AVX2-only CPU runs, on this
+#    machine's cores and memory: not an AVX2 machine's speed, but a same-run check of kvserve's
+#    AVX2 code against llama.cpp's. On an AVX2-only CPU, run without it.
 #
 # 1. Builds llama-server once from the llama.cpp sources vendored in the llama-cpp-python sdist
 #    on PyPI (cmake + ninja, about 10 minutes on 2 cores), cached outside the repository in
@@ -15,8 +23,19 @@
 # 4. Writes each run's JSON to OUT_DIR and prints a table with the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-}
 ISA=$(grep -o -m1 -w 'avx512f' /proc/cpuinfo || grep -o -m1 -w 'avx2' /proc/cpuinfo || echo generic)
+BUILD=build
+GGML_ISA=(-DGGML_NATIVE=ON)
+if [ "${1:-}" = "--avx2" ]; then
+    shift
+    ISA="avx2-only-on-$ISA"
+    BUILD=build-avx2
+    GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+              -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
+    export KVSERVE_CPU_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        MKL_ENABLE_INSTRUCTIONS=AVX2
+fi
+OUT=${1:-}
 [ -n "$OUT" ] || OUT="docs/perf/vs-llamacpp-${ISA}-$(date +%Y-%m-%d)"
 mkdir -p "$OUT"
 CACHE=${KVSERVE_LLAMACPP_DIR:-$HOME/.cache/kvserve/llamacpp}
@@ -25,18 +44,19 @@ PORT_LLAMA=${PORT_LLAMA:-8091}
 PORT_KV=${PORT_KV:-8092}
 
 # ---- 1. llama-server ---------------------------------------------------------------------
-SERVER_BIN=$(ls -d "$CACHE"/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server 2>/dev/null | tail -1 || true)
-if [ -z "$SERVER_BIN" ]; then
+SRC=$(ls -d "$CACHE"/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | tail -1 || true)
+if [ -z "$SRC" ]; then
     mkdir -p "$CACHE"
-    echo "building llama-server in $CACHE (once; ~10 minutes on 2 cores)"
     python -m pip download -q --no-deps --no-binary :all: llama-cpp-python -d "$CACHE"
-    SDIST=$(ls "$CACHE"/llama_cpp_python-*.tar.gz | tail -1)
-    tar -xzf "$SDIST" -C "$CACHE"
+    tar -xzf "$(ls "$CACHE"/llama_cpp_python-*.tar.gz | tail -1)" -C "$CACHE"
     SRC=$(ls -d "$CACHE"/llama_cpp_python-*/vendor/llama.cpp | tail -1)
-    cmake -S "$SRC" -B "$SRC/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-    cmake --build "$SRC/build" --target llama-server -j "$THREADS"
-    SERVER_BIN="$SRC/build/bin/llama-server"
+fi
+SERVER_BIN="$SRC/$BUILD/bin/llama-server"
+if [ ! -x "$SERVER_BIN" ]; then
+    echo "building llama-server in $SRC/$BUILD (once; ~10 minutes on 2 cores)"
+    cmake -S "$SRC" -B "$SRC/$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        "${GGML_ISA[@]}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    cmake --build "$SRC/$BUILD" --target llama-server -j "$THREADS"
 fi
 GGUF=$(python -c "from engine.loading.embedded import embedded_gguf_path; print(embedded_gguf_path())")
 echo "llama-server: $SERVER_BIN"

@@ -8,7 +8,10 @@
   CPU has AVX-512 VNNI and the start-up probe measured them faster), which quantise each activation
   row to int8 per group of 32 and take integer dot products. The result differs from float by the activation's
   rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
-* above (prefill): panels of ``PANEL_ROWS`` output rows are dequantised to ``panel_dtype``
+* above (prefill), 4-bit weights where the start-up probe measured it faster (``q4_prefill``
+  ``int8``; on AVX2-only CPUs ~1.5-2x float32 panels): ``quant_gemm_q4_tiled``, the decode
+  kernels' integer math laid out for many rows (engine/cpu/csrc/quant_gemm_q4_tiled.cpp).
+* otherwise above: panels of ``PANEL_ROWS`` output rows are dequantised to ``panel_dtype``
   (float32, or bfloat16 where the start-up probe measured a bf16 matmul faster: on CPUs with
   AMX/AVX-512 BF16 ~2-4x at 256+ rows; the activations are rounded to bf16 for it, the output
   stays float32) and multiplied densely; compute-bound there, so the dequantisation is a small
@@ -36,6 +39,7 @@ DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
 PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
 KERNELS = ("base", "vnni")  # the decode kernels of either width
+Q4_PREFILL = ("panels", "int8")  # a 4-bit weight's dense path: dequantised panels or int8 tiles
 
 
 def quant_kernels():
@@ -72,6 +76,7 @@ class QuantLinear(nn.Module):
         self.panel_dtype = torch.float32
         self._gemm = self._kernels.quant_gemm_q4 if self.is_q4 else self._kernels.quant_gemm_q8
         self.q4_kernel = self.q8_kernel = "base"
+        self.q4_prefill = "panels"
 
     def set_q4_kernel(self, name: str) -> None:
         """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
@@ -90,6 +95,15 @@ class QuantLinear(nn.Module):
         if not self.is_q4:
             self._gemm = (self._kernels.quant_gemm_q8_vnni if name == "vnni"
                           else self._kernels.quant_gemm_q8)
+
+    def set_q4_prefill(self, name: str) -> None:
+        """A 4-bit weight's dense (prefill) path: ``panels`` (dequantised, ``panel_dtype``) or
+        ``int8`` (``quant_gemm_q4_tiled``: the decode kernels' int8 math, tiled). 8-bit weights
+        ignore it."""
+        if name not in Q4_PREFILL:
+            raise ValueError(f"4-bit prefill path must be one of {', '.join(Q4_PREFILL)}, "
+                             f"not {name!r}")
+        self.q4_prefill = name
 
     @staticmethod
     def _check_kernel(name: str) -> None:
@@ -124,6 +138,8 @@ class QuantLinear(nn.Module):
             return self.fallback(x).view(*lead, self.out_features)
         if x2.shape[0] <= self.dense_rows:
             out = self._gemm(x2, self.qs, self.d, self.m)
+        elif self.is_q4 and self.q4_prefill == "int8":
+            out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
         else:
             out = self._dense(x2)
         if self.bias is not None:
@@ -181,6 +197,10 @@ class QuantConcat(nn.Module):
     def set_q8_kernel(self, name: str) -> None:
         for part in self.parts:
             part.set_q8_kernel(name)
+
+    def set_q4_prefill(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q4_prefill(name)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

@@ -1,6 +1,7 @@
 """The start-up probe behind ``quantization="auto"``: which row counts run on packed
-quantised weights and which on the float modules they replace, and which dtype the packed
-modules' dense (prefill) path multiplies in, all by timing this model's modules on this machine.
+quantised weights and which on the float modules they replace, and how the packed
+modules' dense (prefill) path multiplies (dequantised float32 or bfloat16 panels, or for 4-bit
+weights int8 tiles), all by timing this model's modules on this machine.
 
 :func:`choose` first times the dense path with float32 and bfloat16 panels
 (:func:`probe_panels`, at the largest probed row count above the kernels' ``DENSE_ROWS``) and
@@ -83,6 +84,9 @@ class Verdict:
     def q8_kernel(self) -> str:
         return self.setting("q8_kernel")
 
+    @property
+    def q4_prefill(self) -> str:
+        return self.setting("q4_prefill")
 
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
@@ -120,7 +124,8 @@ class Verdict:
 # decode differently (two numerics: int8-rounded activations vs bf16 panels).
 SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q4_kernel": ("4-bit decode kernel", ("base", "vnni")),
-            "q8_kernel": ("8-bit decode kernel", ("base", "vnni"))}
+            "q8_kernel": ("8-bit decode kernel", ("base", "vnni")),
+            "q4_prefill": ("4-bit prefill", ("panels", "int8"))}
 
 
 @dataclass
@@ -171,13 +176,18 @@ def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_
 def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, Setting]:
     """Time and apply the quantised modules' settings: the dense path's panel dtype at the
     largest probed row count above ``DENSE_ROWS`` (:func:`probe_panels`; none probed: float32),
-    and where the AVX-512 VNNI kernels are built, the 4-bit and the 8-bit decode kernels at 1
+    then at that count, where 4-bit weights exist, those panels against the int8 tiled kernel
+    (:func:`probe_q4_prefill`), and where the AVX-512 VNNI kernels are built, the 4-bit and the 8-bit decode kernels at 1
     and 16 rows, each where such weights exist (:func:`probe_decode_kernels`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
     if dense:
         settings["panel_dtype"] = Setting.measured("panel_dtype", confirmed_probe(
             lambda repeats: probe_panels(q, max(dense), repeats), 2))
+        if any(m.is_q4 for m in _layer_leaves(q)):
+            panels = getattr(torch, settings["panel_dtype"].value)
+            settings["q4_prefill"] = Setting.measured("q4_prefill", confirmed_probe(
+                lambda repeats: probe_q4_prefill(q, max(dense), panels, repeats), 2))
     for key, is_q4 in (("q4_kernel", True), ("q8_kernel", False)):
         if vnni_available() and any(m.is_q4 == is_q4 for m in _leaf_modules(q)):
             settings[key] = Setting.measured(key, confirmed_probe(
@@ -193,6 +203,7 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
         m.set_panel_dtype(dt)
         m.set_q4_kernel(verdict.q4_kernel)
         m.set_q8_kernel(verdict.q8_kernel)
+        m.set_q4_prefill(verdict.q4_prefill)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -269,6 +280,11 @@ def _layer_modules(q: QuantisedModules) -> list[nn.Module]:
     return [m for path, m in q.linears.items() if path.startswith("layers.")]
 
 
+def _layer_leaves(q: QuantisedModules) -> list[nn.Module]:
+    """The layers' ``QuantLinear``s (a ``QuantConcat``'s parts; not the logits head)."""
+    return [p for m in _layer_modules(q) for p in (m.parts if hasattr(m, "parts") else [m])]
+
+
 @torch.no_grad()
 def _toggle(mods: list[nn.Module], rows: tuple[int, ...], set_all, first, second,
             repeats: int) -> ProbeResult:
@@ -302,6 +318,22 @@ def probe_panels(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResul
             m.set_panel_dtype(dt)
 
     return _toggle(mods, (rows,), set_all, torch.float32, torch.bfloat16, repeats)
+
+
+def probe_q4_prefill(q: QuantisedModules, rows: int, panel_dtype: torch.dtype,
+                     repeats: int = 3) -> ProbeResult:
+    """The layers' 4-bit projections on their dense (prefill) path, ``rows`` rows: dequantised
+    panels of ``panel_dtype`` (``float_s``) against the int8 tiled kernel (``quant_s``). Left
+    on panels, of ``panel_dtype``."""
+    mods = [m for m in _layer_leaves(q) if m.is_q4]
+    for m in mods:
+        m.set_panel_dtype(panel_dtype)
+
+    def set_all(name: str) -> None:
+        for m in mods:
+            m.set_q4_prefill(name)
+
+    return _toggle(mods, (rows,), set_all, "panels", "int8", repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,

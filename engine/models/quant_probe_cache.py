@@ -4,8 +4,9 @@ The probe measures this machine; measuring again at every start costs seconds an
 machine, can mislead (a run stalled by another process). So a verdict whose runs agreed
 (``Verdict.confirmed``) is stored and later starts reuse it. It is keyed by everything the
 measurement depends on: the CPU (model name and flags), the torch threads, the torch version,
-the CPU kernels' and the probe's sources, the instruction set they were built for
-(``KVSERVE_CPU_MARCH``) and the shapes and formats of the modules probed. A file that cannot
+the CPU kernels' and the probe's sources, the instruction sets the paths may use
+(``KVSERVE_CPU_MARCH``, ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
+``MKL_ENABLE_INSTRUCTIONS``) and the shapes and formats of the modules probed. A file that cannot
 be read or written is ignored (the probe runs). ``KVSERVE_QUANT_REPROBE=1`` measures again and
 replaces the entry.
 
@@ -44,6 +45,13 @@ def _cpu_identity() -> str:
     return f"{fields.get('model name', '?')}|{fields.get('flags', '')}"
 
 
+# What limits the instructions the measured paths use: our kernels' build target and the caps
+# on PyTorch's own (ATen's vectorised ops, oneDNN's matmuls). A verdict measured under one set
+# says nothing about another. (MKL's dense float32 matmuls have a cap of their own.)
+ISA_CAPS = ("KVSERVE_CPU_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS")
+
+
 def _kernel_sources() -> str:
     """A hash of the kernels' sources and of the probe itself (what it measures, and how)."""
     h = hashlib.sha256()
@@ -56,7 +64,7 @@ def _kernel_sources() -> str:
 def cache_key(modules_signature: str) -> str:
     """The key of a verdict for modules of ``modules_signature`` on this machine, now."""
     parts = [_cpu_identity(), str(torch.get_num_threads()), torch.__version__,
-             _kernel_sources(), os.environ.get("KVSERVE_CPU_MARCH", "native"), modules_signature]
+             _kernel_sources(), *(os.environ.get(v, "") for v in ISA_CAPS), modules_signature]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

@@ -238,6 +238,53 @@ def test_vnni_q8_kernel_equals_the_base_kernel(case, rows):
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+@pytest.mark.parametrize("n", [1, 8, 16, 37, 100])  # whole and partial 8-column blocks, tiles
+@pytest.mark.parametrize("k", [32, 96, 576])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, DENSE_ROWS + 1, 300])
+def test_q4_tiled_kernel_equals_the_base_kernel(n, k, rows):
+    """The prefill-sized 4-bit kernel does the decode kernel's integer math (int8-rounded
+    activations, per group d*dx*sum(q*qx) + m*sx) in another order: equal to it up to float
+    summation order, and to the reference model of that math, for ragged column counts
+    (partial blocks and tiles) and every row tile."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g) * 0.05 + 0.01  # Q4_1: mins are not zero
+    raw = quants.quantize(w.numpy(), T.Q4_1)
+    packed = from_gguf_blocks(raw, int(T.Q4_1), (n, k))
+    wq = torch.from_numpy(quants.dequantize(raw, T.Q4_1)).float()
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 3
+    kern = quant_kernels()
+    got = kern.quant_gemm_q4_tiled(x, packed.qs, packed.d, packed.m)
+    base = kern.quant_gemm_q4(x, packed.qs, packed.d, packed.m)
+    scale = float((x.abs() @ wq.abs().t()).max())
+    torch.testing.assert_close(got, base, rtol=0, atol=1e-5 * scale)
+    ref, _ = _reference(x, wq)
+    step = float(wq.abs().max()) * float(x.abs().max()) / 127  # a near-tie rounded the other way
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * scale + step)
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=_case_id)
+def test_int8_prefill_takes_the_tiled_kernel_above_the_decode_rows(case):
+    """``set_q4_prefill("int8")``: a 4-bit weight's inputs above ``dense_rows`` run the tiled
+    kernel (+ bias), smaller ones are unchanged; 8-bit weights keep their panels."""
+    qtype, shape = case
+    packed, w = _packed(*shape, qtype)
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(5))
+    lin = QuantLinear(packed, bias)
+    x = torch.randn(DENSE_ROWS + 9, shape[1], generator=torch.Generator().manual_seed(4))
+    small, panels = lin(x[:5]), lin(x)
+    lin.set_q4_prefill("int8")
+    if lin.is_q4:
+        want = quant_kernels().quant_gemm_q4_tiled(x, lin.qs, lin.d, lin.m) + bias
+        assert torch.equal(lin(x), want)
+    else:
+        assert torch.equal(lin(x), panels)
+    assert torch.equal(lin(x[:5]), small)
+    with pytest.raises(ValueError, match="4-bit prefill"):
+        lin.set_q4_prefill("fp8")
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=_case_id)
 def test_bf16_panels_are_a_bf16_matmul_of_the_dequantised_weight(case):
     """With bfloat16 panels (chosen by the start-up probe where faster) the dense path is

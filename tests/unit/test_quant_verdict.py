@@ -22,15 +22,17 @@ gguf = pytest.importorskip("gguf")
 
 # The real setting probes (the autouse fixture below replaces them in the module).
 REAL_PANELS, REAL_KERNELS = quant_probe.probe_panels, quant_probe.probe_decode_kernels
+REAL_Q4_PREFILL = quant_probe.probe_q4_prefill
 
 
 @pytest.fixture(autouse=True)
 def _settings_measure_the_first_option_faster(monkeypatch):
     """The settings' probes, deterministic unless a test replaces them: float32 panels and
-    the base decode kernels win."""
+    the base decode kernels and the panels for 4-bit prefill win."""
     slower = lambda q, *args, **kw: ProbeResult(1.0, 2.0, (1.0, 1.0), (2.0, 2.0))  # noqa: E731
     monkeypatch.setattr(quant_probe, "probe_panels", slower)
     monkeypatch.setattr(quant_probe, "probe_decode_kernels", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_prefill", slower)
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -202,6 +204,9 @@ def test_decode_kernel_follows_its_measurement(monkeypatch, is_q4):
         def set_q8_kernel(self, name):
             set_to["q8"].append(name)
 
+        def set_q4_prefill(self, name):
+            pass
+
     Fake.is_q4 = is_q4
     q = QuantisedModules(linears={"layers.0.qkv_proj": Fake()})
     verdict = choose(nn.Module(), q)
@@ -212,6 +217,47 @@ def test_decode_kernel_follows_its_measurement(monkeypatch, is_q4):
     width = "4-bit" if is_q4 else "8-bit"
     assert f"{width} decode kernel vnni (base 1000.00 ms, vnni 700.00 ms)" in verdict.describe()
     assert getattr(Verdict.from_dict(verdict.to_dict()), f"{mine}_kernel") == "vnni"
+
+
+@pytest.mark.parametrize(("int8_s", "want"), [(0.6, "int8"), (1.5, "panels")])
+def test_q4_prefill_follows_its_measurement(monkeypatch, int8_s, want):
+    """Where the layers have 4-bit weights, their dense path is the one measured faster at the
+    largest probed row count, panels (of the measured panel dtype) against int8 tiles; set on
+    every module, kept in the verdict. Without 4-bit layer weights it is not probed."""
+    seen = []
+
+    def probe_q4_prefill(q, rows, panel_dtype, repeats=3):
+        seen.append((rows, panel_dtype))
+        return ProbeResult(1.0, int8_s, (1.0, 1.0), (int8_s, int8_s))
+
+    monkeypatch.setattr(quant_probe, "probe_q4_prefill", probe_q4_prefill)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
+    set_to = []
+
+    class Fake(nn.Module):
+        def __init__(self, is_q4):
+            super().__init__()
+            self.is_q4 = is_q4
+
+        def set_panel_dtype(self, dt):
+            pass
+
+        def set_q4_kernel(self, name):
+            pass
+
+        def set_q8_kernel(self, name):
+            pass
+
+        def set_q4_prefill(self, name):
+            set_to.append(name)
+
+    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": Fake(True)}))
+    assert seen == [(256, torch.float32)] and verdict.q4_prefill == want and set_to[-1] == want
+    assert f"4-bit prefill {want} (panels 1000.00 ms, int8 {int8_s * 1e3:.2f} ms)" in verdict.describe()
+    assert Verdict.from_dict(verdict.to_dict()).q4_prefill == want
+    seen.clear()
+    only_q8 = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": Fake(False)}))
+    assert seen == [] and only_q8.q4_prefill == "panels"
 
 
 def test_the_real_setting_probes_run_and_restore_the_modules():
@@ -225,6 +271,8 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
     q = QuantisedModules(linears={"layers.0.o_proj": lin})
     result = REAL_PANELS(q, 40, 1)
     assert result.float_s > 0 and result.quant_s > 0 and lin.panel_dtype == torch.float32
+    result = REAL_Q4_PREFILL(q, 40, torch.float32, 1)
+    assert result.float_s > 0 and result.quant_s > 0 and lin.q4_prefill == "panels"
     if vnni_available():
         assert REAL_KERNELS(q, True, (1, 3), 1).quant_s > 0 and lin.q4_kernel == "base"
         lin8 = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int8", 32))

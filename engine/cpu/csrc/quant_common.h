@@ -1,5 +1,6 @@
-// Shared by the packed-weight kernels (quant_gemm_cpu.cpp, quant_dequant_cpu.cpp): the group
-// size and the checks of a q8 weight's layout (see quant_gemm_cpu.cpp for the formats).
+// Shared by the packed-weight kernels (quant_gemm_cpu.cpp, quant_dequant_cpu.cpp,
+// quant_gemm_q4_tiled.cpp): the group size, the checks of a weight's layout (see
+// quant_gemm_cpu.cpp for the formats) and the activations' int8 rounding.
 #pragma once
 
 #include <torch/extension.h>
@@ -46,6 +47,11 @@ inline void check_q4_args(const torch::Tensor& x, const torch::Tensor& qs, const
   TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && m.is_contiguous() && m.sizes() == d.sizes(),
               "malformed q4 weight");
 }
+
+// x [M, K] float32 -> qx int8 [M, K] (each 32-group rounded to steps of dx = amax/127, to
+// nearest, ties to even), dx [M, K/32] and sx [M, K/32] = dx * sum(qx) of the group: the
+// activations of the integer-dot kernels (quant_gemm_cpu.cpp). Threaded for large M * K.
+void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx);
 
 // Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
 template <typename F>

@@ -72,9 +72,14 @@ inline float quantise_group(const float* src, int8_t* dst, int* sum) {
 }
 #endif
 
-// x [M, K] -> qx int8 [M, K], dx [M, K/32], sx [M, K/32] = dx * sum(qx) of the group.
+}  // namespace
+
+namespace kvserve_quant {
+
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
   const int64_t G = K / kGroup;
+  // Rows are independent: threads only where there is enough work (prefill-sized inputs).
+#pragma omp parallel for schedule(static) if (M * K >= (int64_t{1} << 17))
   for (int64_t r = 0; r < M; r++) {
     for (int64_t g = 0; g < G; g++) {
       const float* src = x + r * K + g * kGroup;
@@ -98,6 +103,11 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
     }
   }
 }
+
+}  // namespace kvserve_quant
+
+namespace {
+using kvserve_quant::quantise_rows;
 
 #ifdef KVSERVE_AVX2
 inline float hsum(__m256 v) {

@@ -1,0 +1,196 @@
+// y[M, N] = x[M, K] @ W^T for 4-bit packed weights (the q4 format of quant_gemm_cpu.cpp) at
+// prefill sizes: the decode kernel's integer math (each activation row rounded to int8 per group
+// of 32; per group d*dx*sum(q*qx) + m*sx), laid out for throughput instead of for one row.
+//
+// The decode kernel (quant_gemm_q4) puts one weight row's group in a register and needs, per row
+// and group, an unpack, a float conversion and a scalar-scale FMA: ~5 vector ops per 32
+// multiply-adds. Here, per call, each block of 8 output columns is repacked (into a per-thread
+// buffer, 8 bytes per weight group of 4: nibbles widened to bytes) so that one 256-bit register
+// holds 4 consecutive k of 8 columns; one broadcast of 4 activation bytes and one
+// _mm256_maddubs_epi16 then give 8 columns x 4 k of products as 16-bit pair sums. A group's 8
+// such steps add up in 16 bits (|sum| <= 16 * 15 * 127 = 30480: no overflow), and only then one
+// _mm256_madd_epi16 widens to the 8 columns' int32 group sums, one conversion and two FMAs (the
+// scale d*dx and the min m*sx, 8 columns at once) add the group in float: ~2 ops per 32
+// multiply-adds. Tiles of 3 rows x 16 columns share each weight and activation load.
+//
+// Per output element, the same integer sums as quant_gemm_q4 (exactly), added in float in
+// group order (the decode kernel's order differs): equal up to float summation order. The
+// repack costs about one pass over the weight per call, small against M >= 64 rows; decode
+// sizes stay on quant_gemm_q4. AVX2; without it the same math runs in scalar code. Whether it
+// or dequantised float panels serve prefill is measured at start-up (engine/models/quant_probe.py).
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "quant_common.h"
+#include "vec_math.h"
+
+using kvserve_quant::kGroup;
+
+namespace {
+
+constexpr int kCols = 8;    // output columns per block (one 256-bit register of int32)
+constexpr int kBlocks = 2;  // blocks per tile
+constexpr int kRows = 3;    // activation rows per tile
+
+// Block of columns n0 .. n0+cols-1 (cols <= 8; missing ones zero): wb [G][8 quads][8 cols][4]
+// bytes (q in 0..15; quad j of a group is its elements 4j..4j+3), db/mb [G][8] scales and mins.
+void repack_block(const uint8_t* qs, const float* d, const float* m, int64_t n0, int cols,
+                  int64_t K, uint8_t* wb, float* db, float* mb) {
+  const int64_t G = K / kGroup;
+  if (cols < kCols) {
+    std::memset(wb, 0, G * 256);
+    std::fill(db, db + G * kCols, 0.f);
+    std::fill(mb, mb + G * kCols, 0.f);
+  }
+  auto* wb32 = reinterpret_cast<uint32_t*>(wb);
+  for (int c = 0; c < cols; c++) {
+    const uint8_t* src = qs + (n0 + c) * (K / 2);
+    for (int64_t g = 0; g < G; g++) {
+      db[g * kCols + c] = d[(n0 + c) * G + g];
+      mb[g * kCols + c] = m[(n0 + c) * G + g];
+      // Elements 0..15 are the low nibbles of the group's 16 bytes, 16..31 the high ones.
+      uint32_t quads[8];
+#ifdef KVSERVE_AVX2
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + g * 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(quads), _mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(quads + 4),
+                       _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+#else
+      uint8_t bytes[32];
+      for (int j = 0; j < 16; j++) {
+        bytes[j] = src[g * 16 + j] & 0x0F;
+        bytes[j + 16] = src[g * 16 + j] >> 4;
+      }
+      std::memcpy(quads, bytes, 32);
+#endif
+      for (int j = 0; j < 8; j++) wb32[(g * 8 + j) * kCols + c] = quads[j];
+    }
+  }
+}
+
+// R rows x NB blocks of 8 columns. wb/db/mb: NB consecutive repacked blocks (strides G*256 and
+// G*8); x/dx/sx: the R rows' quantised activations; y: R rows of NB*8 outputs, stride ldy.
+template <int R, int NB>
+void tile(const uint8_t* wb, const float* db, const float* mb, const int8_t* x, const float* dx,
+          const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
+#ifdef KVSERVE_AVX2
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < NB; b++) acc[r][b] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; g++) {
+    __m256i s[R][NB];
+    for (int r = 0; r < R; r++)
+      for (int b = 0; b < NB; b++) s[r][b] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; j++) {
+      __m256i w[NB];
+      for (int b = 0; b < NB; b++) {
+        w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + b * G * 256 + g * 256 + j * 32));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        int32_t quad;
+        std::memcpy(&quad, x + r * K + g * kGroup + j * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        for (int b = 0; b < NB; b++) s[r][b] = _mm256_add_epi16(s[r][b], _mm256_maddubs_epi16(w[b], xb));
+      }
+    }
+    for (int b = 0; b < NB; b++) {
+      const __m256 dv = _mm256_loadu_ps(db + b * G * kCols + g * kCols);
+      const __m256 mv = _mm256_loadu_ps(mb + b * G * kCols + g * kCols);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][b], ones));
+        acc[r][b] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * G + g])), acc[r][b]);
+        acc[r][b] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[r * G + g]), acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(y + r * ldy + b * kCols, acc[r][b]);
+#else
+  for (int r = 0; r < R; r++) {
+    for (int b = 0; b < NB; b++) {
+      for (int c = 0; c < kCols; c++) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+          int32_t sum = 0;
+          for (int k = 0; k < kGroup; k++) {
+            sum += wb[b * G * 256 + g * 256 + (k / 4) * 32 + c * 4 + k % 4] * x[r * K + g * kGroup + k];
+          }
+          const int64_t i = b * G * kCols + g * kCols + c;
+          acc = std::fma(static_cast<float>(sum), db[i] * dx[r * G + g], acc);
+          acc = std::fma(mb[i], sx[r * G + g], acc);
+        }
+        y[r * ldy + b * kCols + c] = acc;
+      }
+    }
+  }
+#endif
+}
+
+// All M rows against NB repacked blocks; out holds NB*8 columns (stride ldy).
+template <int NB>
+void rows_against(const uint8_t* wb, const float* db, const float* mb, const int8_t* x,
+                  const float* dx, const float* sx, int64_t M, int64_t K, int64_t G, float* y,
+                  int64_t ldy) {
+  int64_t r0 = 0;
+  for (; r0 + kRows <= M; r0 += kRows) {
+    tile<kRows, NB>(wb, db, mb, x + r0 * K, dx + r0 * G, sx + r0 * G, K, G, y + r0 * ldy, ldy);
+  }
+  for (; r0 < M; r0++) {
+    tile<1, NB>(wb, db, mb, x + r0 * K, dx + r0 * G, sx + r0 * G, K, G, y + r0 * ldy, ldy);
+  }
+}
+
+}  // namespace
+
+torch::Tensor quant_gemm_q4_tiled(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                  torch::Tensor m) {
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
+  kvserve_quant::check_q4_args(x, qs, d, m);
+  auto xc = x.contiguous();
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dxv(M * G), sxv(M * G);
+  kvserve_quant::quantise_rows(xc.data_ptr<float>(), M, K, qx.data(), dxv.data(), sxv.data());
+  auto y = torch::empty({M, N});
+  const uint8_t* w = qs.data_ptr<uint8_t>();
+  const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
+  const int8_t* xq = qx.data();
+  const float *dx = dxv.data(), *sx = sxv.data();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kTileCols = kCols * kBlocks;
+  const int64_t tiles = (N + kTileCols - 1) / kTileCols;
+#pragma omp parallel
+  {
+    std::vector<uint8_t> wb(kBlocks * G * 256);
+    std::vector<float> db(kBlocks * G * kCols), mb(kBlocks * G * kCols);
+    std::vector<float> part;  // the last tile's outputs when N is not a multiple of 16
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+      const int64_t n0 = t * kTileCols;
+      const int64_t cols = std::min(kTileCols, N - n0);
+      for (int b = 0; b < kBlocks; b++) {
+        const int bc = static_cast<int>(std::clamp<int64_t>(cols - b * kCols, 0, kCols));
+        repack_block(w, dw, mw, n0 + b * kCols, bc, K, wb.data() + b * G * 256,
+                     db.data() + b * G * kCols, mb.data() + b * G * kCols);
+      }
+      if (cols == kTileCols) {
+        rows_against<kBlocks>(wb.data(), db.data(), mb.data(), xq, dx, sx, M, K, G, yp + n0, N);
+      } else {
+        part.resize(M * kTileCols);
+        rows_against<kBlocks>(wb.data(), db.data(), mb.data(), xq, dx, sx, M, K, G, part.data(),
+                              kTileCols);
+        for (int64_t r = 0; r < M; r++) {
+          std::memcpy(yp + r * N + n0, part.data() + r * kTileCols, cols * sizeof(float));
+        }
+      }
+    }
+  }
+  return y;
+}
