@@ -78,9 +78,7 @@ namespace kvserve_quant {
 
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
   const int64_t G = K / kGroup;
-  // Rows are independent: threads only where there is enough work (prefill-sized inputs).
-#pragma omp parallel for schedule(static) if (M * K >= (int64_t{1} << 17))
-  for (int64_t r = 0; r < M; r++) {
+  auto row = [&](int64_t r) {
     for (int64_t g = 0; g < G; g++) {
       const float* src = x + r * K + g * kGroup;
       int8_t* dst = qx + r * K + g * kGroup;
@@ -101,6 +99,14 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
       dx[r * G + g] = d;
       sx[r * G + g] = d * static_cast<float>(sum);
     }
+  };
+  // Rows are independent. Threads only for prefill-sized inputs: a decode step makes ~120 of
+  // these calls, and even a parallel region that an if() clause keeps to one thread costs.
+  if (M * K >= (int64_t{1} << 17)) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) row(r);
+  } else {
+    for (int64_t r = 0; r < M; r++) row(r);
   }
 }
 
