@@ -8,6 +8,11 @@
   CPU has AVX-512 VNNI and the start-up probe measured them faster), which quantise each activation
   row to int8 per group of 32 and take integer dot products. The result differs from float by the activation's
   rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
+  For 4-bit weights, batches from ``BATCH_TILE_ROWS`` rows run ``quant_gemm_q4_tiled`` instead
+  where the start-up probe measured it faster (``q4_batch`` ``tiles``; on AVX2 1.5x at 3 rows,
+  2.3x at 16):
+  the same integer sums, added in float in another order, so a sequence's logits can differ in
+  the last bits with the size of the batch it decodes in (as with vLLM's or llama.cpp's kernels).
 * above (prefill), 4-bit weights where the start-up probe measured it faster (``q4_prefill``
   ``int8``; on AVX2-only CPUs ~1.5-2x float32 panels): ``quant_gemm_q4_tiled``, the decode
   kernels' integer math laid out for many rows (engine/cpu/csrc/quant_gemm_q4_tiled.cpp).
@@ -40,6 +45,8 @@ PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the 
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
 KERNELS = ("base", "vnni")  # the decode kernels of either width
 Q4_PREFILL = ("panels", "int8")  # a 4-bit weight's dense path: dequantised panels or int8 tiles
+Q4_BATCH = ("kernel", "tiles")  # a 4-bit weight's decode batches: the decode kernel or int8 tiles
+BATCH_TILE_ROWS = 3  # the smallest batch the tiles may serve (below, the per-call repack costs)
 
 
 def quant_kernels():
@@ -77,6 +84,7 @@ class QuantLinear(nn.Module):
         self._gemm = self._kernels.quant_gemm_q4 if self.is_q4 else self._kernels.quant_gemm_q8
         self.q4_kernel = self.q8_kernel = "base"
         self.q4_prefill = "panels"
+        self.q4_batch = "kernel"
 
     def set_q4_kernel(self, name: str) -> None:
         """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
@@ -104,6 +112,20 @@ class QuantLinear(nn.Module):
             raise ValueError(f"4-bit prefill path must be one of {', '.join(Q4_PREFILL)}, "
                              f"not {name!r}")
         self.q4_prefill = name
+
+    def set_q4_batch(self, name: str) -> None:
+        """A 4-bit weight's decode batches of ``BATCH_TILE_ROWS`` to ``dense_rows`` rows:
+        ``kernel`` (the decode kernel) or ``tiles`` (``quant_gemm_q4_tiled``: the same integer
+        math in another float summation order). 8-bit weights ignore it."""
+        if name not in Q4_BATCH:
+            raise ValueError(f"4-bit batch path must be one of {', '.join(Q4_BATCH)}, "
+                             f"not {name!r}")
+        self.q4_batch = name
+
+    @property
+    def tiles_from(self) -> int | None:
+        """The row count from which decode-sized inputs run the tiles (None: never)."""
+        return BATCH_TILE_ROWS if self.is_q4 and self.q4_batch == "tiles" else None
 
     @staticmethod
     def _check_kernel(name: str) -> None:
@@ -136,8 +158,11 @@ class QuantLinear(nn.Module):
             x2 = x2.float()
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
-        if x2.shape[0] <= self.dense_rows:
+        rows = x2.shape[0]
+        if rows <= self.dense_rows and (self.tiles_from is None or rows < self.tiles_from):
             out = self._gemm(x2, self.qs, self.d, self.m)
+        elif rows <= self.dense_rows:
+            out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
         elif self.is_q4 and self.q4_prefill == "int8":
             out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
         else:
@@ -201,6 +226,10 @@ class QuantConcat(nn.Module):
     def set_q4_prefill(self, name: str) -> None:
         for part in self.parts:
             part.set_q4_prefill(name)
+
+    def set_q4_batch(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q4_batch(name)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

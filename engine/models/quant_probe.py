@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.models.quant_linear import DENSE_ROWS, QuantisedModules, vnni_available
+from engine.models.quant_linear import BATCH_TILE_ROWS, DENSE_ROWS, QuantisedModules, vnni_available
 
 
 @dataclass
@@ -53,6 +53,7 @@ class ProbeResult:
 
 PROBE_ROWS = (1, 4, 16, 64, 256)
 DECODE_ROWS = (1, 16)  # the decode kernels' probe: one pass at each
+BATCH_ROWS = (BATCH_TILE_ROWS, 16)  # the 4-bit batch tiles' probe: one pass at each
 MAX_PROBE_ATTEMPTS = 4
 
 
@@ -87,6 +88,10 @@ class Verdict:
     @property
     def q4_prefill(self) -> str:
         return self.setting("q4_prefill")
+
+    @property
+    def q4_batch(self) -> str:
+        return self.setting("q4_batch")
 
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
@@ -125,7 +130,8 @@ class Verdict:
 SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q4_kernel": ("4-bit decode kernel", ("base", "vnni")),
             "q8_kernel": ("8-bit decode kernel", ("base", "vnni")),
-            "q4_prefill": ("4-bit prefill", ("panels", "int8"))}
+            "q4_prefill": ("4-bit prefill", ("panels", "int8")),
+            "q4_batch": ("4-bit decode batches", ("kernel", "tiles"))}
 
 
 @dataclass
@@ -177,8 +183,10 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     """Time and apply the quantised modules' settings: the dense path's panel dtype at the
     largest probed row count above ``DENSE_ROWS`` (:func:`probe_panels`; none probed: float32),
     then at that count, where 4-bit weights exist, those panels against the int8 tiled kernel
-    (:func:`probe_q4_prefill`), and where the AVX-512 VNNI kernels are built, the 4-bit and the 8-bit decode kernels at 1
-    and 16 rows, each where such weights exist (:func:`probe_decode_kernels`)."""
+    (:func:`probe_q4_prefill`), and where the AVX-512 VNNI kernels are built, the 4-bit and
+    the 8-bit decode kernels at 1 and 16 rows, each where such weights exist
+    (:func:`probe_decode_kernels`); last, with 4-bit weights, their decode kernel against the
+    int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
     if dense:
@@ -193,6 +201,10 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
             settings[key] = Setting.measured(key, confirmed_probe(
                 lambda repeats, is_q4=is_q4: probe_decode_kernels(q, is_q4, repeats=repeats), 3))
     apply_settings(q, Verdict("quant", None, {}, settings))
+    if any(m.is_q4 for m in _leaf_modules(q)):  # against the decode kernel just chosen
+        settings["q4_batch"] = Setting.measured("q4_batch", confirmed_probe(
+            lambda repeats: probe_q4_batches(q, repeats=repeats), 3))
+        apply_settings(q, Verdict("quant", None, {}, settings))
     return settings
 
 
@@ -204,6 +216,7 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
         m.set_q4_kernel(verdict.q4_kernel)
         m.set_q8_kernel(verdict.q8_kernel)
         m.set_q4_prefill(verdict.q4_prefill)
+        m.set_q4_batch(verdict.q4_batch)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -334,6 +347,20 @@ def probe_q4_prefill(q: QuantisedModules, rows: int, panel_dtype: torch.dtype,
             m.set_q4_prefill(name)
 
     return _toggle(mods, (rows,), set_all, "panels", "int8", repeats)
+
+
+def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
+                     repeats: int = 3) -> ProbeResult:
+    """The 4-bit modules (the logits head among them, if 4-bit) on decode batches of ``rows``
+    (the smallest the tiles may serve, and a larger one): their decode kernel (``float_s``)
+    against the int8 tiles (``quant_s``). Left on the kernel."""
+    mods = [m for m in _leaf_modules(q) if m.is_q4]
+
+    def set_all(name: str) -> None:
+        for m in mods:
+            m.set_q4_batch(name)
+
+    return _toggle(mods, rows, set_all, "kernel", "tiles", repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,

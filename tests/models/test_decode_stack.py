@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.loading.tiny import make_tiny_model_dir
 from engine.models.cpu_decode_stack import CpuDecodeStack, build_decode_stack
-from engine.models.quant_linear import QuantLinear, quant_kernels, vnni_available
+from engine.models.quant_linear import BATCH_TILE_ROWS, QuantLinear, quant_kernels, vnni_available
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 
@@ -85,6 +85,27 @@ def test_stack_serves_both_decode_kernels(model_dirs, scheme, kernel):
     counts = _checked(llm)
     llm.generate(PROMPTS, PARAMS)
     assert counts["stack"] >= PARAMS.max_tokens - 1
+
+
+@pytest.mark.parametrize("kernel", ["base", "vnni"])
+def test_stack_serves_4bit_batches_on_tiles(model_dirs, kernel):
+    """``q4_batch = "tiles"``: decode steps of ``BATCH_TILE_ROWS`` or more rows run the tiled
+    kernel in the stack as in Python (smaller steps, the decode kernel), bit-identically."""
+    if kernel == "vnni" and not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernels on this CPU")
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4")
+    model = llm.engine.runner.model
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.set_q4_kernel(kernel)
+            mod.set_q4_batch("tiles")
+    model.decode_stack, why = build_decode_stack(model)
+    assert why == ""
+    counts = _checked(llm)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(BATCH_TILE_ROWS + 1)]
+    outs = llm.generate(prompts, PARAMS)  # 4 rows per step (ignore_eos: none finishes early)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 
 
 def test_mixed_format_projections(make_llama_gguf, tmp_path, monkeypatch):

@@ -25,7 +25,13 @@ from gguf import quants  # noqa: E402
 from engine.loading.gguf_quant import hf_name, unpermute_rows  # noqa: E402
 from engine.models.gguf_blocks import from_gguf_blocks  # noqa: E402
 from engine.models.quant_formats import PackedQ4, PackedQ8, cat  # noqa: E402
-from engine.models.quant_linear import DENSE_ROWS, QuantEmbedding, QuantLinear, quant_kernels  # noqa: E402
+from engine.models.quant_linear import (  # noqa: E402
+    BATCH_TILE_ROWS,
+    DENSE_ROWS,
+    QuantEmbedding,
+    QuantLinear,
+    quant_kernels,
+)
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # super-blocks of 256: gguf has no quantiser for them
@@ -282,6 +288,31 @@ def test_int8_prefill_takes_the_tiled_kernel_above_the_decode_rows(case):
     assert torch.equal(lin(x[:5]), small)
     with pytest.raises(ValueError, match="4-bit prefill"):
         lin.set_q4_prefill("fp8")
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=_case_id)
+def test_batch_tiles_serve_decode_batches_from_their_row_count(case):
+    """``set_q4_batch("tiles")``: a 4-bit weight's inputs of ``BATCH_TILE_ROWS`` to
+    ``dense_rows`` rows run the tiled kernel, fewer rows the decode kernel, more the dense path
+    (unchanged); 8-bit weights ignore it."""
+    qtype, shape = case
+    packed, _ = _packed(*shape, qtype)
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(6))
+    lin = QuantLinear(packed, bias)
+    x = torch.randn(DENSE_ROWS + 9, shape[1], generator=torch.Generator().manual_seed(8))
+    sizes = (1, BATCH_TILE_ROWS - 1, BATCH_TILE_ROWS, 16, DENSE_ROWS, DENSE_ROWS + 9)
+    before = {n: lin(x[:n]) for n in sizes}
+    lin.set_q4_batch("tiles")
+    assert lin.tiles_from == (BATCH_TILE_ROWS if lin.is_q4 else None)
+    for n in sizes:
+        if lin.is_q4 and BATCH_TILE_ROWS <= n <= DENSE_ROWS:
+            want = quant_kernels().quant_gemm_q4_tiled(x[:n], lin.qs, lin.d, lin.m) + bias
+        else:
+            want = before[n]
+        assert torch.equal(lin(x[:n]), want), n
+    with pytest.raises(ValueError, match="4-bit batch"):
+        lin.set_q4_batch("gpu")
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")

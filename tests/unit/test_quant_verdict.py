@@ -22,7 +22,7 @@ gguf = pytest.importorskip("gguf")
 
 # The real setting probes (the autouse fixture below replaces them in the module).
 REAL_PANELS, REAL_KERNELS = quant_probe.probe_panels, quant_probe.probe_decode_kernels
-REAL_Q4_PREFILL = quant_probe.probe_q4_prefill
+REAL_Q4_PREFILL, REAL_Q4_BATCHES = quant_probe.probe_q4_prefill, quant_probe.probe_q4_batches
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +33,7 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     monkeypatch.setattr(quant_probe, "probe_panels", slower)
     monkeypatch.setattr(quant_probe, "probe_decode_kernels", slower)
     monkeypatch.setattr(quant_probe, "probe_q4_prefill", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_batches", slower)
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -207,6 +208,9 @@ def test_decode_kernel_follows_its_measurement(monkeypatch, is_q4):
         def set_q4_prefill(self, name):
             pass
 
+        def set_q4_batch(self, name):
+            pass
+
     Fake.is_q4 = is_q4
     q = QuantisedModules(linears={"layers.0.qkv_proj": Fake()})
     verdict = choose(nn.Module(), q)
@@ -251,6 +255,9 @@ def test_q4_prefill_follows_its_measurement(monkeypatch, int8_s, want):
         def set_q4_prefill(self, name):
             set_to.append(name)
 
+        def set_q4_batch(self, name):
+            pass
+
     verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": Fake(True)}))
     assert seen == [(256, torch.float32)] and verdict.q4_prefill == want and set_to[-1] == want
     assert f"4-bit prefill {want} (panels 1000.00 ms, int8 {int8_s * 1e3:.2f} ms)" in verdict.describe()
@@ -258,6 +265,45 @@ def test_q4_prefill_follows_its_measurement(monkeypatch, int8_s, want):
     seen.clear()
     only_q8 = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": Fake(False)}))
     assert seen == [] and only_q8.q4_prefill == "panels"
+
+
+@pytest.mark.parametrize(("tiles_s", "want"), [(0.5, "tiles"), (1.5, "kernel")])
+def test_q4_batches_follow_their_measurement(monkeypatch, tiles_s, want):
+    """With 4-bit weights (a logits head counts), decode batches run on the int8 tiles only
+    where measured faster than the decode kernel chosen before; set on every 4-bit module."""
+    probed = []
+
+    def probe_q4_batches(q, rows=quant_probe.BATCH_ROWS, repeats=3):
+        probed.append(rows)
+        return ProbeResult(1.0, tiles_s, (1.0, 1.0), (tiles_s, tiles_s))
+
+    monkeypatch.setattr(quant_probe, "probe_q4_batches", probe_q4_batches)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4), True)))
+    set_to = []
+
+    class Fake(nn.Module):
+        is_q4 = True
+
+        def set_panel_dtype(self, dt):
+            pass
+
+        def set_q4_kernel(self, name):
+            pass
+
+        def set_q8_kernel(self, name):
+            pass
+
+        def set_q4_prefill(self, name):
+            pass
+
+        def set_q4_batch(self, name):
+            set_to.append(name)
+
+    verdict = choose(nn.Module(), QuantisedModules(linears={"lm_head": Fake()}), rows=(1, 4))
+    assert probed == [quant_probe.BATCH_ROWS] and verdict.q4_batch == want
+    assert set_to[-1] == want
+    assert f"4-bit decode batches {want}" in verdict.describe()
+    assert Verdict.from_dict(verdict.to_dict()).q4_batch == want
 
 
 def test_the_real_setting_probes_run_and_restore_the_modules():
@@ -273,6 +319,8 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
     assert result.float_s > 0 and result.quant_s > 0 and lin.panel_dtype == torch.float32
     result = REAL_Q4_PREFILL(q, 40, torch.float32, 1)
     assert result.float_s > 0 and result.quant_s > 0 and lin.q4_prefill == "panels"
+    result = REAL_Q4_BATCHES(q, (8, 9), 1)
+    assert result.float_s > 0 and result.quant_s > 0 and lin.q4_batch == "kernel"
     if vnni_available():
         assert REAL_KERNELS(q, True, (1, 3), 1).quant_s > 0 and lin.q4_kernel == "base"
         lin8 = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int8", 32))

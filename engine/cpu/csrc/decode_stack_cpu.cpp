@@ -28,9 +28,9 @@ namespace kvserve_stack {
 
 StackLinear::StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Tensor> d,
                          std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias,
-                         int64_t out_features)
+                         int64_t out_features, int64_t tiles_from)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
-      out_features(out_features) {
+      out_features(out_features), tiles_from(tiles_from) {
   TORCH_CHECK(kind >= kFloat && kind < kConcat, "StackLinear: unknown kind ", kind);
   const bool quant = kind != kFloat && kind != kPanels;
   TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
@@ -61,10 +61,12 @@ torch::Tensor StackLinear::operator()(const torch::Tensor& x) const {
     case kPanels:  // bias: the panel-padded copy, added by the kernel
       return small_gemm(x.stride(-1) == 1 ? x : x.contiguous(), w, out_features, bias);
     case kQ4:
-      y = quant_gemm_q4(x, w, *d, *m);
-      break;
     case kQ4Vnni:
-      y = quant_gemm_q4_vnni(x, w, *d, *m);
+      if (tiles_from > 0 && x.size(0) >= tiles_from) {
+        y = quant_gemm_q4_tiled(x, w, *d, *m);
+      } else {
+        y = kind == kQ4 ? quant_gemm_q4(x, w, *d, *m) : quant_gemm_q4_vnni(x, w, *d, *m);
+      }
       break;
     case kQ8Vnni:
       y = quant_gemm_q8_vnni(x, w, *d, m);

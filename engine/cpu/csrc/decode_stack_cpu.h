@@ -17,11 +17,13 @@ enum Kind : int64_t {
 };
 
 // y = x @ W^T (+ bias). w: the float weight, the packed qs, or the panels; d/m: scales and
-// mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself.
+// mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself;
+// tiles_from (4-bit kinds; 0: never): inputs of at least that many rows run
+// quant_gemm_q4_tiled instead of the decode kernel, as QuantLinear does.
 struct StackLinear {
   StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Tensor> d,
               std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias,
-              int64_t out_features);
+              int64_t out_features, int64_t tiles_from = 0);
   // A kConcat of parts (each a packed kind).
   explicit StackLinear(std::vector<StackLinear> parts);
   torch::Tensor operator()(const torch::Tensor& x) const;
@@ -30,6 +32,7 @@ struct StackLinear {
   torch::Tensor w;
   std::optional<torch::Tensor> d, m, bias;
   int64_t out_features;
+  int64_t tiles_from = 0;
   std::vector<StackLinear> parts;
 };
 

@@ -1,11 +1,11 @@
 // y[M, N] = x[M, K] @ W^T for 4-bit packed weights (the q4 format of quant_gemm_cpu.cpp) at
-// prefill sizes: the decode kernel's integer math (each activation row rounded to int8 per group
+// batch and prefill sizes: the decode kernel's integer math (each activation row rounded to int8 per group
 // of 32; per group d*dx*sum(q*qx) + m*sx), laid out for throughput instead of for one row.
 //
 // The decode kernel (quant_gemm_q4) puts one weight row's group in a register and needs, per row
-// and group, an unpack, a float conversion and a scalar-scale FMA: ~5 vector ops per 32
-// multiply-adds. Here, per call, each block of 8 output columns is repacked (into a per-thread
-// buffer, 8 bytes per weight group of 4: nibbles widened to bytes) so that one 256-bit register
+// and group, a maddubs, a widening, a float conversion and a scalar-scale FMA: ~5 vector ops
+// per 32 multiply-adds. Here, per call, each block of 8 output columns is repacked (into a
+// per-thread buffer, 4 bytes per 4 weights: nibbles widened to bytes) so that one 256-bit register
 // holds 4 consecutive k of 8 columns; one broadcast of 4 activation bytes and one
 // _mm256_maddubs_epi16 then give 8 columns x 4 k of products as 16-bit pair sums. A group's 8
 // such steps add up in 16 bits (|sum| <= 16 * 15 * 127 = 30480: no overflow), and only then one
@@ -15,9 +15,11 @@
 //
 // Per output element, the same integer sums as quant_gemm_q4 (exactly), added in float in
 // group order (the decode kernel's order differs): equal up to float summation order. The
-// repack costs about one pass over the weight per call, small against M >= 64 rows; decode
-// sizes stay on quant_gemm_q4. AVX2; without it the same math runs in scalar code. Whether it
-// or dequantised float panels serve prefill is measured at start-up (engine/models/quant_probe.py).
+// repack (an 8x8 transpose of 32-bit quads per group in registers) costs about one pass over
+// the weight per call: against the decode kernel it loses at one row (~0.9x on AVX2) and wins
+// from 2-3 rows (1.5x at 3, 2.3x at 16). AVX2; without it the same math runs in scalar code.
+// Whether it serves prefill (against dequantised panels) and decode batches of 3+ rows (against
+// the decode kernel) is measured at start-up (engine/models/quant_probe.py).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -46,6 +48,41 @@ void repack_block(const uint8_t* qs, const float* d, const float* m, int64_t n0,
     std::fill(db, db + G * kCols, 0.f);
     std::fill(mb, mb + G * kCols, 0.f);
   }
+#ifdef KVSERVE_AVX2
+  if (cols == kCols) {  // a whole block: the 8 columns' quads transposed in registers
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; g++) {
+      __m256i r[kCols];  // column c: its 8 quads (4 low-nibble ones, then 4 high-nibble ones)
+      for (int c = 0; c < kCols; c++) {
+        const __m128i raw = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(qs + (n0 + c) * (K / 2) + g * 16));
+        r[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4),
+                                _mm_and_si128(raw, low4));
+        db[g * kCols + c] = d[(n0 + c) * G + g];
+        mb[g * kCols + c] = m[(n0 + c) * G + g];
+      }
+      // 8x8 transpose of 32-bit quads: out[j] = quad j of columns 0..7.
+      __m256i t[kCols], u[kCols];
+      for (int h = 0; h < 2; h++) {
+        const int c = 4 * h;
+        t[c] = _mm256_unpacklo_epi32(r[c], r[c + 1]);
+        t[c + 1] = _mm256_unpackhi_epi32(r[c], r[c + 1]);
+        t[c + 2] = _mm256_unpacklo_epi32(r[c + 2], r[c + 3]);
+        t[c + 3] = _mm256_unpackhi_epi32(r[c + 2], r[c + 3]);
+        u[c] = _mm256_unpacklo_epi64(t[c], t[c + 2]);      // quads 0 | 4 of 4 columns
+        u[c + 1] = _mm256_unpackhi_epi64(t[c], t[c + 2]);  // 1 | 5
+        u[c + 2] = _mm256_unpacklo_epi64(t[c + 1], t[c + 3]);  // 2 | 6
+        u[c + 3] = _mm256_unpackhi_epi64(t[c + 1], t[c + 3]);  // 3 | 7
+      }
+      auto* dst = reinterpret_cast<__m256i*>(wb + g * 256);
+      for (int j = 0; j < 4; j++) {
+        _mm256_storeu_si256(dst + j, _mm256_permute2x128_si256(u[j], u[j + 4], 0x20));
+        _mm256_storeu_si256(dst + j + 4, _mm256_permute2x128_si256(u[j], u[j + 4], 0x31));
+      }
+    }
+    return;
+  }
+#endif
   auto* wb32 = reinterpret_cast<uint32_t*>(wb);
   for (int c = 0; c < cols; c++) {
     const uint8_t* src = qs + (n0 + c) * (K / 2);
