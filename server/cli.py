@@ -112,6 +112,8 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
     engine loop died (a failed forward pass): the process must end non-zero so that a
     supervisor (Docker ``--restart``, Kubernetes) starts a fresh one.
     """
+    import gc
+
     import uvicorn
 
     from server.app import begin_drain
@@ -144,6 +146,11 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
             return await super().on_tick(counter)
 
     server = _Server(uvicorn_config(app, settings))
+    # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
+    # process: frozen, the cyclic collector's scans skip them and look at per-request objects
+    # only (~1.5% of a loaded CPU server's time went to collections; vLLM freezes likewise).
+    gc.collect()
+    gc.freeze()
     if engine.is_healthy:  # already driven by its own thread: serve on this one
         server.run()
         return ENGINE_DIED_EXIT_STATUS if server.engine_died else 0
