@@ -36,6 +36,30 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     monkeypatch.setattr(quant_probe, "probe_q4_batches", slower)
 
 
+class _Recorder(nn.Module):
+    """A stand-in quantised module of one width: records every value each setting is set to."""
+
+    def __init__(self, is_q4: bool) -> None:
+        super().__init__()
+        self.is_q4 = is_q4
+        self.set_to: dict[str, list] = {k: [] for k in quant_probe.SETTINGS}
+
+    def set_panel_dtype(self, dt):
+        self.set_to["panel_dtype"].append(dt)
+
+    def set_q4_kernel(self, name):
+        self.set_to["q4_kernel"].append(name)
+
+    def set_q8_kernel(self, name):
+        self.set_to["q8_kernel"].append(name)
+
+    def set_q4_prefill(self, name):
+        self.set_to["q4_prefill"].append(name)
+
+    def set_q4_batch(self, name):
+        self.set_to["q4_batch"].append(name)
+
+
 def _fake_probe(wins: dict[int, bool]):
     def probe(model, q, rows=1, repeats=5):
         return ProbeResult(float_s=1.0, quant_s=0.5 if wins[rows] else 2.0)
@@ -193,30 +217,11 @@ def test_decode_kernel_follows_its_measurement(monkeypatch, is_q4):
 
     monkeypatch.setattr(quant_probe, "probe_decode_kernels", vnni_faster)
     monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
-    set_to = {"q4": [], "q8": []}
-
-    class Fake(nn.Module):
-        def set_panel_dtype(self, dt):
-            pass
-
-        def set_q4_kernel(self, name):
-            set_to["q4"].append(name)
-
-        def set_q8_kernel(self, name):
-            set_to["q8"].append(name)
-
-        def set_q4_prefill(self, name):
-            pass
-
-        def set_q4_batch(self, name):
-            pass
-
-    Fake.is_q4 = is_q4
-    q = QuantisedModules(linears={"layers.0.qkv_proj": Fake()})
-    verdict = choose(nn.Module(), q)
+    fake = _Recorder(is_q4)
+    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.qkv_proj": fake}))
     mine, other = ("q4", "q8") if is_q4 else ("q8", "q4")
     assert probed == [is_q4]
-    assert getattr(verdict, f"{mine}_kernel") == "vnni" and set_to[mine][-1] == "vnni"
+    assert getattr(verdict, f"{mine}_kernel") == "vnni" and fake.set_to[f"{mine}_kernel"][-1] == "vnni"
     assert getattr(verdict, f"{other}_kernel") == "base"
     width = "4-bit" if is_q4 else "8-bit"
     assert f"{width} decode kernel vnni (base 1000.00 ms, vnni 700.00 ms)" in verdict.describe()
@@ -236,34 +241,14 @@ def test_q4_prefill_follows_its_measurement(monkeypatch, int8_s, want):
 
     monkeypatch.setattr(quant_probe, "probe_q4_prefill", probe_q4_prefill)
     monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 16, 64, 256), True)))
-    set_to = []
-
-    class Fake(nn.Module):
-        def __init__(self, is_q4):
-            super().__init__()
-            self.is_q4 = is_q4
-
-        def set_panel_dtype(self, dt):
-            pass
-
-        def set_q4_kernel(self, name):
-            pass
-
-        def set_q8_kernel(self, name):
-            pass
-
-        def set_q4_prefill(self, name):
-            set_to.append(name)
-
-        def set_q4_batch(self, name):
-            pass
-
-    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": Fake(True)}))
-    assert seen == [(256, torch.float32)] and verdict.q4_prefill == want and set_to[-1] == want
+    fake = _Recorder(True)
+    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": fake}))
+    assert seen == [(256, torch.float32)] and verdict.q4_prefill == want
+    assert fake.set_to["q4_prefill"][-1] == want
     assert f"4-bit prefill {want} (panels 1000.00 ms, int8 {int8_s * 1e3:.2f} ms)" in verdict.describe()
     assert Verdict.from_dict(verdict.to_dict()).q4_prefill == want
     seen.clear()
-    only_q8 = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": Fake(False)}))
+    only_q8 = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": _Recorder(False)}))
     assert seen == [] and only_q8.q4_prefill == "panels"
 
 
@@ -279,29 +264,10 @@ def test_q4_batches_follow_their_measurement(monkeypatch, tiles_s, want):
 
     monkeypatch.setattr(quant_probe, "probe_q4_batches", probe_q4_batches)
     monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4), True)))
-    set_to = []
-
-    class Fake(nn.Module):
-        is_q4 = True
-
-        def set_panel_dtype(self, dt):
-            pass
-
-        def set_q4_kernel(self, name):
-            pass
-
-        def set_q8_kernel(self, name):
-            pass
-
-        def set_q4_prefill(self, name):
-            pass
-
-        def set_q4_batch(self, name):
-            set_to.append(name)
-
-    verdict = choose(nn.Module(), QuantisedModules(linears={"lm_head": Fake()}), rows=(1, 4))
+    fake = _Recorder(True)
+    verdict = choose(nn.Module(), QuantisedModules(linears={"lm_head": fake}), rows=(1, 4))
     assert probed == [quant_probe.BATCH_ROWS] and verdict.q4_batch == want
-    assert set_to[-1] == want
+    assert fake.set_to["q4_batch"][-1] == want
     assert f"4-bit decode batches {want}" in verdict.describe()
     assert Verdict.from_dict(verdict.to_dict()).q4_batch == want
 
