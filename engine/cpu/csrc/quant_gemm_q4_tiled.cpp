@@ -123,7 +123,7 @@ void tile(const uint8_t* wb, const float* db, const float* mb, const int8_t* x, 
     __m256i s[R][NB];
     for (int r = 0; r < R; r++)
       for (int b = 0; b < NB; b++) s[r][b] = _mm256_setzero_si256();
-#pragma GCC unroll 1
+#pragma GCC unroll 2
     for (int j = 0; j < 8; j++) {
       __m256i w[NB];
       for (int b = 0; b < NB; b++) {
