@@ -6,7 +6,7 @@
 * ``quant_gemm_q4`` / ``quant_gemm_q8``: linears over weights kept in 4-bit / 8-bit groups of 32
   (GGUF Q4_0, Q4_1, Q4_K / Q8_0, Q5_K, Q6_K, and int4/int8 quantised on load), int8 dot
   products over a once-quantised activation row; ``quant_gemm_q4_tiled``, the same math laid
-  out for prefill-sized inputs (8-column blocks repacked per call).
+  out for decode batches and prefill (8-column blocks repacked per call).
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
   one pass each (PyTorch runs each as 3-5 separate passes over the activations).
 * ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (the

@@ -108,19 +108,13 @@ class QuantLinear(nn.Module):
         """A 4-bit weight's dense (prefill) path: ``panels`` (dequantised, ``panel_dtype``) or
         ``int8`` (``quant_gemm_q4_tiled``: the decode kernels' int8 math, tiled). 8-bit weights
         ignore it."""
-        if name not in Q4_PREFILL:
-            raise ValueError(f"4-bit prefill path must be one of {', '.join(Q4_PREFILL)}, "
-                             f"not {name!r}")
-        self.q4_prefill = name
+        self.q4_prefill = _one_of(name, Q4_PREFILL, "4-bit prefill path")
 
     def set_q4_batch(self, name: str) -> None:
         """A 4-bit weight's decode batches of ``BATCH_TILE_ROWS`` to ``dense_rows`` rows:
         ``kernel`` (the decode kernel) or ``tiles`` (``quant_gemm_q4_tiled``: the same integer
         math in another float summation order). 8-bit weights ignore it."""
-        if name not in Q4_BATCH:
-            raise ValueError(f"4-bit batch path must be one of {', '.join(Q4_BATCH)}, "
-                             f"not {name!r}")
-        self.q4_batch = name
+        self.q4_batch = _one_of(name, Q4_BATCH, "4-bit batch path")
 
     @property
     def tiles_from(self) -> int | None:
@@ -129,8 +123,7 @@ class QuantLinear(nn.Module):
 
     @staticmethod
     def _check_kernel(name: str) -> None:
-        if name not in KERNELS:
-            raise ValueError(f"decode kernel must be one of {', '.join(KERNELS)}, not {name!r}")
+        _one_of(name, KERNELS, "decode kernel")
         if name == "vnni" and not vnni_available():
             raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
 
@@ -159,17 +152,22 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         rows = x2.shape[0]
-        if rows <= self.dense_rows and (self.tiles_from is None or rows < self.tiles_from):
-            out = self._gemm(x2, self.qs, self.d, self.m)
+        if self._on_tiles(rows):
+            out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
         elif rows <= self.dense_rows:
-            out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
-        elif self.is_q4 and self.q4_prefill == "int8":
-            out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
+            out = self._gemm(x2, self.qs, self.d, self.m)
         else:
             out = self._dense(x2)
         if self.bias is not None:
             out += self.bias
         return out.view(*lead, self.out_features)
+
+    def _on_tiles(self, rows: int) -> bool:
+        """Whether ``rows`` rows run ``quant_gemm_q4_tiled``: a decode batch from
+        ``tiles_from`` rows, or a prefill with ``q4_prefill == "int8"`` (4-bit weights only)."""
+        if rows <= self.dense_rows:
+            return self.tiles_from is not None and rows >= self.tiles_from
+        return self.is_q4 and self.q4_prefill == "int8"
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
         dt = self.panel_dtype
@@ -192,6 +190,13 @@ class QuantLinear(nn.Module):
             "+m" if self.m is not None else "")
         above = "" if self.fallback is None else f", float above {self.float_above} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
+
+
+def _one_of(name: str, options: tuple[str, ...], what: str) -> str:
+    """``name``, if one of ``options``; else a ValueError naming ``what`` and the options."""
+    if name not in options:
+        raise ValueError(f"{what} must be one of {', '.join(options)}, not {name!r}")
+    return name
 
 
 class QuantConcat(nn.Module):

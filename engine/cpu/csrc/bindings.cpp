@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequant_q8", &quant_dequant_q8, "float32 (bf16=True: bfloat16) rows of an 8-bit packed weight",
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
-  m.def("quant_gemm_q4_tiled", &quant_gemm_q4_tiled, "quant_gemm_q4's math at prefill sizes (8-column blocks repacked per call)", nogil());
+  m.def("quant_gemm_q4_tiled", &quant_gemm_q4_tiled, "quant_gemm_q4's math for batches and prefill (8-column blocks repacked per call)", nogil());
   m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)", nogil());
   m.def("quant_gemm_q8_vnni", &quant_gemm_q8_vnni, "quant_gemm_q8 on AVX-512 VNNI (64 weights per step)", nogil());
   m.def("store_kv_cpu", &store_kv_cpu, "k/v rows into pool slots (negative: skipped), as bytes",

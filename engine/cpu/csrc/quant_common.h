@@ -48,10 +48,16 @@ inline void check_q4_args(const torch::Tensor& x, const torch::Tensor& qs, const
               "malformed q4 weight");
 }
 
-// x [M, K] float32 -> qx int8 [M, K] (each 32-group rounded to steps of dx = amax/127, to
-// nearest, ties to even), dx [M, K/32] and sx [M, K/32] = dx * sum(qx) of the group: the
-// activations of the integer-dot kernels (quant_gemm_cpu.cpp). Threaded for large M * K.
-void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx);
+// The activations of the integer-dot kernels: x [M, K] float32 as q int8 [M, K] (each 32-group
+// rounded to steps of d = amax/127, to nearest, ties to even), d [M, K/32] and
+// s [M, K/32] = d * sum(q) of the group. quantise() (quant_gemm_cpu.cpp) writes them into
+// buffers of the calling thread, reused by its next call (a decode step makes ~100 of these
+// calls; three tensor allocations each were measurable); threaded for large M * K.
+struct QuantisedRows {
+  const int8_t* q;
+  const float *d, *s;
+};
+QuantisedRows quantise(const torch::Tensor& x);
 
 // Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
 template <typename F>

@@ -72,10 +72,7 @@ inline float quantise_group(const float* src, int8_t* dst, int* sum) {
 }
 #endif
 
-}  // namespace
-
-namespace kvserve_quant {
-
+// x [M, K] -> qx int8 [M, K], dx [M, K/32], sx [M, K/32] = dx * sum(qx) of the group.
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
   const int64_t G = K / kGroup;
   auto row = [&](int64_t r) {
@@ -109,11 +106,6 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
     for (int64_t r = 0; r < M; r++) row(r);
   }
 }
-
-}  // namespace kvserve_quant
-
-namespace {
-using kvserve_quant::quantise_rows;
 
 #ifdef KVSERVE_AVX2
 inline float hsum(__m256 v) {
@@ -217,12 +209,9 @@ void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, co
 #endif
 }
 
-// The quantised activation rows, in buffers reused across calls on the calling thread (a
-// decode step makes ~100 of these calls; three tensor allocations each were measurable).
-struct QuantisedRows {
-  const int8_t* q;
-  const float *d, *s;
-};
+}  // namespace
+
+namespace kvserve_quant {
 
 QuantisedRows quantise(const torch::Tensor& x) {
   thread_local std::vector<int8_t> q;
@@ -236,12 +225,12 @@ QuantisedRows quantise(const torch::Tensor& x) {
   return {q.data(), d.data(), s.data()};
 }
 
-}  // namespace
+}  // namespace kvserve_quant
 
 torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
   check_q4_args(x, qs, d, m);
-  const auto xq = quantise(x);
+  const auto xq = kvserve_quant::quantise(x);
   auto y = torch::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
@@ -263,7 +252,7 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
   const int64_t N = qs.size(0), K = qs.size(1), G = K / kGroup, M = x.size(0);
   const int64_t S = q8_scale_group(qs, d, m);
   check_gemm_args(x, qs, d, K, S);
-  const auto xq = quantise(x);
+  const auto xq = kvserve_quant::quantise(x);
   auto y = torch::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();
   const float* dw = d.data_ptr<float>();

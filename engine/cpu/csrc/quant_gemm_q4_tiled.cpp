@@ -191,23 +191,24 @@ torch::Tensor quant_gemm_q4_tiled(torch::Tensor x, torch::Tensor qs, torch::Tens
                                   torch::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
   kvserve_quant::check_q4_args(x, qs, d, m);
-  auto xc = x.contiguous();
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dxv(M * G), sxv(M * G);
-  kvserve_quant::quantise_rows(xc.data_ptr<float>(), M, K, qx.data(), dxv.data(), sxv.data());
+  const auto rows = kvserve_quant::quantise(x);
   auto y = torch::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
-  const int8_t* xq = qx.data();
-  const float *dx = dxv.data(), *sx = sxv.data();
+  const int8_t* xq = rows.q;
+  const float *dx = rows.d, *sx = rows.s;
   float* yp = y.data_ptr<float>();
   constexpr int64_t kTileCols = kCols * kBlocks;
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
 #pragma omp parallel
   {
-    std::vector<uint8_t> wb(kBlocks * G * 256);
-    std::vector<float> db(kBlocks * G * kCols), mb(kBlocks * G * kCols);
-    std::vector<float> part;  // the last tile's outputs when N is not a multiple of 16
+    // Each thread's repacked blocks, kept for its next call (decode batches call ~100 times a
+    // step); part: the last tile's outputs when N is not a multiple of 16.
+    thread_local std::vector<uint8_t> wb;
+    thread_local std::vector<float> db, mb, part;
+    wb.resize(kBlocks * G * 256);
+    db.resize(kBlocks * G * kCols);
+    mb.resize(kBlocks * G * kCols);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
       const int64_t n0 = t * kTileCols;
