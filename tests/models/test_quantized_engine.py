@@ -30,6 +30,20 @@ def q_gguf(tmp_path_factory, make_llama_gguf):
     return path, root / "cache"
 
 
+def _default_settings(monkeypatch) -> None:
+    """The quantised modules' settings left at their defaults instead of measured: float32
+    panels above the decode kernels' rows, the base decode kernels, no int8 tiles. Where a test
+    compares two engines, or teacher-forces whole sequences through the dense path, a timing
+    must not choose its numerics (on these tiny shapes int8 tiles can win the prefill probe,
+    and on a random model their int8-rounded activations flip ~14% of near-tied top-1 tokens;
+    on the trained model they are held to 1% of perplexity: tests/models/test_smollm2.py)."""
+    from engine.models import quant_apply, quant_probe
+
+    defaults = lambda q, rows=(): {}  # noqa: E731
+    monkeypatch.setattr(quant_probe, "measure_settings", defaults)
+    monkeypatch.setattr(quant_apply, "measure_settings", defaults)
+
+
 def _llm(path, cache, monkeypatch, **kw) -> LLM:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
     return LLM(str(path), dtype="float32", kv_cache_memory="16MiB", **kw)
@@ -42,6 +56,7 @@ def test_auto_keeps_weights_packed_and_agrees_with_none(q_gguf, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
 
+    _default_settings(monkeypatch)
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     auto = _llm(path, cache, monkeypatch, quantization="auto")
     runner = auto.engine.runner
@@ -88,6 +103,7 @@ def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
 
+    _default_settings(monkeypatch)
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     auto = _llm(path, cache, monkeypatch, quantization="auto")
     runner = auto.engine.runner
@@ -114,13 +130,10 @@ def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatc
     packed tensors are never read from the converted float checkpoint, the float side is not
     probed, and the engine serves the same modules as a forced-packed start: with the same
     settings (the defaults, both sides) its greedy tokens are identical."""
-    from engine.models import quant_apply, quant_probe
     from engine.runner import model_runner
 
     path, cache = request.getfixturevalue(fixture)
-    defaults = lambda q, rows=(): {}  # noqa: E731 - float32 panels, base kernels on both sides
-    monkeypatch.setattr(quant_probe, "measure_settings", defaults)
-    monkeypatch.setattr(quant_apply, "measure_settings", defaults)
+    _default_settings(monkeypatch)  # the same settings on both sides
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     forced = _llm(path, cache, monkeypatch, quantization="auto")
@@ -170,14 +183,11 @@ def test_too_big_gguf_keeps_packed_tensors_in_the_file(fixture, request, tmp_pat
     from the GGUF, dequantised exactly as a full conversion would have written them."""
     from engine.loading import gguf_convert, packed_policy
     from engine.loading.loader import iter_weights, resolve_model
-    from engine.models import quant_apply, quant_probe
 
     path, cache = request.getfixturevalue(fixture)
     full = resolve_model(str(path), cache_dir=tmp_path / "full", progress=False)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    defaults = lambda q, rows=(): {}  # noqa: E731 - the same settings on both sides
-    monkeypatch.setattr(quant_probe, "measure_settings", defaults)
-    monkeypatch.setattr(quant_apply, "measure_settings", defaults)
+    _default_settings(monkeypatch)  # the same settings on both sides
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     expected = [o.outputs[0].token_ids
                 for o in _llm(path, tmp_path / "full", monkeypatch).generate(PROMPTS, params)]
