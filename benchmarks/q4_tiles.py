@@ -26,7 +26,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine.models.quant_linear import QuantLinear
+from engine.models.quant_linear import QuantLinear, quant_kernels
 from engine.models.quant_probe_cache import ISA_CAPS
 from engine.models.quant_rtn import quantise
 
@@ -64,9 +64,9 @@ def main() -> None:
     print(f"ISA: {isa()}\ncaps: {caps or 'none'}\nthreads: {torch.get_num_threads()}")
     g = torch.Generator().manual_seed(0)
     results = []
-    for n, k, name in tqdm([(n, k, s) for n, k, s in SHAPES], desc="shapes"):
+    tiled = quant_kernels().quant_gemm_q4_tiled
+    for n, k, name in tqdm(SHAPES, desc="shapes"):
         lin = QuantLinear(quantise(torch.randn(n, k, generator=g) * 0.05, "int4", 32))
-        tiled = lin._kernels.quant_gemm_q4_tiled
         for rows in BATCH_ROWS + PREFILL_ROWS:
             x = torch.randn(rows, k, generator=g)
             if rows in BATCH_ROWS:
