@@ -1,4 +1,4 @@
-"""The CPU paged-decode kernel over float32, int8 and fp8 pools, side by side.
+"""The CPU paged-decode kernel over float32, float16, bfloat16, int8 and fp8 pools, side by side.
 
 ``--batch`` sequences of ``--context`` keys, the embedded model's attention shape (9 heads,
 3 KV heads, head_dim 64), block size 16, shuffled block tables. ``--layers`` pools are cycled
@@ -42,9 +42,14 @@ def main() -> None:
     int8 = [(quantize_rows(k, i8), quantize_rows(v, i8)) for k, v in pools]
     fp8 = [(byte_view(quantize_rows(k, f8)), byte_view(quantize_rows(v, f8))) for k, v in pools]
     one, lut = torch.ones(kvh), fp8_table(f8.storage_dtype)
+    half = {dt: [(k.to(dt), v.to(dt)) for k, v in pools] for dt in (torch.float16, torch.bfloat16)}
     runs = {
         "float32": lambda: [kernels.paged_decode_cpu(q, k, v, tables, lens, 0.125, 0)
                             for k, v in pools],
+        "float16": lambda: [kernels.paged_decode_cpu(q, k, v, tables, lens, 0.125, 0)
+                            for k, v in half[torch.float16]],
+        "bfloat16": lambda: [kernels.paged_decode_cpu(q, k, v, tables, lens, 0.125, 0)
+                             for k, v in half[torch.bfloat16]],
         "int8": lambda: [kernels.paged_decode_cpu_int8(q, k, v, tables, lens, 0.125, 0)
                          for k, v in int8],
         "fp8_e4m3": lambda: [kernels.paged_decode_cpu_fp8(q, k, v, tables, lens, 0.125, 0, lut,

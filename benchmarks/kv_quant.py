@@ -1,7 +1,7 @@
 """KV cache dtypes side by side on the embedded model: bytes, capacity, accuracy and decode speed.
 
-For each ``--kv-cache-dtype`` (auto = the model's float32, int8, fp8_e4m3 and fp8_e5m2 with
-``calculate_kv_scales``, and fp8_e4m3 at scale 1.0), in one process, with the weights exact
+For each ``--kv-cache-dtype`` (auto = the model's float32, float16, bfloat16, int8, fp8_e4m3
+and fp8_e5m2 with ``calculate_kv_scales``, and fp8_e4m3 at scale 1.0), in one process, with the weights exact
 (``quantization="none"``) so that only the KV cache differs:
 
 * bytes per token (scales included), KV blocks in a fixed ``--kv-memory``, and the maximum
@@ -37,6 +37,8 @@ from tests.models.teacher_forced import TEXT, forced, perplexity_of
 
 VARIANTS = [  # (label, kv_cache_dtype, calculate_kv_scales)
     ("auto", "auto", False),
+    ("float16", "float16", False),
+    ("bfloat16", "bfloat16", False),
     ("int8", "int8", False),
     ("fp8_e4m3", "fp8_e4m3", True),
     ("fp8_e5m2", "fp8_e5m2", True),

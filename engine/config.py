@@ -25,7 +25,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 QUANTIZATION_GROUP_SIZES = (32, 128)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # engine/kv_cache/kv_quant.py
+# The KV pool formats (engine/kv_cache/kv_quant.py); here so that this module needs no torch.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -61,8 +62,9 @@ class EngineConfig:
     model's). ``enforce_eager`` turns CUDA graphs off. ``speculative_config`` (vLLM's JSON
     object, e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``) turns speculative
     decoding on; see ``engine.spec_decode``.
-    ``kv_cache_dtype`` stores K/V at the model's dtype ("auto") or 8-bit ("int8": a float16
-    scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
+    ``kv_cache_dtype`` stores K/V at the model's dtype ("auto"), in 16 bits ("float16",
+    llama.cpp's default cache, or "bfloat16": half a float32 model's bytes) or 8-bit ("int8": a
+    float16 scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
     ``calculate_kv_scales`` calibrates it at start-up); see ``engine/kv_cache/kv_quant.py``.
     ``kv_eviction="sink:S,window:N"`` streams past the context (StreamingLLM): the first S and
     the last N tokens' KV are kept, block-aligned, positions re-used; approximate. It turns

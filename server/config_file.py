@@ -137,9 +137,10 @@ ENGINE_OPTIONS = [
     Option("quantization-group-size", "quantization_group_size", "engine", int,
            "input elements per scale for --quantization int4/int8 (32 or 128)"),
     Option("kv-cache-dtype", "kv_cache_dtype", "engine", str,
-           "KV cache storage: auto (the model's dtype, exact), int8 (a float16 scale per token "
-           "and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the bytes per "
-           "token of bf16", choices=KV_CACHE_DTYPES),
+           "KV cache storage: auto (the model's dtype, exact), float16 or bfloat16 (16-bit "
+           "whatever the model's dtype; llama.cpp's default f16 cache), int8 (a float16 scale "
+           "per token and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the "
+           "bytes per token of 16-bit", choices=KV_CACHE_DTYPES),
     Option("kv-eviction", "kv_eviction", "engine", str,
            "stream past the context (StreamingLLM attention sinks), e.g. sink:4,window:1024: "
            "keep the first S and the last N tokens' KV (rounded up to whole blocks), evict "

@@ -6,9 +6,9 @@ block list and causal mask. Per layer it stores the new K/V, gathers whole block
 ``block_size × kv_heads × head_dim`` chunks, cheaper than per-token gathers) and runs SDPA with
 grouped-query heads sharing their K/V.
 
-8-bit pools (``engine/kv_cache/kv_quant.py``): the new K/V are quantised as they are stored and
-the gathered blocks dequantised before SDPA; decodes over an 8-bit pool take the compiled CPU
-kernel, which dequantises in registers (a row's or head's scale folded into its score and its
+8-bit and 16-bit pools (``engine/kv_cache/kv_quant.py``): the new K/V are converted as they are
+stored and the gathered blocks converted back to the queries' dtype before SDPA; decodes over
+them take the compiled CPU kernel, which widens the rows in registers (a row's or head's scale folded into its score and its
 weight; fp8 bytes read through a 256-entry table).
 
 The decode group is per query ROW, not per sequence: the leading decodes and, right after
@@ -42,6 +42,8 @@ from engine.kv_cache.kv_quant import (
 # Sequences right after the decodes with at most this many new tokens join the decode group
 # row by row (speculative verification steps); longer chunks take the prefill path.
 SMALL_QUERY_ROWS = 17
+# Float pools the compiled CPU decode kernel reads (16-bit rows widened in registers).
+CPU_KERNEL_FLOAT_POOLS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -74,9 +76,9 @@ class TorchAttentionBackend:
 
     def _decode_kernel(self, q: torch.Tensor, fmt: KVFormat):
         """The compiled CPU paged-decode kernel when it applies (CPU, float32 queries over a
-        float32, int8 or fp8 pool), else None."""
+        float32, float16, bfloat16, int8 or fp8 pool), else None."""
         if q.device.type != "cpu" or q.dtype != torch.float32 or \
-                (fmt.kind == "float" and fmt.storage_dtype != torch.float32):
+                (fmt.kind == "float" and fmt.storage_dtype not in CPU_KERNEL_FLOAT_POOLS):
             return None
         return self._cpu_kernels()
 

@@ -3,6 +3,10 @@
 ``kv_cache_dtype`` (vLLM's names) picks the format:
 
 * ``auto``: the model's dtype, rows of ``head_dim`` elements (the exact path).
+* ``float16`` / ``bfloat16``: 16-bit floats whatever the model's dtype (llama.cpp's default
+  ``f16`` cache; vLLM's ``bfloat16``): rows of ``head_dim`` elements rounded to nearest even,
+  half the bytes of float32. Under a float32 model the CPU decode kernel widens them in
+  registers; the rest of the model's math stays float32.
 * ``int8``: symmetric int8 with one float16 scale per token per KV head, stored INSIDE the row:
   a pool row is ``head_dim + 2`` int8 bytes, the last two holding the scale's bits (values
   rounded half away from zero, as the Triton ``store_kv`` does). Scales
@@ -28,12 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import KV_CACHE_DTYPES
 from engine.kv_cache.kv_calc import INT8_SCALE_BYTES  # one float16 scale per row
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 INT8_SCALE_FLOOR = 2.0 ** -14  # smallest normal float16
 
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_FLOAT16 = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def fp8_dtype(name: str) -> torch.dtype:
@@ -74,6 +79,8 @@ def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> K
     """The pool format for ``kv_cache_dtype`` (see the module docstring)."""
     if kv_cache_dtype == "auto":
         return KVFormat("float", model_dtype, head_dim)
+    if kv_cache_dtype in _FLOAT16:
+        return KVFormat("float", _FLOAT16[kv_cache_dtype], head_dim)
     if kv_cache_dtype == "int8":
         return KVFormat("int8", torch.int8, head_dim)
     if kv_cache_dtype in _FP8:

@@ -11,7 +11,8 @@ fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of
 files), a panel ``PackedLinear`` or a plain ``nn.Linear``), else None and the reason. ``accepts`` then decides per step: every row of
 the step a decode row of the torch backend's decode group (no prefill), no more rows than the
 linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
-other kernels), float32 or int8 KV pools (not fp8), no KV observer or fp8 scales. Anything else runs the Python
+other kernels), float32, float16, bfloat16 or int8 KV pools (not fp8), no KV observer or fp8
+scales. Anything else runs the Python
 loop. ``KVSERVE_DECODE_STACK=0`` turns it off (for A/B runs).
 
 The stack holds references to the modules' weight tensors: it is built after the weights are
@@ -33,6 +34,8 @@ from engine.models.packed_linear import PackedLinear
 from engine.models.quant_linear import QuantConcat, QuantLinear
 
 NO_LIMIT = 1 << 62
+# The KV pools the C++ stack stores into and decodes over (DecodeStack::set_kv_caches).
+STACK_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 # StackLinear kinds (decode_stack_cpu.h)
 _FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI = 0, 1, 2, 3, 4, 5
 
@@ -117,7 +120,7 @@ class CpuDecodeStack:
         t = x.shape[0]
         if state.get("prefills") or group is None or group.num_rows != t or t > self.max_rows:
             return False
-        if (not kv_caches or kv_caches[0][0].dtype not in (torch.float32, torch.int8)
+        if (not kv_caches or kv_caches[0][0].dtype not in STACK_POOL_DTYPES
                 or x.dtype != torch.float32):
             return False
         return all(layer.kv_observer is None and layer.kv_scales is None

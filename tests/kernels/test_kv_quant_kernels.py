@@ -114,3 +114,37 @@ def test_copy_blocks_moves_values_and_scales_bit_exact(kind):
     host = torch.zeros_like(pool, device="cpu")
     copy_blocks(pool, host, torch.tensor([[1, 0]], dtype=torch.int64))
     assert torch.equal(host[0].view(torch.uint8), pool[1].cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_16bit_pool_under_float32_queries(kind):
+    """kv_cache_dtype float16 / bfloat16 under a float32 model: store_kv rounds to the pool's
+    dtype, and decode and prefill attend over it with the queries rounded to it too (the dots
+    run in the pool's dtype, as for a 16-bit model), within 16-bit rounding of the float32
+    reference over the widened pool."""
+    dt = getattr(torch, kind)
+    case = make_paged_case([1, 8, 45], [1, 1, 1], 6, 2, HEAD_DIM, 8, seed=5)
+    kq, vq = case.k_cache.to(dt), case.v_cache.to(dt)
+    tol = 2e-2 if kind == "bfloat16" else 3e-3
+    out = paged_decode_attention(case.query, kq, vq, case.block_tables, case.seq_lens, 0.125)
+    assert out.dtype == torch.float32
+    expect = ref.paged_decode_attention(case.query, kq.float(), vq.float(), case.block_tables,
+                                        case.seq_lens, 0.125)
+    torch.testing.assert_close(out, expect, atol=tol, rtol=tol)
+    case = make_paged_case([20, 9], [5, 9], 6, 2, HEAD_DIM, 8, seed=6)
+    kq, vq = case.k_cache.to(dt), case.v_cache.to(dt)
+    out = paged_attention(case.query, kq, vq, case.block_tables, case.cu_seqlens_q,
+                          case.seq_lens, 0.125, None)
+    expect = ref.paged_attention(case.query, kq.float(), vq.float(), case.block_tables,
+                                 case.cu_seqlens_q, case.seq_lens, 0.125, None)
+    torch.testing.assert_close(out, expect, atol=tol, rtol=tol)
+    key = torch.randn(3, 2, HEAD_DIM, device=DEVICE)
+    slots = torch.tensor([0, 9, -1], dtype=torch.int64, device=DEVICE)
+    store_kv(key, key, kq, vq, slots)
+    got, want = kq.view(-1, 2, HEAD_DIM)[slots[:2]], key[:2].to(dt)
+    if kind == "bfloat16" and DEVICE.type == "cpu":
+        # The Triton interpreter's float32 -> bfloat16 cast truncates (a GPU rounds to
+        # nearest even): one bfloat16 step at most.
+        torch.testing.assert_close(got.float(), key[:2], atol=0.0, rtol=2.0 ** -7)
+    else:
+        assert torch.equal(got, want)

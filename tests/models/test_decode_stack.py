@@ -132,12 +132,15 @@ def test_plain_linears(model_dirs, monkeypatch):
     assert counts["stack"] >= PARAMS.max_tokens - 1
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_int8_pool(model_dirs, kind):
-    """Rows quantised to the int8 pool's bytes exactly as kv_quant.quantize_rows does, read by
-    the int8 decode kernel: pools and hidden states equal to the Python loop's."""
+@pytest.mark.parametrize("kind,kv_cache_dtype", [("llama", "int8"), ("qwen3", "int8"),
+                                                ("llama", "float16"), ("qwen3", "bfloat16")])
+def test_narrow_pools(model_dirs, kind, kv_cache_dtype):
+    """Rows converted to an int8 / float16 / bfloat16 pool's bytes exactly as
+    kv_quant.quantize_rows does, read by that pool's decode kernel: pools and hidden states
+    equal to the Python loop's."""
     llm = LLM(str(model_dirs[kind]), kv_cache_memory="16MiB", quantization="int4",
-              kv_cache_dtype="int8")
+              kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
     counts = _checked(llm)
     llm.generate(PROMPTS, PARAMS)
     assert counts["stack"] >= PARAMS.max_tokens - 1

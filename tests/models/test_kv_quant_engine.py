@@ -1,7 +1,7 @@
-"""The engine over 8-bit KV pools (``kv_cache_dtype`` int8 / fp8_e4m3 / fp8_e5m2) on a tiny
-random Llama: the pool is what kv-calc says, agreement with the exact cache, swap preemption
-and the host tier moving blocks with their scales, prefix hits, fp8 calibration, and the CLI
-flag. The real model's accuracy figures are in tests/models/test_smollm2.py (slow).
+"""The engine over 8-bit and 16-bit KV pools (``kv_cache_dtype`` int8 / fp8_e4m3 / fp8_e5m2 /
+float16 / bfloat16) under a float32 tiny random Llama: the pool is what kv-calc says, agreement
+with the exact cache, swap preemption and the host tier moving blocks with their scales, prefix
+hits, fp8 calibration, and the CLI flag. The real model's accuracy figures are in tests/models/test_smollm2.py (slow).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import logging
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.kv_cache.kv_calc import kv_bytes_per_token
@@ -18,6 +19,7 @@ from tests.models.teacher_forced import top1
 
 BS = 4
 KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+HALF = ["float16", "bfloat16"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,35 @@ def test_pool_holds_what_kv_calc_counts(tiny, kind):
     assert quant.stats()["kv_bytes_per_token"] == q.kv_bytes_per_token
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", HALF)
+def test_16bit_pool_halves_float32_and_decodes_on_the_kernel(tiny, kind, monkeypatch):
+    """Half float32's bytes per token, twice its blocks, and decodes on the compiled CPU kernel
+    (the Python layer loop's path; the C++ stack's is tests/models/test_decode_stack.py)."""
+    monkeypatch.setenv("KVSERVE_DECODE_STACK", "0")
+    exact, half = _llm(tiny), _llm(tiny, kv_cache_dtype=kind)
+    r, h = exact.engine.runner, half.engine.runner
+    assert h.kv_caches[0][0].dtype == getattr(torch, kind)
+    assert h.kv_bytes_per_token == kv_bytes_per_token(r.arch.shape, kind) \
+        == r.kv_bytes_per_token // 2
+    assert h.num_blocks >= 1.9 * r.num_blocks
+    backend = h.backend
+    calls = []
+    kernel = backend._cpu_kernels()
+    assert kernel is not None
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(kernel, name)
+            if name != "paged_decode_cpu":
+                return fn
+            return lambda *a: calls.append(a[1].dtype) or fn(*a)
+
+    backend._cpu_kernel = Spy()
+    half.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4))
+    assert calls and set(calls) == {h.kv_caches[0][0].dtype}
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", *HALF])
 def test_teacher_forced_agreement_with_the_exact_cache(tiny, kind):
     """Chunks of 4 tokens: every chunk after the first attends over the 8-bit cache."""
     ids_list = [p + p[::-1] for p in _prompts()]
@@ -71,7 +101,7 @@ def test_teacher_forced_agreement_with_the_exact_cache(tiny, kind):
     assert _agreement(quant, ids_list, reference) >= 0.95
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "float16"])
 def test_swap_preemption_and_host_tier_move_quantised_blocks_exactly(tiny, kind):
     """A pool small enough to preempt (swap mode, host tier on) gives the same greedy tokens
     as a pool that never preempts: blocks and their scales travel bit-exactly."""

@@ -74,3 +74,36 @@ def test_quantised_pool_matches_reference_on_dequantised(kernel, kind, heads, kv
                                           0.125, window or 0, fp8_table(fmt.storage_dtype),
                                           ks, vs)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the vector path, and the portable loop
+@pytest.mark.parametrize("window", [None, 5])
+def test_16bit_pool_matches_reference_on_widened(kernel, dtype, heads, kv_heads, head_dim,
+                                                 window):
+    """Over a float16 / bfloat16 pool (kv_cache_dtype float16 / bfloat16) under float32
+    queries the kernel computes the float32 reference over that pool widened: exact widening,
+    float32 math."""
+    gen = torch.Generator().manual_seed(7 * heads + head_dim + (window or 0))
+    block_size, num_blocks = 16, 24
+    seq_lens = torch.tensor([1, 16, 17, 40, 9], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[:15].view(5, 3).to(torch.int32)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(5, heads, head_dim, generator=gen)
+    ref = paged_decode_attention(q, k.float(), v.float(), tables, seq_lens, 0.125,
+                                 sliding_window=window)
+    got = kernel.paged_decode_cpu(q, k, v, tables, seq_lens, 0.125, window or 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pools_of_two_dtypes_or_an_unknown_dtype_are_refused(kernel):
+    k = torch.zeros(2, 4, 1, 16, dtype=torch.float16)
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.25, 0)
+    q = torch.zeros(1, 1, 16)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel.paged_decode_cpu(q, k, k.float(), *args)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        kernel.paged_decode_cpu(q, k.double(), k.double(), *args)

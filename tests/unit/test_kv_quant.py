@@ -71,6 +71,23 @@ def test_fp8_round_trip_with_head_scales(kind, rel):
     assert ((y - clipped).abs()[normal] <= rel * clipped.abs()[normal] + 1e-6).all()
 
 
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_16bit_pools_round_to_nearest_whatever_the_model_dtype(kind, model_dtype):
+    """float16 / bfloat16 pools hold ``x.to(dtype)`` (round to nearest even), read back to
+    the model's dtype; the format is read back from the pool as a float one."""
+    dt = getattr(torch, kind)
+    fmt = kv_format(kind, model_dtype, 64)
+    assert (fmt.kind, fmt.storage_dtype, fmt.row_width, fmt.row_bytes) == ("float", dt, 64, 128)
+    assert not fmt.quantized
+    x = _x(5, 3, 64).to(model_dtype)
+    rows = quantize_rows(x, fmt)
+    assert rows.dtype == dt and torch.equal(rows, x.to(dt))
+    back = dequantize_rows(rows, fmt, model_dtype)
+    assert back.dtype == model_dtype and torch.equal(back, rows.to(model_dtype))
+    assert format_of(rows, 64) == fmt
+
+
 def test_formats_read_back_from_the_pool():
     assert format_of(torch.zeros(1, 1, 1, 66, dtype=torch.int8), 64).kind == "int8"
     assert format_of(torch.zeros(1, 1, 1, 64, dtype=torch.float8_e4m3fn), 64).kind == "fp8"
@@ -105,7 +122,8 @@ def test_bytes_per_token_targets_and_kv_calc(preset):
 
 
 def test_config_validates_kv_cache_dtype():
-    assert EngineConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
+    for kind in ("int8", "float16", "bfloat16"):
+        assert EngineConfig(kv_cache_dtype=kind).kv_cache_dtype == kind
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="calculate_kv_scales"):

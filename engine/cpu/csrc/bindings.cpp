@@ -12,7 +12,7 @@
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32)", nogil());
+  m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32 queries; fp32/fp16/bf16 pool)", nogil());
   m.def("paged_decode_cpu_int8", &paged_decode_cpu_int8,
         "paged decode attention over an int8 pool (rows: int8 x D, float16 scale)", nogil());
   m.def("paged_decode_cpu_fp8", &paged_decode_cpu_fp8,

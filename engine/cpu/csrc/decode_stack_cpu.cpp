@@ -112,8 +112,9 @@ void DecodeStack::set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch:
   TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size() && !k.empty(),
               "DecodeStack: one K and one V pool per layer");
   const auto dtype = k[0].scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kInt8,
-              "DecodeStack: float32 or int8 KV pools only");
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat16 ||
+                  dtype == torch::kBFloat16 || dtype == torch::kInt8,
+              "DecodeStack: float32, float16, bfloat16 or int8 KV pools only");
   for (size_t i = 0; i < k.size(); i++) {
     TORCH_CHECK(k[i].scalar_type() == dtype && v[i].scalar_type() == dtype,
                 "DecodeStack: every pool of one dtype");
@@ -121,6 +122,7 @@ void DecodeStack::set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch:
   k_caches_ = std::move(k);
   v_caches_ = std::move(v);
   int8_ = dtype == torch::kInt8;
+  pool_dtype_ = dtype;
   int8_floor_ = int8_scale_floor;
 }
 
@@ -163,8 +165,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
                    kvserve_stack::int8_rows(v, int8_floor_), k_caches_[i], v_caches_[i], slots);
       attn = paged_decode_cpu_int8(q, k_caches_[i], v_caches_[i], block_tables, seq_lens,
                                    L.scale, L.window);
-    } else {
-      store_kv_cpu(k, v, k_caches_[i], v_caches_[i], slots);
+    } else {  // float rows, rounded to a 16-bit pool's dtype as quantize_rows does (.to)
+      store_kv_cpu(k.to(pool_dtype_), v.to(pool_dtype_), k_caches_[i], v_caches_[i], slots);
       attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
                               L.window);
     }

@@ -50,8 +50,9 @@ struct StackLayer {
 class DecodeStack {
  public:
   void add_layer(kvserve_stack::StackLayer layer);
-  // The KV pools, one K and one V per layer, kept until set again: float32, or int8 rows of
-  // head_dim values and a float16 scale (int8_scale_floor: the smallest scale stored).
+  // The KV pools, one K and one V per layer, kept until set again: float32, float16 or
+  // bfloat16 rows, or int8 rows of head_dim values and a float16 scale (int8_scale_floor: the
+  // smallest scale stored).
   void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
                      double int8_scale_floor);
   // Final hidden states [T, hidden] of decode rows x [T, hidden] (the embedding output, which
@@ -65,5 +66,6 @@ class DecodeStack {
   std::vector<kvserve_stack::StackLayer> layers_;
   std::vector<torch::Tensor> k_caches_, v_caches_;
   bool int8_ = false;
+  torch::ScalarType pool_dtype_ = torch::kFloat32;
   double int8_floor_ = 0.0;
 };

@@ -1,6 +1,7 @@
 // Paged decode attention for the CPU path: one query token per sequence, reading K/V straight
 // from the block pool through the block table (no gather copy). fp32 queries, fp32
-// accumulation, over a float32 pool or an int8 pool (engine/kv_cache/kv_quant.py: a row is
+// accumulation, over a float32 pool, a 16-bit float pool (float16 or bfloat16 rows widened to
+// float32 in registers, F16C's conversion for float16) or an int8 pool (engine/kv_cache/kv_quant.py: a row is
 // head_dim int8 values then the float16 bits of its scale; the scale of a K row multiplies its
 // score, the scale of a V row its softmax weight, so rows are dequantised in registers only),
 // or an fp8 pool read as bytes (each byte's value from a 256-entry table, the KV head's scales
@@ -11,6 +12,7 @@
 // multiple of 16 the task runs on the vector path below; anything else takes the portable loop.
 #include <torch/extension.h>
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -44,6 +46,8 @@ inline const T* row_ptr(const T* base, const Task<T>& t, int64_t pos) {
 
 // The dequantisation scale of a pool row: 1 for float rows, the trailing float16 for int8.
 inline float row_scale(const float*, int64_t) { return 1.0f; }
+inline float row_scale(const c10::Half*, int64_t) { return 1.0f; }
+inline float row_scale(const c10::BFloat16*, int64_t) { return 1.0f; }
 inline float row_scale(const uint8_t*, int64_t) { return 1.0f; }  // fp8: per head, not per row
 inline float row_scale(const int8_t* row, int64_t D) {
   uint16_t bits;
@@ -53,6 +57,8 @@ inline float row_scale(const int8_t* row, int64_t D) {
 
 // One element as a float: fp8 bytes through the lookup table.
 inline float to_float(float x, const float*) { return x; }
+inline float to_float(c10::Half x, const float*) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x, const float*) { return static_cast<float>(x); }
 inline float to_float(int8_t x, const float*) { return static_cast<float>(x); }
 inline float to_float(uint8_t x, const float* lut) { return lut[x]; }
 
@@ -90,9 +96,23 @@ void run_generic(const Task<T>& t) {
 using kvserve::exp256;
 
 constexpr int64_t kAhead = 32;  // rows prefetched this far ahead of use
+constexpr int64_t kLine = 64;   // bytes per cache line
 
 // 8 consecutive elements of a row as floats.
 inline __m256 load8(const float* p, const float*) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p, const float*) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[8];
+  for (int i = 0; i < 8; i++) f[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(f);
+#endif
+}
+inline __m256 load8(const c10::BFloat16* p, const float*) {  // bfloat16 = float32's top half
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
 inline __m256 load8(const int8_t* p, const float*) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -135,7 +155,11 @@ void pv_chunk(const T* const* vrows, int64_t n, const float* w, int64_t wstride,
 
 template <typename T>
 void run_avx2(const Task<T>& t) {
-  constexpr bool kScaled = !std::is_same<T, float>::value;
+  // kWiden: rows that are not float32 are widened to floats once per block of 8 keys.
+  // kScaled: 8-bit rows carry a scale (int8: per row; fp8: per head), folded into scores and
+  // weights; 16-bit float rows need none.
+  constexpr bool kWiden = !std::is_same<T, float>::value;
+  constexpr bool kScaled = std::is_same<T, int8_t>::value || std::is_same<T, uint8_t>::value;
   const int64_t n = t.len - t.start, npad = (n + 7) / 8 * 8, G = t.G, D = t.D;
   std::vector<const T*> krows(npad), vrows(n);
   std::vector<float> kscale(kScaled ? npad : 0), vscale_rows(kScaled ? n : 0);
@@ -154,11 +178,11 @@ void run_avx2(const Task<T>& t) {
   std::vector<float> scores(G * npad), inv(G);
   const __m256 vscale = _mm256_set1_ps(t.scale);
   // Scores, 8 keys at a time: 8 independent FMA chains, one horizontal-sum shuffle per 8 keys.
-  // 8-bit rows are widened once per block of 8 keys into kbuf (L1), not once per query head.
-  std::vector<float> kbuf(kScaled ? 8 * D : 0);
+  // Narrow rows are widened once per block of 8 keys into kbuf (L1), not once per query head.
+  std::vector<float> kbuf(kWiden ? 8 * D : 0);
   for (int64_t i0 = 0; i0 < npad; i0 += 8) {
     const float* rows[8];
-    if constexpr (kScaled) {
+    if constexpr (kWiden) {
       for (int j = 0; j < 8; j++) {
         for (int64_t c = 0; c < D; c += 8)
           _mm256_storeu_ps(kbuf.data() + j * D + c, load8(krows[i0 + j] + c, t.lut));
@@ -170,7 +194,7 @@ void run_avx2(const Task<T>& t) {
     const __m256 rs = kScaled ? _mm256_loadu_ps(kscale.data() + i0) : vscale;
     if (i0 + kAhead + 8 <= npad) {  // block tables scatter rows: the hardware cannot guess ahead
       for (int j = 0; j < 8; j++)
-        for (int64_t c = 0; c < D; c += 16)
+        for (int64_t c = 0; c < D; c += kLine / static_cast<int64_t>(sizeof(T)))
           _mm_prefetch(reinterpret_cast<const char*>(krows[i0 + kAhead + j] + c), _MM_HINT_T0);
     }
     for (int64_t g = 0; g < G; g++) {
@@ -284,9 +308,21 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
 torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                int64_t window) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32, "paged_decode_cpu: float32 only");
-  return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype(),
+              "paged_decode_cpu: float32 queries, K and V pools of one dtype");
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat32:
+      return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+    case torch::kFloat16:
+      return paged_decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                          window);
+    case torch::kBFloat16:
+      return paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                              window);
+    default:
+      TORCH_CHECK(false, "paged_decode_cpu: float32, float16 or bfloat16 pools; got ",
+                  k_cache.scalar_type());
+  }
 }
 
 torch::Tensor paged_decode_cpu_int8(torch::Tensor q, torch::Tensor k_cache,
