@@ -119,30 +119,76 @@ inline float hsum(__m256 v) {
 
 // R rows (R <= 4) of x against one weight row: each weight group is loaded (and, for q4,
 // unpacked) once and used by all R rows. Writes y[r * ldy] for r < R.
+//
+// AVX2: groups go in pairs (one 32-byte load holds both groups' nibbles; two lane permutes
+// give each group's 32 values), with two accumulators per row (even and odd groups) so that
+// one row's FMAs do not wait on each other. The per-group scale products d*dx and the mins'
+// term sum_g m*sx are computed vectorised up front, kScaleChunk groups at a time.
+constexpr int64_t kScaleChunk = 64;
+
 template <int R>
 void dot_q4(const uint8_t* w, const float* d, const float* m, const int8_t* x, const float* dx,
             const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
 #ifdef KVSERVE_AVX2
-  __m256 acc[R];
+  __m256 acc[R][2], tail[R];
+  float tail1[R];
+  alignas(32) float ds[R][kScaleChunk];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int r = 0; r < R; r++) {
+    acc[r][0] = acc[r][1] = tail[r] = _mm256_setzero_ps();
+    tail1[r] = 0.f;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; g++) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
-    const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4),
-                                        _mm_and_si128(raw, low4));
-#pragma GCC unroll 4
+  auto group_dot = [&](__m256i wq, const int8_t* xr) {  // the 32 products as 8 float lanes
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones));
+  };
+  for (int64_t c0 = 0; c0 < G; c0 += kScaleChunk) {
+    const int64_t cn = std::min(kScaleChunk, G - c0);
     for (int r = 0; r < R; r++) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + g * 32));
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dx[r * G + g]), p, acc[r]);
+      const float* dxr = dx + r * G + c0;
+      const float* sxr = sx + r * G + c0;
+      int64_t j = 0;
+      for (; j + 8 <= cn; j += 8) {
+        _mm256_store_ps(ds[r] + j, _mm256_mul_ps(_mm256_loadu_ps(d + c0 + j), _mm256_loadu_ps(dxr + j)));
+        tail[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + c0 + j), _mm256_loadu_ps(sxr + j), tail[r]);
+      }
+      for (; j < cn; j++) {
+        ds[r][j] = d[c0 + j] * dxr[j];
+        tail1[r] += m[c0 + j] * sxr[j];
+      }
+    }
+    int64_t j = 0;
+    for (; j + 2 <= cn; j += 2) {
+      const int64_t g = c0 + j;
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
+      const __m256i lo = _mm256_and_si256(raw, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      const __m256i w0 = _mm256_permute2x128_si256(lo, hi, 0x20);  // group g: its 32 values
+      const __m256i w1 = _mm256_permute2x128_si256(lo, hi, 0x31);  // group g + 1
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const int8_t* xr = x + r * K + g * 32;
+        acc[r][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds[r] + j), group_dot(w0, xr), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds[r] + j + 1), group_dot(w1, xr + 32),
+                                    acc[r][1]);
+      }
+    }
+    if (j < cn) {  // an odd group out
+      const int64_t g = c0 + j;
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+      const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm256_castsi256_si128(low4)),
+                                          _mm_and_si128(raw, _mm256_castsi256_si128(low4)));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        acc[r][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds[r] + j), group_dot(wq, x + r * K + g * 32),
+                                    acc[r][0]);
+      }
     }
   }
   for (int r = 0; r < R; r++) {
-    float tail = 0.f;
-    for (int64_t g = 0; g < G; g++) tail += m[g] * sx[r * G + g];
-    y[r * ldy] = hsum(acc[r]) + tail;
+    y[r * ldy] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (hsum(tail[r]) + tail1[r]);
   }
 #else
   for (int r = 0; r < R; r++) {
