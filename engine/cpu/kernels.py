@@ -6,7 +6,8 @@
 * ``quant_gemm_q4`` / ``quant_gemm_q8``: linears over weights kept in 4-bit / 8-bit groups of 32
   (GGUF Q4_0, Q4_1, Q4_K / Q8_0, Q5_K, Q6_K, and int4/int8 quantised on load), int8 dot
   products over a once-quantised activation row; ``quant_gemm_q4_tiled``, the same math laid
-  out for decode batches and prefill (8-column blocks repacked per call).
+  out for decode batches and prefill (8-column blocks repacked per call);
+  ``quant_gemm_q4_blocked``, that math over weights stored blocked (no repack), at any row count.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
   one pass each (PyTorch runs each as 3-5 separate passes over the activations).
 * ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (the
@@ -30,7 +31,8 @@ from pathlib import Path
 logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_gemm_cpu.cpp",
-            "quant_gemm_cpu.cpp", "quant_gemm_q4_tiled.cpp", "quant_gemm_vnni.cpp",
+            "quant_gemm_cpu.cpp", "quant_gemm_q4_tiled.cpp", "quant_gemm_q4_blocked.cpp",
+            "quant_gemm_vnni.cpp",
             "quant_gemm_vnni_q8.cpp", "quant_dequant_cpu.cpp",
             "kv_store_cpu.cpp", "decode_stack_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"

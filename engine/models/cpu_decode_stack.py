@@ -37,7 +37,7 @@ NO_LIMIT = 1 << 62
 # The KV pools the C++ stack stores into and decodes over (DecodeStack::set_kv_caches).
 STACK_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 # StackLinear kinds (decode_stack_cpu.h)
-_FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI = 0, 1, 2, 3, 4, 5
+_FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI, _Q4_BLOCKED = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
         return _Linear(kernels.StackLinear([p.spec for p in parts]), rows)
     if isinstance(mod, QuantLinear):
         rows = mod.dense_rows if mod.fallback is None else min(mod.dense_rows, mod.float_above)
-        if mod.is_q4:
+        if mod.blocked:
+            kind = _Q4_BLOCKED
+        elif mod.is_q4:
             kind = _Q4_VNNI if mod.q4_kernel == "vnni" else _Q4
         else:
             kind = _Q8_VNNI if mod.q8_kernel == "vnni" else _Q8

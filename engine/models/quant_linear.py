@@ -21,6 +21,12 @@
   AMX/AVX-512 BF16 ~2-4x at 256+ rows; the activations are rounded to bf16 for it, the output
   stays float32) and multiplied densely; compute-bound there, so the dequantisation is a small
   extra.
+* 4-bit weights can be stored blocked instead (``q4_layout`` ``blocked``,
+  engine/models/quant_blocked.py: 8 output columns' groups interleaved) where the start-up probe
+  measured it faster: then ``quant_gemm_q4_blocked`` serves every decode-sized input (the
+  tiles' math without their per-call repack: on AVX2 1.3x the decode kernel at one row, 2x+
+  from 2 rows) and the int8 prefill; panels are dequantised from that layout. ``q4_kernel``
+  and ``q4_batch`` then have no effect.
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster.
@@ -38,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.quant_blocked import from_blocked, to_blocked
 from engine.models.quant_formats import Packed, PackedQ4
 
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
@@ -47,6 +54,7 @@ KERNELS = ("base", "vnni")  # the decode kernels of either width
 Q4_PREFILL = ("panels", "int8")  # a 4-bit weight's dense path: dequantised panels or int8 tiles
 Q4_BATCH = ("kernel", "tiles")  # a 4-bit weight's decode batches: the decode kernel or int8 tiles
 BATCH_TILE_ROWS = 3  # the smallest batch the tiles may serve (below, the per-call repack costs)
+Q4_LAYOUTS = ("rows", "blocked")  # a 4-bit weight's storage (engine/models/quant_blocked.py)
 
 
 def quant_kernels():
@@ -85,6 +93,7 @@ class QuantLinear(nn.Module):
         self.q4_kernel = self.q8_kernel = "base"
         self.q4_prefill = "panels"
         self.q4_batch = "kernel"
+        self.q4_layout = "rows"
 
     def set_q4_kernel(self, name: str) -> None:
         """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
@@ -116,10 +125,29 @@ class QuantLinear(nn.Module):
         math in another float summation order). 8-bit weights ignore it."""
         self.q4_batch = _one_of(name, Q4_BATCH, "4-bit batch path")
 
+    def set_q4_layout(self, name: str) -> None:
+        """A 4-bit weight's storage: ``rows`` (GGUF's) or ``blocked`` (served by
+        ``quant_gemm_q4_blocked`` at every decode size); converted in place, exactly, one copy
+        of the weight at a time. 8-bit weights ignore it."""
+        _one_of(name, Q4_LAYOUTS, "4-bit layout")
+        if not self.is_q4 or name == self.q4_layout:
+            return
+        convert = (lambda: to_blocked(self.qs, self.d, self.m)) if name == "blocked" else \
+            (lambda: from_blocked(self.qs, self.d, self.m, self.out_features))
+        self.qs, self.d, self.m = convert()
+        self.q4_layout = name
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the weight is stored blocked (:meth:`set_q4_layout`)."""
+        return self.q4_layout == "blocked"
+
     @property
     def tiles_from(self) -> int | None:
-        """The row count from which decode-sized inputs run the tiles (None: never)."""
-        return BATCH_TILE_ROWS if self.is_q4 and self.q4_batch == "tiles" else None
+        """The row count from which decode-sized inputs run the tiles (None: never; a blocked
+        weight has its own kernel for every row count)."""
+        return BATCH_TILE_ROWS if self.is_q4 and self.q4_batch == "tiles" and not self.blocked \
+            else None
 
     @staticmethod
     def _check_kernel(name: str) -> None:
@@ -140,6 +168,8 @@ class QuantLinear(nn.Module):
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``W[rows]`` as float32 (or bfloat16)."""
         bf16 = dtype == torch.bfloat16
+        if self.blocked:
+            return self._kernels.quant_dequant_q4_blocked(self.qs, self.d, self.m, rows, bf16)
         if self.is_q4:
             return self._kernels.quant_dequant_q4(self.qs, self.d, self.m, rows, bf16)
         return self._kernels.quant_dequant_q8(self.qs, self.d, self.m, rows, bf16)
@@ -152,7 +182,10 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         rows = x2.shape[0]
-        if self._on_tiles(rows):
+        if self.blocked and (rows <= self.dense_rows or self.q4_prefill == "int8"):
+            out = self._kernels.quant_gemm_q4_blocked(x2, self.qs, self.d, self.m,
+                                                      self.out_features)
+        elif self._on_tiles(rows):
             out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
         elif rows <= self.dense_rows:
             out = self._gemm(x2, self.qs, self.d, self.m)
@@ -186,8 +219,11 @@ class QuantLinear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
     def extra_repr(self) -> str:
-        kind = "q4" if self.is_q4 else f"q8/{self.in_features // self.d.shape[1]}" + (
-            "+m" if self.m is not None else "")
+        if self.is_q4:
+            kind = "q4 blocked" if self.blocked else "q4"
+        else:
+            kind = f"q8/{self.in_features // self.d.shape[1]}" + ("+m" if self.m is not None
+                                                                  else "")
         above = "" if self.fallback is None else f", float above {self.float_above} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
 
@@ -235,6 +271,10 @@ class QuantConcat(nn.Module):
     def set_q4_batch(self, name: str) -> None:
         for part in self.parts:
             part.set_q4_batch(name)
+
+    def set_q4_layout(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q4_layout(name)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

@@ -93,6 +93,10 @@ class Verdict:
     def q4_batch(self) -> str:
         return self.setting("q4_batch")
 
+    @property
+    def q4_layout(self) -> str:
+        return self.setting("q4_layout")
+
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
                          f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
@@ -131,7 +135,8 @@ SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q4_kernel": ("4-bit decode kernel", ("base", "vnni")),
             "q8_kernel": ("8-bit decode kernel", ("base", "vnni")),
             "q4_prefill": ("4-bit prefill", ("panels", "int8")),
-            "q4_batch": ("4-bit decode batches", ("kernel", "tiles"))}
+            "q4_batch": ("4-bit decode batches", ("kernel", "tiles")),
+            "q4_layout": ("4-bit layout", ("rows", "blocked"))}
 
 
 @dataclass
@@ -186,7 +191,8 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     (:func:`probe_q4_prefill`), and where the AVX-512 VNNI kernels are built, the 4-bit and
     the 8-bit decode kernels at 1 and 16 rows, each where such weights exist
     (:func:`probe_decode_kernels`); last, with 4-bit weights, their decode kernel against the
-    int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`)."""
+    int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all of that (the
+    rows layout) against the blocked layout at ``DECODE_ROWS`` (:func:`probe_q4_layout`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
     if dense:
@@ -205,6 +211,9 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
         settings["q4_batch"] = Setting.measured("q4_batch", confirmed_probe(
             lambda repeats: probe_q4_batches(q, repeats=repeats), 3))
         apply_settings(q, Verdict("quant", None, {}, settings))
+        settings["q4_layout"] = Setting.measured("q4_layout", confirmed_probe(
+            lambda repeats: probe_q4_layout(q, repeats=repeats), 3))
+        apply_settings(q, Verdict("quant", None, {}, settings))
     return settings
 
 
@@ -217,6 +226,7 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
         m.set_q8_kernel(verdict.q8_kernel)
         m.set_q4_prefill(verdict.q4_prefill)
         m.set_q4_batch(verdict.q4_batch)
+        m.set_q4_layout(verdict.q4_layout)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -257,21 +267,24 @@ def _inputs(modules: list[nn.Module], rows: int) -> dict[int, torch.Tensor]:
     return {k: torch.randn(rows, k) for k in widths}
 
 
-def _alternate(passes: tuple, repeats: int) -> ProbeResult:
+def _alternate(passes: tuple, repeats: int, prepare: tuple | None = None) -> ProbeResult:
     """Time the two zero-argument ``passes`` alternately, ``repeats`` times each after one
-    warm-up each; ``float_s`` is the first's best run, ``quant_s`` the second's."""
+    warm-up each; ``float_s`` is the first's best run, ``quant_s`` the second's. ``prepare``:
+    two zero-argument calls, each run (untimed) before every run of its pass."""
 
-    def timed(run) -> float:
+    def timed(side: int) -> float:
+        if prepare is not None:
+            prepare[side]()
         start = time.perf_counter()
-        run()
+        passes[side]()
         return time.perf_counter() - start
 
-    for run in passes:
-        run()
+    for side in (0, 1):
+        timed(side)
     runs: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for side in (0, 1):
-            runs[side].append(timed(passes[side]))
+            runs[side].append(timed(side))
     return ProbeResult(min(runs[0]), min(runs[1]), tuple(runs[0]), tuple(runs[1]))
 
 
@@ -302,20 +315,17 @@ def _layer_leaves(q: QuantisedModules) -> list[nn.Module]:
 def _toggle(mods: list[nn.Module], rows: tuple[int, ...], set_all, first, second,
             repeats: int) -> ProbeResult:
     """Time a pass over ``mods`` at each of ``rows`` row counts after ``set_all(first)``
-    (``float_s``) and after ``set_all(second)`` (``quant_s``), alternated; ``set_all(first)``
-    again at the end."""
+    (``float_s``) and after ``set_all(second)`` (``quant_s``), alternated (the switches
+    untimed: a layout switch copies the weights); ``set_all(first)`` again at the end."""
     inputs = {n: _inputs(mods, n) for n in rows}
 
-    def side(value):
-        def run() -> None:
-            set_all(value)
-            for n in rows:
-                for m in mods:
-                    m(inputs[n][m.in_features])
-        return run
+    def run() -> None:
+        for n in rows:
+            for m in mods:
+                m(inputs[n][m.in_features])
 
     try:
-        return _alternate((side(first), side(second)), repeats)
+        return _alternate((run, run), repeats, (lambda: set_all(first), lambda: set_all(second)))
     finally:
         set_all(first)
 
@@ -376,3 +386,17 @@ def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...]
             (m.set_q4_kernel if is_q4 else m.set_q8_kernel)(name)
 
     return _toggle(mods, rows, set_all, "base", "vnni", repeats)
+
+
+def probe_q4_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
+                    repeats: int = 3) -> ProbeResult:
+    """The 4-bit modules (the logits head among them, if 4-bit) at ``rows`` (a single stream
+    and a batch of decodes) stored in the rows layout with their settings so far
+    (``float_s``) against the blocked layout (``quant_s``). Left in the rows layout."""
+    mods = [m for m in _leaf_modules(q) if m.is_q4]
+
+    def set_all(name: str) -> None:
+        for m in mods:
+            m.set_q4_layout(name)
+
+    return _toggle(mods, rows, set_all, "rows", "blocked", repeats)

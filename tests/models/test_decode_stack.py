@@ -108,6 +108,23 @@ def test_stack_serves_4bit_batches_on_tiles(model_dirs, kernel):
     assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 
 
+def test_stack_serves_blocked_4bit_weights(model_dirs):
+    """``q4_layout = "blocked"``: every decode step, one row or a batch, runs the blocked
+    kernel in the stack as in Python, bit-identically."""
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4")
+    model = llm.engine.runner.model
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.set_q4_layout("blocked")
+    model.decode_stack, why = build_decode_stack(model)
+    assert why == ""
+    counts = _checked(llm)
+    llm.generate(PROMPTS[:1], PARAMS)  # one row per step
+    outs = llm.generate(PROMPTS + [PROMPTS[0] + [7]], PARAMS)  # four
+    assert counts["stack"] >= 2 * (PARAMS.max_tokens - 1)
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
+
+
 def test_mixed_format_projections(make_llama_gguf, tmp_path, monkeypatch):
     """A Q4_K_M-style GGUF: Q/K/V packed as Q4_K and Q6_K rows (a QuantConcat), down as Q5_K
     (8-bit with mins), a Q6_K token table."""

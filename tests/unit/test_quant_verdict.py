@@ -23,6 +23,7 @@ gguf = pytest.importorskip("gguf")
 # The real setting probes (the autouse fixture below replaces them in the module).
 REAL_PANELS, REAL_KERNELS = quant_probe.probe_panels, quant_probe.probe_decode_kernels
 REAL_Q4_PREFILL, REAL_Q4_BATCHES = quant_probe.probe_q4_prefill, quant_probe.probe_q4_batches
+REAL_Q4_LAYOUT = quant_probe.probe_q4_layout
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +35,7 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     monkeypatch.setattr(quant_probe, "probe_decode_kernels", slower)
     monkeypatch.setattr(quant_probe, "probe_q4_prefill", slower)
     monkeypatch.setattr(quant_probe, "probe_q4_batches", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_layout", slower)
 
 
 class _Recorder(nn.Module):
@@ -58,6 +60,9 @@ class _Recorder(nn.Module):
 
     def set_q4_batch(self, name):
         self.set_to["q4_batch"].append(name)
+
+    def set_q4_layout(self, name):
+        self.set_to["q4_layout"].append(name)
 
 
 def _fake_probe(wins: dict[int, bool]):
@@ -272,6 +277,37 @@ def test_q4_batches_follow_their_measurement(monkeypatch, tiles_s, want):
     assert Verdict.from_dict(verdict.to_dict()).q4_batch == want
 
 
+@pytest.mark.parametrize(("blocked_s", "want"), [(0.5, "blocked"), (1.5, "rows")])
+def test_q4_layout_follows_its_measurement(monkeypatch, blocked_s, want):
+    """With 4-bit weights the blocked layout is taken only where measured faster (1 and 16
+    rows) than the rows layout with the settings chosen before it; set on every 4-bit module,
+    kept in the verdict."""
+    order = []
+
+    def probe_q4_batches(q, rows=quant_probe.BATCH_ROWS, repeats=3):
+        order.append("batches")
+        return ProbeResult(1.0, 0.5, (1.0, 1.0), (0.5, 0.5))
+
+    def probe_q4_layout(q, rows=quant_probe.DECODE_ROWS, repeats=3):
+        order.append(("layout", rows))
+        return ProbeResult(1.0, blocked_s, (1.0, 1.0), (blocked_s, blocked_s))
+
+    monkeypatch.setattr(quant_probe, "probe_q4_batches", probe_q4_batches)
+    monkeypatch.setattr(quant_probe, "probe_q4_layout", probe_q4_layout)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4), True)))
+    fake = _Recorder(True)
+    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": fake}), rows=(1, 4))
+    assert order == ["batches", ("layout", quant_probe.DECODE_ROWS)]
+    assert verdict.q4_layout == want and fake.set_to["q4_layout"][-1] == want
+    assert f"4-bit layout {want} (rows 1000.00 ms, blocked {blocked_s * 1e3:.2f} ms)" \
+        in verdict.describe()
+    assert Verdict.from_dict(verdict.to_dict()).q4_layout == want
+    order.clear()
+    only_q8 = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": _Recorder(False)}),
+                     rows=(1, 4))
+    assert order == [] and only_q8.q4_layout == "rows"
+
+
 def test_the_real_setting_probes_run_and_restore_the_modules():
     from engine.models.quant_linear import QuantLinear, quant_kernels, vnni_available
     from engine.models.quant_rtn import quantise
@@ -287,6 +323,10 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
     assert result.float_s > 0 and result.quant_s > 0 and lin.q4_prefill == "panels"
     result = REAL_Q4_BATCHES(q, (8, 9), 1)
     assert result.float_s > 0 and result.quant_s > 0 and lin.q4_batch == "kernel"
+    qs = lin.qs.clone()
+    result = REAL_Q4_LAYOUT(q, (1, 9), 1)
+    assert result.float_s > 0 and result.quant_s > 0 and lin.q4_layout == "rows"
+    assert torch.equal(lin.qs, qs)
     if vnni_available():
         assert REAL_KERNELS(q, True, (1, 3), 1).quant_s > 0 and lin.q4_kernel == "base"
         lin8 = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int8", 32))

@@ -33,6 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
   m.def("quant_gemm_q4_tiled", &quant_gemm_q4_tiled, "quant_gemm_q4's math for batches and prefill (8-column blocks repacked per call)", nogil());
+  m.def("quant_gemm_q4_blocked", &quant_gemm_q4_blocked,
+        "quant_gemm_q4's math over the blocked 4-bit layout (engine/models/quant_blocked.py), any rows",
+        nogil());
+  m.def("quant_dequant_q4_blocked", &quant_dequant_q4_blocked,
+        "float32 (bf16=True: bfloat16) rows of a blocked 4-bit weight", nogil());
   m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)", nogil());
   m.def("quant_gemm_q8_vnni", &quant_gemm_q8_vnni, "quant_gemm_q8 on AVX-512 VNNI (64 weights per step)", nogil());
   m.def("store_kv_cpu", &store_kv_cpu, "k/v rows into pool slots (negative: skipped), as bytes",

@@ -34,7 +34,7 @@ StackLinear::StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Ten
   TORCH_CHECK(kind >= kFloat && kind < kConcat, "StackLinear: unknown kind ", kind);
   const bool quant = kind != kFloat && kind != kPanels;
   TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
-  TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni || this->m.has_value(),
+  TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni && kind != kQ4Blocked || this->m.has_value(),
               "StackLinear: a 4-bit weight needs its mins");
 }
 
@@ -70,6 +70,9 @@ torch::Tensor StackLinear::operator()(const torch::Tensor& x) const {
       break;
     case kQ8Vnni:
       y = quant_gemm_q8_vnni(x, w, *d, m);
+      break;
+    case kQ4Blocked:
+      y = quant_gemm_q4_blocked(x, w, *d, *m, out_features);
       break;
     default:
       y = quant_gemm_q8(x, w, *d, m);

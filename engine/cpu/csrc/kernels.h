@@ -36,6 +36,10 @@ torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<
                                torch::Tensor rows, bool bf16);
 std::string quant_gemm_isa();
 torch::Tensor quant_gemm_q4_tiled(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+torch::Tensor quant_gemm_q4_blocked(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                    torch::Tensor m, int64_t N);
+torch::Tensor quant_dequant_q4_blocked(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                                       torch::Tensor rows, bool bf16);
 torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 bool quant_gemm_q4_vnni_available();
 torch::Tensor quant_gemm_q8_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,

@@ -1,11 +1,14 @@
 // Shared by the packed-weight kernels (quant_gemm_cpu.cpp, quant_dequant_cpu.cpp,
-// quant_gemm_q4_tiled.cpp): the group size, the checks of a weight's layout (see
-// quant_gemm_cpu.cpp for the formats) and the activations' int8 rounding.
+// quant_gemm_q4_tiled.cpp, quant_gemm_q4_blocked.cpp): the group size, the checks of a
+// weight's layout (see quant_gemm_cpu.cpp for the formats), a 4-bit group's dequantisation and
+// the activations' int8 rounding.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <type_traits>
+
+#include "vec_math.h"
 
 namespace kvserve_quant {
 
@@ -46,6 +49,29 @@ inline void check_q4_args(const torch::Tensor& x, const torch::Tensor& qs, const
   check_gemm_args(x, qs, d, qs.size(1) * 2);
   TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && m.is_contiguous() && m.sizes() == d.sizes(),
               "malformed q4 weight");
+}
+
+// One group of a 4-bit weight as T (float or c10::BFloat16): its 16 bytes in the rows layout
+// (byte j holds q[j] in its low nibble, q[j + 16] in its high one) -> dst[k] = a * q[k] + b,
+// one rounding where the machine has FMA (then rounded to bfloat16, nearest even, for T).
+template <typename T>
+inline void dequant_q4_group(const uint8_t* src, float a, float b, T* dst) {
+#ifdef KVSERVE_AVX2
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+  const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int h = 0; h < 4; h++) {
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
+    kvserve::store8(dst + 8 * h, _mm256_fmadd_ps(av, q, bv));
+  }
+#else
+  for (int j = 0; j < 16; j++) {
+    dst[j] = static_cast<T>(a * static_cast<float>(src[j] & 0x0F) + b);
+    dst[j + 16] = static_cast<T>(a * static_cast<float>(src[j] >> 4) + b);
+  }
+#endif
 }
 
 // The activations of the integer-dot kernels: x [M, K] float32 as q int8 [M, K] (each 32-group

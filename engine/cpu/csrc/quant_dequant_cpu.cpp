@@ -30,25 +30,8 @@ static void dequant_q4(const torch::Tensor& qs, const torch::Tensor& d, const to
   for (int64_t i = 0; i < R; i++) {
     const int64_t n = idp[i];
     for (int64_t g = 0; g < G; g++) {
-      const uint8_t* src = w + n * (K / 2) + g * 16;
-      T* dst = o + i * K + g * kGroup;
-      const float a = dw[n * G + g], b = mw[n * G + g];
-#ifdef KVSERVE_AVX2
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-      const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
-      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      for (int h = 0; h < 4; h++) {
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
-        kvserve::store8(dst + 8 * h, _mm256_fmadd_ps(av, q, bv));
-      }
-#else
-      for (int j = 0; j < 16; j++) {
-        dst[j] = static_cast<T>(a * static_cast<float>(src[j] & 0x0F) + b);
-        dst[j + 16] = static_cast<T>(a * static_cast<float>(src[j] >> 4) + b);
-      }
-#endif
+      kvserve_quant::dequant_q4_group(w + n * (K / 2) + g * 16, dw[n * G + g], mw[n * G + g],
+                                      o + i * K + g * kGroup);
     }
   }
 }

@@ -1,0 +1,291 @@
+// y[M, N] = x[M, K] @ W^T for 4-bit weights kept in the BLOCKED layout, at every row count.
+//
+// Layout (engine/models/quant_blocked.py converts the rows layout of quant_gemm_cpu.cpp to it
+// and back, losslessly):
+//   qs uint8 [NB, G, 128], NB = ceil(N / 8): block b holds output columns 8b .. 8b+7 (the last
+//     block's missing columns are zero), group g its k = 32g .. 32g+31. Byte 32j + 4c + i
+//     (j, i in 0..3; c in 0..7) is byte 4j + i of column 8b+c's group g in the rows layout, so
+//     its low nibble is q[32g + 4j + i] and its high nibble q[32g + 16 + 4j + i].
+//   d, m float32 [NB, G, 8]: the scale and min of column 8b+c's group g; w = d * q + m.
+//
+// The math is quant_gemm_q4's (each activation row rounded to int8 per group of 32; per group
+// d*dx*sum(q*qx) + m*sx; the same integer sums), laid out as quant_gemm_q4_tiled lays it out,
+// but without its per-call repack: one 32-byte load gives 8 columns x 4 k of packed nibbles;
+// one AND gives their low halves, a shift and an AND their high halves, and each meets one
+// broadcast of 4 activation bytes in one _mm256_maddubs_epi16. A group's 8 such products add
+// up in 16 bits (|sum| <= 16 * 15 * 127 = 30480: no overflow), then one widening, one
+// conversion and two FMAs per 8 columns add the group in float (group order, as the tiled
+// kernel: equal to quant_gemm_q4 up to float summation order). ~4 vector ops per 32
+// multiply-adds at one row, where quant_gemm_q4 needs ~9: the one-row decode that the rows
+// layout leaves bound by arithmetic becomes bound by memory.
+//
+// Tiles: one or two rows take 4 blocks (32 columns) at a time, more rows go 3 rows x 2 blocks;
+// threads split the column tiles. AVX2; without it the same math runs in scalar code.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "quant_common.h"
+#include "vec_math.h"
+
+using kvserve_quant::kGroup;
+
+namespace {
+
+constexpr int kCols = 8;         // output columns per block
+constexpr int64_t kBlockBytes = 128;  // packed bytes per block and group
+
+struct Blocked {
+  const uint8_t* qs;
+  const float* d;
+  const float* m;
+  int64_t G;
+};
+
+// The weights a tile reads: packed nibbles (qs of block b0 on, 128 bytes per block and group)
+// or, for tiles of several rows, the same blocks unpacked once per call into bytes (256 per
+// block and group: step s's 32 bytes at 32 s, steps 0-3 the low nibbles, 4-7 the high ones).
+struct TileWeights {
+  const uint8_t* q;
+  const float* d;
+  const float* m;
+};
+
+// R rows x NB blocks (kUnpacked: w.q holds unpacked bytes); y: R rows of NB*8 outputs,
+// stride ldy.
+template <int R, int NB, bool kUnpacked>
+void tile(const TileWeights& w, int64_t G, const int8_t* x, const float* dx, const float* sx,
+          int64_t K, float* y, int64_t ldy) {
+  const uint8_t* qs = w.q;
+  const float* d = w.d;
+  const float* m = w.m;
+  constexpr int64_t bytes = kUnpacked ? 2 * kBlockBytes : kBlockBytes;
+#ifdef KVSERVE_AVX2
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < NB; b++) acc[r][b] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; g++) {
+    __m256i s[R][NB];
+    for (int r = 0; r < R; r++)
+      for (int b = 0; b < NB; b++) s[r][b] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int step = 0; step < 8; step++) {  // steps 0-3: low nibbles, 4-7: high nibbles
+      const int j = step & 3;
+      __m256i wq[NB];
+      for (int b = 0; b < NB; b++) {
+        if constexpr (kUnpacked) {
+          wq[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b * G + g) * bytes + 32 * step));
+        } else {
+          const __m256i raw = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(qs + (b * G + g) * bytes + 32 * j));
+          wq[b] = _mm256_and_si256(step < 4 ? raw : _mm256_srli_epi16(raw, 4), low4);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        int32_t quad;  // activations k = 4j .. 4j+3 (low) or 16+4j .. 16+4j+3 (high)
+        std::memcpy(&quad, x + r * K + g * kGroup + 4 * step, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        for (int b = 0; b < NB; b++) s[r][b] = _mm256_add_epi16(s[r][b], _mm256_maddubs_epi16(wq[b], xb));
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < NB; b++) {
+      const __m256 dv = _mm256_loadu_ps(d + (b * G + g) * kCols);
+      const __m256 mv = _mm256_loadu_ps(m + (b * G + g) * kCols);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][b], ones));
+        acc[r][b] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * G + g])), acc[r][b]);
+        acc[r][b] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[r * G + g]), acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(y + r * ldy + b * kCols, acc[r][b]);
+#else
+  for (int r = 0; r < R; r++) {
+    for (int b = 0; b < NB; b++) {
+      for (int c = 0; c < kCols; c++) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+          const uint8_t* blk = qs + (b * G + g) * bytes;
+          const int8_t* xg = x + r * K + g * kGroup;
+          int32_t sum = 0;
+          for (int j = 0; j < 4; j++) {
+            for (int i = 0; i < 4; i++) {
+              const int lo = kUnpacked ? blk[32 * j + 4 * c + i] : blk[32 * j + 4 * c + i] & 0x0F;
+              const int hi = kUnpacked ? blk[32 * (j + 4) + 4 * c + i] : blk[32 * j + 4 * c + i] >> 4;
+              sum += lo * xg[4 * j + i] + hi * xg[16 + 4 * j + i];
+            }
+          }
+          const int64_t k = (b * G + g) * kCols + c;
+          acc = std::fma(static_cast<float>(sum), d[k] * dx[r * G + g], acc);
+          acc = std::fma(m[k], sx[r * G + g], acc);
+        }
+        y[r * ldy + b * kCols + c] = acc;
+      }
+    }
+  }
+#endif
+}
+
+// All M rows against one tile's NB blocks: rows in tiles of RT, the rest one at a time.
+template <int RT, int NB, bool kU>
+void rows_against(const TileWeights& w, int64_t G, const int8_t* x, const float* dx,
+                  const float* sx, int64_t M, int64_t K, float* y, int64_t ldy) {
+  int64_t r0 = 0;
+  for (; r0 + RT <= M; r0 += RT) {
+    tile<RT, NB, kU>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
+  }
+  for (; r0 < M; r0++) tile<1, NB, kU>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
+}
+
+// One column tile of nb (1 .. NB) blocks, all rows, into y (stride ldy).
+template <int RT, int NB, bool kU>
+void column_tile(const TileWeights& w, int nb, int64_t G, const int8_t* x, const float* dx,
+                 const float* sx, int64_t M, int64_t K, float* y, int64_t ldy) {
+  if constexpr (NB > 1) {
+    if (nb < NB) return column_tile<RT, NB - 1, kU>(w, nb, G, x, dx, sx, M, K, y, ldy);
+  }
+  rows_against<RT, NB, kU>(w, G, x, dx, sx, M, K, y, ldy);
+}
+
+// nb blocks of packed nibbles -> the unpacked bytes of TileWeights (the same 8 steps a packed
+// tile derives per row tile, derived once).
+void unpack(const uint8_t* qs, int nb, int64_t G, uint8_t* out) {
+  for (int64_t bg = 0; bg < nb * G; bg++) {
+    const uint8_t* src = qs + bg * kBlockBytes;
+    uint8_t* dst = out + bg * 2 * kBlockBytes;
+#ifdef KVSERVE_AVX2
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * j), _mm256_and_si256(raw, low4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * (j + 4)),
+                          _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+    }
+#else
+    for (int i = 0; i < kBlockBytes; i++) {
+      dst[i] = src[i] & 0x0F;
+      dst[i + kBlockBytes] = src[i] >> 4;
+    }
+#endif
+  }
+}
+
+// Threads split the column tiles (NB blocks each); with kUnpack each thread first unpacks its
+// tile's nibbles into a buffer it keeps across calls (worth it from a few rows on).
+template <int RT, int NB, bool kUnpack>
+void gemm(const Blocked& w, int64_t N, const int8_t* x, const float* dx, const float* sx,
+          int64_t M, int64_t K, float* y) {
+  const int64_t G = w.G;
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  const int64_t tiles = (blocks + NB - 1) / NB;
+#pragma omp parallel
+  {
+    thread_local std::vector<uint8_t> buf;
+    if (kUnpack) buf.resize(NB * G * 2 * kBlockBytes);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+      const int64_t b0 = t * NB;
+      const int nb = static_cast<int>(std::min<int64_t>(NB, blocks - b0));
+      const int64_t n0 = b0 * kCols, cols = std::min<int64_t>(nb * kCols, N - n0);
+      TileWeights tw{w.qs + b0 * G * kBlockBytes, w.d + b0 * G * kCols, w.m + b0 * G * kCols};
+      if (kUnpack) {
+        unpack(tw.q, nb, G, buf.data());
+        tw.q = buf.data();
+      }
+      if (cols == nb * kCols) {
+        column_tile<RT, NB, kUnpack>(tw, nb, G, x, dx, sx, M, K, y + n0, N);
+        continue;
+      }
+      // The last, padded block: its columns beyond N go to a scratch row, one row at a time.
+      float part[NB * kCols];
+      for (int64_t r = 0; r < M; r++) {
+        column_tile<1, NB, kUnpack>(tw, nb, G, x + r * K, dx + r * G, sx + r * G, 1, K, part, 0);
+        std::memcpy(y + r * N + n0, part, cols * sizeof(float));
+      }
+    }
+  }
+}
+
+Blocked check_blocked(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                      const torch::Tensor& m, int64_t N) {
+  TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 3 && qs.size(2) == kBlockBytes &&
+                  qs.is_contiguous(),
+              "quant_gemm_q4_blocked: qs must be contiguous uint8 [NB, G, 128]");
+  const int64_t NB = qs.size(0), G = qs.size(1);
+  TORCH_CHECK(N > (NB - 1) * kCols && N <= NB * kCols,
+              "quant_gemm_q4_blocked: ", NB, " blocks cannot hold ", N, " columns");
+  for (const auto* t : {&d, &m}) {
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == NB && t->size(1) == G && t->size(2) == kCols,
+                "quant_gemm_q4_blocked: d and m must be contiguous float32 [NB, G, 8]");
+  }
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == G * kGroup,
+              "quant_gemm_q4_blocked: x must be float32 [M, ", G * kGroup, "]");
+  return {qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), G};
+}
+
+// Rows ``rows`` of a blocked weight as float32 (bf16: bfloat16): each column's group gathered
+// back to its rows-layout bytes (4 quads, 32 bytes apart) and dequantised as quant_dequant_q4
+// does, so both layouts give the same values.
+template <typename T>
+void dequant_rows(const Blocked& w, const int64_t* ids, int64_t R, T* out) {
+  const int64_t G = w.G, K = G * kGroup;
+#pragma omp parallel for schedule(static) if (R * K > 65536)
+  for (int64_t r = 0; r < R; r++) {
+    const int64_t b = ids[r] / kCols, c = ids[r] % kCols;
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t* blk = w.qs + (b * G + g) * kBlockBytes;
+      uint8_t bytes[16];
+      for (int j = 0; j < 4; j++) std::memcpy(bytes + 4 * j, blk + 32 * j + 4 * c, 4);
+      const int64_t s = (b * G + g) * kCols + c;
+      kvserve_quant::dequant_q4_group(bytes, w.d[s], w.m[s], out + r * K + g * kGroup);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor quant_gemm_q4_blocked(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
+                                    torch::Tensor m, int64_t N) {
+  const Blocked w = check_blocked(x, qs, d, m, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto rows = kvserve_quant::quantise(x);
+  auto y = torch::empty({M, N});
+  float* yp = y.data_ptr<float>();
+  if (M == 1) {
+    gemm<1, 4, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+  } else if (M == 2) {
+    gemm<2, 2, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+  } else {
+    gemm<3, 2, true>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+  }
+  return y;
+}
+
+
+torch::Tensor quant_dequant_q4_blocked(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                                       torch::Tensor rows, bool bf16) {
+  const int64_t NB = qs.size(0);
+  const Blocked w = check_blocked(torch::empty({0, qs.size(1) * kGroup}), qs, d, m, NB * kCols);
+  const auto ids = rows.to(torch::kInt64).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t R = ids.numel();
+  for (int64_t r = 0; r < R; r++) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < NB * kCols, "quant_dequant_q4_blocked: row ", ip[r],
+                " outside the weight");
+  }
+  auto out = torch::empty({R, w.G * kGroup}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+  if (bf16) {
+    dequant_rows(w, ip, R, out.data_ptr<c10::BFloat16>());
+  } else {
+    dequant_rows(w, ip, R, out.data_ptr<float>());
+  }
+  return out;
+}

@@ -1,0 +1,54 @@
+"""The blocked layout of a 4-bit weight, and back: ``to_blocked`` / ``from_blocked``.
+
+The rows layout (``engine.models.quant_formats.PackedQ4``: ``qs`` uint8 ``[N, K/2]``, ``d`` and
+``m`` float32 ``[N, K/32]``) keeps each output column's groups together, as GGUF does; the
+decode kernel ``quant_gemm_q4`` reads one column's group at a time. The blocked layout keeps
+8 columns' groups interleaved so that one 32-byte load holds 8 columns x 4 k
+(``quant_gemm_q4_blocked``, engine/cpu/csrc/quant_gemm_q4_blocked.cpp, which states it byte by
+byte):
+
+* ``qs`` uint8 ``[NB, G, 128]`` with ``NB = ceil(N / 8)``: block ``b``, group ``g``, bytes
+  ``32 j + 4 c + i`` = rows-layout byte ``4 j + i`` of column ``8 b + c``'s group ``g``;
+* ``d``, ``m`` float32 ``[NB, G, 8]``.
+
+The last block's missing columns are zeros. Both directions are exact (a permutation of
+bytes and floats plus that padding) and cost one copy of the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+COLS = 8  # output columns per block
+QUADS = 4  # 4-byte quads per column and group
+
+
+def to_blocked(qs: torch.Tensor, d: torch.Tensor,
+               m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows layout ``(qs [N, K/2], d [N, G], m [N, G])`` -> blocked ``(qs, d, m)``."""
+    n, half = qs.shape
+    g = half // 16
+    pad = -n % COLS
+    nb = (n + pad) // COLS
+    q = F.pad(qs, (0, 0, 0, pad)).view(nb, COLS, g, QUADS, 4).permute(0, 2, 3, 1, 4)
+    return (q.contiguous().view(nb, g, COLS * QUADS * 4), _scales_to_blocked(d, pad),
+            _scales_to_blocked(m, pad))
+
+
+def from_blocked(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                 n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocked ``(qs [NB, G, 128], d, m)`` of ``n`` columns -> rows layout ``(qs, d, m)``."""
+    nb, g, _ = qs.shape
+    q = qs.view(nb, g, QUADS, COLS, 4).permute(0, 3, 1, 2, 4).reshape(nb * COLS, g * 16)
+    return (q[:n].contiguous(), _scales_from_blocked(d, n), _scales_from_blocked(m, n))
+
+
+def _scales_to_blocked(s: torch.Tensor, pad: int) -> torch.Tensor:
+    n, g = s.shape
+    return F.pad(s, (0, 0, 0, pad)).view(-1, COLS, g).transpose(1, 2).contiguous()
+
+
+def _scales_from_blocked(s: torch.Tensor, n: int) -> torch.Tensor:
+    nb, g, _ = s.shape
+    return s.transpose(1, 2).reshape(nb * COLS, g)[:n].contiguous()

@@ -1,0 +1,135 @@
+"""The blocked layout of 4-bit weights (engine/models/quant_blocked.py) and its kernel
+``quant_gemm_q4_blocked``: the conversion is exact both ways, the kernel does the tiled
+kernel's math bit for bit (and so the decode kernel's up to float summation order, and the
+reference model of that math), dequantised rows equal the rows layout's, and ``QuantLinear``
+serves every row count from the blocked weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from engine.models.gguf_blocks import from_gguf_blocks
+from engine.models.quant_blocked import from_blocked, to_blocked
+from engine.models.quant_linear import DENSE_ROWS, QuantConcat, QuantLinear, quant_kernels
+from engine.models.quant_rtn import quantise
+
+pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
+
+
+def _q4(n: int, k: int, seed: int = 0):
+    """A Q4_1 weight (mins not zero) as packed rows, and its dequantised float values."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32)
+    raw = quants.quantize(w, T.Q4_1)
+    return (from_gguf_blocks(raw, int(T.Q4_1), (n, k)),
+            torch.from_numpy(quants.dequantize(raw, T.Q4_1)).float())
+
+
+@pytest.mark.parametrize("n", [1, 8, 13, 37, 100])
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_conversion_is_exact_both_ways(n, k):
+    packed, _ = _q4(n, k)
+    qs, d, m = to_blocked(packed.qs, packed.d, packed.m)
+    nb = -(-n // 8)
+    assert qs.shape == (nb, k // 32, 128) and d.shape == m.shape == (nb, k // 32, 8)
+    assert qs.dtype == torch.uint8 and qs.is_contiguous() and d.is_contiguous()
+    back = from_blocked(qs, d, m, n)
+    for a, b in zip(back, (packed.qs, packed.d, packed.m)):
+        assert torch.equal(a, b)
+    # Byte 32 j + 4 c + i of block b, group g = rows-layout byte 4 j + i of column 8 b + c.
+    b, c, g, j, i = (n - 1) // 8, (n - 1) % 8, k // 32 - 1, 2, 3
+    assert qs[b, g, 32 * j + 4 * c + i] == packed.qs[n - 1, 16 * g + 4 * j + i]
+    assert d[b, g, c] == packed.d[n - 1, g] and m[b, g, c] == packed.m[n - 1, g]
+
+
+@pytest.mark.parametrize("n", [1, 8, 16, 37, 100])  # whole and partial blocks, column tiles
+@pytest.mark.parametrize("k", [32, 96, 576])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, DENSE_ROWS + 1, 300])
+def test_kernel_is_the_tiled_kernels_math(n, k, rows):
+    packed, wq = _q4(n, k, seed=n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
+    kern = quant_kernels()
+    got = kern.quant_gemm_q4_blocked(x, *to_blocked(packed.qs, packed.d, packed.m), n)
+    assert got.shape == (rows, n)
+    assert torch.equal(got, kern.quant_gemm_q4_tiled(x, packed.qs, packed.d, packed.m))
+    scale = float((x.abs() @ wq.abs().t()).max())
+    base = kern.quant_gemm_q4(x, packed.qs, packed.d, packed.m)
+    torch.testing.assert_close(got, base, rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(got, F.linear(x, wq), rtol=0, atol=2e-2 * scale)  # int8 rounding
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_dequantised_rows_equal_the_rows_layouts(bf16):
+    packed, _ = _q4(37, 96)
+    kern = quant_kernels()
+    ids = torch.tensor([36, 0, 8, 17, 17])
+    want = kern.quant_dequant_q4(packed.qs, packed.d, packed.m, ids, bf16)
+    got = kern.quant_dequant_q4_blocked(*to_blocked(packed.qs, packed.d, packed.m), ids, bf16)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        kern.quant_dequant_q4_blocked(*to_blocked(packed.qs, packed.d, packed.m),
+                                      torch.tensor([40]), bf16)
+
+
+def test_kernel_refuses_a_malformed_weight():
+    packed, _ = _q4(16, 64)
+    qs, d, m = to_blocked(packed.qs, packed.d, packed.m)
+    x = torch.randn(2, 64)
+    kern = quant_kernels()
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        kern.quant_gemm_q4_blocked(x, qs, d, m, 17)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kern.quant_gemm_q4_blocked(torch.randn(2, 32), qs, d, m, 16)
+    with pytest.raises(RuntimeError, match="d and m"):
+        kern.quant_gemm_q4_blocked(x, qs, d[:, :1].contiguous(), m, 16)
+
+
+@pytest.mark.parametrize("prefill", ["panels", "int8"])
+def test_quant_linear_serves_every_row_count_from_the_blocked_weight(prefill):
+    """``set_q4_layout("blocked")``: decode-sized inputs run the blocked kernel (= the tiles'
+    math), larger ones the chosen prefill path (panels dequantised from the blocked weight: the
+    same panels), + bias; back to ``rows`` restores the weight exactly. 8-bit ignores it."""
+    packed, _ = _q4(100, 576)
+    bias = torch.randn(100, generator=torch.Generator().manual_seed(2))
+    lin = QuantLinear(packed, bias)
+    lin.set_q4_prefill(prefill)
+    x = torch.randn(DENSE_ROWS + 9, 576, generator=torch.Generator().manual_seed(3))
+    sizes = (1, 2, 3, 16, DENSE_ROWS, DENSE_ROWS + 9)
+    before = {n: lin(x[:n]) for n in sizes}
+    rows_qs = lin.qs.clone()
+    lin.set_q4_layout("blocked")
+    assert lin.blocked and lin.tiles_from is None and "q4 blocked" in repr(lin)
+    kern = quant_kernels()
+    for n in sizes:
+        if n <= DENSE_ROWS or prefill == "int8":
+            want = kern.quant_gemm_q4_tiled(x[:n], packed.qs, packed.d, packed.m) + bias
+        else:
+            want = before[n]  # the same dequantised panels
+        assert torch.equal(lin(x[:n]), want), n
+    assert torch.equal(lin.dequantize_rows(torch.tensor([5, 99])),
+                       kern.quant_dequant_q4(packed.qs, packed.d, packed.m,
+                                             torch.tensor([5, 99]), False))
+    lin.set_q4_layout("rows")
+    assert not lin.blocked and torch.equal(lin.qs, rows_qs)
+    assert torch.equal(lin(x[:1]), before[1])
+    with pytest.raises(ValueError, match="4-bit layout"):
+        lin.set_q4_layout("columns")
+    lin8 = QuantLinear(quantise(torch.randn(16, 64), "int8", 32))
+    lin8.set_q4_layout("blocked")
+    assert not lin8.blocked
+
+
+def test_quant_concat_forwards_the_layout():
+    a, _ = _q4(24, 64, seed=1)
+    b8 = quantise(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)), "int8", 32)
+    cat = QuantConcat([QuantLinear(a), QuantLinear(b8)])
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    want = torch.cat([quant_kernels().quant_gemm_q4_tiled(x, a.qs, a.d, a.m), cat.parts[1](x)], -1)
+    cat.set_q4_layout("blocked")
+    assert cat.parts[0].blocked and not cat.parts[1].blocked
+    assert torch.equal(cat(x), want)
