@@ -15,7 +15,9 @@
 #    on PyPI (cmake + ninja, about 10 minutes on 2 cores), cached outside the repository in
 #    ${KVSERVE_LLAMACPP_DIR:-~/.cache/kvserve/llamacpp}. Nothing is built inside the repository.
 # 2. Serves the embedded model's GGUF (SmolLM2-135M-Instruct Q4_1) with both servers, each with
-#    16 slots / sequences and all cores, one after the other (never both at once).
+#    16 slots / sequences and all cores, one after the other (never both at once), both with a
+#    16-bit KV cache: llama-server's default (f16), kvserve's --kv-cache-dtype float16
+#    (KVSERVE_BENCH_KV_DTYPE overrides it, e.g. auto for the model's float32).
 # 3. Runs `kvserve bench serve --openai-only` (the same client, OpenAI fields only, tokens
 #    counted from the stream) against each: single stream (8 requests, 128 prompt tokens, 128
 #    out, concurrency 1), W1 (64 requests, 280 prompt tokens, 64 out, concurrency 16), W2 (32
@@ -110,7 +112,11 @@ fi
 bench llamacpp "$PORT_LLAMA"
 kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""
 
-kvserve serve --host 127.0.0.1 --port "$PORT_KV" --max-num-seqs 16 > "$OUT/kvserve.log" 2>&1 &
+KV_DTYPE=${KVSERVE_BENCH_KV_DTYPE:-float16}
+echo "kvserve --kv-cache-dtype $KV_DTYPE (llama-server: its default f16 KV cache)" \
+    | tee -a "$OUT/notes.txt"
+kvserve serve --host 127.0.0.1 --port "$PORT_KV" --max-num-seqs 16 --kv-cache-dtype "$KV_DTYPE" \
+    > "$OUT/kvserve.log" 2>&1 &
 PID=$!
 wait_health "$PORT_KV"
 bench kvserve "$PORT_KV"
@@ -138,6 +144,6 @@ for title, a, b, ratio in rows:
     print(f"| {title} | {a:.1f} | {b:.1f} | {ratio:.2f}x |")
 notes = (out / "notes.txt").read_text() if (out / "notes.txt").exists() else ""
 (out / "summary.json").write_text(json.dumps(
-    {"isa": isa, "llama_server_notes": notes, "rows": [dict(zip(("metric", "llamacpp", "kvserve", "advantage"), r))
+    {"isa": isa, "notes": notes, "rows": [dict(zip(("metric", "llamacpp", "kvserve", "advantage"), r))
                           for r in rows]}, indent=1))
 EOF
