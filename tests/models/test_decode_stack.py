@@ -62,6 +62,8 @@ def _checked(llm: LLM) -> dict[str, int]:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
 def test_stack_equals_python_loop(model_dirs, kind, quantization):
+    if quantization == "none" and quant_kernels().quant_gemm_isa() != "avx2":
+        pytest.skip("float projections reach the stack as AVX2 panels; this build has none")
     llm = LLM(str(model_dirs[kind]), kv_cache_memory="16MiB", quantization=quantization)
     counts = _checked(llm)
     llm.generate(PROMPTS, PARAMS)
