@@ -30,6 +30,7 @@ import statistics
 import time
 
 import torch
+from q4_tiles import isa  # a sibling script (run as benchmarks/q4_layout.py): the same ISA line
 from tqdm import tqdm
 
 from engine.models.quant_blocked import to_blocked
@@ -40,12 +41,6 @@ from engine.models.quant_rtn import quantise
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 ROWS = [1, 2, 3, 16]
-
-
-def isa() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx", "fma"))))
 
 
 def median_pass(fn, reps: int) -> float:

@@ -28,14 +28,17 @@
 #include <vector>
 
 #include "quant_common.h"
+#include "quant_q4_tile.h"
 #include "vec_math.h"
 
 using kvserve_quant::kGroup;
 
 namespace {
 
-constexpr int kCols = 8;         // output columns per block
-constexpr int64_t kBlockBytes = 128;  // packed bytes per block and group
+using kvserve_q4_tile::kBlockBytes;
+using kvserve_q4_tile::kCols;
+using kvserve_q4_tile::rows_against;
+using kvserve_q4_tile::TileWeights;
 
 struct Blocked {
   const uint8_t* qs;
@@ -43,106 +46,6 @@ struct Blocked {
   const float* m;
   int64_t G;
 };
-
-// The weights a tile reads: packed nibbles (qs of block b0 on, 128 bytes per block and group)
-// or, for tiles of several rows, the same blocks unpacked once per call into bytes (256 per
-// block and group: step s's 32 bytes at 32 s, steps 0-3 the low nibbles, 4-7 the high ones).
-struct TileWeights {
-  const uint8_t* q;
-  const float* d;
-  const float* m;
-};
-
-// R rows x NB blocks (kUnpacked: w.q holds unpacked bytes); y: R rows of NB*8 outputs,
-// stride ldy.
-template <int R, int NB, bool kUnpacked>
-void tile(const TileWeights& w, int64_t G, const int8_t* x, const float* dx, const float* sx,
-          int64_t K, float* y, int64_t ldy) {
-  const uint8_t* qs = w.q;
-  const float* d = w.d;
-  const float* m = w.m;
-  constexpr int64_t bytes = kUnpacked ? 2 * kBlockBytes : kBlockBytes;
-#ifdef KVSERVE_AVX2
-  __m256 acc[R][NB];
-  for (int r = 0; r < R; r++)
-    for (int b = 0; b < NB; b++) acc[r][b] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t g = 0; g < G; g++) {
-    __m256i s[R][NB];
-    for (int r = 0; r < R; r++)
-      for (int b = 0; b < NB; b++) s[r][b] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int step = 0; step < 8; step++) {  // steps 0-3: low nibbles, 4-7: high nibbles
-      const int j = step & 3;
-      __m256i wq[NB];
-      for (int b = 0; b < NB; b++) {
-        if constexpr (kUnpacked) {
-          wq[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b * G + g) * bytes + 32 * step));
-        } else {
-          const __m256i raw = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(qs + (b * G + g) * bytes + 32 * j));
-          wq[b] = _mm256_and_si256(step < 4 ? raw : _mm256_srli_epi16(raw, 4), low4);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < R; r++) {
-        int32_t quad;  // activations k = 4j .. 4j+3 (low) or 16+4j .. 16+4j+3 (high)
-        std::memcpy(&quad, x + r * K + g * kGroup + 4 * step, 4);
-        const __m256i xb = _mm256_set1_epi32(quad);
-        for (int b = 0; b < NB; b++) s[r][b] = _mm256_add_epi16(s[r][b], _mm256_maddubs_epi16(wq[b], xb));
-      }
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < NB; b++) {
-      const __m256 dv = _mm256_loadu_ps(d + (b * G + g) * kCols);
-      const __m256 mv = _mm256_loadu_ps(m + (b * G + g) * kCols);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; r++) {
-        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][b], ones));
-        acc[r][b] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * G + g])), acc[r][b]);
-        acc[r][b] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[r * G + g]), acc[r][b]);
-      }
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int b = 0; b < NB; b++) _mm256_storeu_ps(y + r * ldy + b * kCols, acc[r][b]);
-#else
-  for (int r = 0; r < R; r++) {
-    for (int b = 0; b < NB; b++) {
-      for (int c = 0; c < kCols; c++) {
-        float acc = 0.f;
-        for (int64_t g = 0; g < G; g++) {
-          const uint8_t* blk = qs + (b * G + g) * bytes;
-          const int8_t* xg = x + r * K + g * kGroup;
-          int32_t sum = 0;
-          for (int j = 0; j < 4; j++) {
-            for (int i = 0; i < 4; i++) {
-              const int lo = kUnpacked ? blk[32 * j + 4 * c + i] : blk[32 * j + 4 * c + i] & 0x0F;
-              const int hi = kUnpacked ? blk[32 * (j + 4) + 4 * c + i] : blk[32 * j + 4 * c + i] >> 4;
-              sum += lo * xg[4 * j + i] + hi * xg[16 + 4 * j + i];
-            }
-          }
-          const int64_t k = (b * G + g) * kCols + c;
-          acc = std::fma(static_cast<float>(sum), d[k] * dx[r * G + g], acc);
-          acc = std::fma(m[k], sx[r * G + g], acc);
-        }
-        y[r * ldy + b * kCols + c] = acc;
-      }
-    }
-  }
-#endif
-}
-
-// All M rows against one tile's NB blocks: rows in tiles of RT, the rest one at a time.
-template <int RT, int NB, bool kU>
-void rows_against(const TileWeights& w, int64_t G, const int8_t* x, const float* dx,
-                  const float* sx, int64_t M, int64_t K, float* y, int64_t ldy) {
-  int64_t r0 = 0;
-  for (; r0 + RT <= M; r0 += RT) {
-    tile<RT, NB, kU>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
-  }
-  for (; r0 < M; r0++) tile<1, NB, kU>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
-}
 
 // One column tile of nb (1 .. NB) blocks, all rows, into y (stride ldy).
 template <int RT, int NB, bool kU>

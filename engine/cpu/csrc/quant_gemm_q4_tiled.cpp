@@ -19,7 +19,9 @@
 // the weight per call: against the decode kernel it loses at one row (~0.9x on AVX2) and wins
 // from 2-3 rows (1.5x at 3, 2.3x at 16). AVX2; without it the same math runs in scalar code.
 // Whether it serves prefill (against dequantised panels) and decode batches of 3+ rows (against
-// the decode kernel) is measured at start-up (engine/models/quant_probe.py).
+// the decode kernel) is measured at start-up (engine/models/quant_probe.py). The tile math after
+// the repack is quant_q4_tile.h's, shared with quant_gemm_q4_blocked.cpp (weights stored in
+// that form for good).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -28,13 +30,15 @@
 #include <vector>
 
 #include "quant_common.h"
+#include "quant_q4_tile.h"
 #include "vec_math.h"
 
+using kvserve_q4_tile::rows_against;
 using kvserve_quant::kGroup;
 
 namespace {
 
-constexpr int kCols = 8;    // output columns per block (one 256-bit register of int32)
+using kvserve_q4_tile::kCols;  // output columns per block (one 256-bit register of int32)
 constexpr int kBlocks = 2;  // blocks per tile
 constexpr int kRows = 3;    // activation rows per tile
 
@@ -109,82 +113,6 @@ void repack_block(const uint8_t* qs, const float* d, const float* m, int64_t n0,
   }
 }
 
-// R rows x NB blocks of 8 columns. wb/db/mb: NB consecutive repacked blocks (strides G*256 and
-// G*8); x/dx/sx: the R rows' quantised activations; y: R rows of NB*8 outputs, stride ldy.
-template <int R, int NB>
-void tile(const uint8_t* wb, const float* db, const float* mb, const int8_t* x, const float* dx,
-          const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
-#ifdef KVSERVE_AVX2
-  __m256 acc[R][NB];
-  for (int r = 0; r < R; r++)
-    for (int b = 0; b < NB; b++) acc[r][b] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; g++) {
-    __m256i s[R][NB];
-    for (int r = 0; r < R; r++)
-      for (int b = 0; b < NB; b++) s[r][b] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int j = 0; j < 8; j++) {
-      __m256i w[NB];
-      for (int b = 0; b < NB; b++) {
-        w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + b * G * 256 + g * 256 + j * 32));
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < R; r++) {
-        int32_t quad;
-        std::memcpy(&quad, x + r * K + g * kGroup + j * 4, 4);
-        const __m256i xb = _mm256_set1_epi32(quad);
-        for (int b = 0; b < NB; b++) s[r][b] = _mm256_add_epi16(s[r][b], _mm256_maddubs_epi16(w[b], xb));
-      }
-    }
-    for (int b = 0; b < NB; b++) {
-      const __m256 dv = _mm256_loadu_ps(db + b * G * kCols + g * kCols);
-      const __m256 mv = _mm256_loadu_ps(mb + b * G * kCols + g * kCols);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; r++) {
-        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][b], ones));
-        acc[r][b] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * G + g])), acc[r][b]);
-        acc[r][b] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[r * G + g]), acc[r][b]);
-      }
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int b = 0; b < NB; b++) _mm256_storeu_ps(y + r * ldy + b * kCols, acc[r][b]);
-#else
-  for (int r = 0; r < R; r++) {
-    for (int b = 0; b < NB; b++) {
-      for (int c = 0; c < kCols; c++) {
-        float acc = 0.f;
-        for (int64_t g = 0; g < G; g++) {
-          int32_t sum = 0;
-          for (int k = 0; k < kGroup; k++) {
-            sum += wb[b * G * 256 + g * 256 + (k / 4) * 32 + c * 4 + k % 4] * x[r * K + g * kGroup + k];
-          }
-          const int64_t i = b * G * kCols + g * kCols + c;
-          acc = std::fma(static_cast<float>(sum), db[i] * dx[r * G + g], acc);
-          acc = std::fma(mb[i], sx[r * G + g], acc);
-        }
-        y[r * ldy + b * kCols + c] = acc;
-      }
-    }
-  }
-#endif
-}
-
-// All M rows against NB repacked blocks; out holds NB*8 columns (stride ldy).
-template <int NB>
-void rows_against(const uint8_t* wb, const float* db, const float* mb, const int8_t* x,
-                  const float* dx, const float* sx, int64_t M, int64_t K, int64_t G, float* y,
-                  int64_t ldy) {
-  int64_t r0 = 0;
-  for (; r0 + kRows <= M; r0 += kRows) {
-    tile<kRows, NB>(wb, db, mb, x + r0 * K, dx + r0 * G, sx + r0 * G, K, G, y + r0 * ldy, ldy);
-  }
-  for (; r0 < M; r0++) {
-    tile<1, NB>(wb, db, mb, x + r0 * K, dx + r0 * G, sx + r0 * G, K, G, y + r0 * ldy, ldy);
-  }
-}
-
 }  // namespace
 
 torch::Tensor quant_gemm_q4_tiled(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
@@ -218,12 +146,13 @@ torch::Tensor quant_gemm_q4_tiled(torch::Tensor x, torch::Tensor qs, torch::Tens
         repack_block(w, dw, mw, n0 + b * kCols, bc, K, wb.data() + b * G * 256,
                      db.data() + b * G * kCols, mb.data() + b * G * kCols);
       }
+      // The repacked blocks are the unpacked form of quant_q4_tile.h (its TileWeights).
+      const kvserve_q4_tile::TileWeights tw{wb.data(), db.data(), mb.data()};
       if (cols == kTileCols) {
-        rows_against<kBlocks>(wb.data(), db.data(), mb.data(), xq, dx, sx, M, K, G, yp + n0, N);
+        rows_against<kRows, kBlocks, true>(tw, G, xq, dx, sx, M, K, yp + n0, N);
       } else {
         part.resize(M * kTileCols);
-        rows_against<kBlocks>(wb.data(), db.data(), mb.data(), xq, dx, sx, M, K, G, part.data(),
-                              kTileCols);
+        rows_against<kRows, kBlocks, true>(tw, G, xq, dx, sx, M, K, part.data(), kTileCols);
         for (int64_t r = 0; r < M; r++) {
           std::memcpy(yp + r * N + n0, part.data() + r * kTileCols, cols * sizeof(float));
         }
