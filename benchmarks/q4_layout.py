@@ -30,7 +30,7 @@ import statistics
 import time
 
 import torch
-from q4_tiles import isa  # a sibling script (run as benchmarks/q4_layout.py): the same ISA line
+from q4_tiles import isa, timed_runs  # a sibling script (run as benchmarks/q4_layout.py)
 from tqdm import tqdm
 
 from engine.models.quant_blocked import to_blocked
@@ -44,13 +44,7 @@ ROWS = [1, 2, 3, 16]
 
 
 def median_pass(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_runs(fn, reps))
 
 
 def kernels_part(reps: int) -> list[dict]:

@@ -42,14 +42,19 @@ def isa() -> str:
     return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx", "fma"))))
 
 
-def best(fn, reps: int) -> float:
+def timed_runs(fn, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after one untimed warm-up call."""
     fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best(fn, reps: int) -> float:
+    return min(timed_runs(fn, reps))
 
 
 def main() -> None:
