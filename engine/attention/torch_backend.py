@@ -8,8 +8,8 @@ grouped-query heads sharing their K/V.
 
 8-bit and 16-bit pools (``engine/kv_cache/kv_quant.py``): the new K/V are converted as they are
 stored and the gathered blocks converted back to the queries' dtype before SDPA; decodes over
-them take the compiled CPU kernel, which widens the rows in registers (a row's or head's scale folded into its score and its
-weight; fp8 bytes read through a 256-entry table).
+them take the compiled CPU kernel, which widens the rows in registers (an 8-bit row's or
+head's scale folded into its score and its weight; fp8 bytes read through a 256-entry table).
 
 The decode group is per query ROW, not per sequence: the leading decodes and, right after
 them, sequences with a few new tokens after cached ones (speculative verification: 1 + k

@@ -24,9 +24,9 @@
 * 4-bit weights can be stored blocked instead (``q4_layout`` ``blocked``,
   engine/models/quant_blocked.py: 8 output columns' groups interleaved) where the start-up probe
   measured it faster: then ``quant_gemm_q4_blocked`` serves every decode-sized input (the
-  tiles' math without their per-call repack: on AVX2 1.3x the decode kernel at one row, 2x+
-  from 2 rows) and the int8 prefill; panels are dequantised from that layout. ``q4_kernel``
-  and ``q4_batch`` then have no effect.
+  tiles' math without their per-call repack: on AVX2 ~1.4x the decode kernel at one row,
+  ~1.6x at two, 1.2-1.5x the repacking tiles from three) and the int8 prefill; panels are
+  dequantised from that layout. ``q4_kernel`` and ``q4_batch`` then have no effect.
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster.

@@ -15,7 +15,13 @@ from gguf import quants
 
 from engine.models.gguf_blocks import from_gguf_blocks
 from engine.models.quant_blocked import from_blocked, to_blocked
-from engine.models.quant_linear import DENSE_ROWS, QuantConcat, QuantLinear, quant_kernels
+from engine.models.quant_linear import (
+    DENSE_ROWS,
+    QuantConcat,
+    QuantEmbedding,
+    QuantLinear,
+    quant_kernels,
+)
 from engine.models.quant_rtn import quantise
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
@@ -133,3 +139,14 @@ def test_quant_concat_forwards_the_layout():
     cat.set_q4_layout("blocked")
     assert cat.parts[0].blocked and not cat.parts[1].blocked
     assert torch.equal(cat(x), want)
+
+
+def test_a_blocked_tied_head_still_embeds():
+    """A 4-bit token table tied to the logits head: the probe may store the head blocked, and
+    the embedding's lookups then dequantise the same rows from it."""
+    packed, _ = _q4(50, 64, seed=3)
+    emb = QuantEmbedding(packed)
+    ids = torch.tensor([[0, 49, 7], [8, 8, 23]])
+    want = emb(ids)
+    emb.head.set_q4_layout("blocked")
+    assert emb.head.blocked and torch.equal(emb(ids), want)
