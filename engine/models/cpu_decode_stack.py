@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.attention.torch_backend import CPU_KERNEL_FLOAT_POOLS
 from engine.kv_cache.kv_quant import INT8_SCALE_FLOOR
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
@@ -34,8 +35,9 @@ from engine.models.packed_linear import PackedLinear
 from engine.models.quant_linear import QuantConcat, QuantLinear
 
 NO_LIMIT = 1 << 62
-# The KV pools the C++ stack stores into and decodes over (DecodeStack::set_kv_caches).
-STACK_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+# The KV pools the C++ stack stores into and decodes over (DecodeStack::set_kv_caches): the
+# CPU decode kernel's float pools and int8 (not fp8).
+STACK_POOL_DTYPES = (*CPU_KERNEL_FLOAT_POOLS, torch.int8)
 # StackLinear kinds (decode_stack_cpu.h)
 _FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI, _Q4_BLOCKED = 0, 1, 2, 3, 4, 5, 6
 

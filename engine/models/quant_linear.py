@@ -132,9 +132,10 @@ class QuantLinear(nn.Module):
         _one_of(name, Q4_LAYOUTS, "4-bit layout")
         if not self.is_q4 or name == self.q4_layout:
             return
-        convert = (lambda: to_blocked(self.qs, self.d, self.m)) if name == "blocked" else \
-            (lambda: from_blocked(self.qs, self.d, self.m, self.out_features))
-        self.qs, self.d, self.m = convert()
+        if name == "blocked":
+            self.qs, self.d, self.m = to_blocked(self.qs, self.d, self.m)
+        else:
+            self.qs, self.d, self.m = from_blocked(self.qs, self.d, self.m, self.out_features)
         self.q4_layout = name
 
     @property
@@ -182,11 +183,8 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         rows = x2.shape[0]
-        if self.blocked and (rows <= self.dense_rows or self.q4_prefill == "int8"):
-            out = self._kernels.quant_gemm_q4_blocked(x2, self.qs, self.d, self.m,
-                                                      self.out_features)
-        elif self._on_tiles(rows):
-            out = self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
+        if self._on_tiles(rows):
+            out = self._tiles(x2)
         elif rows <= self.dense_rows:
             out = self._gemm(x2, self.qs, self.d, self.m)
         else:
@@ -196,11 +194,19 @@ class QuantLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def _on_tiles(self, rows: int) -> bool:
-        """Whether ``rows`` rows run ``quant_gemm_q4_tiled``: a decode batch from
-        ``tiles_from`` rows, or a prefill with ``q4_prefill == "int8"`` (4-bit weights only)."""
+        """Whether ``rows`` rows run the int8 tiles (4-bit weights only): every decode size of
+        a blocked weight, a decode batch from ``tiles_from`` rows, or a prefill with
+        ``q4_prefill == "int8"``."""
         if rows <= self.dense_rows:
-            return self.tiles_from is not None and rows >= self.tiles_from
+            return self.blocked or (self.tiles_from is not None and rows >= self.tiles_from)
         return self.is_q4 and self.q4_prefill == "int8"
+
+    def _tiles(self, x2: torch.Tensor) -> torch.Tensor:
+        """The tiles' math over this weight's layout (blocked, or repacked per call)."""
+        if self.blocked:
+            return self._kernels.quant_gemm_q4_blocked(x2, self.qs, self.d, self.m,
+                                                       self.out_features)
+        return self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
         dt = self.panel_dtype

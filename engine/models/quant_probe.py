@@ -312,12 +312,16 @@ def _layer_leaves(q: QuantisedModules) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def _toggle(mods: list[nn.Module], rows: tuple[int, ...], set_all, first, second,
+def _toggle(mods: list[nn.Module], rows: tuple[int, ...], setter: str, first, second,
             repeats: int) -> ProbeResult:
-    """Time a pass over ``mods`` at each of ``rows`` row counts after ``set_all(first)``
-    (``float_s``) and after ``set_all(second)`` (``quant_s``), alternated (the switches
-    untimed: a layout switch copies the weights); ``set_all(first)`` again at the end."""
+    """Time a pass over ``mods`` at each of ``rows`` row counts after every module's
+    ``setter(first)`` (``float_s``) and after ``setter(second)`` (``quant_s``), alternated (the
+    switches untimed: a layout switch copies the weights); ``setter(first)`` again at the end."""
     inputs = {n: _inputs(mods, n) for n in rows}
+
+    def set_all(value) -> None:
+        for m in mods:
+            getattr(m, setter)(value)
 
     def run() -> None:
         for n in rows:
@@ -335,12 +339,7 @@ def probe_panels(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResul
     (``float_s``) against bfloat16 panels (``quant_s``), ``rows`` rows (the logits head is left
     out: prefill runs it on a few rows only). The modules are left with float32 panels."""
     mods = _layer_modules(q)
-
-    def set_all(dt: torch.dtype) -> None:
-        for m in mods:
-            m.set_panel_dtype(dt)
-
-    return _toggle(mods, (rows,), set_all, torch.float32, torch.bfloat16, repeats)
+    return _toggle(mods, (rows,), "set_panel_dtype", torch.float32, torch.bfloat16, repeats)
 
 
 def probe_q4_prefill(q: QuantisedModules, rows: int, panel_dtype: torch.dtype,
@@ -351,12 +350,7 @@ def probe_q4_prefill(q: QuantisedModules, rows: int, panel_dtype: torch.dtype,
     mods = [m for m in _layer_leaves(q) if m.is_q4]
     for m in mods:
         m.set_panel_dtype(panel_dtype)
-
-    def set_all(name: str) -> None:
-        for m in mods:
-            m.set_q4_prefill(name)
-
-    return _toggle(mods, (rows,), set_all, "panels", "int8", repeats)
+    return _toggle(mods, (rows,), "set_q4_prefill", "panels", "int8", repeats)
 
 
 def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
@@ -365,12 +359,7 @@ def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
     (the smallest the tiles may serve, and a larger one): their decode kernel (``float_s``)
     against the int8 tiles (``quant_s``). Left on the kernel."""
     mods = [m for m in _leaf_modules(q) if m.is_q4]
-
-    def set_all(name: str) -> None:
-        for m in mods:
-            m.set_q4_batch(name)
-
-    return _toggle(mods, rows, set_all, "kernel", "tiles", repeats)
+    return _toggle(mods, rows, "set_q4_batch", "kernel", "tiles", repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,
@@ -380,12 +369,8 @@ def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...]
     one pass at each of ``rows`` (a single stream and a batch of decodes; at one row a
     memory-bound weight can tie, and the batch then decides). Left on ``base``."""
     mods = [m for m in _leaf_modules(q) if m.is_q4 == is_q4]
-
-    def set_all(name: str) -> None:
-        for m in mods:
-            (m.set_q4_kernel if is_q4 else m.set_q8_kernel)(name)
-
-    return _toggle(mods, rows, set_all, "base", "vnni", repeats)
+    return _toggle(mods, rows, "set_q4_kernel" if is_q4 else "set_q8_kernel", "base", "vnni",
+                   repeats)
 
 
 def probe_q4_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
@@ -394,9 +379,4 @@ def probe_q4_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     and a batch of decodes) stored in the rows layout with their settings so far
     (``float_s``) against the blocked layout (``quant_s``). Left in the rows layout."""
     mods = [m for m in _leaf_modules(q) if m.is_q4]
-
-    def set_all(name: str) -> None:
-        for m in mods:
-            m.set_q4_layout(name)
-
-    return _toggle(mods, rows, set_all, "rows", "blocked", repeats)
+    return _toggle(mods, rows, "set_q4_layout", "rows", "blocked", repeats)

@@ -46,23 +46,11 @@ class _Recorder(nn.Module):
         self.is_q4 = is_q4
         self.set_to: dict[str, list] = {k: [] for k in quant_probe.SETTINGS}
 
-    def set_panel_dtype(self, dt):
-        self.set_to["panel_dtype"].append(dt)
-
-    def set_q4_kernel(self, name):
-        self.set_to["q4_kernel"].append(name)
-
-    def set_q8_kernel(self, name):
-        self.set_to["q8_kernel"].append(name)
-
-    def set_q4_prefill(self, name):
-        self.set_to["q4_prefill"].append(name)
-
-    def set_q4_batch(self, name):
-        self.set_to["q4_batch"].append(name)
-
-    def set_q4_layout(self, name):
-        self.set_to["q4_layout"].append(name)
+    def __getattr__(self, name):  # set_<setting>(value): recorded
+        key = name.removeprefix("set_")
+        if name.startswith("set_") and key in quant_probe.SETTINGS:
+            return self.set_to[key].append
+        return super().__getattr__(name)
 
 
 def _fake_probe(wins: dict[int, bool]):
