@@ -65,7 +65,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = AsyncEngine(engine_config, start=False)
     app = build_app(engine, settings)
-    return run_server(app, engine, settings)
+    status = run_server(app, engine, settings)
+    if status == ENGINE_DIED_EXIT_STATUS:
+        # Drained and stopped, but a dead engine can leave native threads wedged in a failed
+        # collective (a hung tensor-parallel rank): the interpreter's teardown then aborts in
+        # their destructors (SIGABRT, seen 1 exit in 4) instead of returning this status.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 ENGINE_DIED_EXIT_STATUS = 1
