@@ -175,6 +175,8 @@ class AsyncEngine:
         self.config: EngineConfig = core.config
         self.tokenizer = core.tokenizer
         self.model_name: str = core.model_name
+        # the model's sampling defaults for fields a request leaves out (GenerationDefaults)
+        self.generation_defaults = core.generation_defaults
         self.max_model_len: int = core.max_model_len
         # Ids in [0, bound) are known to the model and the tokenizer (an embedding may be
         # padded past the tokenizer, as Qwen's is).

@@ -26,8 +26,9 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 QUANTIZATION_GROUP_SIZES = (32, 128)
 # The KV pool formats (engine/kv_cache/kv_quant.py); here so that this module needs no torch.
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+CPU_PROBES = ("cached", "force", "off")
 
 
 def parse_bytes(value: int | float | str | None) -> int | None:
@@ -55,14 +56,17 @@ class EngineConfig:
     ``model=None`` (or "default", or any name ``engine.loading.embedded`` knows) selects the
     embedded default model (SmolLM2-135M-Instruct).
     ``kv_cache_memory`` sizes the KV pool in bytes (or "4GiB"); when ``None`` the CPU default is
-    a share of RAM and CUDA uses ``gpu_memory_utilization`` after a profiling pass.
+    a share of the available memory within a floor and a ceiling
+    (``engine.runner.cpu_memory``) and CUDA uses ``gpu_memory_utilization`` after a profiling
+    pass.
     ``max_model_len=None`` takes the model's own context length.
     ``load_format="dummy"`` gives random weights of the model's shape (only ``config.json`` is
     read; the tokenizer is the model directory's, else ``tokenizer``, else the embedded
     model's). ``enforce_eager`` turns CUDA graphs off. ``speculative_config`` (vLLM's JSON
     object, e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``) turns speculative
     decoding on; see ``engine.spec_decode``.
-    ``kv_cache_dtype`` stores K/V at the model's dtype ("auto"), in 16 bits ("float16",
+    ``kv_cache_dtype`` stores K/V in 16 bits on a CPU and at the model's dtype elsewhere
+    ("auto"), at float32 ("float32", the exact pool of a float32 model), in 16 bits ("float16",
     llama.cpp's default cache, or "bfloat16": half a float32 model's bytes) or 8-bit ("int8": a
     float16 scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
     ``calculate_kv_scales`` calibrates it at start-up); see ``engine/kv_cache/kv_quant.py``.
@@ -104,6 +108,13 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str = "auto"
     quantization_group_size: int = 32
+    # The CPU start-up probes (dtype=auto, quantization=auto): reuse this machine's cached
+    # verdict ("cached"), measure again ("force") or measure nothing, defaults ("off").
+    cpu_probe: str = "cached"
+    # Sampling defaults for fields a request leaves out (vLLM's --generation-config): "auto"
+    # (the model's), "vllm" (none: OpenAI's) or a directory with a generation_config.json;
+    # engine/loading/generation_defaults.py.
+    generation_config: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     enforce_eager: bool = False
@@ -160,6 +171,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                              f"got {self.quantization!r}")
         self._check_quantization()
+        if self.cpu_probe not in CPU_PROBES:
+            raise ValueError(f"cpu_probe must be one of {', '.join(CPU_PROBES)}; "
+                             f"got {self.cpu_probe!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")

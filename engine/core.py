@@ -30,6 +30,7 @@ from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
 from engine.kv_cache.streaming import StreamingEviction
+from engine.loading.generation_defaults import generation_defaults
 from engine.loading.loader import (
     default_generation_eos,
     load_config,
@@ -47,6 +48,7 @@ from engine.output.stop import SequenceTextState
 from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
 from engine.runner.batch import build_model_input
+from engine.runner.cpu_memory import release_freed_memory
 from engine.runner.device import set_device_for_thread
 from engine.runner.factory import build_runner
 from engine.sampling.params import SamplingParams
@@ -71,9 +73,13 @@ class EngineCore:
         self.hf_config = load_config(self.files)
         self.tokenizer = load_tokenizer(_tokenizer_files(config, self.files))
         self.model_name = config.served_model_name or self.files.name
+        self.generation_defaults = generation_defaults(
+            self.files.path, config.generation_config, embedded=self.files.source == "embedded")
         self.max_model_len = config.resolve_max_model_len(self.hf_config)
         # A ModelRunner, or with tensor_parallel_size > 1 rank 0's proxy (workers spawned).
         self.runner = build_runner(config, self.hf_config, self.files, self.max_model_len)
+        # "auto" resolved by the runner (16-bit on a CPU): readers see the pool's own dtype
+        self.config = config = config.replace(kv_cache_dtype=self.runner.kv_cache_dtype)
         num_blocks = self.runner.allocate_kv_cache()
         if config.calculate_kv_scales:
             self._calibrate_kv_scales()
@@ -119,6 +125,8 @@ class EngineCore:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0,
                          "computed_tokens": 0}
         self._log_startup()
+        if self.runner.device.type == "cpu":
+            release_freed_memory()  # loading's freed buffers back to the OS (~1 GB measured)
 
     def _calibrate_kv_scales(self) -> None:
         from engine.kv_cache.kv_calibration import CALIBRATION_TEXT
@@ -141,9 +149,9 @@ class EngineCore:
             "max_model_len: %.2fx", self.model_name, str(r.dtype).removeprefix("torch."),
             r.device, r.backend.name, r.linear_backend,
             r.model.ops.name,
-            self.max_model_len, self.config.kv_cache_dtype if r.kv_format.quantized else
-            str(r.kv_format.storage_dtype).removeprefix("torch."), r.num_blocks, self.config.block_size,
+            self.max_model_len, self.config.kv_cache_dtype, r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
+        logger.info("%s", self.generation_defaults.describe())
         if self.stream is not None:
             logger.info("KV eviction (streaming, approximate; prefix caching off): %s",
                         self.stream.spec.describe(self.config.block_size))

@@ -95,7 +95,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             continue_final_message=req.continue_final_message,
             template_kwargs=kwargs)
         params = req.sampling_params(max_tokens=req.max_new_tokens,
-                                     logprobs=top if req.logprobs else None)
+                                     logprobs=top if req.logprobs else None,
+                                     defaults=ctx.sampling_defaults)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages" if "template" in str(exc) else None) \
             from None

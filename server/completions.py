@@ -57,7 +57,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     try:
         params = req.sampling_params(
             max_tokens=req.max_tokens, logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            defaults=ctx.sampling_defaults)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     cid = new_id("cmpl")

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import (
     ATTENTION_BACKENDS,
+    CPU_PROBES,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -136,8 +137,18 @@ ENGINE_OPTIONS = [
            "reference)", choices=QUANTIZATIONS),
     Option("quantization-group-size", "quantization_group_size", "engine", int,
            "input elements per scale for --quantization int4/int8 (32 or 128)"),
+    Option("generation-config", "generation_config", "engine", str,
+           "sampling defaults for fields a request leaves out: auto (the model's "
+           "generation_config.json, a GGUF's general.sampling.*, the embedded model's card), "
+           "vllm (none: OpenAI's defaults) or a directory holding a generation_config.json"),
+    Option("cpu-probe", "cpu_probe", "engine", str,
+           "the CPU start-up probes behind --dtype auto and --quantization auto: cached (reuse "
+           "this machine's measured verdict, measure once where there is none), force "
+           "(measure again and replace it), off (measure nothing: float32 and packed weights "
+           "with default kernels)", choices=CPU_PROBES),
     Option("kv-cache-dtype", "kv_cache_dtype", "engine", str,
-           "KV cache storage: auto (the model's dtype, exact), float16 or bfloat16 (16-bit "
+           "KV cache storage: auto (float16 on a CPU, else the model's dtype), float32 (the "
+           "exact pool of a float32 model), float16 or bfloat16 (16-bit "
            "whatever the model's dtype; llama.cpp's default f16 cache), int8 (a float16 scale "
            "per token and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the "
            "bytes per token of 16-bit", choices=KV_CACHE_DTYPES),

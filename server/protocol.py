@@ -9,6 +9,7 @@ being silently dropped. Responses are plain dicts built in completions.py / chat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -145,18 +146,26 @@ class _SamplingFields(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError (a 400) on inconsistent values."""
+                        prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, float] | None = None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError (a 400) on inconsistent values.
+        ``defaults`` (the model's generation config: temperature, top_p, top_k, min_p,
+        repetition_penalty) fill the fields this request left out, before OpenAI's."""
+        d = defaults or {}
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, fallback)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=int(pick("top_k", -1)),
+            min_p=pick("min_p", 0.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else
-            self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias
             else None,
             seed=self.seed,

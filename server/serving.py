@@ -61,6 +61,12 @@ class ServingContext:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's generation-config defaults for fields a request leaves out."""
+        defaults = getattr(self.engine, "generation_defaults", None)
+        return dict(defaults.values) if defaults is not None else {}
+
     def check_model(self, model: str | None) -> str:
         """The served name to report; 404 for a model this server does not serve."""
         if model is None or model in self.served_model_names:

@@ -13,9 +13,13 @@
 * ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (the
   Python loop costs ~50 us per layer around them); see engine/models/cpu_decode_stack.py.
 
-They are compiled with torch's cpp_extension (gcc + ninja) into torch's extension cache the
-first time they are needed (about a minute), and used for float32 on CPU. If they cannot be
-built, ``load()`` returns None, a warning says why, and the engine keeps the PyTorch route.
+They are compiled once per machine with torch's cpp_extension (gcc + ninja) by
+``engine.cpu.build`` into ``~/.cache/kvserve/cpu-kernels/<name>-<hash of sources and flags>``
+(about 1.5 minutes on two cores, with a progress bar), under a lock that dies with its holder;
+``make install`` builds them (``python -m engine.cpu.kernels``), so a first start only loads
+them. They are used for float32 on CPU. If they cannot be built, ``load()`` returns None, a
+warning says why, and the engine keeps the PyTorch route; a wait for another live builder past
+its bound raises :class:`~engine.cpu.build.BuildWaitTimeout` (the start fails naming the folder).
 ``KVSERVE_CPU_KERNELS=0`` turns them off. ``KVSERVE_CPU_MARCH`` (default ``native``) builds them
 for another instruction set under its own name, e.g. ``haswell`` (AVX2, no AVX-512) to run the
 AVX2 paths on an AVX-512 machine (their correctness, not an AVX2 CPU's speed).
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 logger = logging.getLogger("kvserve.engine")
@@ -36,28 +39,8 @@ _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_
             "quant_gemm_vnni_q8.cpp", "quant_dequant_cpu.cpp",
             "kv_store_cpu.cpp", "decode_stack_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
-STALE_LOCK_SECONDS = 900.0  # a build takes ~1.5 minutes; a lock this old was left by a killed one
 _module = None
 _failed = False
-
-
-def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
-    """Remove ``build_dir/lock`` when it is older than ``max_age_s``; True when one was removed.
-
-    torch's cpp_extension takes that lock while it builds and waits for it without a time
-    limit, so a process killed mid-build (Ctrl-C during the first start) would leave every later
-    start hanging silently. A younger lock is left alone: another process may be building."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False
-    logger.warning("removing a stale CPU-kernel build lock (%s, %.0f s old): a build was "
-                   "interrupted", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
 
 
 def load():
@@ -67,21 +50,24 @@ def load():
         return None  # read on every call: an engine started with it off stays off
     if _module is not None or _failed:
         return _module
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-        from torch.utils.cpp_extension import load as load_ext
+    from engine.cpu.build import BuildWaitTimeout, build
 
-        march = os.environ.get("KVSERVE_CPU_MARCH", "native")
-        name = _NAME if march == "native" else f"{_NAME}_{march.replace('-', '_')}"
-        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
-        logger.info("building the CPU kernels (first use only, about a minute)")
-        _module = load_ext(name=name,
-                           sources=[str(_CSRC / s) for s in _SOURCES],
-                           extra_include_paths=[str(_CSRC)],
-                           extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+    march = os.environ.get("KVSERVE_CPU_MARCH", "native")
+    name = _NAME if march == "native" else f"{_NAME}_{march.replace('-', '_')}"
+    try:
+        _module = build(name, [_CSRC / s for s in _SOURCES], include_dir=_CSRC,
+                        cflags=["-O3", f"-march={march}", "-fopenmp"], ldflags=["-fopenmp"])
+    except BuildWaitTimeout:
+        raise
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         logger.warning("CPU kernels unavailable (%s); using the PyTorch route",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         _failed = True
     return _module
+
+
+if __name__ == "__main__":  # ``python -m engine.cpu.kernels``: build now (make install does)
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.exit(0 if load() is not None else 1)

@@ -175,8 +175,8 @@ def _embedded_shape() -> ModelShape:
     """From the engine's converted copy when it exists (fast), else the GGUF metadata."""
     gguf_path = embedded_gguf_path()
     try:
+        from engine.cache_dir import default_cache_dir
         from engine.loading.gguf_convert import converted_dir, is_complete
-        from engine.loading.loader import default_cache_dir
 
         converted = converted_dir(gguf_path, default_cache_dir())
         if is_complete(converted):

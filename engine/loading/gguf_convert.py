@@ -45,7 +45,7 @@ logger = logging.getLogger("kvserve.loader")
 
 # Bump when the layout written below changes: it is part of the cache key, so old caches are
 # simply not found any more (and can be deleted by hand) instead of being misread.
-CONVERSION_FORMAT = 2
+CONVERSION_FORMAT = 3  # 3: generation_config.json carries the file's general.sampling.*
 MARKER = "kvserve-conversion.json"
 GGUF_MAGIC = b"GGUF"
 # Shard size for the written safetensors: small models get one file, big ones a few shards.
@@ -148,7 +148,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         config.architectures = [model_class]
         config.dtype = torch.float32
         config.save_pretrained(out_dir)
-        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        generation = GenerationConfig.from_model_config(config)
+        for key, value in _gguf_sampling(gguf_path).items():  # llama.cpp's sampling defaults
+            setattr(generation, key, value)
+        generation.save_pretrained(out_dir)
         limit = getattr(config, "max_position_embeddings", None)
         if limit and tokenizer.model_max_length > limit:  # GGUF gives no limit: a 1e30 sentinel
             tokenizer.model_max_length = limit
@@ -297,6 +300,14 @@ def iter_gguf_tensors(model_dir: Path, names: list[str]) -> Iterator[tuple[str, 
     for tensor, hf in src.plan:
         if hf in wanted:
             yield hf, src.float32(tensor, hf)
+
+
+def _gguf_sampling(gguf_path: Path) -> dict[str, float]:
+    from gguf import GGUFReader
+
+    from engine.loading.generation_defaults import gguf_sampling
+
+    return gguf_sampling(GGUFReader(gguf_path))
 
 
 def _gguf_chat_template(gguf_path: Path) -> str | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from engine.cache_dir import default_cache_dir
 from engine.loading import gguf_convert
 from engine.loading.embedded import (  # noqa: F401 - re-exported: the loader's public names
     EMBEDDED_GGUF_FILE,
@@ -60,16 +60,6 @@ class ModelFiles:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}; got {self.source!r}")
         if not self.name:
             raise ValueError("a model needs a non-empty name")
-
-
-def default_cache_dir(cache_dir: str | Path | None = None) -> Path:
-    """``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("KVSERVE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "kvserve"
 
 
 def resolve_model(

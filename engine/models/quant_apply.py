@@ -251,7 +251,7 @@ def adopt(model: nn.Module, quantised: QuantisedModules, config) -> Verdict:
     float linears are packed, so none are packed in vain), logged; ``auto``:
     :func:`adopt_if_faster` (call it after)."""
     if config.quantization not in SCHEMES:
-        return adopt_if_faster(model, quantised)
+        return adopt_if_faster(model, quantised, config.cpu_probe)
     settings = measure_settings(quantised)
     n = apply(model, quantised)
     verdict = Verdict("quant", None, {}, settings)
@@ -262,13 +262,19 @@ def adopt(model: nn.Module, quantised: QuantisedModules, config) -> Verdict:
     return verdict
 
 
-def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:
+def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
+                    cpu_probe: str = "cached") -> Verdict:
     """Steps 2 and 3 for an engine: swap the packed modules in for the row counts where the
     probe measured them faster (:func:`choose`), keeping the float modules for larger inputs
     when they lose there; log the verdict with its figures. ``KVSERVE_QUANT_FORCE=1`` uses the
-    packed weights for every size whatever the probe says (tests)."""
+    packed weights for every size whatever the probe says (tests). ``cpu_probe``
+    (``--cpu-probe``): ``cached`` reuses this machine's verdict, ``force`` measures again, ``off``
+    measures nothing: packed weights at every size with each setting's default."""
     force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
-    verdict, how = _cached_or_probed(model, quantised, force)
+    if cpu_probe == "off" and not force:
+        verdict, how = Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
+    else:
+        verdict, how = _cached_or_probed(model, quantised, force, cpu_probe)
     apply_settings(quantised, verdict)
     if verdict.mode == "float":
         logger.info("quantization=auto: keeping float weights, the quantised kernels are "
@@ -283,29 +289,30 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules) -> Verdict:
     return verdict
 
 
-def _cached_or_probed(model: nn.Module, quantised: QuantisedModules,
-                      force: bool) -> tuple[Verdict, str]:
-    """This machine's cached verdict for these modules (``engine.models.quant_probe_cache``),
-    else a fresh :func:`choose`, cached when its runs agreed; and how it was obtained."""
+def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool,
+                      cpu_probe: str = "cached") -> tuple[Verdict, str]:
+    """This machine's cached verdict for these modules (``engine.models.quant_probe_cache``;
+    not read when ``cpu_probe`` is ``force``), else a fresh :func:`choose`, cached (where runs
+    disagreed, decided by their medians); and how it was obtained."""
     key = probe_cache.cache_key(_signature(quantised))
-    entry = None if force else probe_cache.load(key)
+    entry = None if force else probe_cache.load(key, cpu_probe)
     if entry is not None:
         try:
             return (Verdict.from_dict(entry["verdict"]),
                     f"measured on this machine {entry.get('measured_at', '?')}, cached; "
-                    "KVSERVE_QUANT_REPROBE=1 measures again")
+                    "--cpu-probe force measures again")
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: measure
     verdict = choose(model, quantised, force=force)
     if force:
         return verdict, "forced by KVSERVE_QUANT_FORCE=1"
+    probe_cache.save(key, verdict.to_dict())
     if verdict.confirmed:
-        probe_cache.save(key, verdict.to_dict())
         return verdict, "measured now, cached for later starts"
-    logger.warning("quantization=auto: the probe's runs disagreed after %d attempts (another "
-                   "busy process?): this choice may not be the fastest and is not cached",
-                   MAX_PROBE_ATTEMPTS)
-    return verdict, "measured now on a busy machine, not cached"
+    logger.warning("quantization=auto: some of the probe's runs disagreed after %d attempts "
+                   "(another busy process?): decided by their medians and cached; "
+                   "--cpu-probe force measures again", MAX_PROBE_ATTEMPTS)
+    return verdict, "measured now on a busy machine (medians), cached for later starts"
 
 
 def _signature(quantised: QuantisedModules) -> str:

@@ -1,14 +1,16 @@
 """Per-machine cache of the quantised-vs-float verdict (``quantization=auto``'s start-up probe).
 
 The probe measures this machine; measuring again at every start costs seconds and, on a busy
-machine, can mislead (a run stalled by another process). So a verdict whose runs agreed
-(``Verdict.confirmed``) is stored and later starts reuse it. It is keyed by everything the
+machine, can mislead (a run stalled by another process). So every verdict is stored (one whose
+runs disagreed decided by their medians) and later starts reuse it. ``cpu_probe`` (the engine
+option ``--cpu-probe``) says how: ``cached`` (default) reuses an entry and measures where there
+is none, ``force`` measures again and replaces it, ``off`` neither measures nor reads (the
+defaults serve). It is keyed by everything the
 measurement depends on: the CPU (model name and flags), the torch threads, the torch version,
 the CPU kernels' and the probe's sources, the instruction sets the paths may use
 (``KVSERVE_CPU_MARCH``, ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
 ``MKL_ENABLE_INSTRUCTIONS``) and the shapes and formats of the modules probed. A file that cannot
-be read or written is ignored (the probe runs). ``KVSERVE_QUANT_REPROBE=1`` measures again and
-replaces the entry.
+be read or written is ignored (the probe runs). ``KVSERVE_QUANT_REPROBE=1`` is ``force``.
 
 Entries live in ``<cache dir>/quant-probe/<key>.json`` (cache dir: ``$KVSERVE_CACHE_DIR``,
 else ``~/.cache/kvserve``).
@@ -25,24 +27,11 @@ from pathlib import Path
 
 import torch
 
-from engine.loading.loader import default_cache_dir
+from engine.cache_dir import default_cache_dir
+from engine.cpu.build import cpu_identity
 
 logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).resolve().parents[1] / "cpu" / "csrc"
-
-
-def _cpu_identity() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.uname().machine
-    fields = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("model name", "flags") and name not in fields:
-            fields[name] = value.strip()
-    return f"{fields.get('model name', '?')}|{fields.get('flags', '')}"
 
 
 # What limits the instructions the measured paths use: our kernels' build target and the caps
@@ -63,7 +52,7 @@ def _kernel_sources() -> str:
 
 def cache_key(modules_signature: str) -> str:
     """The key of a verdict for modules of ``modules_signature`` on this machine, now."""
-    parts = [_cpu_identity(), str(torch.get_num_threads()), torch.__version__,
+    parts = [cpu_identity(), str(torch.get_num_threads()), torch.__version__,
              _kernel_sources(), *(os.environ.get(v, "") for v in ISA_CAPS), modules_signature]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
@@ -72,9 +61,10 @@ def _path(key: str) -> Path:
     return default_cache_dir() / "quant-probe" / f"{key}.json"
 
 
-def load(key: str) -> dict | None:
-    """The stored entry (``{"verdict": ..., "measured_at": ...}``), or None."""
-    if os.environ.get("KVSERVE_QUANT_REPROBE", "0") == "1":
+def load(key: str, mode: str = "cached") -> dict | None:
+    """The stored entry (``{"verdict": ..., "measured_at": ...}``), or None (also for ``mode``
+    ``force``/``off``, or ``KVSERVE_QUANT_REPROBE=1``)."""
+    if mode != "cached" or os.environ.get("KVSERVE_QUANT_REPROBE", "0") == "1":
         return None
     try:
         return json.loads(_path(key).read_text())

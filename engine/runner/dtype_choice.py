@@ -22,12 +22,13 @@ def cpu_has_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device, quantization: str = "auto",
-                  hf_config: Any = None, packed_checkpoint: bool = False) -> torch.dtype:
+                  hf_config: Any = None, packed_checkpoint: bool = False,
+                  cpu_probe: str = "cached") -> torch.dtype:
     """``name`` as a torch dtype. ``auto``: bf16 (fp16 without bf16) on a GPU; on the CPU
     float32 where packed weights serve (int4/int8, or ``auto`` over a quantised GGUF: the
     packed kernels take float32 activations, and their prefill panels' dtype is probed on its
     own), else the faster of float32 and bfloat16 measured on this model's shapes
-    (``engine.runner.dtype_probe``; float32 when no config is given)."""
+    (``engine.runner.dtype_probe``, as ``cpu_probe`` says; float32 when no config is given)."""
     if name != "auto":
         return _DTYPES[name]
     if quantization in ("int4", "int8"):
@@ -38,4 +39,4 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "auto",
         return torch.float32
     from engine.runner.dtype_probe import measured_cpu_dtype
 
-    return measured_cpu_dtype(hf_config)
+    return measured_cpu_dtype(hf_config, cpu_probe)

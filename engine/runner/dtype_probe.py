@@ -10,8 +10,8 @@ pick a slower one.
 The objective (stated, so that the choice can be checked): one request of
 ``PREFILL_ROWS`` prompt tokens and ``DECODE_STEPS`` generated tokens at one row each, i.e.
 ``t(PREFILL_ROWS rows) + DECODE_STEPS * t(1 row)`` over one layer's projections (QKV, O,
-gate/up, down). Each dtype is timed alternately, best of several runs; a verdict whose runs
-agree is cached per machine (``engine.models.quant_probe_cache``, keyed by the CPU, threads,
+gate/up, down). Each dtype is timed alternately, best of several runs, twice; the verdict
+(the better best run where the two disagree) is cached per machine (``engine.models.quant_probe_cache``, keyed by the CPU, threads,
 torch and the shapes). Packed-weight checkpoints never get here: their kernels take float32
 activations and their prefill panels' dtype is probed separately
 (``engine.models.quant_probe.probe_panels``).
@@ -76,10 +76,14 @@ def request_seconds(hf_config: Any) -> dict[torch.dtype, float]:
     return {dt: many[dt] + DECODE_STEPS * one[dt] for dt in CANDIDATES}
 
 
-def measured_cpu_dtype(hf_config: Any) -> torch.dtype:
-    """The faster of float32 and bfloat16 for this model on this CPU (cached per machine)."""
+def measured_cpu_dtype(hf_config: Any, mode: str = "cached") -> torch.dtype:
+    """The faster of float32 and bfloat16 for this model on this CPU (cached per machine;
+    ``mode`` is ``--cpu-probe``: ``off`` measures nothing and takes float32)."""
+    if mode == "off":
+        logger.info("dtype=auto: float32 (--cpu-probe off: not measured)")
+        return torch.float32
     key = probe_cache.cache_key("dtype-probe|" + repr(layer_shapes(hf_config)))
-    entry = probe_cache.load(key)
+    entry = probe_cache.load(key, mode)
     if entry is not None and entry.get("verdict") in ("float32", "bfloat16"):
         return getattr(torch, entry["verdict"])
     first = request_seconds(hf_config)
@@ -91,7 +95,7 @@ def measured_cpu_dtype(hf_config: Any) -> torch.dtype:
     name = str(pick).removeprefix("torch.")
     logger.info("dtype=auto: %s on this CPU (one layer's share of a %d-token prompt + %d "
                 "decode steps: %s%s)", name, PREFILL_ROWS, DECODE_STEPS, figures,
-                "" if agree else "; the two measurements disagreed, not cached")
-    if agree:
-        probe_cache.save(key, name)
+                "; cached" if agree else "; the two measurements disagreed, the better best run "
+                "cached; --cpu-probe force measures again")
+    probe_cache.save(key, name)
     return pick

@@ -29,10 +29,9 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_cache.host_copy import HostTierCopier
 from engine.kv_cache.host_pool import allocate_host_pools
-from engine.kv_cache.kv_quant import KVFormat, kv_format
+from engine.kv_cache.kv_quant import KVFormat, kv_format, resolve_kv_cache_dtype
 from engine.kv_cache.rope_shift import shift_block_keys
 from engine.loading.loader import iter_dir_weights
-from engine.loading.packed_policy import total_ram_bytes
 from engine.models.arch import ModelArch
 from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
@@ -49,6 +48,7 @@ from engine.models.quant_apply import (
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.runner.batch import ModelInput
+from engine.runner.cpu_memory import cpu_kv_budget
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.device import resolve_device, set_device_for_thread
 from engine.runner.device_input import HostToDeviceStager, to_device
@@ -63,8 +63,21 @@ from engine.step_plan import KeyShift
 
 logger = logging.getLogger("kvserve.engine")
 
-_CPU_DEFAULT_KV_SHARE = 0.2
-_CPU_DEFAULT_KV_CAP = 4 * 1024**3
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On a CPU its pages are the kernel's shared zero page until written
+    (numpy's ``zeros`` is ``calloc``, which maps fresh pages for large sizes; ``torch.zeros``
+    writes every byte): an idle pool holds no resident memory, a block costs memory once a
+    request fills it, as llama.cpp's context does."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 @dataclass
@@ -91,7 +104,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, config.quantization,
                                    hf_config if tp is None else None,
                                    tp is None and self.device.type == "cpu"
-                                   and serves_packed_gguf(config, files_dir))
+                                   and serves_packed_gguf(config, files_dir),
+                                   cpu_probe=config.cpu_probe)
         self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype, tp)
         self.arch: ModelArch = self.model.arch
         # quantization=auto on a GGUF: its packed tensors (None under tensor parallelism: a
@@ -141,8 +155,11 @@ class ModelRunner:
             logger.info("decode steps: %s", "one C++ layer-stack call" if why_not == ""
                         else f"Python layer loop ({why_not})")
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.kv_format: KVFormat = kv_format(config.kv_cache_dtype, self.dtype,
+        self.kv_cache_dtype, why = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
+                                                          self.device.type)
+        self.kv_format: KVFormat = kv_format(self.kv_cache_dtype, self.dtype,
                                              self.arch.head_dim)
+        logger.info("KV cache dtype %s (%s)", self.kv_cache_dtype, why)
         if self.kv_format.kind == "fp8":  # per-head scales 1.0 until calibrate_kv_scales
             one = torch.ones(self.arch.num_kv_heads, device=self.device)
             for layer in self.model.layers:
@@ -190,7 +207,9 @@ class ModelRunner:
             return int(self.config.kv_cache_memory)
         if self.device.type == "cuda":
             return self._profile_cuda_budget()
-        return int(min(total_ram_bytes() * _CPU_DEFAULT_KV_SHARE, _CPU_DEFAULT_KV_CAP))
+        budget = cpu_kv_budget()
+        logger.info("%s", budget.describe())
+        return budget.budget
 
     def _profile_cuda_budget(self) -> int:
         """Bytes for the KV pools: profile the largest step the engine may run (a prefill of
@@ -245,11 +264,8 @@ class ModelRunner:
     def _allocate(self, num_blocks: int) -> None:
         shape, dtype = self._pool_shape(num_blocks), self.kv_format.storage_dtype
         # Zeroed, not empty: padded key slots are masked, but 0 * NaN garbage would still be NaN.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.arch.num_layers)
-        ]
+        self.kv_caches = [(_zeros(shape, dtype, self.device), _zeros(shape, dtype, self.device))
+                          for _ in range(self.arch.num_layers)]
         self.num_blocks = num_blocks
 
     def calibrate_kv_scales(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor,

@@ -39,17 +39,22 @@ def test_auto_follows_the_measurement_and_caches_it(monkeypatch, faster):
     assert resolve_dtype("auto", CPU, "auto", CONFIG) == faster and len(calls) == 2
 
 
-def test_disagreeing_measurements_are_not_cached(monkeypatch):
-    flip = iter([0.5, 2.0, 0.5, 2.0])
+def test_disagreeing_measurements_are_cached_too_and_force_measures_again(monkeypatch):
+    """A busy machine's disagreeing runs still end the probing (the better best run is cached,
+    so the next start is fast); ``cpu_probe="force"`` measures again, ``"off"`` never."""
+    flip = iter([0.5, 2.0, 3.0, 4.0])
 
     def request_seconds(cfg):
         return {torch.float32: 1.0, torch.bfloat16: next(flip)}
 
     monkeypatch.setattr(dtype_probe, "request_seconds", request_seconds)
     assert resolve_dtype("auto", CPU, "auto", CONFIG) == torch.bfloat16  # best of both
-    assert resolve_dtype("auto", CPU, "auto", CONFIG) == torch.bfloat16  # measured again
-    with pytest.raises(StopIteration):
-        resolve_dtype("auto", CPU, "auto", CONFIG)
+    assert resolve_dtype("auto", CPU, "auto", CONFIG) == torch.bfloat16  # cached: no call
+    assert resolve_dtype("auto", CPU, "auto", CONFIG, cpu_probe="force") == torch.float32
+    assert resolve_dtype("auto", CPU, "auto", CONFIG) == torch.float32  # the new entry
+    assert resolve_dtype("auto", CPU, "auto", CONFIG, cpu_probe="off") == torch.float32
+    with pytest.raises(StopIteration):  # only force measures again; the iterator is spent
+        resolve_dtype("auto", CPU, "auto", CONFIG, cpu_probe="force")
 
 
 def test_packed_weights_and_explicit_dtypes_are_not_probed(monkeypatch):

@@ -149,18 +149,38 @@ def test_verdict_is_cached_per_machine(monkeypatch, tmp_path):
     assert len(calls) > n
 
 
-def test_a_busy_machines_verdict_is_not_cached(monkeypatch, tmp_path):
+def test_a_busy_machines_verdict_is_decided_by_medians_and_cached(monkeypatch, tmp_path):
+    """Runs that never agree end after MAX_PROBE_ATTEMPTS; the medians decide (one stalled run
+    cannot flip them) and the verdict is cached, so the next start does not probe again."""
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    stall = iter(range(1, 1000))
+    monkeypatch.delenv("KVSERVE_QUANT_REPROBE", raising=False)
+    calls = []
 
-    def probe(model, q, rows=1, repeats=5):  # no two runs ever agree
-        t = float(next(stall))
-        return ProbeResult(t, 2 * t, (t, 5 * t), (2 * t, 9 * t))
+    def probe(model, q, rows=1, repeats=5):  # no two runs agree; quantised's best is a fluke
+        calls.append(rows)
+        if calls.count(rows) % 2:
+            return ProbeResult(2.0, 0.5, (2.0, 3.0, 4.0), (0.5, 5.0, 6.0))
+        return ProbeResult(2.6, 0.9, (2.6, 3.0, 4.0), (0.9, 5.5, 6.0))
 
     monkeypatch.setattr(quant_probe, "probe", probe)
     verdict, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
-    assert not verdict.confirmed and "not cached" in how
-    assert not list(tmp_path.rglob("*.json"))
+    assert not verdict.confirmed and "medians" in how and verdict.mode == "float"
+    assert calls.count(1) == quant_probe.MAX_PROBE_ATTEMPTS
+    assert list(tmp_path.rglob("*.json"))
+    n = len(calls)
+    again, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
+    assert len(calls) == n and again.mode == "float" and "cached" in how
+    quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False,
+                                  cpu_probe="force")
+    assert len(calls) > n
+
+
+def test_cpu_probe_off_measures_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(quant_probe, "probe", lambda *a, **k: pytest.fail("probed"))
+    verdict = quant_apply.adopt_if_faster(nn.Module(), QuantisedModules(), cpu_probe="off")
+    assert verdict.mode == "quant" and verdict.settings == {}
+    assert verdict.panel_dtype == "float32" and verdict.q4_layout == "rows"  # the defaults
 
 
 @pytest.mark.parametrize(("bf16_s", "want"), [(0.4, "bfloat16"), (2.5, "float32")])

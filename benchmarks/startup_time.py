@@ -1,0 +1,151 @@
+"""How long a newcomer waits, and how much memory the server holds: ``kvserve serve`` with the
+embedded model, timed from the command to ``/health`` 200 and to the first token of the
+README's first question, with the server's resident memory (RSS) after it answered.
+
+    python benchmarks/startup_time.py            # two starts in this environment
+    python benchmarks/startup_time.py --fresh    # a copy of the checkout, a new venv and an
+                                                 # empty kvserve cache: `make install` timed too
+
+``--fresh`` is the first ``make run`` on a new machine (pip's own download cache is the one
+thing kept: it is network time, not ours). Prints one line per stage and a summary with the
+CPU's instruction sets. Run on a quiet machine: the timings are wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16}
+
+
+def isa() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    for name in ("amx_int8", "avx512_vnni", "avx512f", "avx2"):
+        if name in flags:
+            return {"amx_int8": "AMX + AVX-512", "avx512_vnni": "AVX-512 VNNI",
+                    "avx512f": "AVX-512", "avx2": "AVX2"}[name]
+    return "x86-64 baseline"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _get(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.status, json.loads(resp.read() or b"{}")
+
+
+def one_start(kvserve: list[str], env: dict[str, str], log: Path, limit_s: float) -> dict:
+    """Start the server, wait for /health, ask the question, read RSS, stop it."""
+    port = free_port()
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*kvserve, "serve", "--port", str(port)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+            if time.monotonic() - t0 > limit_s:
+                raise RuntimeError(f"no /health within {limit_s:.0f} s; see {log}")
+            try:
+                if _get(base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        health = time.monotonic() - t0
+        _, answer = _get(base + "/v1/chat/completions", QUESTION, timeout=120)
+        first = time.monotonic() - t0
+        return {"health_s": health, "first_answer_s": first, "rss_bytes": rss_bytes(proc.pid),
+                "answer": answer["choices"][0]["message"]["content"]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def fresh_env(work: Path) -> tuple[list[str], dict[str, str], float]:
+    """A copy of the checkout, a venv and an empty cache; returns the kvserve command, the
+    environment and the seconds `make install` took."""
+    clone = work / "clone"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    for rel in files:
+        if (ROOT / rel).is_file():
+            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, clone / rel)
+    venv = work / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(KVSERVE_CACHE_DIR=str(work / "cache"), PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PATH=f"{venv / 'bin'}:{os.environ.get('PATH', '')}")
+    t0 = time.monotonic()
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)],
+                   check=True)
+    subprocess.run(["make", "install", f"PYTHON={venv / 'bin' / 'python'}"], cwd=clone, env=env,
+                   check=True)
+    return [str(venv / "bin" / "kvserve")], env, time.monotonic() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fresh", action="store_true", help="new checkout copy, venv and cache")
+    ap.add_argument("--limit", type=float, default=900.0, help="seconds allowed per start")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kvserve-startup-"))
+    install_s = None
+    if args.fresh:
+        kvserve, env, install_s = fresh_env(work)
+        print(f"make install (fresh venv, empty cache): {install_s:.1f} s", flush=True)
+    else:
+        exe = shutil.which("kvserve")
+        kvserve = [exe] if exe else [sys.executable, "-m", "server.cli"]
+        env = dict(os.environ)
+    runs = []
+    for i in (1, 2):
+        r = one_start(kvserve, env, work / f"serve-{i}.log", args.limit)
+        runs.append(r)
+        print(f"start {i}: /health after {r['health_s']:.1f} s, first answer after "
+              f"{r['first_answer_s']:.1f} s, RSS {r['rss_bytes'] / 2**30:.2f} GiB "
+              f"({r['answer']!r})", flush=True)
+    print(f"\nISA: {isa()}, {os.cpu_count()} CPUs; logs in {work}")
+    if install_s is not None:
+        print(f"first `make run` on a fresh clone to the first answer: "
+              f"{install_s + runs[0]['first_answer_s']:.1f} s (target <= 240 s)")
+    print(f"second start to /health: {runs[1]['health_s']:.1f} s (target <= 15 s); "
+          f"RSS after one answer: {runs[1]['rss_bytes'] / 2**30:.2f} GiB (target <= 1.5 GiB)")
+
+
+if __name__ == "__main__":
+    main()

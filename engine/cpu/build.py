@@ -1,0 +1,189 @@
+"""Build a C++ extension once per machine, safely: a folder named by what the build depends on,
+a lock that dies with its holder, and progress while it compiles.
+
+Contract of :func:`build`:
+
+* The build lives in ``<cache dir>/cpu-kernels/<name>-<hash>/`` where the hash covers the
+  sources' bytes (and every header beside them), the flags, the compiler (``$CXX``), torch's
+  and Python's versions and the CPU (model and flags). Two checkouts or versions with different sources or flags never share
+  or overwrite a build; the same sources anywhere reuse it (they are copied into the folder and
+  compiled from there, so the build does not depend on where the checkout is). A restart with
+  the build in place only loads it.
+* Builders take an exclusive ``flock`` on ``<folder>.lock``. The kernel drops it when the holder
+  dies, however it dies (SIGKILL included), so a killed build is never waited on; while it is
+  held, any ``lock`` baton of torch's cpp_extension in the folder can only be a dead build's
+  and is removed (torch waits for that file without a time limit).
+* A process that finds the lock held logs whom it waits for (the holder writes its pid into the
+  lock file) every ``log_every_s`` and gives up after ``wait_s`` with
+  :class:`BuildWaitTimeout`, whose message names the folder and the pid.
+* While it compiles, a progress bar counts the object files done out of the sources.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from engine.cache_dir import default_cache_dir
+
+logger = logging.getLogger("kvserve.engine")
+DEFAULT_WAIT_S = 900.0  # a build takes 1.5-7 minutes on two cores; past this something is wrong
+
+
+class BuildWaitTimeout(RuntimeError):
+    """Another live process held the build lock for longer than the wait allowed."""
+
+
+def build_root() -> Path:
+    return default_cache_dir() / "cpu-kernels"
+
+
+def cpu_identity() -> str:
+    """This CPU's model name and flags (``-march=native`` code built on one CPU may not run
+    on another: a cache folder can outlive the machine it was built on)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "flags") and name not in fields:
+            fields[name] = value.strip()
+    return f"{fields.get('model name', '?')}|{fields.get('flags', '')}"
+
+
+def build_key(sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str],
+              include_dirs: Sequence[Path] = ()) -> str:
+    """A hash of everything the compiled library depends on (see the module docstring) and of
+    the CPU it is built on."""
+    import torch
+
+    h = hashlib.sha256()
+    files = {p.resolve() for p in sources}
+    for d in include_dirs:
+        files |= {p.resolve() for p in Path(d).glob("*.h")}
+    for path in sorted(files, key=lambda p: p.name):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for part in (*cflags, "|", *ldflags, "|", os.environ.get("CXX", "c++"), torch.__version__,
+                 sys.version.split()[0], cpu_identity()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path, wait_s: float = DEFAULT_WAIT_S,
+              log_every_s: float = 10.0) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if missing) for the block; wait for a
+    holder at most ``wait_s`` seconds, logging whom we wait for, then raise
+    :class:`BuildWaitTimeout`. The lock is released when the block ends or the process dies."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        start = last_log = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                holder = _holder(lock_path)
+                if now - start >= wait_s:
+                    raise BuildWaitTimeout(
+                        f"waited {now - start:.0f} s for another process (pid {holder}) building "
+                        f"in {lock_path.with_suffix('')}; if that process is stuck, stop it (the "
+                        f"lock goes with it) or remove the folder to build afresh") from None
+                if now - last_log >= log_every_s or now == start:
+                    logger.info("waiting for another kvserve process building the kernels "
+                                "(pid %s, %s), %.0f s so far", holder,
+                                lock_path.with_suffix(""), now - start)
+                    last_log = now
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        return lock_path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None,
+          cflags: Sequence[str] = (), ldflags: Sequence[str] = (), is_python_module: bool = True,
+          wait_s: float | None = None, root: Path | None = None):
+    """Compile (or load, when built already) the extension ``name`` from ``sources`` with torch's
+    cpp_extension under the contract of the module docstring; returns what
+    ``torch.utils.cpp_extension.load`` returns (the module, or the library's path when
+    ``is_python_module`` is False). ``wait_s`` defaults to ``$KVSERVE_KERNEL_BUILD_WAIT`` or
+    :data:`DEFAULT_WAIT_S`. Build errors propagate."""
+    from torch.utils.cpp_extension import load as load_ext
+
+    sources = [Path(s) for s in sources]
+    includes = [include_dir] if include_dir is not None else []
+    key = build_key(sources, cflags, ldflags, includes)
+    folder = (root or build_root()) / f"{name}-{key}"
+    if wait_s is None:
+        wait_s = float(os.environ.get("KVSERVE_KERNEL_BUILD_WAIT", DEFAULT_WAIT_S))
+    with exclusive(folder.with_suffix(".lock"), wait_s):
+        src = folder / "src"
+        src.mkdir(parents=True, exist_ok=True)
+        (folder / "lock").unlink(missing_ok=True)  # a dead build's baton: we hold the lock
+        for path in [*sources, *(p for d in includes for p in Path(d).glob("*.h"))]:
+            if not (src / path.name).exists():
+                shutil.copyfile(path, src / f".{path.name}.tmp")
+                (src / f".{path.name}.tmp").replace(src / path.name)
+        built = any(folder.glob(f"{name}*.so"))
+        if not built:
+            logger.info("building %s (%d sources; first use only, 1.5-2 minutes on two cores) "
+                        "in %s", name, len(sources), folder)
+        with _progress(folder, len(sources), enabled=not built):
+            return load_ext(name=name, sources=[str(src / p.name) for p in sources],
+                            extra_include_paths=[str(src)] if includes else None,
+                            extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                            build_directory=str(folder), is_python_module=is_python_module,
+                            verbose=False)
+
+
+@contextlib.contextmanager
+def _progress(folder: Path, total: int, enabled: bool) -> Iterator[None]:
+    """A tqdm bar of the object files ninja has finished in ``folder`` (to stderr)."""
+    if not enabled:
+        yield
+        return
+    from tqdm import tqdm
+
+    done = threading.Event()
+
+    def watch() -> None:
+        with tqdm(total=total, desc="compiling CPU kernels", unit="file", leave=True) as bar:
+            while not done.wait(1.0):
+                n = min(total, len(list(folder.glob("*.o"))))
+                bar.update(n - bar.n)
+            bar.update(min(total, len(list(folder.glob("*.o")))) - bar.n)
+
+    thread = threading.Thread(target=watch, name="kernel-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
