@@ -2,9 +2,10 @@
 
 ``kv_cache_dtype`` (vLLM's names) picks the format:
 
-* ``auto``: on a CPU under a float32 model, ``float16`` (llama.cpp's default cache: half the
-  bytes, ~0% perplexity change measured on the embedded model); elsewhere the model's dtype
-  (:func:`resolve_kv_cache_dtype`).
+* ``auto``: on a CPU under a float32 model whose dtype was chosen automatically (``dtype``
+  ``auto``), ``float16`` (llama.cpp's default cache: half the bytes, ~0% perplexity change
+  measured on the embedded model); elsewhere, and under an explicit ``dtype float32``, the
+  model's dtype (:func:`resolve_kv_cache_dtype`).
 * ``float32``: float32 rows under a float32 model (the exact path the HF-parity tests pin).
 * ``float16`` / ``bfloat16``: 16-bit floats whatever the model's dtype (llama.cpp's default
   ``f16`` cache; vLLM's ``bfloat16``): rows of ``head_dim`` elements rounded to nearest even,
@@ -78,13 +79,15 @@ class KVFormat:
         return float(torch.finfo(self.storage_dtype).max)
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
-                           device_type: str) -> tuple[str, str]:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device_type: str,
+                           dtype_setting: str = "auto") -> tuple[str, str]:
     """``(the pool's kv_cache_dtype, why)``: ``auto`` becomes ``float16`` on a CPU under a
-    float32 model and the model's own dtype elsewhere; any other name stays. Pure."""
+    float32 model when ``dtype_setting`` (the engine's ``dtype``) is ``auto``, and the model's
+    own dtype otherwise (an explicit ``dtype float32`` is float32 throughout); any other name
+    stays. Pure."""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype, "as requested"
-    if device_type == "cpu" and model_dtype == torch.float32:
+    if device_type == "cpu" and model_dtype == torch.float32 and dtype_setting == "auto":
         return "float16", ("auto on CPU: 16-bit like llama.cpp's default cache, half the "
                            "bytes of float32; --kv-cache-dtype float32 keeps the exact pool")
     name = str(model_dtype).removeprefix("torch.")

@@ -156,7 +156,7 @@ class ModelRunner:
                         else f"Python layer loop ({why_not})")
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.kv_cache_dtype, why = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
-                                                          self.device.type)
+                                                          self.device.type, config.dtype)
         self.kv_format: KVFormat = kv_format(self.kv_cache_dtype, self.dtype,
                                              self.arch.head_dim)
         logger.info("KV cache dtype %s (%s)", self.kv_cache_dtype, why)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.loading.generation_defaults import GenerationDefaults
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling.params import SamplingParams
 from engine.stats import EngineStats
@@ -63,6 +64,7 @@ class FakeCore:
                                    **config)
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
+        self.generation_defaults = GenerationDefaults()  # OpenAI's defaults
         self.max_model_len = max_model_len
         self.vocab_size = VOCAB
         self.token_id_bound = VOCAB

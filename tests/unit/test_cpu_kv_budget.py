@@ -37,8 +37,9 @@ def test_the_embedded_model_gets_16_concurrent_8k_sequences_on_a_laptop():
     assert cpu_kv_budget(24 * GIB).budget // per_token >= 16 * 8192
 
 
-def test_auto_is_16_bit_on_cpu_and_the_model_dtype_elsewhere():
+def test_auto_is_16_bit_on_cpu_unless_float32_was_asked_for():
     assert resolve_kv_cache_dtype("auto", torch.float32, "cpu")[0] == "float16"
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu", "float32")[0] == "float32"
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, "cpu")[0] == "bfloat16"
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, "cuda")[0] == "bfloat16"
     assert resolve_kv_cache_dtype("float32", torch.float32, "cpu")[0] == "float32"
