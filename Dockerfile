@@ -32,10 +32,11 @@ ARG TORCH_INDEX_URL=https://pypi.org/simple
 ARG DEBIAN_FRONTEND=noninteractive
 
 # Triton compiles its kernel launchers at run time with the system C compiler against Python's
-# headers: gcc, libc6-dev and python3-dev stay in the image.
+# headers: gcc, libc6-dev and python3-dev stay in the image. g++ builds kvserve's CPU kernels
+# (below, at image build time; again at first start only on a CPU other than the builder's).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+        python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 # Ubuntu 24.04's system pip refuses installs (PEP 668): everything goes into a venv on PATH.
@@ -72,6 +73,10 @@ RUN pip install -c /opt/venv/constraints.txt ".[triton]" \
     && cd / \
     && python -c "import torch, triton, engine, server" \
     && python -c "import torch, triton, server.cli; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
+
+# The CPU kernels, built now into the cache (keyed by the CPU: a host with another CPU builds its
+# own copy at first start); the build fails the image if they do not load.
+RUN cd / && python -m engine.cpu.kernels
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvserve \
     && mkdir -p /models "$KVSERVE_CACHE_DIR" "$TRITON_CACHE_DIR" \

@@ -27,8 +27,15 @@ QUANTIZATIONS = ("auto", "none", "int4", "int8")
 QUANTIZATION_GROUP_SIZES = (32, 128)
 # The KV pool formats (engine/kv_cache/kv_quant.py); here so that this module needs no torch.
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+# Other spellings users bring: vLLM's "fp8" is e4m3.
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 CPU_PROBES = ("cached", "force", "off")
+
+
+def kv_cache_dtype_name(value: str) -> str:
+    """``value`` in kvserve's spelling (``fp8`` -> ``fp8_e4m3``); other names unchanged."""
+    return KV_CACHE_DTYPE_ALIASES.get(str(value), str(value))
 
 
 def parse_bytes(value: int | float | str | None) -> int | None:
@@ -91,7 +98,8 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
-    served_model_name: str | None = None
+    # the name the API reports, or several (vLLM's list): the first is reported, all accepted
+    served_model_name: str | tuple[str, ...] | None = None
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -140,6 +148,7 @@ class EngineConfig:
     kv_eviction: str | None = None
 
     def __post_init__(self) -> None:
+        self._normalise_names()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -174,6 +183,7 @@ class EngineConfig:
         if self.cpu_probe not in CPU_PROBES:
             raise ValueError(f"cpu_probe must be one of {', '.join(CPU_PROBES)}; "
                              f"got {self.cpu_probe!r}")
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")
@@ -202,6 +212,22 @@ class EngineConfig:
                                  "draft rollback does not cross evicted blocks; use one")
         # Normalise the size once so that every reader sees bytes.
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+
+    def _normalise_names(self) -> None:
+        names = self.served_model_name
+        if isinstance(names, (list, tuple)):
+            names = tuple(str(n) for n in names)
+            if not names or not all(names):
+                raise ValueError("served_model_name must hold non-empty names")
+            object.__setattr__(self, "served_model_name", names[0] if len(names) == 1 else names)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every served name (empty: the model's own name serves)."""
+        names = self.served_model_name
+        if names is None:
+            return ()
+        return (names,) if isinstance(names, str) else tuple(names)
 
     def _check_quantization(self) -> None:
         explicit = self.quantization in ("int4", "int8")

@@ -72,7 +72,7 @@ class EngineCore:
         self.files = resolve_model(config.model)
         self.hf_config = load_config(self.files)
         self.tokenizer = load_tokenizer(_tokenizer_files(config, self.files))
-        self.model_name = config.served_model_name or self.files.name
+        self.model_name = (config.served_model_names or (self.files.name,))[0]
         self.generation_defaults = generation_defaults(
             self.files.path, config.generation_config, embedded=self.files.source == "embedded")
         self.max_model_len = config.resolve_max_model_len(self.hf_config)

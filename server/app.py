@@ -74,7 +74,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                             kv_cache_dtype=engine.config.kv_cache_dtype)
     engine.observers.append(metrics)
     ctx = ServingContext(engine=engine, metrics=metrics,
-                         served_model_names=[engine.model_name],
+                         served_model_names=[engine.model_name, *(
+                             n for n in engine.config.served_model_names
+                             if n != engine.model_name)],
                          model_root=engine.config.model,
                          stream_timeout=settings.stream_timeout,
                          trust_request_chat_template=settings.trust_request_chat_template)

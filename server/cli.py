@@ -32,6 +32,15 @@ logger = logging.getLogger("kvserve.cli")
 def _settings(args: argparse.Namespace):
     # resolve() keeps only the option names it knows: the subcommand's own arguments drop out.
     flags = dict(vars(args))
+    given = flags.pop("model_flag", None)  # --model / -m (vLLM's, llama.cpp's spelling)
+    if given is not None:
+        if flags.get("model") not in (None, given):
+            raise ValueError(f"two models given: {flags['model']!r} and --model {given!r}; "
+                             f"give one")
+        flags["model"] = given
+    if flags.pop("trust_remote_code", False):
+        logger.info("--trust-remote-code: nothing to trust; kvserve runs no code from a "
+                    "checkpoint (its own model classes read the weights)")
     if "api_key" not in flags and os.environ.get("KVSERVE_API_KEY"):
         flags["api_key"] = os.environ["KVSERVE_API_KEY"]
     return resolve(flags, getattr(args, "config", None))
@@ -267,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_and_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=argparse.SUPPRESS,
                    help="model directory, .gguf file or name (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", "-m", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as the positional MODEL (vLLM's and llama.cpp's spelling)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility; a no-op (no checkpoint code is run)")
     p.add_argument("--config", metavar="FILE.yaml",
                    help="YAML file of options (keys are the flag names); flags override it")
 

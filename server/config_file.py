@@ -24,6 +24,7 @@ from engine.config import (
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
+    kv_cache_dtype_name,
     parse_bytes,
 )
 
@@ -88,6 +89,8 @@ class Option:
     choices: tuple[str, ...] | None = None
     boolean: bool = False
     nullable: bool = False
+    aliases: tuple[str, ...] = ()  # other spellings on the command line (llama.cpp's -c, -np)
+    nargs: str | None = None  # "+": a list on the command line (vLLM's served names)
 
 
 def _size(value: Any) -> Any:
@@ -104,11 +107,12 @@ ENGINE_OPTIONS = [
     Option("tokenizer", "tokenizer", "engine", str, "tokenizer path (default: the model's)",
            nullable=True),
     Option("served-model-name", "served_model_name", "engine", str,
-           "name the API reports and accepts (default: the model's name)", nullable=True),
+           "name(s) the API accepts; the first is the one it reports (default: the model's "
+           "name)", nullable=True, nargs="+"),
     Option("dtype", "dtype", "engine", str, "weights and activations dtype", choices=DTYPES),
     Option("device", "device", "engine", str, "auto, cpu, cuda or cuda:N"),
     Option("max-model-len", "max_model_len", "engine", int,
-           "context length (default: the model's)", nullable=True),
+           "context length (default: the model's)", nullable=True, aliases=("-c",)),
     Option("block-size", "block_size", "engine", int, "tokens per KV block"),
     Option("kv-cache-memory", "kv_cache_memory", "engine", _size,
            "KV pool size, e.g. 512MiB or 4GiB (CUDA default: from --gpu-memory-utilization)",
@@ -116,7 +120,8 @@ ENGINE_OPTIONS = [
     Option("gpu-memory-utilization", "gpu_memory_utilization", "engine", float,
            "fraction of GPU memory for weights + KV cache"),
     Option("swap-space", "swap_space", "engine", float, "host KV tier in GiB (0 = off)"),
-    Option("max-num-seqs", "max_num_seqs", "engine", int, "sequences per step"),
+    Option("max-num-seqs", "max_num_seqs", "engine", int, "sequences per step",
+           aliases=("-np",)),
     Option("max-num-batched-tokens", "max_num_batched_tokens", "engine", int,
            "tokens per step"),
     Option("enable-prefix-caching", "enable_prefix_caching", "engine", bool,
@@ -146,12 +151,13 @@ ENGINE_OPTIONS = [
            "this machine's measured verdict, measure once where there is none), force "
            "(measure again and replace it), off (measure nothing: float32 and packed weights "
            "with default kernels)", choices=CPU_PROBES),
-    Option("kv-cache-dtype", "kv_cache_dtype", "engine", str,
+    Option("kv-cache-dtype", "kv_cache_dtype", "engine", kv_cache_dtype_name,
            "KV cache storage: auto (float16 on a CPU, else the model's dtype), float32 (the "
            "exact pool of a float32 model), float16 or bfloat16 (16-bit "
            "whatever the model's dtype; llama.cpp's default f16 cache), int8 (a float16 scale "
            "per token and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the "
-           "bytes per token of 16-bit", choices=KV_CACHE_DTYPES),
+           "bytes per token of 16-bit; fp8 (vLLM's spelling) is fp8_e4m3",
+           choices=KV_CACHE_DTYPES),
     Option("kv-eviction", "kv_eviction", "engine", str,
            "stream past the context (StreamingLLM attention sinks), e.g. sink:4,window:1024: "
            "keep the first S and the last N tokens' KV (rounded up to whole blocks), evict "
@@ -234,14 +240,26 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, SERVER_OPTIONS, "server")
 
 
+def _defaults(target: str) -> dict[str, Any]:
+    cls = EngineConfig if target == "engine" else ServerSettings
+    return {f.name: f.default for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING}
+
+
 def _add(parser: argparse.ArgumentParser, options: Iterable[Option], title: str) -> None:
     group = parser.add_argument_group(f"{title} options")
+    defaults = _defaults(title)
     for o in options:
-        kwargs: dict[str, Any] = {"dest": o.field, "default": argparse.SUPPRESS, "help": o.help}
+        default = defaults.get(o.field)
+        shown = ("" if default is None or "(default" in o.help else
+                 f" (default: {'on' if default is True else 'off' if default is False else default})")
+        kwargs: dict[str, Any] = {"dest": o.field, "default": argparse.SUPPRESS,
+                                  "help": (o.help + shown).replace("%", "%%")}
+        flags = [f"--{o.name}", *o.aliases]
         if o.boolean:
-            group.add_argument(f"--{o.name}", action=argparse.BooleanOptionalAction, **kwargs)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            group.add_argument(f"--{o.name}", type=o.type, choices=o.choices,
+            group.add_argument(*flags, type=o.type, choices=o.choices, nargs=o.nargs,
                                metavar=o.name.upper().replace("-", "_") if not o.choices
                                else None, **kwargs)
 
@@ -256,6 +274,8 @@ def _convert(option: Option, value: Any, source: str) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false; got {value!r}")
         return value
+    if option.nargs is not None and isinstance(value, list):
+        return [_convert(dataclasses.replace(option, nargs=None), v, source) for v in value]
     if option.type in (int, float) and isinstance(value, bool):
         raise ValueError(f"{where} must be a number; got {value!r}")
     try:
@@ -319,5 +339,6 @@ def as_yaml_dict(engine: EngineConfig, server: ServerSettings) -> dict[str, Any]
     for name, o in sorted(_BY_NAME.items()):
         src = engine if o.target == "engine" else server
         value = getattr(src, o.field)
-        out[name] = value.as_dict() if hasattr(value, "as_dict") else value
+        out[name] = (value.as_dict() if hasattr(value, "as_dict") else
+                     list(value) if isinstance(value, tuple) else value)
     return out

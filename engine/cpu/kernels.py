@@ -70,4 +70,6 @@ if __name__ == "__main__":  # ``python -m engine.cpu.kernels``: build now (make 
     import sys
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sys.exit(0 if load() is not None else 1)
+    built = load()
+    print(f"CPU kernels: {'ready, ' + built.__file__ if built is not None else 'NOT built'}")
+    sys.exit(0 if built is not None else 1)

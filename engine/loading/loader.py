@@ -110,7 +110,7 @@ def _resolve_local(
         return ModelFiles(path=path, name=given.stem, source="gguf")
     raise ValueError(
         f"model {original!r} not found: no file or directory at {given.resolve()}, and it is not "
-        f"the embedded model {EMBEDDED_MODEL_NAME!r} (omit --model to use that one). kvserve never "
+        f"the embedded model {EMBEDDED_MODEL_NAME!r} (give no model to use that one). kvserve never "
         "downloads models: pass a local Hugging Face directory (config.json + weights) or a "
         ".gguf file"
     )

@@ -65,23 +65,25 @@ def real_server(tmp_path_factory) -> RealServer:
             [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port",
              str(port), *FLAGS], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = RealServer(f"http://127.0.0.1:{port}", log_path, proc)
-    deadline = time.monotonic() + 600  # model load on a busy 2-core machine
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not become healthy:\n{server.log()[-4000:]}")
-        time.sleep(0.5)
-    yield server
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    try:  # the server stops whatever happens, a failed start included
+        deadline = time.monotonic() + 600  # model load on a busy 2-core machine
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not become healthy:\n{server.log()[-4000:]}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -198,3 +198,33 @@ def test_hardening_flags_and_keys(tmp_path):
 def test_bad_hardening_values_are_refused(tmp_path, text, fragment):
     with pytest.raises(ValueError, match=fragment):
         resolve({}, _write(tmp_path, text))
+
+
+@pytest.mark.parametrize(("given", "canonical"), [
+    (["--model", "/m"], ["/m"]),
+    (["-m", "/m"], ["/m"]),
+    (["-c", "4096", "-np", "8"], ["--max-model-len", "4096", "--max-num-seqs", "8"]),
+    (["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"]),
+    (["--trust-remote-code", "--generation-config", "vllm"], ["--generation-config", "vllm"]),
+    (["--served-model-name", "a"], ["--served-model-name", "a"]),
+])
+def test_vllm_and_llama_cpp_spellings_parse_as_the_canonical_ones(given, canonical):
+    """vLLM's and llama.cpp's forms of the same settings give the same resolved config."""
+    assert _parse(*given) == _parse(*canonical)
+
+
+def test_a_list_of_served_names_reports_the_first_and_keeps_the_model(tmp_path):
+    engine, _ = _parse(*["/m", "--served-model-name", "a", "b"])
+    assert engine.model == "/m" and engine.served_model_names == ("a", "b")
+    path = tmp_path / "c.yaml"
+    path.write_text("served-model-name: [x, y]\n")
+    assert _parse(*["--config", str(path)])[0].served_model_names == ("x", "y")
+    with pytest.raises(ValueError, match="two models"):
+        _parse(*["/m", "--model", "/n"])
+
+
+def test_help_shows_each_flags_default(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 128)" in text and "(default: cached)" in text and "(default: 16)" in text

@@ -165,6 +165,20 @@ def test_dockerfile_keeps_a_c_compiler_and_python_headers():
     assert not any(re.search(r"apt-get (remove|purge|autoremove)", ins) for ins in runs)
 
 
+def test_dockerfile_builds_the_cpu_kernels_with_a_cpp_compiler():
+    """The image had gcc but no c++: the CPU kernels could not build and a CPU host fell back to
+    the plain PyTorch route. g++ is installed and the kernels are built (and loaded, else the
+    build fails) at image build time, after kvserve is installed and before the user is made
+    (whose home, the cache, is chowned afterwards)."""
+    runs = [ins for ins in _instructions(_dockerfile()) if ins.startswith("RUN ")]
+    apt = " ".join(ins for ins in runs if "apt-get install" in ins).split()
+    assert "g++" in apt
+    build = next(i for i, ins in enumerate(runs) if "python -m engine.cpu.kernels" in ins)
+    assert next(i for i, ins in enumerate(runs) if '".[triton]"' in ins) < build
+    assert build < next(i for i, ins in enumerate(runs) if "useradd" in ins)
+    assert "KVSERVE_CACHE_DIR=/home/kvserve/.cache/kvserve" in _dockerfile()
+
+
 def test_dockerfile_documents_the_cuda12_build():
     text = _dockerfile()
     for fragment in ("BASE_IMAGE=nvidia/cuda:12.6.3-", "TORCH_VERSION=2.10.0",

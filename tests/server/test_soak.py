@@ -47,24 +47,29 @@ def server(tmp_path_factory):
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
         stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.3)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
+    try:  # the server stops whatever happens, a missed start deadline included
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.3)
+        yield url
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
 
 
 def _one(url: str, i: int) -> str:
