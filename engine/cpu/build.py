@@ -9,10 +9,14 @@ Contract of :func:`build`:
   or overwrite a build; the same sources anywhere reuse it (they are copied into the folder and
   compiled from there, so the build does not depend on where the checkout is). A restart with
   the build in place only loads it.
+* A finished build is published by renaming its private temporary folder into place, with a
+  marker naming its library; later starts import that library directly (no lock, no ninja, so
+  venvs with the same torch share one build and never rebuild it for their own paths).
 * Builders take an exclusive ``flock`` on ``<folder>.lock``. The kernel drops it when the holder
-  dies, however it dies (SIGKILL included), so a killed build is never waited on; while it is
-  held, any ``lock`` baton of torch's cpp_extension in the folder can only be a dead build's
-  and is removed (torch waits for that file without a time limit).
+  dies, however it dies (SIGKILL included), so a killed build is never waited on; its temporary
+  folder (and any ``lock`` baton of torch's cpp_extension in it, which torch would wait for
+  without a time limit) is simply left behind and removed by the next builder; a compiler the
+  dead builder left running writes only there.
 * A process that finds the lock held logs whom it waits for (the holder writes its pid into the
   lock file) every ``log_every_s`` and gives up after ``wait_s`` with
   :class:`BuildWaitTimeout`, whose message names the folder and the pid.
@@ -130,45 +134,76 @@ def _holder(lock_path: Path) -> str:
 def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None,
           cflags: Sequence[str] = (), ldflags: Sequence[str] = (), is_python_module: bool = True,
           wait_s: float | None = None, root: Path | None = None):
-    """Compile (or load, when built already) the extension ``name`` from ``sources`` with torch's
-    cpp_extension under the contract of the module docstring; returns what
-    ``torch.utils.cpp_extension.load`` returns (the module, or the library's path when
-    ``is_python_module`` is False). ``wait_s`` defaults to ``$KVSERVE_KERNEL_BUILD_WAIT`` or
-    :data:`DEFAULT_WAIT_S`. Build errors propagate."""
-    from torch.utils.cpp_extension import load as load_ext
-
+    """The extension ``name`` from ``sources``, under the contract of the module docstring:
+    loaded straight from its folder when built, else compiled with torch's cpp_extension in a
+    private temporary folder renamed into place when done. Returns the module, or the
+    library's path when ``is_python_module`` is False (as ``cpp_extension.load`` does).
+    ``wait_s`` defaults to ``$KVSERVE_KERNEL_BUILD_WAIT`` or :data:`DEFAULT_WAIT_S`. Build
+    errors propagate."""
     sources = [Path(s) for s in sources]
     includes = [include_dir] if include_dir is not None else []
     key = build_key(sources, cflags, ldflags, includes)
     folder = (root or build_root()) / f"{name}-{key}"
     if wait_s is None:
         wait_s = float(os.environ.get("KVSERVE_KERNEL_BUILD_WAIT", DEFAULT_WAIT_S))
+    if (folder / _DONE).is_file():  # published: no lock, no ninja
+        return _load_built(folder, is_python_module)
     with exclusive(folder.with_suffix(".lock"), wait_s):
-        src = folder / "src"
-        src.mkdir(parents=True, exist_ok=True)
-        (folder / "lock").unlink(missing_ok=True)  # a dead build's baton: we hold the lock
+        if (folder / _DONE).is_file():  # built by the process we waited for
+            return _load_built(folder, is_python_module)
+        _remove_dead_builds(folder)
+        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+        src = tmp / "src"
+        src.mkdir(parents=True)
         for path in [*sources, *(p for d in includes for p in Path(d).glob("*.h"))]:
-            if not (src / path.name).exists():
-                shutil.copyfile(path, src / f".{path.name}.tmp")
-                (src / f".{path.name}.tmp").replace(src / path.name)
-        built = any(folder.glob(f"{name}*.so"))
-        if not built:
-            logger.info("building %s (%d sources; first use only, 1.5-2 minutes on two cores) "
-                        "in %s", name, len(sources), folder)
-        with _progress(folder, len(sources), enabled=not built):
-            return load_ext(name=name, sources=[str(src / p.name) for p in sources],
-                            extra_include_paths=[str(src)] if includes else None,
-                            extra_cflags=list(cflags), extra_ldflags=list(ldflags),
-                            build_directory=str(folder), is_python_module=is_python_module,
-                            verbose=False)
+            shutil.copyfile(path, src / path.name)
+        logger.info("building %s (%d sources; once per machine, 1.5-3 minutes on two cores) "
+                    "in %s", name, len(sources), folder)
+        from torch.utils.cpp_extension import load as load_ext
+
+        with _progress(tmp, len(sources)):
+            out = load_ext(name=name, sources=[str(src / p.name) for p in sources],
+                           extra_include_paths=[str(src)] if includes else None,
+                           extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                           build_directory=str(tmp), is_python_module=is_python_module,
+                           verbose=False)
+        library = next(tmp.glob("*.so"))
+        (tmp / _DONE).write_text(library.name)
+        shutil.rmtree(folder, ignore_errors=True)  # an unpublished leftover
+        tmp.rename(folder)
+        return out if is_python_module else str(folder / library.name)
+
+
+_DONE = "kvserve-built"  # written last into a finished build, naming its library
+
+
+def _load_built(folder: Path, is_python_module: bool):
+    """Import (or, for a plain library, load into torch.ops) the published build's library."""
+    library = folder / (folder / _DONE).read_text().strip()
+    if not is_python_module:
+        import torch
+
+        torch.ops.load_library(str(library))
+        return str(library)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _remove_dead_builds(folder: Path) -> None:
+    """Delete every temporary build folder of ``folder``. Call under the lock: whoever left one
+    no longer holds the lock, so it died mid-build (a compiler it left running writes only
+    there, and fails harmlessly once the folder is gone)."""
+    for tmp in folder.parent.glob(f".{folder.name}.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _progress(folder: Path, total: int, enabled: bool) -> Iterator[None]:
+def _progress(folder: Path, total: int) -> Iterator[None]:
     """A tqdm bar of the object files ninja has finished in ``folder`` (to stderr)."""
-    if not enabled:
-        yield
-        return
     from tqdm import tqdm
 
     done = threading.Event()

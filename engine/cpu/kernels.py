@@ -71,5 +71,5 @@ if __name__ == "__main__":  # ``python -m engine.cpu.kernels``: build now (make 
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = load()
-    print(f"CPU kernels: {'ready, ' + built.__file__ if built is not None else 'NOT built'}")
+    print(f"CPU kernels: {'ready' if built is not None else 'NOT built'}")
     sys.exit(0 if built is not None else 1)

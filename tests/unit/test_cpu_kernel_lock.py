@@ -70,7 +70,8 @@ def test_a_build_killed_mid_compile_does_not_block_the_next_start(tmp_path):
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
     folders = [p for p in root.iterdir() if p.is_dir()]
-    assert len(folders) == 1 and (folders[0] / "lock").exists()  # torch's baton left behind
+    # the dead build's private folder, torch's baton inside: nothing published
+    assert len(folders) == 1 and (folders[0] / "lock").exists() and ".tmp-" in folders[0].name
     normal_cxx = tmp_path / "c++"
     normal_cxx.write_text("#!/bin/sh\nexec c++ \"$@\"\n")
     normal_cxx.chmod(0o755)
@@ -80,7 +81,9 @@ def test_a_build_killed_mid_compile_does_not_block_the_next_start(tmp_path):
                          env=_env(CXX=str(slow_cxx)), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ANSWER 42" in out.stdout
-    assert [p for p in root.iterdir() if p.is_dir()] == folders  # the same build folder
+    published = [p for p in root.iterdir() if p.is_dir()]
+    assert len(published) == 1 and ".tmp-" not in published[0].name  # the leftover removed
+    assert published[0].name == folders[0].name.split(".tmp-")[0].lstrip(".")
 
 
 def test_a_live_builder_is_waited_for_with_its_pid_then_the_wait_gives_up(tmp_path, caplog):
@@ -102,9 +105,18 @@ def test_builds_are_named_by_their_sources_and_flags_and_reused(tmp_path):
     first = kbuild.build("kvserve_stub", [src], cflags=["-O0"], is_python_module=False,
                          root=root)
     assert ctypes.CDLL(first).kvserve_stub_answer() == 42
-    again = kbuild.build("kvserve_stub", [src], cflags=["-O0"], is_python_module=False,
-                         root=root)
-    assert Path(again).parent == Path(first).parent  # loaded, not rebuilt elsewhere
+    import torch.utils.cpp_extension as cpp
+
+    def no_build(**kw):
+        raise AssertionError("a published build must load without compiling")
+
+    original, cpp.load = cpp.load, no_build
+    try:
+        again = kbuild.build("kvserve_stub", [src], cflags=["-O0"], is_python_module=False,
+                             root=root)
+    finally:
+        cpp.load = original
+    assert again == first and ctypes.CDLL(again).kvserve_stub_answer() == 42
     key = kbuild.build_key([src], ["-O0"], [])
     assert kbuild.build_key([src], ["-O1"], []) != key
     src.write_text(STUB.replace("42", "43"))
