@@ -303,7 +303,7 @@ def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool
                     "--cpu-probe force measures again")
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: measure
-    logger.info("quantization=auto: measuring the packed kernels against float on this machine "
+    logger.info("start-up probe: measuring the packed kernels against float on this machine "
                 "(once per machine and model, 20-60 s; --cpu-probe off skips it)")
     verdict = choose(model, quantised, force=force)
     if force:
