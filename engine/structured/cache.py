@@ -10,6 +10,7 @@ cache holds at most ``capacity`` grammars (least recently used dropped). Thread-
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
@@ -17,11 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured.backend import GrammarBackend
+from engine.structured.backend import GrammarBackend, GrammarError
 from engine.structured.spec import StructuredSpec
-
-# Upper bounds (seconds) of the compile-time histogram's buckets; the last is +inf.
-COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from engine.structured.stats import COMPILE_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -59,9 +58,14 @@ class GrammarCache:
                 self._futures.popitem(last=False)
             return fut
 
-    def compile(self, spec: StructuredSpec) -> Any:
-        """The compiled grammar (blocking); raises ``GrammarError`` if it does not compile."""
-        return self.submit(spec).result()
+    def compile(self, spec: StructuredSpec, timeout: float | None = None) -> Any:
+        """The compiled grammar (blocking); raises ``GrammarError`` if it does not compile, or
+        does not within ``timeout`` seconds (the compile goes on and is cached if it ends)."""
+        try:
+            return self.submit(spec).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise GrammarError(f"the {spec.kind} constraint did not compile within {timeout:g} "
+                               f"s; simplify it") from None
 
     def _compile(self, spec: StructuredSpec) -> Any:
         t0 = time.perf_counter()
