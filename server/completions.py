@@ -24,6 +24,7 @@ from server.protocol import CompletionRequest
 from server.serving import (
     ServingContext,
     aborted_on_error,
+    check_constraint,
     new_id,
     request_id_of,
     respond,
@@ -60,6 +61,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    await check_constraint(ctx, params, xrid)
     cid = new_id("cmpl")
     streams = submit_or_error(ctx, prompts, params, cid, req.priority, xrid)
     with aborted_on_error(streams):
