@@ -206,6 +206,11 @@ class AsyncEngine:
 
     # ---- event-loop side ----------------------------------------------------------------
 
+    def compile_structured(self, spec: Any, timeout: float | None = None) -> None:
+        """Compile a request's constraint (blocking: call it on a worker thread) into the
+        engine's grammar cache; raises ``ValueError`` naming the problem. Thread-safe."""
+        self.core.structured.compile(spec, timeout)
+
     def start(self) -> None:
         """Drive the engine on its own thread (tests, embedding in another program)."""
         if not self._thread.is_alive() and not self._done.is_set():

@@ -18,6 +18,7 @@ KV manager — propagates: the engine's state can no longer be trusted (``AsyncE
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -60,6 +61,7 @@ from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
+from engine.structured.outputs import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -119,6 +121,10 @@ class EngineCore:
                               if eviction is not None else None))
         self.eos_token_ids = frozenset(default_generation_eos(self.files))
         self.token_text = token_text_fn(self.tokenizer)
+        # Constrained decoding; requests whose grammar is still compiling wait here, outside
+        # the scheduler, while the others run.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._awaiting_grammar: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_unreported: list[Request] = []
@@ -167,6 +173,11 @@ class EngineCore:
         """Raise ValueError (user-facing) if this request can never be served. Pure; see
         ``engine.scheduling.admission.check_request``."""
         check_request(self.config, self.limits, prompt_token_ids, params, priority)
+        if params.structured is not None and self.config.speculative_config is not None:
+            raise ValueError("structured outputs (response_format, structured_outputs, "
+                             "guided_*, grammar, json_schema) cannot be combined with "
+                             "speculative decoding on this server; start it without a "
+                             "speculative config to constrain outputs")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,
@@ -195,8 +206,54 @@ class EngineCore:
                 generator=generator,
                 logprobs=[] if params.logprobs is not None else None))
         self.requests[request_id] = req
-        self.scheduler.add_request(req)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
+        if params.structured is not None:
+            req.grammar = self.structured.submit(params.structured)
+            if not req.grammar.done():
+                self._awaiting_grammar.append(req)
+                return
+            self._start_constrained(req)
+            if req.finished:
+                self._finished_unreported.append(req)
+                return
+        self.scheduler.add_request(req)
+
+    def _start_constrained(self, req: Request) -> None:
+        """Give each sequence of ``req`` (grammar compiled) its matcher; a grammar that did not
+        compile ends the request ("abort", ``error`` naming the problem)."""
+        exc = req.grammar.exception()
+        if exc is not None:
+            req.error = str(exc)
+            for seq in req.seqs:
+                self.scheduler.finish_seq(seq, "abort")
+            return
+        compiled = req.grammar.result()
+        for seq in req.seqs:
+            seq.matcher = self.structured.matcher(compiled)
+
+    def _admit_compiled(self, touched: dict[str, Request]) -> None:
+        """Requests whose grammar has compiled join the scheduler. When nothing else can run,
+        wait (briefly) for a compile instead of spinning."""
+        if not self._awaiting_grammar:
+            return
+        if not self.scheduler.running and not self.scheduler.num_waiting_seqs:
+            pending = [r.grammar for r in self._awaiting_grammar if not r.finished]
+            if pending:
+                concurrent.futures.wait(pending, timeout=0.05,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+        still = []
+        for req in self._awaiting_grammar:
+            if req.finished:  # aborted while compiling
+                continue
+            if not req.grammar.done():
+                still.append(req)
+                continue
+            self._start_constrained(req)
+            if req.finished:
+                touched[req.request_id] = req
+            else:
+                self.scheduler.add_request(req)
+        self._awaiting_grammar = still
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Finish the named requests with reason "abort" (unknown or finished ids: no-op)."""
@@ -217,6 +274,7 @@ class EngineCore:
         """One iteration. Returns the (cumulative) outputs of requests that progressed."""
         touched: dict[str, Request] = {r.request_id: r for r in self._finished_unreported}
         self._finished_unreported = []
+        self._admit_compiled(touched)
         out = self.scheduler.schedule()
         copies = out.plan.copies
         if out.plan.shifts:  # streaming eviction: before a swap-out copies the blocks
@@ -255,6 +313,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Release what outlives the object (tensor-parallel workers). Idempotent."""
+        self.structured.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -376,6 +435,10 @@ class EngineCore:
         request failed. The batch is sampled at once; if that raises (a request's parameters
         broke a logit processor), row by row, so that only the culprit's request ends."""
         rows = [self._row(s) for s in seqs]
+        if any(s.matcher is not None for s in seqs):
+            # Constrained rows: forbidden tokens to -inf before penalties, temperature,
+            # top-k/p, min-p and logprobs. Unconstrained batches never get here.
+            self.structured.mask(logits, [s.matcher for s in seqs])
         try:
             sampled = self.sampler(logits, rows)
             return [(sampled, i) for i in range(len(rows))]
@@ -395,6 +458,9 @@ class EngineCore:
     def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, now: float) -> None:
         """Append the sampled token: logprobs, text, stop checks, metrics. Per request."""
         token = sampled.token_ids[row]
+        if seq.matcher is not None and not seq.matcher.accept(token):
+            raise RuntimeError(f"token {token} is not allowed by the request's grammar (every "
+                               f"allowed token was masked by another logit processor?)")
         seq.token_ids.append(token)
         self.counters["generation_tokens"] += 1
         record_sample_logprobs(seq, sampled, row, self.token_text)
@@ -405,6 +471,11 @@ class EngineCore:
         finish = seq.text_state.append(token)
         if finish is not None:
             self.scheduler.finish_seq(seq, finish.reason, finish.stop_reason)
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            # The grammar ended (it took a stop token that the text state does not end on,
+            # e.g. under ignore_eos): nothing more may follow.
+            info = seq.text_state.finish("stop")
+            self.scheduler.finish_seq(seq, info.reason, info.stop_reason)
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -432,6 +503,7 @@ class EngineCore:
             num_blocks_evicted_stream=self.stream.num_evicted_blocks if self.stream else 0,
             computed_tokens=self.counters["computed_tokens"],
             spec_decode=self.spec_counters.snapshot(),
+            structured=self.structured.stats(),
             host=HostTierStats.from_offload(
                 self.kv.offload_stats(), self._block_bytes),
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ class Sequence:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    # The grammar this sequence follows (engine.structured.backend.Matcher), None when
+    # unconstrained: advanced by every appended token, on the engine thread only.
+    matcher: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,6 +78,8 @@ class Request:
     # Per-request scratch of the logit processors (engine.sampling.penalties), e.g. the logit-bias
     # tensors, built once instead of every step.
     sampler_cache: dict = field(default_factory=dict)
+    # The compiled grammar's Future while ``params.structured`` is set (engine.structured).
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

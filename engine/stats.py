@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.spec_decode.stats import SpecDecodeStats
+from engine.structured.stats import StructuredStats
 
 if TYPE_CHECKING:
     from engine.kv_cache.offload import OffloadStats
@@ -85,6 +86,7 @@ class EngineStats:
     computed_tokens: int = 0
     host: HostTierStats = field(default_factory=HostTierStats)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    structured: StructuredStats = field(default_factory=StructuredStats)
 
     def replace(self, **changes: int | float) -> EngineStats:
         return dataclasses.replace(self, **changes)
@@ -95,7 +97,7 @@ class EngineStats:
         ``spec_decode_num_accepted_tokens_pos<j>`` per draft position."""
         out: dict[str, int | float] = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in ("host", "spec_decode")}
+            if f.name not in ("host", "spec_decode", "structured")}
         out.update(dataclasses.asdict(self.host))
         sd = self.spec_decode
         out.update(spec_decode_num_drafts=sd.num_drafts,
@@ -103,4 +105,10 @@ class EngineStats:
                    spec_decode_num_accepted_tokens=sd.num_accepted_tokens)
         for j, n in enumerate(sd.accepted_per_pos):
             out[f"spec_decode_num_accepted_tokens_pos{j}"] = n
+        st = self.structured
+        out.update(structured_compiles=st.compiles,
+                   structured_compile_failures=st.compile_failures,
+                   structured_cache_hits=st.cache_hits,
+                   structured_compile_seconds_sum=st.compile_seconds_sum,
+                   structured_constrained_rows=st.constrained_rows)
         return out

@@ -24,6 +24,7 @@ from server.protocol import ChatCompletionRequest
 from server.serving import (
     ServingContext,
     aborted_on_error,
+    check_constraint,
     new_id,
     request_id_of,
     respond,
@@ -100,6 +101,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     except ValueError as exc:
         raise bad_request(str(exc), param="messages" if "template" in str(exc) else None) \
             from None
+    await check_constraint(ctx, params, xrid)
     cid = new_id("chatcmpl")
     streams = submit_or_error(ctx, [(text, ids)], params, cid, req.priority, xrid)
     with aborted_on_error(streams):

@@ -24,6 +24,7 @@ from server.protocol import CompletionRequest
 from server.serving import (
     ServingContext,
     aborted_on_error,
+    check_constraint,
     new_id,
     request_id_of,
     respond,
@@ -61,6 +62,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             defaults=ctx.sampling_defaults)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    await check_constraint(ctx, params, xrid)
     cid = new_id("cmpl")
     streams = submit_or_error(ctx, prompts, params, cid, req.priority, xrid)
     with aborted_on_error(streams):

@@ -23,11 +23,17 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats
+from engine.structured.stats import COMPILE_BUCKETS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -102,6 +108,18 @@ _COUNTERS = [
      None, [(lambda s: s.spec_decode.num_draft_tokens, None)]),
     ("kvserve:spec_decode_num_accepted_tokens", "Speculative tokens accepted by verification.",
      None, [(lambda s: s.spec_decode.num_accepted_tokens, None)]),
+    ("kvserve:structured_output_grammar_cache_hits",
+     "Structured-output constraints answered by the grammar cache (compiled before).",
+     None, [(lambda s: s.structured.cache_hits, None)]),
+    ("kvserve:structured_output_compile_failures",
+     "Structured-output constraints that did not compile (each a 400).",
+     None, [(lambda s: s.structured.compile_failures, None)]),
+    ("kvserve:structured_output_constrained_rows",
+     "Sampled rows that carried a grammar (one per constrained sequence and step).",
+     None, [(lambda s: s.structured.constrained_rows, None)]),
+    ("kvserve:structured_output_constrained_steps",
+     "Engine steps that sampled at least one constrained row.",
+     None, [(lambda s: s.structured.constrained_steps, None)]),
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -110,6 +128,20 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
+
+
+def _compile_histogram(model_name: str, stats: EngineStats) -> Metric:
+    """The grammar compile-time histogram, from the engine's non-cumulative bucket counts."""
+    st = stats.structured
+    buckets, total = [], 0
+    for bound, n in zip((*COMPILE_BUCKETS, float("inf")), st.compile_buckets):
+        total += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(total)))
+    h = HistogramMetricFamily("kvserve:structured_output_compile_seconds",
+                              "Time to compile a structured-output constraint (cache misses).",
+                              labels=["model_name"])
+    h.add_metric([model_name], buckets, sum_value=st.compile_seconds_sum)
+    return h
 
 
 class _EngineCollector(Collector):
@@ -138,6 +170,7 @@ class _EngineCollector(Collector):
         for j, n in enumerate(stats.spec_decode.accepted_per_pos):
             per_pos.add_metric([self.model_name, str(j)], float(n))
         yield per_pos
+        yield _compile_histogram(self.model_name, stats)
         up = GaugeMetricFamily("kvserve:engine_healthy",
                                "1 while the engine loop runs, 0 once it has died.",
                                labels=["model_name"])

@@ -23,21 +23,17 @@ from pydantic import (
 )
 
 from engine.sampling.params import SamplingParams
+from engine.structured.spec import StructuredSpec
+from server.field_error import FieldError
+from server.structured_forms import structured_spec
+
+__all__ = ["FieldError"]  # re-exported: server.errors and the tests import it from here
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 # /tokenize and /detokenize: the most characters (over all messages) / token ids one call takes.
 MAX_TOKENIZE_CHARS = 1_000_000
 MAX_DETOKENIZE_IDS = 1_000_000
-
-
-class FieldError(ValueError):
-    """A validation error about one parameter (``param``, dotted), raised inside a model
-    validator, where pydantic would otherwise name no field."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(f"{param}: {message}" if param else message)
-        self.param = param
 
 
 def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
@@ -119,6 +115,15 @@ class _SamplingFields(_Request):
     priority: int = 0
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Structured outputs (server.structured_forms): OpenAI's, vLLM's and llama.cpp's forms.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    grammar: StrictStr | None = None
+    json_schema: dict[str, Any] | StrictStr | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -140,6 +145,16 @@ class _SamplingFields(_Request):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _SamplingFields:
+        self._structured = structured_spec(self)  # FieldError (a 400) on a bad form
+        return self
+
+    @property
+    def structured(self) -> StructuredSpec | None:
+        """The request's structured-output constraint, if any (server.structured_forms)."""
+        return getattr(self, "_structured", None)
 
     @property
     def include_usage(self) -> bool:
@@ -179,6 +194,7 @@ class _SamplingFields(_Request):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
+            structured=self.structured,
         )
 
 
@@ -262,7 +278,6 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, Any]] | None = None  # likewise
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -272,8 +287,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tools are not supported by this server")
         if self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice is not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format {'type': 'text'} is supported")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true")

@@ -279,6 +279,27 @@ def aborted_on_error(streams: list[RequestStream]) -> Iterator[None]:
         raise
 
 
+# A constraint that takes longer than this to compile is refused (a 400).
+COMPILE_TIMEOUT_S = 10.0
+
+
+async def check_constraint(ctx: ServingContext, params: SamplingParams, request_id: str) -> None:
+    """400 unless the request's structured-output constraint (if any) compiles; compiled into
+    the engine's cache on a worker thread, so the engine thread finds it ready."""
+    spec = params.structured
+    if spec is None:
+        return
+    compile_structured = getattr(ctx.engine, "compile_structured", None)
+    if compile_structured is None:
+        raise bad_request("structured outputs are not supported by this engine")
+    try:
+        await asyncio.to_thread(compile_structured, spec, COMPILE_TIMEOUT_S)
+    except ValueError as exc:
+        logger.info("request_id=%s refused constraint %s: %s", request_id, spec.describe(), exc)
+        raise bad_request(str(exc)) from None
+    logger.info("request_id=%s constraint: %s", request_id, spec.describe())
+
+
 def submit_or_error(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
                     params: SamplingParams, base_id: str, priority: int,
                     request_id: str) -> list[RequestStream]:

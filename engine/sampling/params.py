@@ -12,6 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from engine.structured.spec import StructuredSpec
+
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
@@ -26,7 +28,9 @@ class SamplingParams:
     samples of this request reproducible whatever else shares its batch. ``logprobs=k`` returns
     the chosen token's log-probability and the top ``k`` alternatives per generated token;
     ``prompt_logprobs=k`` does the same for the prompt tokens. ``stop`` strings end generation and
-    are removed from the text (unless ``include_stop_str_in_output``).
+    are removed from the text (unless ``include_stop_str_in_output``). ``structured``: a
+    constraint (JSON schema, regex, choice, grammar) every generated sequence follows; its
+    logits are masked before any processing, and EOS is allowed only where it can end.
     """
 
     n: int = 1
@@ -50,6 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +149,8 @@ class SamplingParams:
                 if not -100.0 <= val <= 100.0:  # also rejects NaN
                     raise ValueError(f"logit_bias values must be in [-100, 100]; got {val} "
                                      f"for token {tok}")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise bad("structured", "must be a StructuredSpec or None")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative token ids")
 

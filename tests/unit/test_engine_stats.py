@@ -22,12 +22,16 @@ SPEC_KEYS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",
              "spec_decode_num_accepted_tokens"}
 
 
+STRUCTURED_KEYS = {"structured_compiles", "structured_compile_failures", "structured_cache_hits",
+                   "structured_compile_seconds_sum", "structured_constrained_rows"}
+
+
 def test_flat_form_keeps_the_offline_api_keys():
     stats = EngineStats(num_blocks_used=3, host=HostTierStats(offload_spills=2))
     flat = stats.as_dict()
     assert LEGACY_KEYS <= set(flat)  # kept; new counters may join
     assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window",
-                                       "num_blocks_evicted_stream"} | SPEC_KEYS
+                                       "num_blocks_evicted_stream"} | SPEC_KEYS | STRUCTURED_KEYS
     per_pos = EngineStats(spec_decode=SpecDecodeStats(2, 8, 3, (2, 1, 0, 0))).as_dict()
     assert per_pos["spec_decode_num_accepted_tokens_pos1"] == 1
     assert set(per_pos) - set(flat) == {f"spec_decode_num_accepted_tokens_pos{j}"
@@ -40,13 +44,15 @@ def test_flat_form_keeps_the_offline_api_keys():
 def test_every_metric_reads_a_real_field():
     host = HostTierStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(HostTierStats))})
     stats = EngineStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(EngineStats))
-                           if f.name not in ("host", "spec_decode")}, host=host,
+                           if f.name not in ("host", "spec_decode", "structured")}, host=host,
                         spec_decode=SpecDecodeStats(4, 16, 7, (3, 2, 1, 1)))
     text = ServerMetrics("m", lambda: stats).render().decode()
     assert 'kvserve:kv_cache_used_blocks{model_name="m"} 15.0' in text
     assert 'kvserve:kv_offload_spills_total{model_name="m"} 10.0' in text
     assert 'kvserve:num_preemptions_by_mode_total{mode="swap",model_name="m"} 8.0' in text
     assert 'kvserve:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
+    assert 'kvserve:structured_output_constrained_rows_total{model_name="m"} 0.0' in text
+    assert 'kvserve:structured_output_compile_seconds_count{model_name="m"} 0.0' in text
     assert 'kvserve:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
     assert 'kvserve:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
     assert ('kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}'

@@ -1,0 +1,84 @@
+"""``StructuredOutputs``: the engine's structured-output state, one per ``EngineCore``.
+
+It owns the backend (built on first use: a request that never asks for a constraint never
+pays for xgrammar's tokenizer tables) and the compile cache, and counts the constrained rows
+sampled. ``compile`` and ``submit`` may be called from any thread (the server pre-compiles a
+request's constraint on a worker thread, so a constraint that does not compile is a 400 before
+anything is queued); ``mask`` and the matchers belong to the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from engine.structured.backend import GrammarBackend, Matcher
+from engine.structured.cache import GrammarCache
+from engine.structured.masking import mask_logits
+from engine.structured.spec import StructuredSpec
+from engine.structured.stats import StructuredStats
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop = frozenset(stop_token_ids)
+        self._lock = threading.Lock()
+        self._backend: GrammarBackend | None = None
+        self._cache: GrammarCache | None = None
+        self.constrained_rows = 0
+        self.constrained_steps = 0
+
+    @property
+    def backend(self) -> GrammarBackend:
+        self._ensure()
+        assert self._backend is not None
+        return self._backend
+
+    def _ensure(self) -> GrammarCache:
+        with self._lock:
+            if self._cache is None:
+                from engine.structured.xgrammar_backend import XGrammarBackend
+
+                self._backend = XGrammarBackend(self._tokenizer, self._vocab_size, self._stop)
+                self._cache = GrammarCache(self._backend)
+            return self._cache
+
+    def submit(self, spec: StructuredSpec) -> Future:
+        """The compiled grammar's future (compiling off the calling thread)."""
+        return self._ensure().submit(spec)
+
+    def compile(self, spec: StructuredSpec, timeout: float | None = None) -> Any:
+        """Blocking; raises ``GrammarError`` (a ``ValueError``) naming the problem, or when it
+        takes longer than ``timeout`` seconds."""
+        return self._ensure().compile(spec, timeout)
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return self.backend.matcher(compiled)
+
+    def mask(self, logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> None:
+        """Constrain ``logits`` (one row per entry of ``matchers``) in place."""
+        if self._cache is None:  # no request ever carried a constraint
+            return
+        n = mask_logits(self.backend, logits, matchers)
+        if n:
+            self.constrained_rows += n
+            self.constrained_steps += 1
+
+    def stats(self) -> StructuredStats:
+        cache = self._cache
+        if cache is None:
+            return StructuredStats()
+        s = cache.stats()
+        return StructuredStats(s.compiles, s.compile_failures, s.cache_hits,
+                               s.compile_seconds_sum, s.compile_buckets,
+                               self.constrained_rows, self.constrained_steps)
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()

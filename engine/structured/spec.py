@@ -1,0 +1,80 @@
+"""``StructuredSpec``: the constraint one request carries, in canonical form.
+
+Kinds: ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
+a list of strings) and ``grammar`` (EBNF / GBNF text, as xgrammar takes it). ``value`` is the
+canonical text (a schema or a choice list as sorted-key compact JSON), so that two requests with
+the same constraint share one compiled grammar. Construction raises ``ValueError`` (a 400) for a
+malformed value or one longer than ``MAX_CONSTRAINT_CHARS``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# A schema, regex or grammar longer than this is refused: compiling it could hold a compile
+# worker for seconds, and no real tool schema comes near it.
+MAX_CONSTRAINT_CHARS = 128 * 1024
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    kind: str
+    value: str = ""  # canonical text; "" for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown structured output kind {self.kind!r}; one of {KINDS}")
+        if len(self.value) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"the {self.kind} constraint has {len(self.value)} characters; at "
+                             f"most {MAX_CONSTRAINT_CHARS} are allowed")
+        if self.kind in ("regex", "grammar") and not self.value:
+            raise ValueError(f"the {self.kind} constraint must not be empty")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compile cache is keyed by."""
+        return (self.kind, self.value)
+
+    def describe(self) -> str:
+        """A short label for logs: the kind and the constraint's size."""
+        return self.kind if not self.value else f"{self.kind} ({len(self.value)} chars)"
+
+    # ---- constructors from request values --------------------------------------------------
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> StructuredSpec:
+        """From a schema given as a dict, a bool or JSON text."""
+        if isinstance(schema, str):
+            if len(schema) > MAX_CONSTRAINT_CHARS:
+                cls("json", schema)  # raises the size error
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object; got {type(schema).__name__}")
+        return cls("json", canonical_json(schema))
+
+    @classmethod
+    def choice(cls, choices: Any) -> StructuredSpec:
+        if (not isinstance(choices, list) or not choices
+                or not all(isinstance(c, str) for c in choices)):
+            raise ValueError("choice must be a non-empty list of strings")
+        if len(choices) > MAX_CHOICES:
+            raise ValueError(f"choice has {len(choices)} entries; at most {MAX_CHOICES}")
+        return cls("choice", canonical_json(choices))
+
+    @classmethod
+    def text(cls, kind: str, value: Any) -> StructuredSpec:
+        """A ``regex`` or ``grammar`` given as a string."""
+        if not isinstance(value, str):
+            raise ValueError(f"the {kind} constraint must be a string")
+        return cls(kind, value)
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

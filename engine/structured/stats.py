@@ -1,0 +1,20 @@
+"""``StructuredStats``: the structured-output counters in ``EngineStats`` (no torch, no
+xgrammar: the server's metrics read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Upper bounds (seconds) of the compile-time histogram's buckets; the last is +inf.
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class StructuredStats:
+    compiles: int = 0
+    compile_failures: int = 0
+    cache_hits: int = 0
+    compile_seconds_sum: float = 0.0
+    compile_buckets: tuple[int, ...] = (0,) * (len(COMPILE_BUCKETS) + 1)
+    constrained_rows: int = 0  # sampled rows that carried a grammar, cumulative
+    constrained_steps: int = 0  # steps with at least one such row

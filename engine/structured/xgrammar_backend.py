@@ -1,0 +1,113 @@
+"""``GrammarBackend`` on xgrammar (benchmarks/grammar_backends.py: its per-token mask fill is
+~8x llguidance's on the embedded model's vocabulary; its compile is slower, but compiles are
+cached and run off the engine thread).
+
+JSON is constrained to compact separators (``", "`` and ``": "``, no free whitespace): a small
+model allowed any whitespace can loop on newlines until ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from engine.structured.backend import GrammarError
+from engine.structured.spec import StructuredSpec
+
+
+class XGrammarMatcher:
+    """One sequence's matcher (see ``engine.structured.backend.Matcher``)."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token: int) -> bool:
+        return bool(self._m.accept_token(int(token)))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, k: int) -> None:
+        if k:
+            self._m.rollback(k)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+class XGrammarBackend:
+    """Compiles specs for one tokenizer and vocabulary (``vocab_size``: the model's logits
+    width, which may exceed the tokenizer's; the extra ids are never allowed)."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
+                 max_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+        # Caching is ours (engine.structured.cache, keyed by canonical text).
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+
+    def compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
+        try:
+            return self._compile(spec)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError/its own types
+            raise GrammarError(f"the {spec.kind} constraint does not compile: "
+                               f"{_message(exc)}") from None
+
+    def _compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
+        c = self._compiler
+        if spec.kind == "json":
+            return c.compile_json_schema(spec.value, any_whitespace=False)
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.value)
+        if spec.kind == "choice":
+            alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
+            return c.compile_grammar(f"root ::= {alts}")
+        if spec.kind == "grammar":
+            return c.compile_grammar(spec.value)
+        raise GrammarError(f"unsupported constraint kind {spec.kind!r}")
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(compiled)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def fill_bitmasks(self, matchers: Sequence[XGrammarMatcher], bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        """Row ``rows[i]`` of ``bitmask`` from ``matchers[i]`` (in parallel for several)."""
+        if len(matchers) == 1:
+            matchers[0].fill_bitmask(bitmask, rows[0])
+        else:
+            self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask,
+                                                      indices=list(rows))
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        """Forbidden logits of ``rows`` (the same rows of ``bitmask``) to -inf, in place."""
+        if bitmask.device != logits.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                        indices=list(rows))
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's message without its ``[hh:mm:ss] /project/cpp/file.cc:N:`` prefix."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    return re.sub(r"^\[[0-9:]+\]\s*\S+:\d+:\s*", "", lines[0])

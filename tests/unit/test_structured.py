@@ -1,0 +1,135 @@
+"""engine.structured against xgrammar on the tiny byte-level vocabulary (256 bytes, <s>, </s>):
+masks, rollback, termination, the compile cache and the spec's canonical form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.loading.tiny import VOCAB, byte_tokenizer
+from engine.structured.backend import GrammarError
+from engine.structured.cache import GrammarCache
+from engine.structured.masking import mask_logits
+from engine.structured.spec import MAX_CONSTRAINT_CHARS, StructuredSpec
+from engine.structured.xgrammar_backend import XGrammarBackend
+
+EOS = 257
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def backend(tok):
+    return XGrammarBackend(tok, VOCAB, [EOS])
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def allowed(backend, matcher) -> set[int]:
+    bm = backend.allocate_bitmask(1)
+    backend.fill_bitmasks([matcher], bm, [0])
+    logits = torch.zeros(1, VOCAB)
+    backend.apply_bitmask(logits, bm, [0])
+    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+
+
+def test_choice_masks_rollback_and_termination(tok, backend):
+    m = backend.matcher(backend.compile(StructuredSpec.choice(["yes", "no"])))
+    first = allowed(backend, m)
+    assert first == {ids(tok, "y")[0], ids(tok, "n")[0]}
+    assert not m.accept(ids(tok, "x")[0])  # forbidden: refused, state unchanged
+    assert allowed(backend, m) == first
+    for t in ids(tok, "ye"):
+        assert m.accept(t)
+    assert allowed(backend, m) == set(ids(tok, "s"))
+    m.rollback(2)
+    assert allowed(backend, m) == first
+    for t in ids(tok, "yes"):
+        assert m.accept(t)
+    assert allowed(backend, m) == {EOS}  # EOS only where the grammar can end
+    assert not m.is_terminated()
+    assert m.accept(EOS)
+    assert m.is_terminated()
+
+
+def test_json_schema_accepts_a_valid_instance_and_nothing_else(tok, backend):
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+        "required": ["n", "tags"]}
+    m = backend.matcher(backend.compile(StructuredSpec.json_schema(schema)))
+    text = json.dumps({"n": 3, "tags": ["a", "b"]})
+    for t in ids(tok, text):
+        assert t in allowed(backend, m)
+        assert EOS not in allowed(backend, m)  # mid-object: no end
+        assert m.accept(t)
+    assert allowed(backend, m) == {EOS}
+    m2 = backend.matcher(backend.compile(StructuredSpec.json_schema(schema)))
+    for t in ids(tok, '{"n": '):
+        assert m2.accept(t)
+    assert allowed(backend, m2) == set(ids(tok, "123456789"))  # minimum 1, maximum 9
+
+
+def test_mask_logits_touches_only_constrained_rows(tok, backend):
+    m = backend.matcher(backend.compile(StructuredSpec.text("regex", "[0-9]+")))
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    assert mask_logits(backend, logits, [None, m, None]) == 1
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    finite = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
+    assert finite == set(ids(tok, "0123456789"))
+    assert torch.equal(logits[1][list(finite)], before[1][list(finite)])
+    untouched = torch.randn(2, VOCAB)
+    copy = untouched.clone()
+    assert mask_logits(backend, untouched, [None, None]) == 0
+    assert torch.equal(untouched, copy)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    (StructuredSpec.json_schema({"type": "nonsense"}), "nonsense"),
+    (StructuredSpec.json_schema({"type": "integer", "minimum": "x"}), "number"),
+    (StructuredSpec.text("regex", "(ab"), "parenthesis"),
+    (StructuredSpec.text("grammar", "root ::= "), "EBNF"),
+])
+def test_compile_errors_name_the_problem(backend, spec, needle):
+    with pytest.raises(GrammarError, match=needle) as info:
+        backend.compile(spec)
+    assert "/project/" not in str(info.value)
+
+
+def test_cache_compiles_once_per_canonical_text_and_drops_failures(backend):
+    cache = GrammarCache(backend)
+    try:
+        a = cache.compile(StructuredSpec.json_schema({"type": "object", "required": ["x"],
+                                                      "properties": {"x": {"type": "string"}}}))
+        b = cache.compile(StructuredSpec.json_schema(
+            '{"properties": {"x": {"type": "string"}}, "required": ["x"], "type": "object"}'))
+        assert a is b
+        bad = StructuredSpec.text("regex", "(")
+        for _ in range(2):
+            with pytest.raises(GrammarError):
+                cache.compile(bad)
+        s = cache.stats()
+        assert (s.compiles, s.compile_failures, s.cache_hits) == (3, 2, 1)
+        assert sum(s.compile_buckets) == 3
+    finally:
+        cache.close()
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="characters"):
+        StructuredSpec.json_schema({"description": "x" * MAX_CONSTRAINT_CHARS})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredSpec.json_schema("{not json")
+    with pytest.raises(ValueError, match="non-empty list"):
+        StructuredSpec.choice([])
+    with pytest.raises(ValueError, match="must be an object"):
+        StructuredSpec.json_schema([1])
+    assert StructuredSpec.choice(["a", "b"]).key != StructuredSpec.choice(["b", "a"]).key
