@@ -61,6 +61,7 @@ from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
+from engine.structured.drafts import grammar_prefix
 from engine.structured.outputs import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
@@ -173,11 +174,6 @@ class EngineCore:
         """Raise ValueError (user-facing) if this request can never be served. Pure; see
         ``engine.scheduling.admission.check_request``."""
         check_request(self.config, self.limits, prompt_token_ids, params, priority)
-        if params.structured is not None and self.config.speculative_config is not None:
-            raise ValueError("structured outputs (response_format, structured_outputs, "
-                             "guided_*, grammar, json_schema) cannot be combined with "
-                             "speculative decoding on this server; start it without a "
-                             "speculative config to constrain outputs")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,
@@ -420,7 +416,14 @@ class EngineCore:
 
     def _verify_one(self, s: ScheduledSeq, logits: torch.Tensor, now: float) -> None:
         seq = s.seq
-        run = DraftRun(s.draft, rows_for_draft(self._row(seq), s.draft))
+        draft = s.draft
+        if seq.matcher is not None:
+            # The scheduler already cut the draft to what the grammar allows; each row is
+            # masked as one-token decoding would have masked it.
+            draft = draft[:grammar_prefix(seq.matcher, draft)]
+            logits = logits[:len(draft) + 1]
+            self.structured.mask_draft(logits, seq.matcher, draft)
+        run = DraftRun(tuple(draft), rows_for_draft(self._row(seq), draft))
         [v], sampled = verify(self.sampler, logits, [run], self._spec_gen)
         self.spec_counters.observe(len(s.draft), v.num_accepted)
         for j in range(len(v.tokens)):

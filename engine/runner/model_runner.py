@@ -66,18 +66,23 @@ logger = logging.getLogger("kvserve.engine")
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool. On a CPU its pages are the kernel's shared zero page until written
-    (numpy's ``zeros`` is ``calloc``, which maps fresh pages for large sizes; ``torch.zeros``
-    writes every byte): an idle pool holds no resident memory, a block costs memory once a
-    request fills it, as llama.cpp's context does."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
+    """A zeroed pool. On a CPU it is an anonymous private mapping of its own: its pages are the
+    kernel's shared zero page until written, so an idle pool holds no resident memory and a
+    block costs memory once a request fills it, as llama.cpp's context does. (Not ``calloc``:
+    whether glibc hands back fresh pages or memsets recycled heap depends on the process's
+    allocation history; CI once saw a 128 MiB ``np.zeros`` become fully resident.)"""
     nbytes = dtype.itemsize
     for n in shape:
         nbytes *= n
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import mmap
+
+    import numpy as np
+
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the array (and the tensor through it) keeps the mapping alive
+    return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
 
 @dataclass

@@ -11,7 +11,9 @@ Policy (``Scheduler.schedule`` calls these; the proposer is ``engine.spec_decode
 * a draft never runs past ``max_tokens`` (the step's own token is always produced, so at most
   ``max_tokens - generated - 1`` drafts), nor past the step's token budget, and never makes the
   pool preempt anyone: it is cut to nothing unless its extra blocks leave one free block per
-  running sequence.
+  running sequence;
+* a constrained sequence's draft is cut to the prefix its grammar allows
+  (``engine.structured.drafts``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.request import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, Proposer
+from engine.structured.drafts import grammar_prefix
 
 
 def in_decode_phase(seq: Sequence) -> bool:
@@ -35,16 +38,25 @@ def propose_drafts(running: list[Sequence], proposer: Proposer,
     if not decoding or not config.speculates_at(len(decoding)):
         return {}
     batch = []
+    seqs = []
     for seq in decoding:
         params = seq.request.params
         left = (params.max_tokens or 0) - (seq.num_tokens - seq.num_prompt_tokens) - 1
         room = min(config.num_speculative_tokens, left)
         if room >= 1:
             batch.append(DraftRequest(seq.seq_id, seq.token_ids, room))
+            seqs.append(seq)
     if not batch:
         return {}
     drafts = proposer.propose(batch)
-    return {r.seq_id: d[:r.max_tokens] for r, d in zip(batch, drafts, strict=True) if d}
+    out = {}
+    for r, seq, d in zip(batch, seqs, drafts, strict=True):
+        d = d[:r.max_tokens]
+        if d and seq.matcher is not None:  # a constrained sequence: what its grammar allows
+            d = d[:grammar_prefix(seq.matcher, d)]
+        if d:
+            out[r.seq_id] = d
+    return out
 
 
 def fit_draft(kv: KVCacheManager, seq: Sequence, draft: list[int], budget: int,

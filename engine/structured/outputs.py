@@ -18,6 +18,7 @@ import torch
 
 from engine.structured.backend import GrammarBackend, Matcher
 from engine.structured.cache import GrammarCache
+from engine.structured.drafts import mask_draft_rows
 from engine.structured.masking import mask_logits
 from engine.structured.spec import StructuredSpec
 from engine.structured.stats import StructuredStats
@@ -69,6 +70,13 @@ class StructuredOutputs:
         if n:
             self.constrained_rows += n
             self.constrained_steps += 1
+
+    def mask_draft(self, logits: torch.Tensor, matcher: Matcher, draft: Sequence[int]) -> None:
+        """Constrain a speculating sequence's verification rows in place (row ``j`` follows
+        ``draft[:j]``; ``engine.structured.drafts.mask_draft_rows``)."""
+        n = mask_draft_rows(self.backend, logits, matcher, draft)
+        self.constrained_rows += n
+        self.constrained_steps += 1
 
     def stats(self) -> StructuredStats:
         cache = self._cache

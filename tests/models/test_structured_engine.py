@@ -1,7 +1,7 @@
 """Constrained decoding through the engine, on a tiny random Llama (byte-level vocabulary):
 greedy under a grammar equals greedy over the masked HF logits; n > 1, stop strings, max_tokens
-mid-object, a recompute preemption mid-object, batches mixing constrained and free rows, and
-the refusal of a constraint with speculative decoding."""
+mid-object, a recompute preemption mid-object, and batches mixing constrained and free rows
+(with speculative decoding: test_structured_spec_decode)."""
 
 from __future__ import annotations
 
@@ -133,11 +133,3 @@ def test_compile_failure_ends_the_request_with_the_reason(llm):
     assert "parenthesis" in out.error
     ok = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3))[0]
     assert ok.error is None
-
-
-def test_a_constraint_with_speculative_decoding_is_refused(model_dir):
-    spec_llm = LLM(str(model_dir), dtype="float32", block_size=4, kv_cache_memory="8MiB",
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="speculative decoding"):
-        spec_llm.engine.check_request(PROMPT, SamplingParams(
-            structured=StructuredSpec.choice(["a"])))

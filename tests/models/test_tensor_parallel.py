@@ -2,7 +2,7 @@
 on tiny Llama, Mistral (sliding window), Qwen2 (QKV bias) and Qwen3 (q/k norms), with KV heads
 split (2 over 2 ranks) and replicated (1 KV head on both ranks), with an uneven split of heads
 (the embedded model's 9 heads / 3 KV heads), with preemption that swaps blocks out to every
-rank's host pool and back, and on the embedded SmolLM2-135M (slow). Each rank runs one thread.
+rank's host pool and back, with grammar-constrained rows under speculation, and on the embedded SmolLM2-135M (slow). Each rank runs one thread.
 """
 
 from __future__ import annotations
@@ -73,6 +73,25 @@ def test_ngram_speculation_rows_reach_every_rank(tmp_path):
         assert _greedy(llm, prompts, lengths) == expected
         assert llm.engine.spec_counters.snapshot().num_draft_tokens > 0
 
+
+
+def test_constrained_rows_with_drafts_match_one_rank(tmp_path):
+    """Matchers live on rank 0 (the core samples): a grammar-constrained batch, drafted by
+    n-gram speculation, gives one rank's plain constrained greedy tokens."""
+    from engine.structured.spec import StructuredSpec
+
+    path = make_tiny_model_dir(tmp_path / "m", "llama")
+    prompts = [[5, 6, 7, 8] * 6, list(b"ab ab ab ")]
+    params = [SamplingParams(temperature=0, max_tokens=24,
+                             structured=StructuredSpec.text("regex", "([ab]{1,3} ){3,6}x")),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    with LLM(str(path), **BASE) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    with LLM(str(path), tensor_parallel_size=2, speculative_config=spec, **BASE) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.stats()["structured_constrained_rows"] > 0
 
 def test_swap_preemption_moves_blocks_on_every_rank(tmp_path):
     path = make_tiny_model_dir(tmp_path / "m", "llama")

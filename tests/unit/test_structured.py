@@ -1,5 +1,5 @@
 """engine.structured against xgrammar on the tiny byte-level vocabulary (256 bytes, <s>, </s>):
-masks, rollback, termination, the compile cache and the spec's canonical form."""
+masks, rollback, termination, speculative drafts under a grammar, the compile cache and the spec's canonical form."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from engine.loading.tiny import VOCAB, byte_tokenizer
 from engine.structured.backend import GrammarError
 from engine.structured.cache import GrammarCache
+from engine.structured.drafts import grammar_prefix, mask_draft_rows
 from engine.structured.masking import mask_logits
 from engine.structured.spec import MAX_CONSTRAINT_CHARS, StructuredSpec
 from engine.structured.xgrammar_backend import XGrammarBackend
@@ -133,3 +134,36 @@ def test_spec_validation():
     with pytest.raises(ValueError, match="must be an object"):
         StructuredSpec.json_schema([1])
     assert StructuredSpec.choice(["a", "b"]).key != StructuredSpec.choice(["b", "a"]).key
+
+
+def _row_allowed(logits: torch.Tensor, row: int) -> set[int]:
+    return set(torch.isfinite(logits[row]).nonzero().flatten().tolist())
+
+
+def test_drafts_are_cut_to_the_grammar_and_their_rows_masked_per_position(tok, backend):
+    m = backend.matcher(backend.compile(StructuredSpec.choice(["abc", "abd"])))
+    assert grammar_prefix(m, ids(tok, "abx")) == 2
+    assert grammar_prefix(m, ids(tok, "abd")) == 3
+    assert grammar_prefix(m, [*ids(tok, "abd"), EOS, *ids(tok, "a")]) == 4  # nothing after the end
+    assert grammar_prefix(m, ids(tok, "x")) == 0
+    assert allowed(backend, m) == set(ids(tok, "a"))  # the matcher is left as it was
+    draft = ids(tok, "ab")
+    logits = torch.zeros(4, VOCAB)  # one row more than needed: left alone
+    assert mask_draft_rows(backend, logits, m, draft) == 3
+    assert _row_allowed(logits, 0) == set(ids(tok, "a"))
+    assert _row_allowed(logits, 1) == set(ids(tok, "b"))
+    assert _row_allowed(logits, 2) == set(ids(tok, "cd"))
+    assert _row_allowed(logits, 3) == set(range(VOCAB))
+    assert allowed(backend, m) == set(ids(tok, "a"))
+    with pytest.raises(ValueError, match="not allowed"):
+        mask_draft_rows(backend, torch.zeros(3, VOCAB), m, ids(tok, "ax"))
+    assert allowed(backend, m) == set(ids(tok, "a"))  # rolled back on the error too
+
+
+def test_rows_after_a_draft_that_ends_the_grammar_are_left_alone(tok, backend):
+    m = backend.matcher(backend.compile(StructuredSpec.choice(["ab"])))
+    logits = torch.zeros(4, VOCAB)
+    assert mask_draft_rows(backend, logits, m, [*ids(tok, "ab"), EOS]) == 3
+    assert _row_allowed(logits, 2) == {EOS}
+    assert _row_allowed(logits, 3) == set(range(VOCAB))
+    assert not m.is_terminated() and allowed(backend, m) == set(ids(tok, "a"))
