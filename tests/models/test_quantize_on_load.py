@@ -82,7 +82,9 @@ def _agreement(llm: LLM, continuations) -> float:
 
 
 @pytest.mark.parametrize(("scheme", "group"), CASES)
-def test_quantised_on_load_serves_packed(model_dir, references, scheme, group, caplog):
+def test_quantised_on_load_serves_packed(model_dir, references, scheme, group, caplog,
+                                         default_quant_settings):
+    default_quant_settings()  # a timing must not choose the numerics held to 95% agreement
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         llm = _llm(model_dir, scheme, quantization_group_size=group)  # dtype auto: float32
     runner = llm.engine.runner

@@ -30,33 +30,20 @@ def q_gguf(tmp_path_factory, make_llama_gguf):
     return path, root / "cache"
 
 
-def _default_settings(monkeypatch) -> None:
-    """The quantised modules' settings left at their defaults instead of measured: float32
-    panels above the decode kernels' rows, the base decode kernels, no int8 tiles. Where a test
-    compares two engines, or teacher-forces whole sequences through the dense path, a timing
-    must not choose its numerics (on these tiny shapes int8 tiles can win the prefill probe,
-    and on a random model their int8-rounded activations flip ~14% of near-tied top-1 tokens;
-    on the trained model they are held to 1% of perplexity: tests/models/test_smollm2.py)."""
-    from engine.models import quant_apply, quant_probe
-
-    defaults = lambda q, rows=(): {}  # noqa: E731
-    monkeypatch.setattr(quant_probe, "measure_settings", defaults)
-    monkeypatch.setattr(quant_apply, "measure_settings", defaults)
-
-
 def _llm(path, cache, monkeypatch, **kw) -> LLM:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
     return LLM(str(path), dtype="float32", kv_cache_memory="16MiB", **kw)
 
 
-def test_auto_keeps_weights_packed_and_agrees_with_none(q_gguf, monkeypatch):
+def test_auto_keeps_weights_packed_and_agrees_with_none(q_gguf, monkeypatch,
+                                                       default_quant_settings):
     path, cache = q_gguf
     none = _llm(path, cache, monkeypatch, quantization="none")
     assert not none.engine.runner.quantized
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
 
-    _default_settings(monkeypatch)
+    default_quant_settings()
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     auto = _llm(path, cache, monkeypatch, quantization="auto")
     runner = auto.engine.runner
@@ -93,7 +80,8 @@ def k_gguf(tmp_path_factory, make_llama_gguf):
     return path, root / "cache"
 
 
-def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch):
+def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch,
+                                                  default_quant_settings):
     """Q4_K / Q5_K / Q6_K tensors (Q/K/V mixed: Q4_K and Q6_K; a Q6_K tied token table) are
     served packed and agree with the dequantised path teacher-forced."""
     from engine.models.quant_linear import QuantConcat
@@ -103,7 +91,7 @@ def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
 
-    _default_settings(monkeypatch)
+    default_quant_settings()
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     auto = _llm(path, cache, monkeypatch, quantization="auto")
     runner = auto.engine.runner
@@ -125,7 +113,8 @@ def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch):
 
 
 @pytest.mark.parametrize("fixture", ["q_gguf", "k_gguf"])
-def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatch, caplog):
+def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatch, caplog,
+                                                    default_quant_settings):
     """Where the float copies would not fit (forced here by KVSERVE_QUANT_PACKED_ONLY=1) the
     packed tensors are never read from the converted float checkpoint, the float side is not
     probed, and the engine serves the same modules as a forced-packed start: with the same
@@ -133,7 +122,7 @@ def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatc
     from engine.runner import model_runner
 
     path, cache = request.getfixturevalue(fixture)
-    _default_settings(monkeypatch)  # the same settings on both sides
+    default_quant_settings()  # the same settings on both sides
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     forced = _llm(path, cache, monkeypatch, quantization="auto")
@@ -176,7 +165,7 @@ def test_packed_only_reason(monkeypatch):
 
 @pytest.mark.parametrize("fixture", ["q_gguf", "k_gguf"])
 def test_too_big_gguf_keeps_packed_tensors_in_the_file(fixture, request, tmp_path, monkeypatch,
-                                                       caplog):
+                                                       caplog, default_quant_settings):
     """A GGUF whose packed tensors' float32 copies are too big for the machine (forced here:
     the RAM share set to 0) converts without them: they stay in the GGUF (named in the marker),
     the engine serves them packed without a float model, and a float load (``none``) reads them
@@ -187,7 +176,7 @@ def test_too_big_gguf_keeps_packed_tensors_in_the_file(fixture, request, tmp_pat
     path, cache = request.getfixturevalue(fixture)
     full = resolve_model(str(path), cache_dir=tmp_path / "full", progress=False)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    _default_settings(monkeypatch)  # the same settings on both sides
+    default_quant_settings()  # the same settings on both sides
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     expected = [o.outputs[0].token_ids
                 for o in _llm(path, tmp_path / "full", monkeypatch).generate(PROMPTS, params)]

@@ -2,7 +2,8 @@
 on tiny Llama, Mistral (sliding window), Qwen2 (QKV bias) and Qwen3 (q/k norms), with KV heads
 split (2 over 2 ranks) and replicated (1 KV head on both ranks), with an uneven split of heads
 (the embedded model's 9 heads / 3 KV heads), with preemption that swaps blocks out to every
-rank's host pool and back, with grammar-constrained rows under speculation, and on the embedded SmolLM2-135M (slow). Each rank runs one thread.
+rank's host pool and back, with grammar-constrained rows under speculation, and on the
+embedded SmolLM2-135M (slow). Each rank runs one thread.
 """
 
 from __future__ import annotations
