@@ -2,7 +2,8 @@
 
 Kinds: ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
 a list of strings) and ``grammar`` (EBNF / GBNF text, as xgrammar takes it). ``value`` is the
-canonical text (a schema or a choice list as sorted-key compact JSON), so that two requests with
+canonical text (a schema or a choice list as compact JSON with sorted keys, except a schema's
+``properties``, whose order is the order the fields are generated in), so that two requests with
 the same constraint share one compiled grammar. Construction raises ``ValueError`` (a 400) for a
 malformed value or one longer than ``MAX_CONSTRAINT_CHARS``.
 """
@@ -57,7 +58,7 @@ class StructuredSpec:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object; got {type(schema).__name__}")
-        return cls("json", canonical_json(schema))
+        return cls("json", canonical_schema(schema))
 
     @classmethod
     def choice(cls, choices: Any) -> StructuredSpec:
@@ -78,3 +79,21 @@ class StructuredSpec:
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_schema(schema: Any) -> str:
+    """Like ``canonical_json``, but a ``properties`` map keeps its order: xgrammar generates an
+    object's fields in that order (as OpenAI's strict mode does; a "reasoning" field put before
+    "answer" is meant to be written first), so two orders are two constraints."""
+    return json.dumps(_sorted_keys(schema), separators=(",", ":"), ensure_ascii=False)
+
+
+def _sorted_keys(value: Any, keep_order: bool = False) -> Any:
+    if isinstance(value, list):
+        return [_sorted_keys(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if keep_order:  # a properties map: its values are schemas
+        return {k: _sorted_keys(v) for k, v in value.items()}
+    return {k: _sorted_keys(value[k], k == "properties" and isinstance(value[k], dict))
+            for k in sorted(value)}
