@@ -40,11 +40,20 @@ from server.cli import main as kvserve  # noqa: E402
 def running_server(extra: list[str], log_path: Path, timeout: float = 900) -> Iterator[str]:
     """`kvserve serve` on 127.0.0.1; yields its URL; SIGTERM on exit."""
     port = free_port()
+    with serving_process([sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+                          *extra], port, log_path, timeout) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving_process(cmd: list[str], port: int, log_path: Path,
+                    timeout: float = 900) -> Iterator[str]:
+    """Any OpenAI-compatible server command listening on 127.0.0.1:``port`` (kvserve, or
+    llama-server for a side-by-side run): yields its URL once ``/health`` answers 200; SIGTERM
+    on exit."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port",
-                                 str(port), *extra], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

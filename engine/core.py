@@ -62,7 +62,7 @@ from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
 from engine.structured.drafts import grammar_prefix
-from engine.structured.outputs import StructuredOutputs
+from engine.structured.outputs import PendingMask, StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -365,6 +365,10 @@ class EngineCore:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         inp = build_model_input(out.plan)
+        # Constrained rows' bitmasks: filled during the forward pass or before it (measured).
+        pending = self.structured.start_mask([
+            out.scheduled[i].seq.matcher for i in inp.sample_seq_indices
+            if not out.scheduled[i].draft])
         # A failure here is the engine's, not a request's. The plan is what TP workers get.
         result = self.runner.execute(inp, out.plan)
         self.scheduler.update_after_step(out)
@@ -387,7 +391,7 @@ class EngineCore:
                 logits = logits.index_select(0, torch.tensor([r.start for _, r in plain],
                                                              device=logits.device))
         seqs = [s.seq for s in scheduled]
-        picks = self._sample(logits, seqs, touched) if seqs else []
+        picks = self._sample(logits, seqs, touched, pending) if seqs else []
         now = time.time()
         for seq, pick in zip(seqs, picks, strict=True):
             if pick is not None and not seq.finished:
@@ -433,15 +437,16 @@ class EngineCore:
         self.scheduler.accept_drafts(seq, v.num_accepted)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
+                pending: PendingMask | None = None,
                 ) -> list[tuple[SamplerOutput, int] | None]:
         """One token per sequence: ``(sampler output, row)``, or None for a sequence whose
         request failed. The batch is sampled at once; if that raises (a request's parameters
         broke a logit processor), row by row, so that only the culprit's request ends."""
         rows = [self._row(s) for s in seqs]
-        if any(s.matcher is not None for s in seqs):
-            # Constrained rows: forbidden tokens to -inf before penalties, temperature,
-            # top-k/p, min-p and logprobs. Unconstrained batches never get here.
-            self.structured.mask(logits, [s.matcher for s in seqs])
+        # Constrained rows (bitmasks filled by start_mask, one per entry of ``seqs``):
+        # forbidden tokens to -inf before penalties, temperature, top-k/p, min-p and logprobs.
+        # Unconstrained batches have nothing pending.
+        self.structured.finish_mask(logits, pending)
         try:
             sampled = self.sampler(logits, rows)
             return [(sampled, i) for i in range(len(rows))]

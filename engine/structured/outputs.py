@@ -4,14 +4,18 @@ It owns the backend (built on first use: a request that never asks for a constra
 pays for xgrammar's tokenizer tables) and the compile cache, and counts the constrained rows
 sampled. ``compile`` and ``submit`` may be called from any thread (the server pre-compiles a
 request's constraint on a worker thread, so a constraint that does not compile is a 400 before
-anything is queued); ``mask`` and the matchers belong to the engine thread.
+anything is queued); ``mask`` and the matchers belong to the engine thread, which may hand a
+step's bitmask fill to one worker thread of its own while the forward pass runs
+(``start_mask`` / ``finish_mask``; ``engine.structured.fill_mode`` decides by measurement).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,9 +23,20 @@ import torch
 from engine.structured.backend import GrammarBackend, Matcher
 from engine.structured.cache import GrammarCache
 from engine.structured.drafts import mask_draft_rows
-from engine.structured.masking import mask_logits
+from engine.structured.fill_mode import FillModeChooser
+from engine.structured.masking import apply_rows, fill_rows
 from engine.structured.spec import StructuredSpec
 from engine.structured.stats import StructuredStats
+
+
+@dataclass(frozen=True)
+class PendingMask:
+    """A step's bitmask being filled (``StructuredOutputs.start_mask``)."""
+
+    future: Future
+    overlap: bool
+    started: float
+    rows: int
 
 
 class StructuredOutputs:
@@ -32,6 +47,11 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._backend: GrammarBackend | None = None
         self._cache: GrammarCache | None = None
+        self._filler: ThreadPoolExecutor | None = None
+        # Fill bitmasks during the forward pass? None: measured (FillModeChooser); True/False
+        # forces it (benchmarks/structured_cost.py's A/B).
+        self.overlap_fill: bool | None = None
+        self._fill_mode = FillModeChooser()
         self.constrained_rows = 0
         self.constrained_steps = 0
 
@@ -62,13 +82,43 @@ class StructuredOutputs:
     def matcher(self, compiled: Any) -> Matcher:
         return self.backend.matcher(compiled)
 
+    def start_mask(self, matchers: Sequence[Matcher | None]) -> PendingMask | None:
+        """Begin filling the bitmask for a step whose sampled rows are ``matchers`` (None for
+        an unconstrained row): on a worker thread, overlapping the forward pass, or here and
+        now, whichever ``FillModeChooser`` measured faster. ``finish_mask`` applies it. None
+        when no row is constrained. The matchers must not advance until then."""
+        if self._cache is None or all(m is None for m in matchers):
+            return None
+        overlap = self.overlap_fill
+        if overlap is None:
+            overlap = self._fill_mode.overlap()
+        t0 = time.perf_counter()
+        if overlap:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar-mask")
+            future = self._filler.submit(fill_rows, self.backend, list(matchers))
+        else:
+            future = Future()
+            future.set_result(fill_rows(self.backend, matchers))
+        return PendingMask(future, overlap, t0, len(matchers))
+
+    def finish_mask(self, logits: torch.Tensor, pending: PendingMask | None) -> None:
+        """Constrain ``logits`` in place with the bitmask ``start_mask`` filled."""
+        if pending is None:
+            return
+        self._count(apply_rows(self.backend, logits, pending.future.result()))
+        self._fill_mode.record(pending.overlap, time.perf_counter() - pending.started,
+                               pending.rows)
+
     def mask(self, logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> None:
-        """Constrain ``logits`` (one row per entry of ``matchers``) in place."""
+        """Constrain ``logits`` (one row per entry of ``matchers``) in place, filling now."""
         if self._cache is None:  # no request ever carried a constraint
             return
-        n = mask_logits(self.backend, logits, matchers)
-        if n:
-            self.constrained_rows += n
+        self._count(apply_rows(self.backend, logits, fill_rows(self.backend, matchers)))
+
+    def _count(self, rows: int) -> None:
+        if rows:
+            self.constrained_rows += rows
             self.constrained_steps += 1
 
     def mask_draft(self, logits: torch.Tensor, matcher: Matcher, draft: Sequence[int]) -> None:
@@ -88,5 +138,7 @@ class StructuredOutputs:
                                self.constrained_rows, self.constrained_steps)
 
     def close(self) -> None:
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
         if self._cache is not None:
             self._cache.close()

@@ -12,7 +12,9 @@ from engine.loading.tiny import VOCAB, byte_tokenizer
 from engine.structured.backend import GrammarError
 from engine.structured.cache import GrammarCache
 from engine.structured.drafts import grammar_prefix, mask_draft_rows
+from engine.structured.fill_mode import FillModeChooser
 from engine.structured.masking import mask_logits
+from engine.structured.outputs import StructuredOutputs
 from engine.structured.spec import MAX_CONSTRAINT_CHARS, StructuredSpec
 from engine.structured.xgrammar_backend import XGrammarBackend
 
@@ -167,3 +169,59 @@ def test_rows_after_a_draft_that_ends_the_grammar_are_left_alone(tok, backend):
     assert _row_allowed(logits, 2) == {EOS}
     assert _row_allowed(logits, 3) == set(range(VOCAB))
     assert not m.is_terminated() and allowed(backend, m) == set(ids(tok, "a"))
+
+
+def test_the_fill_mode_is_measured_alternately_then_held_then_measured_again():
+    c = FillModeChooser(trial=2, hold=3)
+    seen = []
+    for slow_overlap in (5.0, 5.0, 5.0, 5.0):  # overlap costs 5 s per row, filling first 1 s
+        mode = c.overlap()
+        seen.append(mode)
+        c.record(mode, slow_overlap if mode else 1.0, rows=1)
+    assert seen == [True, False, True, False] and c.chosen is False
+    for _ in range(3):
+        assert c.overlap() is False
+        c.record(False, 9.0, rows=1)  # held whatever it measures now
+    assert c.chosen is None and c.overlap() is True  # the hold is over: measured again
+    for _ in range(4):
+        mode = c.overlap()
+        c.record(mode, 2.0 if mode else 8.0, rows=4)
+    assert c.chosen is True
+
+
+@pytest.mark.parametrize("overlap", [None, True, False])
+def test_a_step_mask_filled_either_way_equals_the_mask_filled_at_once(tok, overlap):
+    structured = StructuredOutputs(tok, VOCAB, [EOS])
+    spec = StructuredSpec.choice(["yes", "no"])
+    compiled = structured.compile(spec)
+    matchers = [None, structured.matcher(compiled), None, structured.matcher(compiled)]
+    assert matchers[3].accept(ids(tok, "y")[0])
+    want = torch.randn(4, VOCAB)
+    got = want.clone()
+    structured.mask(want, matchers)
+    structured.overlap_fill = overlap
+    for _ in range(10):  # through the chooser's trial steps and into its choice
+        step = got.clone()
+        pending = structured.start_mask(matchers)
+        assert pending is not None
+        structured.finish_mask(step, pending)
+        assert torch.equal(step, want)
+    assert structured.start_mask([None, None]) is None
+    structured.close()
+
+
+def test_the_cpu_mask_equals_xgrammars_own_kernel(tok, backend):
+    import xgrammar as xgr
+
+    matchers = [backend.matcher(backend.compile(StructuredSpec.choice(["yes", "no", "maybe"])))
+                for _ in range(3)]
+    assert matchers[1].accept(ids(tok, "m")[0])
+    bitmask = backend.allocate_bitmask(5)
+    rows = [0, 2, 4]
+    backend.fill_bitmasks(matchers, bitmask, rows)
+    logits = torch.randn(5, VOCAB)
+    ours, theirs = logits.clone(), logits.clone()
+    backend.apply_bitmask(ours, bitmask, rows)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=VOCAB, indices=rows)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[1], logits[1]) and torch.isinf(ours[2]).sum() == VOCAB - 1
