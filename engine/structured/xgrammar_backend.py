@@ -121,8 +121,9 @@ def _apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     packed = bitmask.contiguous().numpy().view(np.uint8)[list(rows)]
     forbidden = torch.from_numpy(
         np.unpackbits(packed, axis=-1, count=width, bitorder="little") == 0)
-    for k, r in enumerate(rows):
-        logits[r, :width].masked_fill_(forbidden[k], float("-inf"))
+    with torch.inference_mode():  # the step's logits may be inference tensors
+        for k, r in enumerate(rows):
+            logits[r, :width].masked_fill_(forbidden[k], float("-inf"))
 
 
 def _message(exc: Exception) -> str:
