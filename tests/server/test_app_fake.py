@@ -137,3 +137,47 @@ def test_request_id_is_echoed_or_generated(fake_server):
     assert len(r.headers["x-request-id"]) == 32
     r = httpx.get(f"{fake_server.url}/v1/models", headers={"X-Request-Id": "bad id\x01"})
     assert r.headers["x-request-id"] != "bad id\x01"
+
+
+def test_models_retrieve_by_id(fake_server):
+    m = fake_server.client.models.retrieve("fake-model")
+    assert (m.id, m.object, m.owned_by) == ("fake-model", "model", "kvserve")
+    for name in ("gpt-4", "org/fake-model"):
+        with pytest.raises(openai.NotFoundError) as info:
+            fake_server.client.models.retrieve(name)
+        err = info.value.body
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert name in err["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}}
+TOOL_HISTORY = [
+    {"role": "user", "content": "add 1"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add",
+                                                          "arguments": '{"a": 1}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+]
+
+
+def test_tool_choice_none_renders_the_tools_and_parses_nothing():
+    from server.tools.formats import HERMES
+    from server.tools.prompt import tool_conversation
+    from tests.server.fakes import FakeTokenizer
+
+    engine = AsyncEngine(core=FakeCore(max_model_len=2048))
+    with ServerThread(build_app(engine, ServerSettings())) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            model="fake-model", messages=TOOL_HISTORY, tools=[TOOL], tool_choice="none",
+            max_tokens=3)
+    assert r.choices[0].message.content == "abc" and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "length"
+    conv = [{"role": "user", "content": "add 1"},
+            {"role": "assistant", "content": "", "tool_calls": TOOL_HISTORY[1]["tool_calls"]},
+            {"role": "tool", "content": "1", "tool_call_id": "call_1"}]
+    msgs, _ = tool_conversation(conv, [TOOL], HERMES, native=False)
+    expected = FakeTokenizer().apply_chat_template(msgs)
+    assert r.usage.prompt_tokens == len(expected)
+    assert "<tool_call>" in expected and "<tool_response>" in expected
