@@ -181,3 +181,44 @@ def test_tool_choice_none_renders_the_tools_and_parses_nothing():
     expected = FakeTokenizer().apply_chat_template(msgs)
     assert r.usage.prompt_tokens == len(expected)
     assert "<tool_call>" in expected and "<tool_response>" in expected
+
+
+SCRIPT = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>#'
+
+
+@pytest.fixture()
+def scripted_server():
+    core = FakeCore(max_model_len=4096)
+    core.script = SCRIPT
+    with ServerThread(build_app(AsyncEngine(core=core), ServerSettings())) as srv:
+        srv.core = core
+        srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        yield srv
+
+
+def test_tool_calls_are_parsed_whole_and_streamed(scripted_server):
+    client, core = scripted_server.client, scripted_server.core
+    args = dict(model="fake-model", messages=[{"role": "user", "content": "add 1"}],
+                tools=[TOOL], stop=["#"], max_tokens=200)
+    r = client.chat.completions.create(**args)
+    assert core.structured.specs[-1].kind == "structural_tag"
+    choice = r.choices[0]
+    assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert (call.function.name, call.function.arguments) == ("add", '{"a": 1}')
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == "Sure."  # one character a step: the marker was held back, then dropped
+    parts = [p for c in chunks for p in c.choices[0].delta.tool_calls or ()]
+    assert len(parts) == 2 and all(p.index == 0 for p in parts)
+    assert parts[0].id.startswith("call_") and parts[0].type == "function"
+    assert (parts[0].function.name, parts[0].function.arguments) == ("add", "")
+    assert parts[1].id is None and parts[1].function.arguments == '{"a": 1}'
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    n = len(core.structured.specs)
+    r = client.chat.completions.create(**args, tool_choice="none")
+    assert len(core.structured.specs) == n  # none: no constraint, no parsing
+    assert r.choices[0].message.content == SCRIPT[:-1] and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
