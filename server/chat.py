@@ -58,8 +58,9 @@ TEMPLATE_CALL_PARAMS = frozenset({
     "continue_final_message"})
 # What a request may hand the template only when the operator trusts requests' templates
 # (--trust-request-chat-template): a template of its own (arbitrary Jinja on this server: the
-# sandbox stops file access, not nested loops or huge strings), and tools/documents, which the
-# model's template renders but this server does not otherwise implement.
+# sandbox stops file access, not nested loops or huge strings), and tools/documents handed to
+# the template directly (the request's own ``tools`` field is validated, constrained and
+# parsed: server/tools).
 TRUSTED_TEMPLATE_PARAMS = frozenset({"chat_template", "tools", "documents"})
 _TRUST_FLAG = "--trust-request-chat-template"
 

@@ -5,8 +5,9 @@
 * ``llama3_json`` (Llama 3.1+): a bare JSON object per call, ``{"name": "f", "parameters":
   {...}}``, optionally after ``<|python_tag|>``; xgrammar's ``llama`` tag.
 
-A format knows the strings that open a call (``markers``), where a call that starts at a marker
-ends (``block_end``), how to read one block (``decode_block``) and how to write one
+A format knows the strings that open a call (``markers``; of them, ``prefixes`` are written
+before the call's JSON and are no part of it), where a call that starts at a marker ends
+(``block_end``), how to read one block (``decode_block``) and how to write one
 (``render_call``, for kvserve's default prompt). ``choose_format`` picks one for a chat
 template when the operator names none.
 """
@@ -32,6 +33,7 @@ class ToolCallFormat:
     name: str  # --tool-call-parser
     xgrammar_key: str  # xgrammar.get_model_structural_tag's model key
     markers: tuple[str, ...]  # strings that open a call
+    prefixes: tuple[str, ...]  # markers written before the call's JSON object
     end_marker: str | None  # a block's closing string; None: a balanced JSON object ends it
     arguments_key: str  # the arguments' key when kvserve writes a call
 
@@ -48,26 +50,23 @@ class ToolCallFormat:
         if self.end_marker is not None:
             at = text.find(self.end_marker)
             return None if at < 0 else at + len(self.end_marker)
-        start = 0
-        for prefix in self.markers:
-            if prefix != '{"name"' and text.startswith(prefix):
-                start = len(prefix)
-                while start < len(text) and text[start].isspace():
-                    start += 1
-                if start == len(text):
-                    return None
-                if text[start] != "{":
-                    return len(prefix)  # a marker with no object after it: just text
+        prefix = self._prefix(text)
+        start = len(prefix)
+        while start < len(text) and text[start].isspace():
+            start += 1
+        if start == len(text):
+            return None
+        if text[start] != "{":
+            return len(prefix)  # a prefix with no object after it: just text
         return json_object_end(text, start)
+
+    def _prefix(self, text: str) -> str:
+        return next((p for p in self.prefixes if text.startswith(p)), "")
 
     def decode_block(self, block: str) -> DecodedCall | None:
         """The call in one block (closed, or cut short by the end of the output), or None
         when it is not one: not JSON, no string ``name``, arguments not an object."""
-        inner = block
-        for m in self.markers:
-            if m != '{"name"' and inner.startswith(m):
-                inner = inner[len(m):]
-                break
+        inner = block[len(self._prefix(block)):]
         if self.end_marker is not None and inner.rstrip().endswith(self.end_marker):
             inner = inner.rstrip()[:-len(self.end_marker)]
         try:
@@ -111,9 +110,11 @@ def json_object_end(text: str, start: int = 0) -> int | None:
     return None
 
 
-HERMES = ToolCallFormat("hermes", "qwen_3", ("<tool_call>",), "</tool_call>", "arguments")
-LLAMA3_JSON = ToolCallFormat("llama3_json", "llama", ('{"name"', "<|python_tag|>"), None,
-                             "parameters")
+HERMES = ToolCallFormat("hermes", "qwen_3", markers=("<tool_call>",), prefixes=("<tool_call>",),
+                        end_marker="</tool_call>", arguments_key="arguments")
+LLAMA3_JSON = ToolCallFormat("llama3_json", "llama", markers=('{"name"', "<|python_tag|>"),
+                             prefixes=("<|python_tag|>",), end_marker=None,
+                             arguments_key="parameters")
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 PARSER_NAMES = tuple(FORMATS)
 

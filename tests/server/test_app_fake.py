@@ -222,3 +222,15 @@ def test_tool_calls_are_parsed_whole_and_streamed(scripted_server):
     assert len(core.structured.specs) == n  # none: no constraint, no parsing
     assert r.choices[0].message.content == SCRIPT[:-1] and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_auto_tool_choice_can_be_turned_off():
+    engine = AsyncEngine(core=FakeCore(max_model_len=2048))
+    with ServerThread(build_app(engine, ServerSettings(enable_auto_tool_choice=False))) as srv:
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+                "max_tokens": 2}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, "tool_choice": "none"})
+        assert r.status_code == 200, r.text

@@ -55,6 +55,9 @@ CASES = [
      [("add", {"a": "}"})]),
     (LLAMA3_JSON, 'a set {1, 2} and {"name": 5}', 'a set {1, 2} and {"name": 5}', []),
     (LLAMA3_JSON, '{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),
+    (LLAMA3_JSON, "<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
+    (LLAMA3_JSON, '<|python_tag|> {"name": "add", "parameters": {"a": 1}}', None,
+     [("add", {"a": 1})]),
 ]
 
 
