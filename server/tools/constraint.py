@@ -9,6 +9,8 @@ like any other constraint.
 * ``parallel_tool_calls: false``: the output ends after the first call;
 * ``none``: no constraint.
 
+Inside the arguments at most ``MAX_WHITESPACE`` whitespace characters come in a row.
+
 The reasoning block of thinking models is not constrained (``reasoning="disabled"``) and their
 think tags may appear in the free text.
 """
@@ -18,6 +20,11 @@ from __future__ import annotations
 from engine.structured.spec import StructuredSpec
 from server.tools.formats import ToolCallFormat
 from server.tools.request import ToolSet
+
+# At most this many whitespace characters in a row inside the arguments: the call's JSON stays
+# short, and a small model cannot loop on newlines until max_tokens (as structured outputs
+# keep JSON compact).
+MAX_WHITESPACE = 1
 
 
 def tool_call_spec(fmt: ToolCallFormat, tools: ToolSet) -> StructuredSpec | None:
@@ -34,5 +41,6 @@ def tool_call_spec(fmt: ToolCallFormat, tools: ToolSet) -> StructuredSpec | None
     tag = xgr.get_model_structural_tag(fmt.xgrammar_key, tools=tools.openai_tools(),
                                        tool_choice=choice, reasoning="disabled",
                                        exclude_special_tokens=False,
+                                       max_whitespace_cnt=MAX_WHITESPACE,
                                        parallel_tool_calls=tools.parallel)
     return StructuredSpec.structural_tag(tag)
