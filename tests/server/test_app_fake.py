@@ -234,3 +234,26 @@ def test_auto_tool_choice_can_be_turned_off():
         assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
         r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, "tool_choice": "none"})
         assert r.status_code == 200, r.text
+
+
+def test_several_calls_and_several_choices_stream_apart(scripted_server):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": %d}}\n</tool_call>'
+    scripted_server.core.script = f"{call % 1}\n{call % 2}#"
+    args = dict(model="fake-model", messages=[{"role": "user", "content": "add"}],
+                tools=[TOOL], stop=["#"], max_tokens=200, n=2)
+    r = scripted_server.client.chat.completions.create(**args)
+    for choice in r.choices:
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        assert [c.function.arguments for c in choice.message.tool_calls] == ['{"a": 1}',
+                                                                             '{"a": 2}']
+    calls: dict[tuple[int, int], str] = {}
+    finish = {}
+    for chunk in scripted_server.client.chat.completions.create(**args, stream=True):
+        for ch in chunk.choices:
+            assert not ch.delta.content
+            for part in ch.delta.tool_calls or ():
+                key = (ch.index, part.index)
+                calls[key] = calls.get(key, "") + (part.function.arguments or "")
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    assert calls == {(i, j): f'{{"a": {j + 1}}}' for i in range(2) for j in range(2)}
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
