@@ -2,7 +2,7 @@
 
 Kinds: ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
 a list of strings), ``grammar`` (EBNF / GBNF text, as xgrammar takes it) and ``structural_tag``
-(an xgrammar structural tag as canonical JSON: free text and tagged, schema-constrained spans,
+(an xgrammar structural tag as compact JSON: free text and tagged, schema-constrained spans,
 which is how tool calls are constrained, see server/tools/constraint.py). ``value`` is the
 canonical text (a schema or a choice list as sorted-key compact JSON), so that two requests with
 the same constraint share one compiled grammar. Construction raises ``ValueError`` (a 400) for a
@@ -73,12 +73,14 @@ class StructuredSpec:
     @classmethod
     def structural_tag(cls, tag: Any) -> StructuredSpec:
         """From an xgrammar ``StructuralTag`` (anything with pydantic's ``model_dump``) or its
-        dict form; the value is its canonical JSON."""
+        dict form; the value is its compact JSON with keys in their given order (not sorted: the
+        tools' ``properties`` maps are generated in their order, so two orders are two
+        constraints; the tag is built deterministically from the request's tools)."""
         if hasattr(tag, "model_dump"):
             tag = tag.model_dump(mode="json")
         if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
             raise ValueError("a structural tag must be an object with type 'structural_tag'")
-        return cls("structural_tag", canonical_json(tag))
+        return cls("structural_tag", json.dumps(tag, separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
     def text(cls, kind: str, value: Any) -> StructuredSpec:

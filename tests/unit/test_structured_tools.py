@@ -104,6 +104,15 @@ def test_llama3_json_format(tok, backend):
     assert EOS in allowed(backend, m)
 
 
+def test_arguments_follow_the_declared_property_order(tok, backend):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+        "required": ["zeta", "alpha"]}}}
+    m = matcher(backend, choice="required", tools=[tool])
+    assert feed(tok, m, '<tool_call>\n{"name": "f", "arguments": {"')
+    assert allowed(backend, m) == set(tok.encode("z", add_special_tokens=False))
+
+
 def test_none_has_no_constraint_and_the_spec_is_canonical():
     assert tool_call_spec(HERMES, read_tool_set([ADD], "none", None)) is None
     a = tool_call_spec(HERMES, read_tool_set([ADD], "auto", None))
