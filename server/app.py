@@ -1,6 +1,7 @@
 """``build_app(engine, settings)``: the FastAPI application around an :class:`AsyncEngine`.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/v1/models/{id}``,
+``/health``,
 ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``. The app owns no model code; the
 engine's own thread runs it, and tokenising runs on worker threads: the event loop only parses,
 validates and frames.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +40,10 @@ from server.protocol import (
     conversation,
 )
 from server.serving import ServingContext
+from server.tools.formats import choose_format
+from server.tools.prompt import renders_tools, template_source, tool_conversation
+
+logger = logging.getLogger("kvserve.server")
 
 
 def version() -> str:
@@ -79,7 +85,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                              if n != engine.model_name)],
                          model_root=engine.config.model,
                          stream_timeout=settings.stream_timeout,
-                         trust_request_chat_template=settings.trust_request_chat_template)
+                         trust_request_chat_template=settings.trust_request_chat_template,
+                         enable_auto_tool_choice=settings.enable_auto_tool_choice)
+    template = template_source(engine.tokenizer)
+    ctx.tool_format, why = choose_format(template, settings.tool_call_parser)
+    ctx.tools_native = renders_tools(template)
+    logger.info("tool calls: the %s format (%s); tools are rendered by %s",
+                ctx.tool_format.name, why, "the chat template" if ctx.tools_native else
+                "kvserve's default tool prompt (the chat template has no tools)")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -116,13 +129,23 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
+                "root": ctx.model_root or name, "parent": None,
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
-             "root": ctx.model_root or name, "parent": None,
-             "max_model_len": engine.max_model_len}
-            for name in ctx.served_model_names]}
+        return {"object": "list", "data": [model_card(n) for n in ctx.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if model_id not in ctx.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in ctx.served_model_names)}.",
+                           type="invalid_request_error", param="model",
+                           code="model_not_found")
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -150,8 +173,9 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
     tok = ctx.tokenizer
     if req.messages is not None:
         try:
-            _, ids = render_chat(tok, conversation(req.messages),
-                                 add_generation_prompt=req.add_generation_prompt)
+            messages, _ = tool_conversation(conversation(req.messages), None, ctx.tool_format,
+                                            ctx.tools_native)
+            _, ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
     else:

@@ -3,6 +3,13 @@
 A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice, carries
 content deltas, ends each choice with its ``finish_reason``, then (with include_usage) a chunk
 with empty choices and the usage, then ``[DONE]``.
+
+With tools (server/tools) and a tool_choice other than ``none``, the output is constrained to
+the tool-call format and parsed: ``message.tool_calls`` (``call_<hex>`` ids, arguments as JSON
+text), ``content`` the text before the first call (null if none), ``finish_reason``
+``"tool_calls"`` when the output has a call and ended by itself (``"length"`` stays). A stream
+sends each finished call as two deltas, ``{"index", "id", "type", "function": {"name",
+"arguments": ""}}`` then ``{"index", "function": {"arguments": JSON}}``.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -33,6 +41,10 @@ from server.serving import (
     usage_of,
 )
 from server.sse import event
+from server.tools.constraint import tool_call_spec
+from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls
+from server.tools.prompt import tool_conversation
+from server.tools.request import ToolSet
 
 logger = logging.getLogger("kvserve.server")
 
@@ -46,8 +58,9 @@ TEMPLATE_CALL_PARAMS = frozenset({
     "continue_final_message"})
 # What a request may hand the template only when the operator trusts requests' templates
 # (--trust-request-chat-template): a template of its own (arbitrary Jinja on this server: the
-# sandbox stops file access, not nested loops or huge strings), and tools/documents, which the
-# model's template renders but this server does not otherwise implement.
+# sandbox stops file access, not nested loops or huge strings), and tools/documents handed to
+# the template directly (the request's own ``tools`` field is validated, constrained and
+# parsed: server/tools).
 TRUSTED_TEMPLATE_PARAMS = frozenset({"chat_template", "tools", "documents"})
 _TRUST_FLAG = "--trust-request-chat-template"
 
@@ -89,18 +102,29 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_limits(num_prompts=1, n=req.n, priority=req.priority,
                      logprobs=top if req.logprobs else None, logprobs_param="top_logprobs")
     kwargs = template_kwargs(req, ctx.trust_request_chat_template)
+    tools = req.tool_set
+    if tools is not None and tools.choice == "auto" and not ctx.enable_auto_tool_choice:
+        raise bad_request("tool_choice 'auto' needs the server started with "
+                          "--enable-auto-tool-choice", param="tool_choice")
+    messages, tool_kwargs = tool_conversation(
+        req.conversation(), tools.openai_tools() if tools else None, ctx.tool_format,
+        ctx.tools_native)
+    kwargs.update(tool_kwargs)
     try:
         text, ids = await asyncio.to_thread(
-            render_chat, ctx.tokenizer, req.conversation(),
+            render_chat, ctx.tokenizer, messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_kwargs=kwargs)
         params = req.sampling_params(max_tokens=req.max_new_tokens,
                                      logprobs=top if req.logprobs else None,
                                      defaults=ctx.sampling_defaults)
+        spec = tool_call_spec(ctx.tool_format, tools) if tools is not None else None
     except ValueError as exc:
         raise bad_request(str(exc), param="messages" if "template" in str(exc) else None) \
             from None
+    if spec is not None:
+        params = params.clone(structured=spec)
     await check_constraint(ctx, params, xrid)
     cid = new_id("chatcmpl")
     streams = submit_or_error(ctx, [(text, ids)], params, cid, req.priority, xrid)
@@ -119,6 +143,9 @@ class _ChatWriter:
         self.ctx, self.req, self.cid, self.model, self.xrid = ctx, req, cid, model, xrid
         self.created = int(time.time())
         self.top = req.top_logprobs or 0
+        tools = req.tool_set
+        self.tools: ToolSet | None = tools if tools is not None and tools.calls_expected \
+            else None
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.cid, "object": obj, "created": self.created, "model": self.model}
@@ -129,10 +156,23 @@ class _ChatWriter:
         return chat_logprobs(self.ctx.tokenizer, list(c.token_ids[start:]),
                              list((c.logprobs or [])[start:]), self.top)
 
+    def _message(self, c: Any) -> tuple[dict[str, Any], str | None]:
+        """A choice's message and finish_reason, its tool calls parsed out when expected."""
+        if self.tools is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        parsed = parse_tool_calls(c.text, self.ctx.tool_format, self.tools.names)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [_call_json(call) for call in parsed.calls]
+        return message, _finish(c.finish_reason, bool(parsed.calls))
+
     def response(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = self._message(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c, 0), "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
         return {**self._base("chat.completion"), "choices": choices, "usage": usage_of([out]),
                 "system_fingerprint": None}
 
@@ -147,11 +187,44 @@ class _ChatWriter:
         sent_text = [0] * n
         sent_tokens = [0] * n
         done = [False] * n
+        tools = self.tools
+        parsers = [StreamingToolParser(self.ctx.tool_format, tools.names)
+                   for _ in range(n)] if tools is not None else []
+        calls = [0] * n
+
+        def tool_deltas(c: Any) -> Iterator[str]:
+            i = c.index
+            events = parsers[i].feed(c.text[sent_text[i]:])
+            if c.finish_reason is not None:
+                events += parsers[i].finish()
+            content = "".join(e for e in events if isinstance(e, str))
+            has_lp = self.req.logprobs and len(c.token_ids) > sent_tokens[i]
+            if content or has_lp:
+                yield self._chunk({"index": i, "delta": {"content": content} if content else {},
+                                   "logprobs": self._logprobs(c, sent_tokens[i]),
+                                   "finish_reason": None})
+            sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+            for call in (e for e in events if isinstance(e, ToolCall)):
+                body = _call_json(call)
+                head = {**body, "function": {"name": call.name, "arguments": ""}}
+                for part in ({"index": calls[i], **head},
+                             {"index": calls[i], "function": {"arguments": call.arguments}}):
+                    yield self._chunk({"index": i, "delta": {"tool_calls": [part]},
+                                       "logprobs": None, "finish_reason": None})
+                calls[i] += 1
+            if c.finish_reason is not None:
+                done[i] = True
+                yield self._chunk({"index": i, "delta": {}, "logprobs": None,
+                                   "finish_reason": _finish(c.finish_reason, calls[i] > 0),
+                                   "stop_reason": c.stop_reason})
 
         def deltas(_: int, out: RequestOutput) -> Iterator[str]:
             for c in out.outputs:
                 i = c.index
                 if done[i]:
+                    continue
+                if tools is not None:
+                    yield from tool_deltas(c)
                     continue
                 delta = c.text[sent_text[i]:]
                 has_lp = self.req.logprobs and len(c.token_ids) > sent_tokens[i]
@@ -173,3 +246,13 @@ class _ChatWriter:
                                 "logprobs": None, "finish_reason": None}) for i in range(n)]
         return stream_events(self.ctx, raw, streams, self.xrid, deltas=deltas, closing=closing,
                              opening=opening)
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" for an output with calls that ended by itself."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -27,6 +27,7 @@ from engine.config import (
     kv_cache_dtype_name,
     parse_bytes,
 )
+from server.tools.formats import PARSER_NAMES as TOOL_CALL_PARSERS
 
 MIB = 2**20
 
@@ -40,6 +41,8 @@ class ServerSettings:
     limit) makes uvicorn answer 503 above it; ``stream_timeout`` (seconds; 0 = none) ends a
     streaming response whose client stops reading for that long, aborting its engine request.
     ``trust_request_chat_template`` lets requests bring their own chat template (vLLM's flag).
+    ``tool_call_parser`` names the tool-call format (None: chosen from the chat template);
+    ``enable_auto_tool_choice`` off refuses ``tool_choice: auto`` (vLLM's flag; on by default).
     """
 
     host: str = "127.0.0.1"
@@ -52,8 +55,13 @@ class ServerSettings:
     limit_concurrency: int | None = 1024
     stream_timeout: float = 60.0
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = True
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
+                             f"got {self.tool_call_parser!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535; got {self.port}")
         if self.shutdown_timeout < 0:
@@ -225,6 +233,14 @@ SERVER_OPTIONS = [
     Option("trust-request-chat-template", "trust_request_chat_template", "server", bool,
            "let requests bring their own chat template ('chat_template', and 'tools' / "
            "'documents' for the template): templates run on this server", boolean=True),
+    Option("tool-call-parser", "tool_call_parser", "server", str,
+           "the tool-call format to constrain and parse calls in: hermes (<tool_call> blocks: "
+           "Hermes, Qwen2.5, Qwen3, and kvserve's default for templates without tools) or "
+           "llama3_json (Llama 3.1+ JSON calls) (default: chosen from the chat template, "
+           "logged at start)", choices=TOOL_CALL_PARSERS, nullable=True),
+    Option("enable-auto-tool-choice", "enable_auto_tool_choice", "server", bool,
+           "allow tool_choice 'auto' (the model chooses between text and calls; vLLM's flag, "
+           "on here by default: --no-enable-auto-tool-choice refuses it)", boolean=True),
 ]
 _BY_NAME = {o.name: o for o in ENGINE_OPTIONS + SERVER_OPTIONS}
 _BY_NAME["model"] = Option("model", "model", "engine", str, "model path or name",

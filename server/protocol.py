@@ -2,9 +2,12 @@
 
 Unknown fields are accepted and ignored (``extra="allow"``), as OpenAI's clients send fields
 that a server may not know. No string anywhere in a body may hold a lone UTF-16 surrogate
-(JSON's ``"\\ud800"``): it is not text, and no tokenizer or JSON encoder takes it (400). Fields that would change the meaning of a request and that we do not
-implement (``suffix``, ``tools``, non-text content, ...) are rejected with a clear 400 instead of
-being silently dropped. Responses are plain dicts built in completions.py / chat.py.
+(JSON's ``"\\ud800"``): it is not text, and no tokenizer or JSON encoder takes it (400). Fields that
+would change the meaning of a request and that we do not implement (``suffix``, non-text
+content, ...) are rejected with a clear 400 instead of being silently dropped. Chat requests
+take function ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (validated by
+server/tools/request.py), assistant messages with ``tool_calls`` and ``tool`` messages
+answering them. Responses are plain dicts built in completions.py / chat.py.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from engine.sampling.params import SamplingParams
 from engine.structured.spec import StructuredSpec
 from server.field_error import FieldError
 from server.structured_forms import structured_spec
+from server.tools.request import ToolSet, check_tool_results, read_tool_set
 
 __all__ = ["FieldError"]  # re-exported: server.errors and the tests import it from here
 
@@ -240,10 +244,34 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+class ToolCallFunction(_Body):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(_Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant messages only
+    tool_call_id: StrictStr | None = None  # tool messages: the call they answer
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ValueError("a tool message needs the tool_call_id of the call it answers")
+            if self.content is None:
+                raise ValueError("a tool message needs content (the call's result)")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -276,17 +304,20 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
     documents: list[dict[str, Any]] | None = None  # likewise
-    tools: list[Any] | None = None
+    tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server")
+        self._tool_set = read_tool_set(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self._tool_set is not None and self._tool_set.calls_expected and self.structured:
+            raise FieldError("tools", "a request may carry one constraint: tools (with "
+                                      "tool_choice other than 'none') and a structured-output "
+                                      "format cannot be combined")
+        check_tool_results(self.messages)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true")
@@ -297,14 +328,30 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else \
             self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
+    @property
+    def tool_set(self) -> ToolSet | None:
+        """The request's tools and tool choice (server.tools.request), None without tools."""
+        return getattr(self, "_tool_set", None)
+
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template expects them ("developer" is OpenAI's new "system")."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages]
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts ("developer" is OpenAI's new "system"): ``role`` and
+    ``content`` (text), plus an assistant's ``tool_calls`` (OpenAI's shape) and a tool
+    message's ``tool_call_id``; server.tools.prompt shapes them for the chat template."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                             "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump(include={"id", "type", "function"})
+                               for c in m.tool_calls]
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 class TokenizeRequest(_Request):

@@ -38,6 +38,7 @@ from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
 from server.sse import DONE, SSEResponse, event
+from server.tools.formats import HERMES, ToolCallFormat
 
 logger = logging.getLogger("kvserve.server")
 
@@ -52,6 +53,11 @@ class ServingContext:
     stream_timeout: float = 60.0  # 0: a stalled streaming client is never timed out
     trust_request_chat_template: bool = False
     draining_since: float | None = None  # time.monotonic() when the drain began
+    # Tool calling (server/tools): the call format, whether the chat template renders tools
+    # itself, and whether tool_choice "auto" is allowed.
+    tool_format: ToolCallFormat = HERMES
+    tools_native: bool = False
+    enable_auto_tool_choice: bool = True
 
     @property
     def tokenizer(self) -> Any:

@@ -1,7 +1,9 @@
 """``StructuredSpec``: the constraint one request carries, in canonical form.
 
 Kinds: ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
-a list of strings) and ``grammar`` (EBNF / GBNF text, as xgrammar takes it). ``value`` is the
+a list of strings), ``grammar`` (EBNF / GBNF text, as xgrammar takes it) and ``structural_tag``
+(an xgrammar structural tag as compact JSON: free text and tagged, schema-constrained spans,
+which is how tool calls are constrained, see server/tools/constraint.py). ``value`` is the
 canonical text (a schema or a choice list as compact JSON with sorted keys, except a schema's
 ``properties``, whose order is the order the fields are generated in), so that two requests with
 the same constraint share one compiled grammar. Construction raises ``ValueError`` (a 400) for a
@@ -14,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # A schema, regex or grammar longer than this is refused: compiling it could hold a compile
 # worker for seconds, and no real tool schema comes near it.
 MAX_CONSTRAINT_CHARS = 128 * 1024
@@ -32,7 +34,7 @@ class StructuredSpec:
         if len(self.value) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"the {self.kind} constraint has {len(self.value)} characters; at "
                              f"most {MAX_CONSTRAINT_CHARS} are allowed")
-        if self.kind in ("regex", "grammar") and not self.value:
+        if self.kind in ("regex", "grammar", "structural_tag") and not self.value:
             raise ValueError(f"the {self.kind} constraint must not be empty")
 
     @property
@@ -68,6 +70,18 @@ class StructuredSpec:
         if len(choices) > MAX_CHOICES:
             raise ValueError(f"choice has {len(choices)} entries; at most {MAX_CHOICES}")
         return cls("choice", canonical_json(choices))
+
+    @classmethod
+    def structural_tag(cls, tag: Any) -> StructuredSpec:
+        """From an xgrammar ``StructuralTag`` (anything with pydantic's ``model_dump``) or its
+        dict form; the value is its compact JSON with keys in their given order (not sorted: the
+        tools' ``properties`` maps are generated in their order, so two orders are two
+        constraints; the tag is built deterministically from the request's tools)."""
+        if hasattr(tag, "model_dump"):
+            tag = tag.model_dump(mode="json")
+        if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
+            raise ValueError("a structural tag must be an object with type 'structural_tag'")
+        return cls("structural_tag", json.dumps(tag, separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
     def text(cls, kind: str, value: Any) -> StructuredSpec:

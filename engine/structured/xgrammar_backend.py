@@ -80,6 +80,8 @@ class XGrammarBackend:
             return c.compile_grammar(f"root ::= {alts}")
         if spec.kind == "grammar":
             return c.compile_grammar(spec.value)
+        if spec.kind == "structural_tag":
+            return c.compile_structural_tag(spec.value)
         raise GrammarError(f"unsupported constraint kind {spec.kind!r}")
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:

@@ -2,8 +2,9 @@
 the server's plumbing (errors, aborts, queue bounds, engine death) quickly and exactly.
 
 Tokens are characters: token id = code point. Each step every running sequence emits the next
-letter of "abcdefghijklmnopqrstuvwxyz" (cycling) until max_tokens; a stop string ends it early
-with "stop". ``pause()`` / ``allow(k)`` / ``resume()`` let a test hold the engine inside
+character of ``script`` ("abcdefghijklmnopqrstuvwxyz" unless a test sets another; cycling)
+until max_tokens; a stop string ends it early with "stop". Constraints are recorded
+(``structured.specs``), never applied. ``pause()`` / ``allow(k)`` / ``resume()`` let a test hold the engine inside
 ``step`` (after ``k`` more steps), so that what happens meanwhile is deterministic. A prompt
 holding ``FAIL_PROMPT`` ends its request, at its first step, with ``RequestOutput.error``
 set (as EngineCore does when its per-request work raises); the engine goes on.
@@ -47,6 +48,16 @@ class FakeTokenizer:
         return VOCAB
 
 
+class FakeGrammars:
+    """Stands in for the engine's grammar cache: records each constraint compiled."""
+
+    def __init__(self) -> None:
+        self.specs: list = []
+
+    def compile(self, spec, timeout=None) -> None:
+        self.specs.append(spec)
+
+
 @dataclass
 class _Req:
     rid: str
@@ -63,6 +74,8 @@ class FakeCore:
         self.config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                    **config)
         self.tokenizer = FakeTokenizer()
+        self.script = string.ascii_lowercase
+        self.structured = FakeGrammars()
         self.model_name = "fake-model"
         self.generation_defaults = GenerationDefaults()  # OpenAI's defaults
         self.max_model_len = max_model_len
@@ -159,7 +172,7 @@ class FakeCore:
             for c in req.outs:
                 if c.finish_reason:
                     continue
-                tok = ord(string.ascii_lowercase[len(c.token_ids) % 26])
+                tok = ord(self.script[len(c.token_ids) % len(self.script)])
                 c.token_ids = [*c.token_ids, tok]
                 c.text += chr(tok)
                 self.generation_tokens += 1

@@ -137,3 +137,123 @@ def test_request_id_is_echoed_or_generated(fake_server):
     assert len(r.headers["x-request-id"]) == 32
     r = httpx.get(f"{fake_server.url}/v1/models", headers={"X-Request-Id": "bad id\x01"})
     assert r.headers["x-request-id"] != "bad id\x01"
+
+
+def test_models_retrieve_by_id(fake_server):
+    m = fake_server.client.models.retrieve("fake-model")
+    assert (m.id, m.object, m.owned_by) == ("fake-model", "model", "kvserve")
+    for name in ("gpt-4", "org/fake-model"):
+        with pytest.raises(openai.NotFoundError) as info:
+            fake_server.client.models.retrieve(name)
+        err = info.value.body
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert name in err["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}}
+TOOL_HISTORY = [
+    {"role": "user", "content": "add 1"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add",
+                                                          "arguments": '{"a": 1}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+]
+
+
+def test_tool_choice_none_renders_the_tools_and_parses_nothing():
+    from server.tools.formats import HERMES
+    from server.tools.prompt import tool_conversation
+    from tests.server.fakes import FakeTokenizer
+
+    engine = AsyncEngine(core=FakeCore(max_model_len=2048))
+    with ServerThread(build_app(engine, ServerSettings())) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            model="fake-model", messages=TOOL_HISTORY, tools=[TOOL], tool_choice="none",
+            max_tokens=3)
+    assert r.choices[0].message.content == "abc" and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "length"
+    conv = [{"role": "user", "content": "add 1"},
+            {"role": "assistant", "content": "", "tool_calls": TOOL_HISTORY[1]["tool_calls"]},
+            {"role": "tool", "content": "1", "tool_call_id": "call_1"}]
+    msgs, _ = tool_conversation(conv, [TOOL], HERMES, native=False)
+    expected = FakeTokenizer().apply_chat_template(msgs)
+    assert r.usage.prompt_tokens == len(expected)
+    assert "<tool_call>" in expected and "<tool_response>" in expected
+
+
+SCRIPT = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>#'
+
+
+@pytest.fixture()
+def scripted_server():
+    core = FakeCore(max_model_len=4096)
+    core.script = SCRIPT
+    with ServerThread(build_app(AsyncEngine(core=core), ServerSettings())) as srv:
+        srv.core = core
+        srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        yield srv
+
+
+def test_tool_calls_are_parsed_whole_and_streamed(scripted_server):
+    client, core = scripted_server.client, scripted_server.core
+    args = dict(model="fake-model", messages=[{"role": "user", "content": "add 1"}],
+                tools=[TOOL], stop=["#"], max_tokens=200)
+    r = client.chat.completions.create(**args)
+    assert core.structured.specs[-1].kind == "structural_tag"
+    choice = r.choices[0]
+    assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert (call.function.name, call.function.arguments) == ("add", '{"a": 1}')
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == "Sure."  # one character a step: the marker was held back, then dropped
+    parts = [p for c in chunks for p in c.choices[0].delta.tool_calls or ()]
+    assert len(parts) == 2 and all(p.index == 0 for p in parts)
+    assert parts[0].id.startswith("call_") and parts[0].type == "function"
+    assert (parts[0].function.name, parts[0].function.arguments) == ("add", "")
+    assert parts[1].id is None and parts[1].function.arguments == '{"a": 1}'
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    n = len(core.structured.specs)
+    r = client.chat.completions.create(**args, tool_choice="none")
+    assert len(core.structured.specs) == n  # none: no constraint, no parsing
+    assert r.choices[0].message.content == SCRIPT[:-1] and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_auto_tool_choice_can_be_turned_off():
+    engine = AsyncEngine(core=FakeCore(max_model_len=2048))
+    with ServerThread(build_app(engine, ServerSettings(enable_auto_tool_choice=False))) as srv:
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+                "max_tokens": 2}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, "tool_choice": "none"})
+        assert r.status_code == 200, r.text
+
+
+def test_several_calls_and_several_choices_stream_apart(scripted_server):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": %d}}\n</tool_call>'
+    scripted_server.core.script = f"{call % 1}\n{call % 2}#"
+    args = dict(model="fake-model", messages=[{"role": "user", "content": "add"}],
+                tools=[TOOL], stop=["#"], max_tokens=200, n=2)
+    r = scripted_server.client.chat.completions.create(**args)
+    for choice in r.choices:
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        assert [c.function.arguments for c in choice.message.tool_calls] == ['{"a": 1}',
+                                                                             '{"a": 2}']
+    calls: dict[tuple[int, int], str] = {}
+    finish = {}
+    for chunk in scripted_server.client.chat.completions.create(**args, stream=True):
+        for ch in chunk.choices:
+            assert not ch.delta.content
+            for part in ch.delta.tool_calls or ():
+                key = (ch.index, part.index)
+                calls[key] = calls.get(key, "") + (part.function.arguments or "")
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    assert calls == {(i, j): f'{{"a": {j + 1}}}' for i in range(2) for j in range(2)}
+    assert finish == {0: "tool_calls", 1: "tool_calls"}

@@ -228,3 +228,15 @@ def test_help_shows_each_flags_default(capsys):
         build_parser().parse_args(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 128)" in text and "(default: cached)" in text and "(default: 16)" in text
+
+
+def test_tool_calling_flags_and_keys(tmp_path):
+    _, s = _parse()
+    assert (s.tool_call_parser, s.enable_auto_tool_choice) == (None, True)
+    _, s = _parse("--tool-call-parser", "llama3_json", "--enable-auto-tool-choice")
+    assert (s.tool_call_parser, s.enable_auto_tool_choice) == ("llama3_json", True)
+    f = _write(tmp_path, "tool-call-parser: hermes\nenable-auto-tool-choice: false\n")
+    _, s = resolve({}, f)
+    assert (s.tool_call_parser, s.enable_auto_tool_choice) == ("hermes", False)
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        resolve({}, _write(tmp_path, "tool-call-parser: mistral\n"))

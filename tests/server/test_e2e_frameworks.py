@@ -5,7 +5,7 @@ langchain-openai's ``with_structured_output`` (its default ``json_schema`` metho
 of objects (``$defs``/``$ref``). Every request is recorded on its way out (an httpx event hook)
 to check the form each library sends, so a pass is the constraint's doing, not the model's luck;
 ``max_retries=0`` everywhere, so no retry hides a failure. langchain's ``function_calling``
-method sends ``tools``, which this server refuses with a 400 naming them."""
+method sends the model as a forced tool call, answered through the tool-calling path."""
 
 from __future__ import annotations
 
@@ -172,7 +172,13 @@ def test_langchain_streams_the_structured_output(chat, sent):
     assert isinstance(chunks[-1], City)
 
 
-def test_langchain_function_calling_is_a_400_naming_tools(chat, sent):
-    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
-        chat.with_structured_output(City, method="function_calling").invoke("Describe Paris.")
+def test_langchain_function_calling_is_a_forced_tool_call(chat, sent):
+    """``method="function_calling"`` sends the model as a tool and names it in ``tool_choice``:
+    the call is constrained to the tool's parameters (server/tools), so it parses and
+    validates into the model."""
+    city = chat.with_structured_output(City, method="function_calling").invoke(
+        "Describe Paris.")
+    assert isinstance(city, City)
     assert sent.last["tools"][0]["function"]["name"] == "City"
+    assert sent.last["tool_choice"] in ("required", {"type": "function",
+                                                     "function": {"name": "City"}})

@@ -51,14 +51,23 @@ BAD_COMPLETIONS = [  # (body, status, param, message fragment)
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", ""),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", ""),
+    ({"messages": [{"role": "bogus", "content": "x"}]}, 400, "messages.0.role", ""),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0", "tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]}, 400,
+     "messages.0.tool_call_id", "matches no tool call"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages.0.content", "only text"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages", "chat template"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None,
      "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
-     None, "tools"),
+     "tools.0.function", "name"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}, 400, "tools.0.function.parameters",
+     "object"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice.function.name", "not one of"),
 ]
 
 

@@ -1,0 +1,131 @@
+"""The model's text back into OpenAI tool calls, whole (``parse_tool_calls``) or as it streams
+(``StreamingToolParser``); both give the same result for the same text.
+
+The rules, for a format (``server.tools.formats``) and the request's tool names:
+
+* a call is a block opened by one of the format's markers that decodes to a known function
+  name and an arguments object; a block cut short by the end of the output still counts when
+  what it holds is complete JSON;
+* a block that is not a call (malformed JSON, an unknown name) is plain text;
+* ``content`` is the text before the first call, its trailing whitespace dropped (None when
+  nothing is left); text after the first call that is not a call is dropped;
+* with no call at all, the content is the whole text, unchanged.
+
+While streaming, text that could still be the start of a marker, and whitespace that could
+precede a call, is held back until what follows decides it: a marker's raw text never reaches
+the content of a valid call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from server.tools.formats import ToolCallFormat
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    calls: tuple[ToolCall, ...]
+
+
+Event = str | ToolCall  # a content delta or a finished call
+
+
+class StreamingToolParser:
+    """Feed the output's text as it grows (``feed(delta)``), then ``finish()``; each returns
+    the events that text settled: content deltas (str) and finished calls (ToolCall)."""
+
+    def __init__(self, fmt: ToolCallFormat, names: Collection[str]) -> None:
+        self.fmt = fmt
+        self.names = frozenset(names)
+        self._buf = ""  # text not yet settled
+        self._ws = ""  # trailing whitespace of the content, held until what follows is known
+        self.called = False  # a call was found: from here on only calls are emitted
+
+    def feed(self, delta: str) -> list[Event]:
+        self._buf += delta
+        return self._drain(final=False)
+
+    def finish(self) -> list[Event]:
+        out = self._drain(final=True)
+        if not self.called and self._ws:
+            out.append(self._ws)
+        self._ws = ""
+        return out
+
+    def _text(self, text: str, out: list[Event]) -> None:
+        if self.called or not text:
+            return
+        text = self._ws + text
+        body = text.rstrip()
+        self._ws = text[len(body):]
+        if body:
+            out.append(body)
+
+    def _drain(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while self._buf:
+            buf = self._buf
+            at = _first_marker(buf, self.fmt.markers)
+            if at < 0:
+                keep = 0 if final else _partial_marker(buf, self.fmt.markers)
+                self._text(buf[:len(buf) - keep], out)
+                self._buf = buf[len(buf) - keep:]
+                break
+            self._text(buf[:at], out)
+            end = self.fmt.block_end(buf[at:])
+            if end is None and not final:
+                self._buf = buf[at:]
+                break
+            block = buf[at:] if end is None else buf[at:at + end]
+            self._buf = buf[at + len(block):]
+            call = self._call(block)
+            if call is None:
+                self._text(block, out)
+            else:
+                self._ws = ""
+                self.called = True
+                out.append(call)
+        return out
+
+    def _call(self, block: str) -> ToolCall | None:
+        decoded = self.fmt.decode_block(block)
+        if decoded is None or decoded.name not in self.names:
+            return None
+        return ToolCall(decoded.name, json.dumps(decoded.arguments, ensure_ascii=False))
+
+
+def _first_marker(text: str, markers: tuple[str, ...]) -> int:
+    found = [i for i in (text.find(m) for m in markers) if i >= 0]
+    return min(found) if found else -1
+
+
+def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that a marker starts with (not all of it)."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if m.startswith(text[-k:]):
+                best = k
+                break
+    return best
+
+
+def parse_tool_calls(text: str, fmt: ToolCallFormat, names: Collection[str]) -> ParsedOutput:
+    """A finished output's content and calls (see the module's rules)."""
+    parser = StreamingToolParser(fmt, names)
+    events = parser.feed(text) + parser.finish()
+    calls = tuple(e for e in events if isinstance(e, ToolCall))
+    if not calls:
+        return ParsedOutput(text, ())
+    content = "".join(e for e in events if isinstance(e, str))
+    return ParsedOutput(content or None, calls)

@@ -1,0 +1,133 @@
+"""The conversation as the chat template gets it, tools included.
+
+A template that references ``tools`` renders them itself (HF ``apply_chat_template`` style):
+it gets ``tools=[...]`` (OpenAI's function-tool objects), assistant messages with
+``tool_calls`` (``function.arguments`` as a dict where the JSON string holds an object, as HF
+templates expect; ``content`` "" when null) and ``tool`` messages with ``tool_call_id``,
+``name`` (the called function) and ``content``.
+
+A template that does not (the embedded SmolLM2's ChatML) gets kvserve's default tool prompt,
+all in plain messages:
+
+* a system preamble, ``DEFAULT_PREAMBLE``: the tools as JSON lines inside ``<tools></tools>``
+  and how to call one: for ``hermes`` a ``<tool_call>\\n{"name": ..., "arguments": ...}\\n
+  </tool_call>`` block per call, for ``llama3_json`` a bare ``{"name": ..., "parameters":
+  ...}`` object; appended to the first system message, or a system message of its own first;
+* an assistant message's calls written into its content the same way, after its text;
+* ``tool`` messages as a user turn of ``<tool_response>\\n...\\n</tool_response>`` blocks
+  (consecutive results in one turn).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from server.tools.formats import ToolCallFormat
+
+DEFAULT_PREAMBLE = """# Tools
+
+You may call one or more functions to answer. The functions, one JSON object each, are listed \
+inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+
+{how}"""
+_HOW_BLOCK = ("To call a function, reply with one block per call, each holding a JSON object "
+              "with the function's name and its arguments:\n{example}")
+_HOW_JSON = ("To call a function, reply with only a JSON object with the function's name and "
+             "its arguments:\n{example}")
+_TOOLS_VAR = re.compile(r"\btools\b")
+
+
+def template_source(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template text (all of a set of named templates), if any."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return template if isinstance(template, str) else None
+
+
+def renders_tools(template: str | None) -> bool:
+    """Whether a chat template references the ``tools`` variable."""
+    return bool(template) and _TOOLS_VAR.search(template) is not None
+
+
+def tool_conversation(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      fmt: ToolCallFormat, native: bool
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(messages, extra apply_chat_template kwargs)`` for a conversation from
+    ``server.protocol.conversation`` and the request's tools (None: none), rendered by the
+    template itself (``native``) or by kvserve's default (see the module's docstring)."""
+    if native:
+        return _native(conversation), ({"tools": tools} if tools else {})
+    return _default(conversation, tools, fmt), {}
+
+
+def _call_names(conversation: list[dict[str, Any]]) -> dict[str, str]:
+    return {c["id"]: c["function"]["name"] for m in conversation
+            for c in m.get("tool_calls") or ()}
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _native(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    names = _call_names(conversation)
+    out = []
+    for m in conversation:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["content"] = m.get("content") or ""
+            m["tool_calls"] = [{**c, "function": {
+                "name": c["function"]["name"],
+                "arguments": _arguments(c["function"]["arguments"])}} for c in m["tool_calls"]]
+        if m["role"] == "tool":
+            m.setdefault("name", names.get(m.get("tool_call_id", ""), ""))
+        out.append(m)
+    return out
+
+
+def default_preamble(tools: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    example = fmt.render_call("<function-name>", "<arguments-object>").replace(
+        '"<function-name>"', "<function-name>").replace('"<arguments-object>"',
+                                                        "<arguments-object>")
+    how = (_HOW_JSON if fmt.end_marker is None else _HOW_BLOCK).format(example=example)
+    return DEFAULT_PREAMBLE.format(tools=listed, how=how)
+
+
+def _default(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+             fmt: ToolCallFormat) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in conversation:
+        role, content = m["role"], m.get("content") or ""
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+            continue
+        if m.get("tool_calls"):
+            calls = "\n".join(fmt.render_call(c["function"]["name"],
+                                              _arguments(c["function"]["arguments"]))
+                              for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": role, "content": content})
+    for m in out:
+        m.pop("_tool_results", None)
+    if tools:
+        preamble = default_preamble(tools, fmt)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{preamble}"
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out
