@@ -51,12 +51,31 @@ def test_ngram_proposer_respects_each_request_cap():
 # ---- the scheduler's draft policy ----------------------------------------------------------
 
 
-def _seq(seq_id, prompt, generated, max_tokens, computed=None):
+def _seq(seq_id, prompt, generated, max_tokens, computed=None, matcher=None):
     tokens = prompt + generated
     return SimpleNamespace(
         seq_id=seq_id, token_ids=tokens, num_tokens=len(tokens), num_prompt_tokens=len(prompt),
-        num_computed_tokens=len(tokens) - 1 if computed is None else computed,
+        num_computed_tokens=len(tokens) - 1 if computed is None else computed, matcher=matcher,
         request=SimpleNamespace(params=SamplingParams(max_tokens=max_tokens)))
+
+
+class _AllowedSet:
+    """A grammar stand-in: accepts only ``allowed`` tokens (engine.structured.backend.Matcher)."""
+
+    def __init__(self, allowed):
+        self.allowed, self.accepted = set(allowed), []
+
+    def accept(self, token):
+        if token not in self.allowed:
+            return False
+        self.accepted.append(token)
+        return True
+
+    def rollback(self, k):
+        del self.accepted[len(self.accepted) - k:]
+
+    def is_terminated(self):
+        return False
 
 
 def test_drafts_stop_at_max_tokens_and_skip_prefills():
@@ -69,6 +88,16 @@ def test_drafts_stop_at_max_tokens_and_skip_prefills():
         _seq("d", [3, 4, 3, 4], [3], max_tokens=50),
     ]
     assert propose_drafts(running, prop, cfg) == {"a": [1], "d": [4, 3, 4, 3]}
+
+
+def test_a_constrained_sequences_draft_is_cut_where_its_grammar_forbids():
+    prop = NgramProposer(4, 1, 2)
+    cfg = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None)
+    grammar = _AllowedSet({3, 9})
+    running = [_seq("d", [3, 4, 3, 4, 9], [3, 4], max_tokens=50, matcher=grammar),
+               _seq("e", [3, 4, 3, 4, 9], [3, 4], max_tokens=50)]
+    assert propose_drafts(running, prop, cfg) == {"d": [9, 3], "e": [9, 3, 4, 9]}
+    assert grammar.accepted == []  # left as it was
 
 
 def test_the_adaptive_switch_counts_decoding_sequences():
