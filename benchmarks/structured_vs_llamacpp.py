@@ -1,0 +1,174 @@
+"""Structured output side by side with llama.cpp's llama-server: the same GGUF (the embedded
+SmolLM2-135M-Instruct Q4_1), the same JSON schema sent the same way (OpenAI ``response_format``
+``json_schema`` on ``/v1/chat/completions``, which both servers constrain with their own grammar
+engine: xgrammar in kvserve, llama.cpp's GBNF sampler in llama-server), at concurrency 1 and 16.
+
+    python benchmarks/structured_vs_llamacpp.py [--requests 16] [--max-tokens 400] [--out DIR]
+
+llama-server must be built first (``bash benchmarks/vs_llamacpp.sh`` builds it once into
+``${KVSERVE_LLAMACPP_DIR:-~/.cache/kvserve/llamacpp}``; ``--llama-server PATH`` names another).
+The servers run one after the other, never both at once, each with 16 slots / sequences, all
+cores and a 16-bit KV cache (llama-server's default f16, kvserve's ``--kv-cache-dtype
+float16``). Greedy decoding on both; every answer is parsed and validated with ``jsonschema``.
+Prints, per server and concurrency, output tokens per second of wall time (completion tokens as
+each server's ``usage`` reports them), valid answers per second (llama-server's grammar lets the
+model indent its JSON, which costs it tokens per answer, so tokens per second alone flatters it),
+request latency p50, the valid fraction, and kvserve's ratios to llama-server; writes the figures
+as JSON to ``--out``. ``--max-tokens`` must leave room for an indented answer (about 250 tokens
+for this schema), or llama-server's answers are cut short and count as invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving import serving_process  # noqa: E402
+from benchmarks.startup_time import free_port, isa  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "city": {"type": "string", "maxLength": 16},
+                       "role": {"enum": ["engineer", "doctor", "teacher", "artist"]}},
+        "required": ["name", "age", "city", "role"]}}},
+    "required": ["people"],
+}
+TOPICS = ["a hospital", "a school", "a startup", "a village", "an orchestra", "a ship",
+          "a newspaper", "a bakery"]
+
+
+def _messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Describe four people who work at {TOPICS[i % len(TOPICS)]}"
+                                        f" (group {i}) as JSON."}]
+
+
+def _body(model: str, i: int, max_tokens: int) -> dict:
+    return {"model": model, "messages": _messages(i), "max_tokens": max_tokens,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "people", "strict": True, "schema": SCHEMA}}}
+
+
+def _find_llama_server() -> Path | None:
+    cache = Path(os.environ.get("KVSERVE_LLAMACPP_DIR",
+                                Path.home() / ".cache" / "kvserve" / "llamacpp"))
+    found = sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+    return found[-1] if found else None
+
+
+async def _run(url: str, n: int, concurrency: int, max_tokens: int, label: str) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    tokens = valid = stopped = 0
+    bar = tqdm(total=n, desc=label, unit="req", leave=False)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal tokens, valid, stopped
+        async with sem:
+            t0 = time.perf_counter()
+            r = await client.post(f"{url}/v1/chat/completions",
+                                  json=_body(model, i, max_tokens))
+            latencies.append(time.perf_counter() - t0)
+        r.raise_for_status()
+        data = r.json()
+        tokens += data["usage"]["completion_tokens"]
+        choice = data["choices"][0]
+        stopped += choice["finish_reason"] == "stop"
+        try:
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+        bar.update()
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        await one(client, n)  # warm-up (its grammar compiled and cached), not counted
+        latencies.clear()
+        tokens = valid = stopped = 0
+        bar.reset()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(client, i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    bar.close()
+    return {"requests": n, "concurrency": concurrency, "wall_s": wall,
+            "completion_tokens": tokens, "output_tok_s": tokens / wall,
+            "valid_answers_s": valid / wall,
+            "latency_p50_s": statistics.median(latencies), "valid": valid / n,
+            "finished_stop": stopped / n}
+
+
+def _serve_and_measure(name: str, cmd: list[str], port: int, args, log: Path) -> dict:
+    with serving_process(cmd, port, log) as url:
+        return {f"c{c}": asyncio.run(_run(url, args.requests, c, args.max_tokens, f"{name} c={c}"))
+                for c in (1, 16)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--llama-server", type=Path, default=None)
+    ap.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. --no-repack")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    binary = args.llama_server or _find_llama_server()
+    if binary is None or not binary.exists():
+        print("llama-server not found: run `bash benchmarks/vs_llamacpp.sh` once to build it, "
+              "or pass --llama-server PATH", file=sys.stderr)
+        return 2
+    from engine.loading.embedded import embedded_gguf_path
+
+    gguf = str(embedded_gguf_path())
+    threads = str(os.cpu_count() or 1)
+    out = args.out or ROOT / "docs" / "perf" / (
+        f"structured-vs-llamacpp-{isa().replace(' ', '')}-{time.strftime('%Y-%m-%d')}")
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"isa": isa(), "schema": SCHEMA, "requests": args.requests,
+               "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d")}
+    port = free_port()
+    results["llama-server"] = _serve_and_measure(
+        "llama-server", [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                         "-c", "32768", "-np", "16", "-t", threads, *args.llama_args.split()],
+        port, args, out / "llama-server.log")
+    port = free_port()
+    results["kvserve"] = _serve_and_measure(
+        "kvserve", [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
+                    "--port", str(port), "--max-num-seqs", "16", "--kv-cache-dtype", "float16"],
+        port, args, out / "kvserve.log")
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nstructured output (JSON schema, {args.requests} requests, greedy), {isa()}, "
+          f"{threads} threads")
+    print(f"{'':>4} | {'server':>12} | {'out tok/s':>9} | {'valid/s':>7} | {'p50 s':>6} | "
+          f"{'valid':>5} | tok/s ratio | valid/s ratio")
+    for c in ("c1", "c16"):
+        base = results["llama-server"][c]
+        for name in ("llama-server", "kvserve"):
+            r = results[name][c]
+            per_s = (f"{r['valid_answers_s'] / base['valid_answers_s']:.2f}x"
+                     if base["valid_answers_s"] else "-")
+            print(f"{c:>4} | {name:>12} | {r['output_tok_s']:9.1f} | {r['valid_answers_s']:7.3f} | "
+                  f"{r['latency_p50_s']:6.2f} | {r['valid']:5.0%} | "
+                  f"{r['output_tok_s'] / base['output_tok_s']:10.2f}x | {per_s}")
+    print(f"written: {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
