@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.loading.tiny import VOCAB, byte_tokenizer
+from engine.loading.tiny import VOCAB
 from engine.structured.backend import GrammarError
 from engine.structured.cache import GrammarCache
 from engine.structured.drafts import grammar_prefix, mask_draft_rows
@@ -16,31 +16,26 @@ from engine.structured.fill_mode import FillModeChooser
 from engine.structured.masking import mask_logits
 from engine.structured.outputs import StructuredOutputs
 from engine.structured.spec import MAX_CONSTRAINT_CHARS, StructuredSpec
-from engine.structured.xgrammar_backend import XGrammarBackend
-
-EOS = 257
+from tests.unit.byte_grammar import EOS, allowed, byte_backend
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
+def tok_backend():
+    return byte_backend()
 
 
 @pytest.fixture(scope="module")
-def backend(tok):
-    return XGrammarBackend(tok, VOCAB, [EOS])
+def tok(tok_backend):
+    return tok_backend[0]
+
+
+@pytest.fixture(scope="module")
+def backend(tok_backend):
+    return tok_backend[1]
 
 
 def ids(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
-
-
-def allowed(backend, matcher) -> set[int]:
-    bm = backend.allocate_bitmask(1)
-    backend.fill_bitmasks([matcher], bm, [0])
-    logits = torch.zeros(1, VOCAB)
-    backend.apply_bitmask(logits, bm, [0])
-    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
 
 
 def test_choice_masks_rollback_and_termination(tok, backend):

@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from engine.loading.tiny import VOCAB, byte_tokenizer
 from engine.structured.spec import StructuredSpec
-from engine.structured.xgrammar_backend import XGrammarBackend
 from server.tools.constraint import tool_call_spec
 from server.tools.formats import HERMES, LLAMA3_JSON
 from server.tools.request import read_tool_set
+from tests.unit.byte_grammar import EOS, allowed, byte_backend
 
-EOS = 257
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
     "required": ["a", "b"]}}}
@@ -27,21 +24,18 @@ ECHO = {"type": "function", "function": {"name": "echo", "description": "say it"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
+def tok_backend():
+    return byte_backend()
 
 
 @pytest.fixture(scope="module")
-def backend(tok):
-    return XGrammarBackend(tok, VOCAB, [EOS])
+def tok(tok_backend):
+    return tok_backend[0]
 
 
-def allowed(backend, matcher) -> set[int]:
-    bm = backend.allocate_bitmask(1)
-    backend.fill_bitmasks([matcher], bm, [0])
-    logits = torch.zeros(1, VOCAB)
-    backend.apply_bitmask(logits, bm, [0])
-    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+@pytest.fixture(scope="module")
+def backend(tok_backend):
+    return tok_backend[1]
 
 
 def matcher(backend, fmt=HERMES, choice=None, parallel=None, tools=(ADD, ECHO)):
