@@ -81,6 +81,14 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     import numpy as np
 
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # 2 MiB pages where the kernel allows them (as numpy asks for its large arrays): the
+        # attention kernels stride across the pool, and with 4 KiB pages the embedded model's
+        # 16 x 48-token greedy workload ran at 324-329 tok/s against 352-369 (AMD EPYC).
+        try:
+            pages.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
     # the array (and the tensor through it) keeps the mapping alive
     return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
