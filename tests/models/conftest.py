@@ -8,8 +8,6 @@
   quantised=True)`` writes the linears as Q4_0 and the token table (and an untied output) as
   Q8_0, with gguf's own quantiser; ``kquants=True`` writes a 256-wide model in Q4_K/Q5_K/Q6_K
   (``KQUANT_TYPES``).
-- ``default_quant_settings``: call it to leave the quantised modules' settings at their defaults
-  instead of measured by the start-up probe.
 """
 
 from __future__ import annotations
@@ -191,20 +189,3 @@ def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf"
     return path, _make_llama_gguf(path, tied=True)
 
-
-@pytest.fixture
-def default_quant_settings(monkeypatch):
-    """Call it to leave the quantised modules' settings at their defaults instead of measured:
-    float32 panels above the decode kernels' rows, the base decode kernels, no int8 tiles. Where
-    a test compares two engines, or teacher-forces whole sequences through the dense path, a
-    timing must not choose its numerics (on these tiny shapes int8 tiles can win the prefill
-    probe, and on a random model their int8-rounded activations flip ~14% of near-tied top-1
-    tokens; on the trained model they are held to 1% of perplexity: test_smollm2.py)."""
-    def apply() -> None:
-        from engine.models import quant_apply, quant_probe
-
-        defaults = lambda q, rows=(): {}  # noqa: E731
-        monkeypatch.setattr(quant_probe, "measure_settings", defaults)
-        monkeypatch.setattr(quant_apply, "measure_settings", defaults)
-
-    return apply
