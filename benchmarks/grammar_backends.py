@@ -112,6 +112,9 @@ class XGrammar:
     def compile(self, schema: dict):
         return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
 
+    def compile_regex(self, regex: str):
+        return self.compiler.compile_regex(regex)
+
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
 
@@ -151,6 +154,9 @@ class LLGuidance:
             raise ValueError(m.get_error())
         return grammar
 
+    def compile_regex(self, regex: str):
+        return self.ll.LLMatcher.grammar_from_regex(regex)
+
     def matcher(self, compiled):
         return self.ll.LLMatcher(self.tok, compiled)
 
@@ -185,6 +191,12 @@ def mask_fill(lib, compiled: list, token_lists: list[list[int]], batch: int) -> 
     return statistics.median(times), steps
 
 
+# The regex of benchmarks/structured_cost.py: bounded repetition, xgrammar's slow shape.
+REGEX = r"([a-z]{1,8} ){100}"
+REGEX_TEXT = " ".join(("abcdefgh"[: 1 + i % 8]) for i in range(100)) + " "
+REGEX_BATCH = 8
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -213,18 +225,23 @@ def main(argv: list[str] | None = None) -> int:
                      for _, s, _ in SCHEMAS]
         compiled = [lib.compile(s) for _, s, _ in SCHEMAS]
         fills = {b: mask_fill(lib, compiled, token_lists, b)[0] for b in batches}
-        results[cls.name] = {"compile": compile_s, "fill": fills}
+        regex = lib.compile_regex(REGEX)
+        regex_tokens = tokenizer.encode(REGEX_TEXT, add_special_tokens=False)
+        regex_fill, _ = mask_fill(lib, [regex], [regex_tokens], REGEX_BATCH)
+        results[cls.name] = {"compile": compile_s, "fill": fills, "regex": regex_fill}
         print(f"\n{cls.name} {version}: tokenizer setup {setup * 1e3:.0f} ms")
         for (name, _, _), c in zip(SCHEMAS, compile_s):
             print(f"  compile {name:<26} {c * 1e3:8.2f} ms")
         for b, f in fills.items():
             print(f"  mask fill batch {b:>3}: {f * 1e3:8.3f} ms/step  "
                   f"({f / b * 1e6:7.1f} us/row)")
+        print(f"  regex {REGEX} batch {REGEX_BATCH}: {regex_fill * 1e3:8.3f} ms/step")
     x, g = results["xgrammar"], results["llguidance"]
     print("\nratio llguidance / xgrammar (above 1: xgrammar faster)")
     print(f"  compile (sum over schemas): {sum(g['compile']) / sum(x['compile']):.2f}")
     for b in batches:
         print(f"  mask fill batch {b:>3}: {g['fill'][b] / x['fill'][b]:.2f}")
+    print(f"  regex mask fill batch {REGEX_BATCH}: {g['regex'] / x['regex']:.2f}")
     return 0
 
 
