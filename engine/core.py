@@ -61,7 +61,6 @@ from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
-from engine.structured.drafts import grammar_prefix
 from engine.structured.outputs import PendingMask, StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
@@ -368,7 +367,7 @@ class EngineCore:
         # Constrained rows' bitmasks: filled during the forward pass or before it (measured).
         pending = self.structured.start_mask([
             out.scheduled[i].seq.matcher for i in inp.sample_seq_indices
-            if not out.scheduled[i].draft])
+            if not out.scheduled[i].draft]) if self.structured.in_use else None
         # A failure here is the engine's, not a request's. The plan is what TP workers get.
         result = self.runner.execute(inp, out.plan)
         self.scheduler.update_after_step(out)
@@ -420,14 +419,11 @@ class EngineCore:
 
     def _verify_one(self, s: ScheduledSeq, logits: torch.Tensor, now: float) -> None:
         seq = s.seq
-        draft = s.draft
         if seq.matcher is not None:
-            # The scheduler already cut the draft to what the grammar allows; each row is
-            # masked as one-token decoding would have masked it.
-            draft = draft[:grammar_prefix(seq.matcher, draft)]
-            logits = logits[:len(draft) + 1]
-            self.structured.mask_draft(logits, seq.matcher, draft)
-        run = DraftRun(tuple(draft), rows_for_draft(self._row(seq), draft))
+            # The scheduler cut the draft to what the grammar allows (scheduling/drafts.py);
+            # each row is masked as one-token decoding would have masked it.
+            self.structured.mask_draft(logits, seq.matcher, s.draft)
+        run = DraftRun(s.draft, rows_for_draft(self._row(seq), s.draft))
         [v], sampled = verify(self.sampler, logits, [run], self._spec_gen)
         self.spec_counters.observe(len(s.draft), v.num_accepted)
         for j in range(len(v.tokens)):

@@ -140,11 +140,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        if model_id not in ctx.served_model_names:
-            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in ctx.served_model_names)}.",
-                           type="invalid_request_error", param="model",
-                           code="model_not_found")
+        ctx.check_model(model_id)  # 404 for a model this server does not serve
         return model_card(model_id)
 
     @app.post("/v1/completions")

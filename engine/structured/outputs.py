@@ -4,7 +4,7 @@ It owns the backend (built on first use: a request that never asks for a constra
 pays for xgrammar's tokenizer tables) and the compile cache, and counts the constrained rows
 sampled. ``compile`` and ``submit`` may be called from any thread (the server pre-compiles a
 request's constraint on a worker thread, so a constraint that does not compile is a 400 before
-anything is queued); ``mask`` and the matchers belong to the engine thread, which may hand a
+anything is queued); masking and the matchers belong to the engine thread, which may hand a
 step's bitmask fill to one worker thread of its own while the forward pass runs
 (``start_mask`` / ``finish_mask``; ``engine.structured.fill_mode`` decides by measurement).
 """
@@ -82,12 +82,17 @@ class StructuredOutputs:
     def matcher(self, compiled: Any) -> Matcher:
         return self.backend.matcher(compiled)
 
+    @property
+    def in_use(self) -> bool:
+        """A request has carried a constraint (before that, steps have nothing to mask)."""
+        return self._cache is not None
+
     def start_mask(self, matchers: Sequence[Matcher | None]) -> PendingMask | None:
         """Begin filling the bitmask for a step whose sampled rows are ``matchers`` (None for
         an unconstrained row): on a worker thread, overlapping the forward pass, or here and
         now, whichever ``FillModeChooser`` measured faster. ``finish_mask`` applies it. None
         when no row is constrained. The matchers must not advance until then."""
-        if self._cache is None or all(m is None for m in matchers):
+        if not self.in_use or all(m is None for m in matchers):
             return None
         overlap = self.overlap_fill
         if overlap is None:
@@ -110,12 +115,6 @@ class StructuredOutputs:
         self._fill_mode.record(pending.overlap, time.perf_counter() - pending.started,
                                pending.rows)
 
-    def mask(self, logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> None:
-        """Constrain ``logits`` (one row per entry of ``matchers``) in place, filling now."""
-        if self._cache is None:  # no request ever carried a constraint
-            return
-        self._count(apply_rows(self.backend, logits, fill_rows(self.backend, matchers)))
-
     def _count(self, rows: int) -> None:
         if rows:
             self.constrained_rows += rows
@@ -124,9 +123,7 @@ class StructuredOutputs:
     def mask_draft(self, logits: torch.Tensor, matcher: Matcher, draft: Sequence[int]) -> None:
         """Constrain a speculating sequence's verification rows in place (row ``j`` follows
         ``draft[:j]``; ``engine.structured.drafts.mask_draft_rows``)."""
-        n = mask_draft_rows(self.backend, logits, matcher, draft)
-        self.constrained_rows += n
-        self.constrained_steps += 1
+        self._count(mask_draft_rows(self.backend, logits, matcher, draft))
 
     def stats(self) -> StructuredStats:
         cache = self._cache

@@ -16,22 +16,7 @@ from engine.structured.fill_mode import FillModeChooser
 from engine.structured.masking import mask_logits
 from engine.structured.outputs import StructuredOutputs
 from engine.structured.spec import MAX_CONSTRAINT_CHARS, StructuredSpec
-from tests.unit.byte_grammar import EOS, allowed, byte_backend
-
-
-@pytest.fixture(scope="module")
-def tok_backend():
-    return byte_backend()
-
-
-@pytest.fixture(scope="module")
-def tok(tok_backend):
-    return tok_backend[0]
-
-
-@pytest.fixture(scope="module")
-def backend(tok_backend):
-    return tok_backend[1]
+from tests.unit.byte_grammar import EOS, allowed
 
 
 def ids(tok, text: str) -> list[int]:
@@ -193,7 +178,7 @@ def test_a_step_mask_filled_either_way_equals_the_mask_filled_at_once(tok, overl
     assert matchers[3].accept(ids(tok, "y")[0])
     want = torch.randn(4, VOCAB)
     got = want.clone()
-    structured.mask(want, matchers)
+    mask_logits(structured.backend, want, matchers)
     structured.overlap_fill = overlap
     for _ in range(10):  # through the chooser's trial steps and into its choice
         step = got.clone()

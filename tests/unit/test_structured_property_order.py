@@ -10,12 +10,9 @@ import json
 
 import pytest
 
-from engine.loading.tiny import VOCAB, byte_tokenizer
 from engine.structured.spec import StructuredSpec
-from engine.structured.xgrammar_backend import XGrammarBackend
 from server.protocol import ChatCompletionRequest
 
-EOS = 257
 CITY = {"title": "City", "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 30},
                        "country": {"type": "string", "maxLength": 30},
@@ -73,9 +70,7 @@ def test_a_request_s_schema_reaches_the_spec_in_its_own_order():
 
 @pytest.mark.parametrize("order", [["name", "country", "population"],
                                    ["population", "country", "name"]])
-def test_the_grammar_writes_the_first_listed_field_first(order):
-    tok = byte_tokenizer()
-    backend = XGrammarBackend(tok, VOCAB, [EOS])
+def test_the_grammar_writes_the_first_listed_field_first(order, tok, backend):
     schema = {**CITY, "properties": {k: CITY["properties"][k] for k in order}}
     m = backend.matcher(backend.compile(StructuredSpec.json_schema(schema)))
     for t in tok.encode('{"', add_special_tokens=False):

@@ -13,7 +13,7 @@ from engine.structured.spec import StructuredSpec
 from server.tools.constraint import tool_call_spec
 from server.tools.formats import HERMES, LLAMA3_JSON
 from server.tools.request import read_tool_set
-from tests.unit.byte_grammar import EOS, allowed, byte_backend
+from tests.unit.byte_grammar import EOS, allowed
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -21,21 +21,6 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 ECHO = {"type": "function", "function": {"name": "echo", "description": "say it", "parameters": {
     "type": "object", "properties": {"text": {"type": "string", "maxLength": 8}},
     "required": ["text"]}}}
-
-
-@pytest.fixture(scope="module")
-def tok_backend():
-    return byte_backend()
-
-
-@pytest.fixture(scope="module")
-def tok(tok_backend):
-    return tok_backend[0]
-
-
-@pytest.fixture(scope="module")
-def backend(tok_backend):
-    return tok_backend[1]
 
 
 def matcher(backend, fmt=HERMES, choice=None, parallel=None, tools=(ADD, ECHO)):
