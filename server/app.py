@@ -1,8 +1,7 @@
 """``build_app(engine, settings)``: the FastAPI application around an :class:`AsyncEngine`.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/v1/models/{id}``,
-``/health``,
-``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``. The app owns no model code; the
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (server/responses),
+``/v1/models``, ``/v1/models/{id}``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``. The app owns no model code; the
 engine's own thread runs it, and tokenising runs on worker threads: the event loop only parses,
 validates and frames.
 
@@ -39,6 +38,8 @@ from server.protocol import (
     TokenizeRequest,
     conversation,
 )
+from server.responses.endpoint import add_routes as add_responses_routes
+from server.responses.store import ResponseStore
 from server.serving import ServingContext
 from server.tools.formats import choose_format
 from server.tools.prompt import renders_tools, template_source, tool_conversation
@@ -150,6 +151,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw)
+
+    add_responses_routes(app, ctx, ResponseStore(settings.responses_store_max_items,
+                                                 settings.responses_store_max_bytes))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

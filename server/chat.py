@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -26,6 +27,7 @@ from fastapi.responses import Response
 
 from engine.chat_template import render_chat
 from engine.outputs import RequestOutput
+from engine.sampling.params import SamplingParams
 from server.errors import bad_request
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
@@ -94,10 +96,21 @@ def template_kwargs(req: ChatCompletionRequest, trusted: bool) -> dict[str, Any]
     return kwargs
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request
-                                 ) -> Response:
-    xrid = request_id_of(raw)
-    model = ctx.check_model(req.model)
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request made ready for the engine: the rendered prompt, its token ids, the
+    sampling parameters (with the tool-call constraint, compiled already) and the tools whose
+    calls are to be parsed out of the output (None when none are expected)."""
+
+    text: str
+    ids: list[int]
+    params: SamplingParams
+    tools: ToolSet | None
+
+
+async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str) -> ChatPrompt:
+    """Render, tokenise and constrain a chat request (400 on anything wrong with it): what
+    ``/v1/chat/completions`` and ``/v1/responses`` share up to submitting."""
     top = req.top_logprobs or 0
     ctx.check_limits(num_prompts=1, n=req.n, priority=req.priority,
                      logprobs=top if req.logprobs else None, logprobs_param="top_logprobs")
@@ -126,12 +139,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if spec is not None:
         params = params.clone(structured=spec)
     await check_constraint(ctx, params, xrid)
+    expected = tools if tools is not None and tools.calls_expected else None
+    return ChatPrompt(text, ids, params, expected)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request
+                                 ) -> Response:
+    xrid = request_id_of(raw)
+    model = ctx.check_model(req.model)
+    prompt = await chat_prompt(ctx, req, xrid)
     cid = new_id("chatcmpl")
-    streams = submit_or_error(ctx, [(text, ids)], params, cid, req.priority, xrid)
+    streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, cid,
+                              req.priority, xrid)
     with aborted_on_error(streams):
         logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid,
-                    cid, len(ids), req.n, req.max_new_tokens, bool(req.stream))
-        writer = _ChatWriter(ctx, req, cid, model, xrid)
+                    cid, len(prompt.ids), req.n, req.max_new_tokens, bool(req.stream))
+        writer = _ChatWriter(ctx, req, cid, model, xrid, prompt.tools)
         return await respond(raw, streams, ctx, xrid,
                              (lambda: writer.stream(raw, streams)) if req.stream else None,
                              lambda finals: writer.response(finals[0]))
@@ -139,13 +162,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 class _ChatWriter:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, cid: str, model: str,
-                 xrid: str) -> None:
+                 xrid: str, tools: ToolSet | None) -> None:
         self.ctx, self.req, self.cid, self.model, self.xrid = ctx, req, cid, model, xrid
         self.created = int(time.time())
         self.top = req.top_logprobs or 0
-        tools = req.tool_set
-        self.tools: ToolSet | None = tools if tools is not None and tools.calls_expected \
-            else None
+        self.tools = tools  # parsed for calls; None: none expected
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.cid, "object": obj, "created": self.created, "model": self.model}

@@ -43,6 +43,8 @@ class ServerSettings:
     ``trust_request_chat_template`` lets requests bring their own chat template (vLLM's flag).
     ``tool_call_parser`` names the tool-call format (None: chosen from the chat template);
     ``enable_auto_tool_choice`` off refuses ``tool_choice: auto`` (vLLM's flag; on by default).
+    ``responses_store_max_items`` / ``responses_store_max_bytes`` bound the Responses API's
+    in-memory store (least recently used first out; 0 items: nothing is stored).
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +59,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = True
+    responses_store_max_items: int = 1000
+    responses_store_max_bytes: int | str = 256 * MIB
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -79,6 +83,14 @@ class ServerSettings:
         if not self.stream_timeout >= 0:  # also refuses NaN
             raise ValueError(f"stream-timeout cannot be negative (0: no timeout); got "
                              f"{self.stream_timeout}")
+        if self.responses_store_max_items < 0:
+            raise ValueError(f"responses-store-max-items cannot be negative (0: store nothing); "
+                             f"got {self.responses_store_max_items}")
+        store_bytes = parse_bytes(self.responses_store_max_bytes)
+        if store_bytes is None:
+            raise ValueError(f"responses-store-max-bytes must be a size such as 256MiB; got "
+                             f"{self.responses_store_max_bytes!r}")
+        object.__setattr__(self, "responses_store_max_bytes", store_bytes)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log-level must be one of {', '.join(LOG_LEVELS)}; "
                              f"got {self.log_level!r}")
@@ -241,6 +253,11 @@ SERVER_OPTIONS = [
     Option("enable-auto-tool-choice", "enable_auto_tool_choice", "server", bool,
            "allow tool_choice 'auto' (the model chooses between text and calls; vLLM's flag, "
            "on here by default: --no-enable-auto-tool-choice refuses it)", boolean=True),
+    Option("responses-store-max-items", "responses_store_max_items", "server", int,
+           "the most responses the Responses API keeps in memory for previous_response_id and "
+           "GET /v1/responses/{id} (least recently used out first; 0: store nothing)"),
+    Option("responses-store-max-bytes", "responses_store_max_bytes", "server", _size,
+           "the most bytes (as JSON) the stored responses may hold, e.g. 256MiB"),
 ]
 _BY_NAME = {o.name: o for o in ENGINE_OPTIONS + SERVER_OPTIONS}
 _BY_NAME["model"] = Option("model", "model", "engine", str, "model path or name",

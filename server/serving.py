@@ -218,12 +218,16 @@ async def stream_events(ctx: ServingContext, raw: Request, streams: list[Request
                         request_id: str, *,
                         deltas: Callable[[int, RequestOutput], Iterable[str]],
                         closing: Callable[[list[RequestOutput]], Iterable[str]],
-                        opening: Iterable[str] = ()) -> AsyncIterator[str]:
-    """The SSE loop that completions and chat share: ``opening`` events, then for every output
-    (prompt index, cumulative output) the events ``deltas`` makes of it, then the events
+                        opening: Iterable[str] = (),
+                        failed: Callable[[APIError], Iterable[str]] | None = None,
+                        done: bool = True) -> AsyncIterator[str]:
+    """The SSE loop that the streaming endpoints share: ``opening`` events, then for every
+    output (prompt index, cumulative output) the events ``deltas`` makes of it, then the events
     ``closing`` makes of the finished outputs (in prompt order; the usage chunk), then
-    ``[DONE]``. An engine error is reported in the stream (as OpenAI does); a client that went
-    away is told nothing. However it ends, every stream is aborted (frees its blocks)."""
+    ``[DONE]`` (unless ``done`` is false: the Responses API sends none). An engine error is
+    reported in the stream as ``failed`` makes it (default: the error body, as OpenAI's chat
+    does); a client that went away is told nothing. However it ends, every stream is aborted
+    (frees its blocks)."""
     finals: dict[int, RequestOutput] = {}
     try:
         for e in opening:
@@ -241,11 +245,14 @@ async def stream_events(ctx: ServingContext, raw: Request, streams: list[Request
     except RequestAbortedError:
         return  # the client is gone: nobody to tell
     except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI does
-        yield event(engine_error(exc, ctx, request_id).body())
+        error = engine_error(exc, ctx, request_id)
+        for e in (failed(error) if failed is not None else [event(error.body())]):
+            yield e
     finally:
         for s in streams:  # a consumer that stopped early (disconnect) frees its blocks
             s.abort()
-    yield DONE
+    if done:
+        yield DONE
 
 
 async def _wait_disconnect(raw: Request) -> None:

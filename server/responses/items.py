@@ -1,0 +1,157 @@
+"""Items of the Responses API: a request's ``input`` read into normalised items, items turned
+into chat messages (the conversation the chat template renders), and a finished output turned
+into output items.
+
+Input items (each break is a ``FieldError`` naming ``input.<i>...``):
+
+* a string ``input``: one user message;
+* a message, ``{"role": "user"|"system"|"developer"|"assistant", "content": str | [parts]}``
+  (``"type": "message"`` optional); text parts only (``input_text``, ``output_text``, ``text``,
+  ``refusal``): images, files and audio are refused;
+* ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the model made;
+* ``{"type": "function_call_output", "call_id", "output"}``: its result (text, or text parts);
+* ``{"type": "reasoning", ...}``: accepted and left out of the prompt (these models keep no
+  reasoning between turns).
+
+Normalised items are the API's own shapes, each with an ``id`` (kept when given): what
+``GET /v1/responses/{id}/input_items`` lists. ``chat_messages`` turns items (input and output
+alike) into ``/v1/chat/completions`` messages: a function_call joins the assistant message
+before it (the model's text, then its calls) or opens one; a function_call_output becomes a
+``tool`` message.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from server.field_error import FieldError
+from server.tools.parser import ToolCall
+
+ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def read_input(value: Any) -> list[dict[str, Any]]:
+    """The request's ``input`` as normalised items (see the module's docstring)."""
+    if isinstance(value, str):
+        return [_message("user", value, None)]
+    if not isinstance(value, list):
+        raise FieldError("input", "must be a string or a list of items")
+    return [item for i, raw in enumerate(value) if (item := _item(raw, f"input.{i}"))]
+
+
+def _item(raw: Any, where: str) -> dict[str, Any] | None:
+    if not isinstance(raw, dict):
+        raise FieldError(where, "must be an object (a message or a function_call / "
+                                "function_call_output item)")
+    kind = raw.get("type", "message" if "role" in raw else None)
+    if kind == "message":
+        role = raw.get("role")
+        if role not in ROLES:
+            raise FieldError(f"{where}.role", f"must be one of {', '.join(ROLES)}")
+        return _message(role, _text(raw.get("content"), f"{where}.content"), raw.get("id"))
+    if kind == "function_call":
+        call_id, name = _string(raw, "call_id", where), _string(raw, "name", where)
+        arguments = _string(raw, "arguments", where)
+        return {"type": "function_call", "id": raw.get("id") or item_id("fc"),
+                "call_id": call_id, "name": name, "arguments": arguments,
+                "status": "completed"}
+    if kind == "function_call_output":
+        call_id = _string(raw, "call_id", where)
+        output = raw.get("output")
+        text = output if isinstance(output, str) else _text(output, f"{where}.output")
+        return {"type": "function_call_output", "id": raw.get("id") or item_id("fco"),
+                "call_id": call_id, "output": text, "status": "completed"}
+    if kind == "reasoning":
+        return None
+    if kind == "item_reference":
+        raise FieldError(f"{where}.type", "item references are not supported: send the item "
+                                          "itself, or continue with previous_response_id")
+    raise FieldError(f"{where}.type", f"{kind!r} items are not supported; input items are "
+                                      "messages, function_call and function_call_output")
+
+
+def _string(raw: dict[str, Any], key: str, where: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or (key != "arguments" and not value):
+        raise FieldError(f"{where}.{key}", "must be a non-empty string" if key != "arguments"
+                         else "must be a string (the arguments as JSON text)")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FieldError(where, "must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise FieldError(f"{where}.{j}.type", f"only text content is supported; got "
+                                                  f"{kind!r}")
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise FieldError(f"{where}.{j}.text", "must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _message(role: str, text: str, given_id: Any) -> dict[str, Any]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    part: dict[str, Any] = {"type": kind, "text": text}
+    if kind == "output_text":
+        part["annotations"] = []
+    return {"type": "message", "id": given_id if isinstance(given_id, str) and given_id
+            else item_id("msg"), "role": role, "status": "completed", "content": [part]}
+
+
+def message_text(item: dict[str, Any]) -> str:
+    return "\n".join(p.get("text", p.get("refusal", "")) for p in item["content"])
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalised items (input or output) as ``/v1/chat/completions`` messages."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            out.append({"role": item["role"], "content": message_text(item)})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": item["output"]})
+    return out
+
+
+def output_items(content: str | None, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+    """A finished output as output items: its text as an assistant message (when there is text
+    or no call), then one function_call per call."""
+    items: list[dict[str, Any]] = []
+    if content or not calls:
+        items.append(_message("assistant", content or "", None))
+    items.extend(function_call_item(call) for call in calls)
+    return items
+
+
+def function_call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id("fc"), "call_id": item_id("call"),
+            "name": call.name, "arguments": call.arguments, "status": status}
+
+
+def size_of(obj: Any) -> int:
+    """Bytes of ``obj`` as compact JSON (what the response store counts)."""
+    return len(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))

@@ -1,0 +1,181 @@
+"""The response object of the Responses API, whole or as its stream of typed events.
+
+A response is ``completed``, or ``incomplete`` with ``incomplete_details.reason
+"max_output_tokens"`` when ``max_output_tokens`` cut it, or ``failed`` (streams only: the engine
+failed mid-way; a non-streamed failure is an HTTP error). ``output`` holds the model's text as
+one assistant ``message`` (when it wrote text, or made no call) and a ``function_call`` item per
+call, parsed as on ``/v1/chat/completions``. ``usage``: ``input_tokens`` (with
+``input_tokens_details.cached_tokens``, the prompt tokens the prefix cache served),
+``output_tokens``, ``total_tokens``.
+
+A stream is ``event: <type>`` / ``data: {json}`` pairs, each with a growing
+``sequence_number``, and no ``[DONE]``: ``response.created``, ``response.in_progress``; per
+message ``response.output_item.added``, ``response.content_part.added``,
+``response.output_text.delta``..., ``response.output_text.done``,
+``response.content_part.done``, ``response.output_item.done``; per call
+``response.output_item.added``, ``response.function_call_arguments.delta``,
+``response.function_call_arguments.done``, ``response.output_item.done``; then
+``response.completed`` (or ``response.incomplete``, or ``response.failed`` with the error).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestOutput
+from server.errors import APIError
+from server.responses.items import function_call_item, item_id, output_items
+from server.serving import usage_of
+from server.sse import dumps
+from server.tools.formats import ToolCallFormat
+from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls
+from server.tools.request import ToolSet
+
+
+def responses_usage(out: RequestOutput) -> dict[str, Any]:
+    u = usage_of([out])
+    return {"input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"]}
+
+
+@dataclass
+class ResponseDraft:
+    """What a response object repeats of its request, and how to finish it."""
+
+    id: str
+    model: str
+    echo: dict[str, Any]  # ResponsesRequest.echo()
+    store: bool
+    tools: ToolSet | None  # calls parsed out of the output; None: none expected
+    fmt: ToolCallFormat
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, status: str, output: list[dict[str, Any]], *,
+             usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
+             incomplete: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": status, "error": error, "incomplete_details": incomplete,
+                "model": self.model, "output": output, "usage": usage, "store": self.store,
+                **self.echo}
+
+    def finished(self, out: RequestOutput, output: list[dict[str, Any]]) -> dict[str, Any]:
+        cut = out.outputs[0].finish_reason == "length"
+        return self.body("incomplete" if cut else "completed", output,
+                         usage=responses_usage(out),
+                         incomplete={"reason": "max_output_tokens"} if cut else None)
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        """The whole response of a finished output."""
+        text = out.outputs[0].text
+        if self.tools is None:
+            return self.finished(out, output_items(text, ()))
+        parsed = parse_tool_calls(text, self.fmt, self.tools.names)
+        return self.finished(out, output_items(parsed.content, parsed.calls))
+
+
+class ResponseEvents:
+    """The event stream of one response; ``on_final`` gets the final response object (to
+    store it) before ``response.completed`` is sent."""
+
+    def __init__(self, draft: ResponseDraft,
+                 on_final: Callable[[dict[str, Any]], None]) -> None:
+        self.draft, self.on_final = draft, on_final
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.text: dict[str, Any] | None = None  # the open message item
+        self.sent = 0
+        tools = draft.tools
+        self.parser = StreamingToolParser(draft.fmt, tools.names) if tools is not None else None
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {dumps(body)}\n\n"
+
+    def opening(self) -> list[str]:
+        start = self.draft.body("in_progress", [])
+        return [self._event("response.created", response=start),
+                self._event("response.in_progress", response=start)]
+
+    def deltas(self, _: int, out: RequestOutput) -> Iterator[str]:
+        c = out.outputs[0]
+        new, self.sent = c.text[self.sent:], len(c.text)
+        if self.parser is None:
+            pieces: list[str | ToolCall] = [new] if new else []
+        else:
+            pieces = self.parser.feed(new)
+            if c.finish_reason is not None:
+                pieces += self.parser.finish()
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                yield from self._call(piece)
+            elif piece:
+                yield from self._text(piece)
+
+    def _open_text(self) -> Iterator[str]:
+        self.text = {"id": item_id("msg"), "index": len(self.items), "text": ""}
+        yield self._event("response.output_item.added", output_index=self.text["index"],
+                          item={"type": "message", "id": self.text["id"],
+                                "status": "in_progress", "role": "assistant", "content": []})
+        yield self._event("response.content_part.added", item_id=self.text["id"],
+                          output_index=self.text["index"], content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})
+
+    def _text(self, delta: str) -> Iterator[str]:
+        if self.text is None:
+            yield from self._open_text()
+        assert self.text is not None
+        self.text["text"] += delta
+        yield self._event("response.output_text.delta", item_id=self.text["id"],
+                          output_index=self.text["index"], content_index=0, delta=delta,
+                          logprobs=[])
+
+    def _close_text(self) -> Iterator[str]:
+        if self.text is None:
+            return
+        where = {"item_id": self.text["id"], "output_index": self.text["index"]}
+        part = {"type": "output_text", "text": self.text["text"], "annotations": []}
+        yield self._event("response.output_text.done", **where, content_index=0,
+                          text=self.text["text"], logprobs=[])
+        yield self._event("response.content_part.done", **where, content_index=0, part=part)
+        item = {"type": "message", "id": self.text["id"], "status": "completed",
+                "role": "assistant", "content": [part]}
+        yield self._event("response.output_item.done", output_index=self.text["index"],
+                          item=item)
+        self.items.append(item)
+        self.text = None
+
+    def _call(self, call: ToolCall) -> Iterator[str]:
+        yield from self._close_text()
+        item = function_call_item(call)
+        index = len(self.items)
+        yield self._event("response.output_item.added", output_index=index,
+                          item={**item, "arguments": "", "status": "in_progress"})
+        where = {"item_id": item["id"], "output_index": index}
+        yield self._event("response.function_call_arguments.delta", **where,
+                          delta=call.arguments)
+        yield self._event("response.function_call_arguments.done", **where, name=call.name,
+                          arguments=call.arguments)
+        yield self._event("response.output_item.done", output_index=index, item=item)
+        self.items.append(item)
+
+    def closing(self, finals: list[RequestOutput]) -> Iterator[str]:
+        if not self.items and self.text is None:
+            yield from self._open_text()  # no text and no call: still one (empty) message
+        yield from self._close_text()
+        final = self.draft.finished(finals[0], self.items)
+        self.on_final(final)
+        kind = "response.incomplete" if final["status"] == "incomplete" else \
+            "response.completed"
+        yield self._event(kind, response=final)
+
+    def failed(self, error: APIError) -> list[str]:
+        body = self.draft.body("failed", self.items, error={
+            "code": error.code or "server_error", "message": error.message})
+        return [self._event("response.failed", response=body)]
