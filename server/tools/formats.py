@@ -219,10 +219,8 @@ class MistralFormat(ToolCallFormat):
         if inner[:1] in ("[", "{"):
             obj = _json(inner)
             items = obj if isinstance(obj, list) else [obj]
-            calls = tuple(decode_call_object(item) for item in items)
-            if not calls or any(c is None for c in calls):
-                return None
-            return calls  # type: ignore[return-value]
+            calls = tuple(c for c in map(decode_call_object, items) if c is not None)
+            return calls if calls and len(calls) == len(items) else None
         at = self._v11_arguments(inner, 0)
         if at is None or at < 0:
             return None
