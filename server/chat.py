@@ -5,9 +5,11 @@ content deltas, ends each choice with its ``finish_reason``, then (with include_
 with empty choices and the usage, then ``[DONE]``.
 
 With tools (server/tools) and a tool_choice other than ``none``, the output is constrained to
-the tool-call format and parsed: ``message.tool_calls`` (``call_<hex>`` ids, arguments as JSON
-text), ``content`` the text before the first call (null if none), ``finish_reason``
-``"tool_calls"`` when the output has a call and ended by itself (``"length"`` stays). A stream
+the tool-call format and parsed: ``message.tool_calls`` (``call_<hex>`` ids, 9 letters and
+digits for mistral; arguments as JSON text), ``content`` the text before the first call (null if none), ``finish_reason``
+``"tool_calls"`` when the output has a call and ended by itself (``"length"`` stays). A format
+whose call marker is a special token (mistral's ``[TOOL_CALLS]``) decodes the output with
+special tokens kept, as vLLM does. A stream
 sends each finished call as two deltas, ``{"index", "id", "type", "function": {"name",
 "arguments": ""}}`` then ``{"index", "function": {"arguments": JSON}}``.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +139,8 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str
             from None
     if spec is not None:
         params = params.clone(structured=spec)
+        if ctx.tool_format.special_marker:  # the call marker is a special token: keep it
+            params = params.clone(skip_special_tokens=False)
     await check_constraint(ctx, params, xrid)
     expected = tools if tools is not None and tools.calls_expected else None
     return ChatPrompt(text, ids, params, expected)
@@ -184,8 +187,12 @@ class _ChatWriter:
         parsed = parse_tool_calls(c.text, self.ctx.tool_format, self.tools.names)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
-            message["tool_calls"] = [_call_json(call) for call in parsed.calls]
+            message["tool_calls"] = [self._call_json(call) for call in parsed.calls]
         return message, _finish(c.finish_reason, bool(parsed.calls))
+
+    def _call_json(self, call: ToolCall) -> dict[str, Any]:
+        return {"id": self.ctx.tool_format.call_id(), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         choices = []
@@ -226,7 +233,7 @@ class _ChatWriter:
                                    "finish_reason": None})
             sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
             for call in (e for e in events if isinstance(e, ToolCall)):
-                body = _call_json(call)
+                body = self._call_json(call)
                 head = {**body, "function": {"name": call.name, "arguments": ""}}
                 for part in ({"index": calls[i], **head},
                              {"index": calls[i], "function": {"arguments": call.arguments}}):
@@ -268,10 +275,6 @@ class _ChatWriter:
         return stream_events(self.ctx, raw, streams, self.xrid, deltas=deltas, closing=closing,
                              opening=opening)
 
-
-def _call_json(call: ToolCall) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _finish(reason: str | None, called: bool) -> str | None:

@@ -247,9 +247,9 @@ SERVER_OPTIONS = [
            "'documents' for the template): templates run on this server", boolean=True),
     Option("tool-call-parser", "tool_call_parser", "server", str,
            "the tool-call format to constrain and parse calls in: hermes (<tool_call> blocks: "
-           "Hermes, Qwen2.5, Qwen3, and kvserve's default for templates without tools) or "
-           "llama3_json (Llama 3.1+ JSON calls) (default: chosen from the chat template, "
-           "logged at start)", choices=TOOL_CALL_PARSERS, nullable=True),
+           "Hermes, Qwen2.5, Qwen3, and kvserve's default for templates without tools), "
+           "llama3_json (Llama 3.1+ JSON calls) or mistral ([TOOL_CALLS] calls) (default: "
+           "chosen from the chat template, logged at start)", choices=TOOL_CALL_PARSERS, nullable=True),
     Option("enable-auto-tool-choice", "enable_auto_tool_choice", "server", bool,
            "allow tool_choice 'auto' (the model chooses between text and calls; vLLM's flag, "
            "on here by default: --no-enable-auto-tool-choice refuses it)", boolean=True),

@@ -1,13 +1,21 @@
 """The constraint on a request's tool calls: xgrammar's structural tag for the format
-(``xgrammar.get_model_structural_tag``), as a ``StructuredSpec`` the engine compiles and caches
+(``xgrammar.get_model_structural_tag``; for mistral, which xgrammar has no tag for,
+``mistral_tag`` built the same way), as a ``StructuredSpec`` the engine compiles and caches
 like any other constraint.
 
-* ``auto``: free text until the format's trigger (``<tool_call>``, ``{"name": ``), then the
-  call, its arguments constrained to the tool's ``parameters`` schema; then free text again;
+* ``auto``: free text until the format's trigger (``<tool_call>``, ``{"name": ``,
+  ``[TOOL_CALLS]``), then the call, its arguments constrained to the tool's ``parameters``
+  schema; then free text again;
 * ``required``: as auto, with at least one call before the output may end;
 * a named function: exactly one call of that function;
 * ``parallel_tool_calls: false``: the output ends after the first call;
 * ``none``: no constraint.
+
+Mistral's calls are one ``[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]`` array (a space
+may follow the marker; calls are separated by ``", "``), which ends the output when it is
+required, named or the only call allowed; in the v11 form, ``[TOOL_CALLS]name[ARGS]{...}``
+per call, like hermes' blocks. ``required`` and a named function start with the marker (no
+text first).
 
 Inside the arguments at most ``MAX_WHITESPACE`` whitespace characters come in a row.
 
@@ -17,8 +25,10 @@ think tags may appear in the free text.
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.structured.spec import StructuredSpec
-from server.tools.formats import ToolCallFormat
+from server.tools.formats import MistralFormat, ToolCallFormat
 from server.tools.request import ToolSet
 
 # At most this many whitespace characters in a row inside the arguments: the call's JSON stays
@@ -32,6 +42,8 @@ def tool_call_spec(fmt: ToolCallFormat, tools: ToolSet) -> StructuredSpec | None
     ValueError (a 400) if xgrammar refuses the tools."""
     if not tools.calls_expected:
         return None
+    if isinstance(fmt, MistralFormat):
+        return StructuredSpec.structural_tag(mistral_tag(fmt, tools))
     import xgrammar as xgr
 
     if tools.choice == "named":
@@ -44,3 +56,37 @@ def tool_call_spec(fmt: ToolCallFormat, tools: ToolSet) -> StructuredSpec | None
                                        max_whitespace_cnt=MAX_WHITESPACE,
                                        parallel_tool_calls=tools.parallel)
     return StructuredSpec.structural_tag(tag)
+
+
+def mistral_tag(fmt: MistralFormat, tools: ToolSet) -> Any:
+    """The structural tag for mistral calls (see the module's docstring)."""
+    from xgrammar import structural_tag as st
+
+    marker = fmt.markers[0]
+    chosen = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
+    one = tools.choice == "named" or not tools.parallel
+
+    def arguments(tool: Any) -> Any:
+        return st.JSONSchemaFormat(json_schema=tool.parameters,
+                                   max_whitespace_cnt=MAX_WHITESPACE)
+
+    if fmt.v11:
+        calls = [st.TagFormat(begin=f"{marker}{t.name}{fmt.ARGS}", content=arguments(t), end="")
+                 for t in chosen]
+        if tools.choice == "named":
+            return st.StructuralTag(format=calls[0])
+        return st.StructuralTag(format=st.TriggeredTagsFormat(
+            triggers=[marker], tags=calls, at_least_one=tools.choice == "required",
+            stop_after_first=one))
+
+    objects = [st.TagFormat(begin=f'{{"name": "{t.name}", "arguments": ', content=arguments(t),
+                            end="}") for t in chosen]
+    array = st.TagFormat(begin=marker, content=st.SequenceFormat(elements=[
+        st.OptionalFormat(content=st.ConstStringFormat(value=" ")),
+        st.ConstStringFormat(value="["),
+        st.TagsWithSeparatorFormat(tags=objects, separator=", ", at_least_one=True,
+                                   stop_after_first=one)]), end="]")
+    if tools.choice in ("named", "required"):
+        return st.StructuralTag(format=array)
+    return st.StructuralTag(format=st.TriggeredTagsFormat(
+        triggers=[marker], tags=[array], stop_after_first=one))

@@ -5,7 +5,8 @@ The rules, for a format (``server.tools.formats``) and the request's tool names:
 
 * a call is a block opened by one of the format's markers that decodes to a known function
   name and an arguments object; a block cut short by the end of the output still counts when
-  what it holds is complete JSON;
+  what it holds is complete JSON; a block may hold several calls (mistral's JSON array), which
+  count only if all of them do;
 * a block that is not a call (malformed JSON, an unknown name) is plain text;
 * ``content`` is the text before the first call, its trailing whitespace dropped (None when
   nothing is left); text after the first call that is not a call is dropped;
@@ -88,20 +89,21 @@ class StreamingToolParser:
                 break
             block = buf[at:] if end is None else buf[at:at + end]
             self._buf = buf[at + len(block):]
-            call = self._call(block)
-            if call is None:
+            calls = self._calls(block)
+            if not calls:
                 self._text(block, out)
             else:
                 self._ws = ""
                 self.called = True
-                out.append(call)
+                out.extend(calls)
         return out
 
-    def _call(self, block: str) -> ToolCall | None:
-        decoded = self.fmt.decode_block(block)
-        if decoded is None or decoded.name not in self.names:
-            return None
-        return ToolCall(decoded.name, json.dumps(decoded.arguments, ensure_ascii=False))
+    def _calls(self, block: str) -> list[ToolCall]:
+        """The block's calls; none unless every call in it names a known function."""
+        decoded = self.fmt.decode_calls(block)
+        if not decoded or any(d.name not in self.names for d in decoded):
+            return []
+        return [ToolCall(d.name, json.dumps(d.arguments, ensure_ascii=False)) for d in decoded]
 
 
 def _first_marker(text: str, markers: tuple[str, ...]) -> int:

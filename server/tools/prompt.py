@@ -4,7 +4,8 @@ A template that references ``tools`` renders them itself (HF ``apply_chat_templa
 it gets ``tools=[...]`` (OpenAI's function-tool objects), assistant messages with
 ``tool_calls`` (``function.arguments`` as a dict where the JSON string holds an object, as HF
 templates expect; ``content`` "" when null) and ``tool`` messages with ``tool_call_id``,
-``name`` (the called function) and ``content``.
+``name`` (the called function) and ``content``. Call ids reach the template as the format
+writes them (mistral's: 9 letters and digits, which its templates insist on).
 
 A template that does not (the embedded SmolLM2's ChatML) gets kvserve's default tool prompt,
 all in plain messages:
@@ -12,7 +13,9 @@ all in plain messages:
 * a system preamble, ``DEFAULT_PREAMBLE``: the tools as JSON lines inside ``<tools></tools>``
   and how to call one: for ``hermes`` a ``<tool_call>\\n{"name": ..., "arguments": ...}\\n
   </tool_call>`` block per call, for ``llama3_json`` a bare ``{"name": ..., "parameters":
-  ...}`` object; appended to the first system message, or a system message of its own first;
+  ...}`` object, for ``mistral`` ``[TOOL_CALLS]`` and a JSON array of ``{"name": ...,
+  "arguments": ...}`` calls (``[TOOL_CALLS]name[ARGS]{...}`` per call in its v11 form);
+  appended to the first system message, or a system message of its own first;
 * an assistant message's calls written into its content the same way, after its text;
 * ``tool`` messages as a user turn of ``<tool_response>\\n...\\n</tool_response>`` blocks
   (consecutive results in one turn).
@@ -24,7 +27,7 @@ import json
 import re
 from typing import Any
 
-from server.tools.formats import ToolCallFormat
+from server.tools.formats import MistralFormat, ToolCallFormat
 
 DEFAULT_PREAMBLE = """# Tools
 
@@ -39,6 +42,10 @@ _HOW_BLOCK = ("To call a function, reply with one block per call, each holding a
               "with the function's name and its arguments:\n{example}")
 _HOW_JSON = ("To call a function, reply with only a JSON object with the function's name and "
              "its arguments:\n{example}")
+_HOW_MISTRAL = ("To call functions, reply with [TOOL_CALLS] and a JSON array of the calls, each "
+                "an object with the function's name and its arguments:\n{example}")
+_HOW_MISTRAL_V11 = ("To call a function, reply with [TOOL_CALLS], the function's name, [ARGS] and "
+                    "its arguments object, once per call:\n{example}")
 _TOOLS_VAR = re.compile(r"\btools\b")
 
 
@@ -62,7 +69,7 @@ def tool_conversation(conversation: list[dict[str, Any]], tools: list[dict[str, 
     ``server.protocol.conversation`` and the request's tools (None: none), rendered by the
     template itself (``native``) or by kvserve's default (see the module's docstring)."""
     if native:
-        return _native(conversation), ({"tools": tools} if tools else {})
+        return _native(conversation, fmt), ({"tools": tools} if tools else {})
     return _default(conversation, tools, fmt), {}
 
 
@@ -79,18 +86,20 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _native(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _native(conversation: list[dict[str, Any]], fmt: ToolCallFormat) -> list[dict[str, Any]]:
     names = _call_names(conversation)
     out = []
     for m in conversation:
         m = dict(m)
         if m.get("tool_calls"):
             m["content"] = m.get("content") or ""
-            m["tool_calls"] = [{**c, "function": {
+            m["tool_calls"] = [{**c, "id": fmt.template_call_id(c["id"]), "function": {
                 "name": c["function"]["name"],
                 "arguments": _arguments(c["function"]["arguments"])}} for c in m["tool_calls"]]
         if m["role"] == "tool":
             m.setdefault("name", names.get(m.get("tool_call_id", ""), ""))
+            if "tool_call_id" in m:
+                m["tool_call_id"] = fmt.template_call_id(m["tool_call_id"])
         out.append(m)
     return out
 
@@ -100,7 +109,11 @@ def default_preamble(tools: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
     example = fmt.render_call("<function-name>", "<arguments-object>").replace(
         '"<function-name>"', "<function-name>").replace('"<arguments-object>"',
                                                         "<arguments-object>")
-    how = (_HOW_JSON if fmt.end_marker is None else _HOW_BLOCK).format(example=example)
+    if isinstance(fmt, MistralFormat):
+        how = _HOW_MISTRAL_V11 if fmt.v11 else _HOW_MISTRAL
+    else:
+        how = _HOW_JSON if fmt.end_marker is None else _HOW_BLOCK
+    how = how.format(example=example)
     return DEFAULT_PREAMBLE.format(tools=listed, how=how)
 
 
@@ -117,9 +130,9 @@ def _default(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | N
                 out.append({"role": "user", "content": block, "_tool_results": True})
             continue
         if m.get("tool_calls"):
-            calls = "\n".join(fmt.render_call(c["function"]["name"],
-                                              _arguments(c["function"]["arguments"]))
-                              for c in m["tool_calls"])
+            calls = fmt.render_calls([(c["function"]["name"],
+                                       _arguments(c["function"]["arguments"]))
+                                      for c in m["tool_calls"]])
             content = f"{content}\n{calls}" if content else calls
         out.append({"role": role, "content": content})
     for m in out:

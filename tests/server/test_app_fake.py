@@ -257,3 +257,38 @@ def test_several_calls_and_several_choices_stream_apart(scripted_server):
             finish[ch.index] = ch.finish_reason or finish.get(ch.index)
     assert calls == {(i, j): f'{{"a": {j + 1}}}' for i in range(2) for j in range(2)}
     assert finish == {0: "tool_calls", 1: "tool_calls"}
+
+
+def test_mistral_calls_in_one_array_with_mistral_ids():
+    """--tool-call-parser mistral: one [TOOL_CALLS] array of two calls is two calls with ids of
+    9 letters and digits; streamed, nothing of the array reaches the content; the output is
+    decoded with special tokens kept ([TOOL_CALLS] is one)."""
+    core = FakeCore(max_model_len=4096)
+    core.script = ('Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+                   '{"name": "add", "arguments": {"a": 2}}]#')
+    seen = []
+    add_request = core.add_request
+
+    def recording(rid, ids, params, **kw):
+        seen.append(params)
+        return add_request(rid, ids, params, **kw)
+
+    core.add_request = recording
+    app = build_app(AsyncEngine(core=core), ServerSettings(tool_call_parser="mistral"))
+    with ServerThread(app) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        args = dict(model="fake-model", messages=[{"role": "user", "content": "add"}],
+                    tools=[TOOL], stop=["#"], max_tokens=200)
+        choice = client.chat.completions.create(**args).choices[0]
+        assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+        assert [c.function.arguments for c in choice.message.tool_calls] == ['{"a": 1}',
+                                                                             '{"a": 2}']
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
+        assert seen[-1].skip_special_tokens is False
+        chunks = list(client.chat.completions.create(**args, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure."
+        parts = [p for c in chunks for p in c.choices[0].delta.tool_calls or ()]
+        assert [p.index for p in parts] == [0, 0, 1, 1]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        client.chat.completions.create(**args, tool_choice="none")
+        assert seen[-1].skip_special_tokens is True  # no calls expected: as asked

@@ -238,5 +238,7 @@ def test_tool_calling_flags_and_keys(tmp_path):
     f = _write(tmp_path, "tool-call-parser: hermes\nenable-auto-tool-choice: false\n")
     _, s = resolve({}, f)
     assert (s.tool_call_parser, s.enable_auto_tool_choice) == ("hermes", False)
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        resolve({}, _write(tmp_path, "tool-call-parser: mistral\n"))
+    _, s = _parse("--tool-call-parser", "mistral")
+    assert s.tool_call_parser == "mistral"
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        resolve({}, _write(tmp_path, "tool-call-parser: pythonic\n"))

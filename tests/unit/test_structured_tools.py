@@ -1,7 +1,8 @@
 """Tool-call constraints (server.tools.constraint -> engine.structured ``structural_tag``) on
 xgrammar and the tiny byte vocabulary: auto lets text through and constrains the call once its
 trigger is written, required forces a call, a named tool_choice forces that function,
-parallel_tool_calls false ends the output after one call; the llama3_json format likewise."""
+parallel_tool_calls false ends the output after one call; the llama3_json format likewise, and
+mistral's (kvserve's own tag: a [TOOL_CALLS] array of calls, or v11's name[ARGS]{...})."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from engine.structured.spec import StructuredSpec
 from server.tools.constraint import tool_call_spec
-from server.tools.formats import HERMES, LLAMA3_JSON
+from server.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11
 from server.tools.request import read_tool_set
 from tests.unit.byte_grammar import EOS, allowed
 
@@ -81,6 +82,56 @@ def test_llama3_json_format(tok, backend):
     m = matcher(backend, fmt=LLAMA3_JSON, choice="required")
     assert feed(tok, m, json.dumps({"name": "add", "parameters": {"a": 1, "b": 2}}))
     assert EOS in allowed(backend, m)
+
+
+MISTRAL_CALLS = MISTRAL.render_calls([("add", {"a": 1, "b": 2}), ("echo", {"text": "hi"})])
+
+
+def test_mistral_auto_lets_text_through_and_constrains_the_array(tok, backend):
+    m = matcher(backend, fmt=MISTRAL, choice="auto")
+    assert EOS in allowed(backend, m)
+    assert feed(tok, m, "Let me add that. [TOOL_CALLS] [")
+    assert allowed(backend, m) == set(tok.encode("{", add_special_tokens=False))
+    assert feed(tok, m, '{"name": "')
+    assert allowed(backend, m) == set(tok.encode("ae", add_special_tokens=False))
+    assert feed(tok, m, 'add", "arguments": {"a": ')
+    assert not feed(tok, m, '"')  # an integer, not a string
+    m = matcher(backend, fmt=MISTRAL, choice="auto")
+    assert feed(tok, m, "ok " + MISTRAL_CALLS)  # several calls in one array
+    assert m.accept(EOS)
+    m = matcher(backend, fmt=MISTRAL, choice="auto")
+    assert not feed(tok, m, '[TOOL_CALLS][{"name": "echo", "arguments": {"text": "too long!"}}]')
+
+
+def test_mistral_required_named_and_parallel_false(tok, backend):
+    m = matcher(backend, fmt=MISTRAL, choice="required")
+    assert allowed(backend, m) == set(tok.encode("[", add_special_tokens=False))
+    assert not feed(tok, m, "Sure")
+    m = matcher(backend, fmt=MISTRAL, choice="required")
+    assert feed(tok, m, MISTRAL_CALLS)
+    assert allowed(backend, m) == {EOS}
+    named = matcher(backend, fmt=MISTRAL, choice={"type": "function", "function": {"name": "echo"}})
+    assert feed(tok, named, '[TOOL_CALLS][{"name": "')
+    assert allowed(backend, named) == set(tok.encode("e", add_special_tokens=False))
+    assert feed(tok, named, 'echo", "arguments": {"text": "hi"}}')
+    assert allowed(backend, named) == set(tok.encode("]", add_special_tokens=False))
+    one = matcher(backend, fmt=MISTRAL, choice="auto", parallel=False)
+    assert feed(tok, one, 'x [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert allowed(backend, one) == set(tok.encode("]", add_special_tokens=False))
+    assert feed(tok, one, "]") and allowed(backend, one) == {EOS}
+
+
+def test_mistral_v11_form(tok, backend):
+    m = matcher(backend, fmt=MISTRAL_V11, choice="required")
+    assert feed(tok, m, MISTRAL_V11.render_calls([("add", {"a": 1, "b": 2}),
+                                                  ("echo", {"text": "hi"})]))
+    assert EOS in allowed(backend, m)
+    m = matcher(backend, fmt=MISTRAL_V11, choice="required")
+    assert not feed(tok, m, '[TOOL_CALLS]add[ARGS]{"a": "1"')
+    named = matcher(backend, fmt=MISTRAL_V11, choice={"type": "function", "function": {
+        "name": "echo"}})
+    assert feed(tok, named, '[TOOL_CALLS]echo[ARGS]{"text": "hi"}')
+    assert allowed(backend, named) == {EOS}
 
 
 def test_arguments_follow_the_declared_property_order(tok, backend):

@@ -1,6 +1,7 @@
 """server.tools.parser and server.tools.formats: per format, complete output, output cut short,
 the same text streamed character by character (identical result, no marker text in the
-content), malformed or unknown-name output as plain text, several calls in one message."""
+content), malformed or unknown-name output as plain text, several calls in one message (for
+mistral, several in one [TOOL_CALLS] array, and its v11 name[ARGS]{...} form)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from server.tools.formats import HERMES, LLAMA3_JSON, choose_format
+from server.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, choose_format
 from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls
 
 NAMES = {"get_weather", "add"}
@@ -58,6 +59,31 @@ CASES = [
     (LLAMA3_JSON, "<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
     (LLAMA3_JSON, '<|python_tag|> {"name": "add", "parameters": {"a": 1}}', None,
      [("add", {"a": 1})]),
+    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
+     [("get_weather", {"city": "Paris"})]),
+    (MISTRAL, 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "[x]"}}, '
+     '{"name": "add", "arguments": {"a": 1, "b": 2}, "id": "abc123def"}]</s>', "Let me check.",
+     [("get_weather", {"city": "[x]"}), ("add", {"a": 1, "b": 2})]),
+    (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": "{\\"a\\": 1}"}] trailing', None,
+     [("add", {"a": 1})]),
+    (MISTRAL, '[TOOL_CALLS]{"name": "add", "arguments": {"a": 1}}', None, [("add", {"a": 1})]),
+    (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "nope", '
+     '"arguments": {}}]', '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "nope", '
+     '"arguments": {}}]', []),  # an unknown name: the whole array is text
+    (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}', '[TOOL_CALLS][{"name": '
+     '"add", "arguments": {"a": 1}', []),  # cut short: not complete JSON
+    (MISTRAL, "[TOOL_CALLS][not json]", "[TOOL_CALLS][not json]", []),
+    (MISTRAL, "[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+    (MISTRAL, "a [TOOL]  list [1, 2] and [TOOL_CALLS] what", "a [TOOL]  list [1, 2] and "
+     "[TOOL_CALLS] what", []),
+    (MISTRAL, 'x [TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+     "x", [("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]),
+    (MISTRAL, '[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": 2}', None, [("add", {"a": 2})]),
+    (MISTRAL, '[TOOL_CALLS]add{"a": 3}', None, [("add", {"a": 3})]),
+    (MISTRAL, '[TOOL_CALLS]add[ARGS]{"a": ', '[TOOL_CALLS]add[ARGS]{"a": ', []),
+    (MISTRAL, '[TOOL_CALLS]nope[ARGS]{"a": 1}', '[TOOL_CALLS]nope[ARGS]{"a": 1}', []),
+    (MISTRAL_V11, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 4}}]', None,
+     [("add", {"a": 4})]),
 ]
 
 
@@ -101,12 +127,52 @@ def test_arguments_keep_unicode_and_arguments_as_a_json_string_are_accepted():
     ("plain ChatML", None, "hermes"),
     (None, None, "hermes"),
     ("{{ '<tool_call>' }}", "llama3_json", "llama3_json"),
+    ("{{ '[TOOL_CALLS] [' }}{{ tool_call.function.parameters }}", None, "mistral"),
+    (None, "mistral", "mistral"),
 ])
 def test_choose_format(template, given, expected):
     fmt, why = choose_format(template, given)
     assert fmt.name == expected and why
 
 
+def test_choose_format_picks_mistrals_v11_form_from_the_template():
+    assert choose_format("{{ '[TOOL_CALLS] [' }}")[0] is MISTRAL
+    fmt, why = choose_format("{{ '[TOOL_CALLS]' + name + '[ARGS]' + args }}")
+    assert fmt is MISTRAL_V11 and "[ARGS]" in why
+    assert choose_format("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}", "mistral")[0] is MISTRAL_V11
+    assert choose_format("[TOOL_CALLS]", "hermes")[0] is HERMES
+
+
+def test_mistral_streams_nothing_of_the_array_into_the_content():
+    p = StreamingToolParser(MISTRAL, NAMES)
+    assert p.feed("Checking") == ["Checking"]
+    assert p.feed(" [TOOL") == []  # could be the marker: held (the space too)
+    assert p.feed('_CALLS] [{"name": "add", "arguments": {"a": [1, "]"]}}, ') == []
+    assert p.feed('{"name": "add", "arguments": {"a": 2}}') == []
+    assert p.feed("]") == [ToolCall("add", '{"a": [1, "]"]}'), ToolCall("add", '{"a": 2}')]
+    assert p.finish() == []
+    p = StreamingToolParser(MISTRAL, NAMES)
+    assert p.feed("[TOOLS] x") == ["[TOOLS] x"]
+
+
+def test_mistral_renders_calls_and_gives_mistral_ids():
+    calls = [("add", {"a": 1}), ("get_weather", {"city": "Paris"})]
+    text = MISTRAL.render_calls(calls)
+    assert text == ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+                    '{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    assert MISTRAL_V11.render_calls(calls) == ('[TOOL_CALLS]add[ARGS]{"a": 1}'
+                                               '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}')
+    for fmt in (MISTRAL, MISTRAL_V11):
+        out = parse_tool_calls(fmt.render_calls(calls), fmt, NAMES)
+        assert [(c.name, json.loads(c.arguments)) for c in out.calls] == calls
+    ident = MISTRAL.call_id()
+    assert len(ident) == 9 and ident.isalnum() and HERMES.call_id().startswith("call_")
+    assert MISTRAL.template_call_id("call_0123456789abcdef") == "789abcdef"
+    assert MISTRAL.template_call_id("call_1") == "00000call1"[-9:]
+    assert MISTRAL.template_call_id("abc123XYZ") == "abc123XYZ"
+    assert HERMES.template_call_id("call_1") == "call_1"
+
+
 def test_choose_format_refuses_an_unknown_parser():
-    with pytest.raises(ValueError, match="hermes"):
-        choose_format(None, "mistral")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        choose_format(None, "pythonic")
