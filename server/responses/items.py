@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from server.field_error import FieldError
@@ -137,19 +138,21 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def output_items(content: str | None, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+def output_items(content: str | None, calls: tuple[ToolCall, ...], call_id: Callable[[], str]
+                 ) -> list[dict[str, Any]]:
     """A finished output as output items: its text as an assistant message (when there is text
-    or no call), then one function_call per call."""
+    or no call), then one function_call per call (``call_id`` makes each call's id: the tool
+    format's, as some chat templates accept only their own)."""
     items: list[dict[str, Any]] = []
     if content or not calls:
         items.append(_message("assistant", content or "", None))
-    items.extend(function_call_item(call) for call in calls)
+    items.extend(function_call_item(call, call_id()) for call in calls)
     return items
 
 
-def function_call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id("fc"), "call_id": item_id("call"),
-            "name": call.name, "arguments": call.arguments, "status": status}
+def function_call_item(call: ToolCall, call_id: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id("fc"), "call_id": call_id,
+            "name": call.name, "arguments": call.arguments, "status": "completed"}
 
 
 def size_of(obj: Any) -> int:

@@ -74,9 +74,9 @@ class ResponseDraft:
         """The whole response of a finished output."""
         text = out.outputs[0].text
         if self.tools is None:
-            return self.finished(out, output_items(text, ()))
+            return self.finished(out, output_items(text, (), self.fmt.call_id))
         parsed = parse_tool_calls(text, self.fmt, self.tools.names)
-        return self.finished(out, output_items(parsed.content, parsed.calls))
+        return self.finished(out, output_items(parsed.content, parsed.calls, self.fmt.call_id))
 
 
 class ResponseEvents:
@@ -153,7 +153,7 @@ class ResponseEvents:
 
     def _call(self, call: ToolCall) -> Iterator[str]:
         yield from self._close_text()
-        item = function_call_item(call)
+        item = function_call_item(call, self.draft.fmt.call_id())
         index = len(self.items)
         yield self._event("response.output_item.added", output_index=index,
                           item={**item, "arguments": "", "status": "in_progress"})
