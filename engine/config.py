@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.spec_decode.config import SpeculativeConfig
+from engine.structured.config import StructuredOutputsConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -135,6 +136,9 @@ class EngineConfig:
     # vLLM's speculative_config: a dict, its JSON text or a SpeculativeConfig (None: off);
     # normalised to a SpeculativeConfig (engine.spec_decode.config) at construction.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's structured_outputs_config ({"backend": "auto" | "xgrammar" | "llguidance"}): a
+    # dict, its JSON text or a StructuredOutputsConfig (engine.structured.config).
+    structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
     # Tensor parallelism (engine/distributed/): ranks holding 1/N of the weights each; across
     # hosts, nnodes hosts of tensor_parallel_size / nnodes ranks each, meeting at
     # distributed_init_method (tcp://HOST:PORT; None: MASTER_ADDR/MASTER_PORT, else a free
@@ -205,6 +209,8 @@ class EngineConfig:
         self._check_parallel()
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_value(self.speculative_config))
+        object.__setattr__(self, "structured_outputs_config",
+                           StructuredOutputsConfig.from_value(self.structured_outputs_config))
         if self.kv_eviction is not None:
             self.eviction_spec()  # the format; sizes are checked against the model at start
             if self.speculative_config is not None:

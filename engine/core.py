@@ -123,7 +123,8 @@ class EngineCore:
         self.token_text = token_text_fn(self.tokenizer)
         # Constrained decoding; requests whose grammar is still compiling wait here, outside
         # the scheduler, while the others run.
-        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            config.structured_outputs_config.backend)
         self._awaiting_grammar: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()

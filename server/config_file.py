@@ -209,6 +209,11 @@ ENGINE_OPTIONS = [
            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; '
            '"disable_by_batch_size": N turns it off in steps with more than N decoding '
            'sequences (null: never)', nullable=True),
+    Option("structured-outputs-config", "structured_outputs_config", "engine", _json_object,
+           'structured outputs as a JSON object (vLLM\'s format): \'{"backend": "auto"}\' '
+           "serves each constraint with the grammar library measured faster for it (xgrammar "
+           "or llguidance); \"xgrammar\" or \"llguidance\" (\"guidance\") forces one",
+           nullable=True),
     Option("tensor-parallel-size", "tensor_parallel_size", "engine", int,
            "ranks that each hold 1/N of the weights (torch.distributed: gloo on CPUs, NCCL on "
            "GPUs); on one host kvserve spawns ranks 1..N-1 itself"),

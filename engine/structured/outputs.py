@@ -1,7 +1,8 @@
 """``StructuredOutputs``: the engine's structured-output state, one per ``EngineCore``.
 
-It owns the backend (built on first use: a request that never asks for a constraint never
-pays for xgrammar's tokenizer tables) and the compile cache, and counts the constrained rows
+It owns the backend (engine.structured.routing: xgrammar and llguidance, each constraint
+served by the library measured faster for it; built on first use: a request that never asks for
+a constraint never pays for the libraries' tokenizer tables) and the compile cache, and counts the constrained rows
 sampled. ``compile`` and ``submit`` may be called from any thread (the server pre-compiles a
 request's constraint on a worker thread, so a constraint that does not compile is a 400 before
 anything is queued); masking and the matchers belong to the engine thread, which may hand a
@@ -40,8 +41,10 @@ class PendingMask:
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
+                 backend: str = "auto") -> None:
         self._tokenizer = tokenizer
+        self._policy = backend  # engine.structured.routing
         self._vocab_size = vocab_size
         self._stop = frozenset(stop_token_ids)
         self._lock = threading.Lock()
@@ -64,9 +67,10 @@ class StructuredOutputs:
     def _ensure(self) -> GrammarCache:
         with self._lock:
             if self._cache is None:
-                from engine.structured.xgrammar_backend import XGrammarBackend
+                from engine.structured.routing import RoutingBackend
 
-                self._backend = XGrammarBackend(self._tokenizer, self._vocab_size, self._stop)
+                self._backend = RoutingBackend(self._tokenizer, self._vocab_size, self._stop,
+                                               self._policy)
                 self._cache = GrammarCache(self._backend)
             return self._cache
 

@@ -108,7 +108,7 @@ class XGrammarBackend:
         us for one row, 0.31 vs 1.62 ms for 8 rows of 16; AMD EPYC, AVX-512). Other devices:
         xgrammar's own kernel."""
         if logits.device.type == "cpu" and bitmask.device.type == "cpu":
-            _apply_on_cpu(logits, bitmask, rows, min(logits.shape[-1], self.vocab_size))
+            apply_bitmask_on_cpu(logits, bitmask, rows, min(logits.shape[-1], self.vocab_size))
             return
         if bitmask.device != logits.device:
             bitmask = bitmask.to(logits.device, non_blocking=True)
@@ -116,7 +116,7 @@ class XGrammarBackend:
                                         indices=list(rows))
 
 
-def _apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int],
+def apply_bitmask_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int],
                   width: int) -> None:
     """Bit ``t`` of row ``r`` clear (little-endian int32 words, xgrammar's layout): logit
     ``[r, t]`` to -inf, for ``t < width``."""

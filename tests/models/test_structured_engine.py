@@ -1,7 +1,8 @@
 """Constrained decoding through the engine, on a tiny random Llama (byte-level vocabulary):
 greedy under a grammar equals greedy over the masked HF logits; n > 1, stop strings, max_tokens
 mid-object, a recompute preemption mid-object, and batches mixing constrained and free rows
-(with speculative decoding: test_structured_spec_decode)."""
+(with speculative decoding: test_structured_spec_decode); the greedy case on either grammar
+library."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.loading.hf_reference import load_hf
 from engine.loading.tiny import VOCAB, make_tiny_model_dir
+from engine.structured.llguidance_backend import LLGuidanceBackend
 from engine.structured.spec import StructuredSpec
 from engine.structured.xgrammar_backend import XGrammarBackend
 
@@ -58,17 +60,30 @@ def reference_greedy(hf, backend, spec: StructuredSpec, prompt: list[int],
     return out
 
 
+@pytest.fixture(scope="module")
+def llm_guidance(model_dir):
+    """The engine with every constraint it can on llguidance."""
+    return LLM(str(model_dir), dtype="float32", block_size=4, kv_cache_memory="8MiB",
+               structured_outputs_config={"backend": "llguidance"})
+
+
+@pytest.mark.parametrize("lib", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("spec", [
     StructuredSpec.json_schema(SCHEMA),
     StructuredSpec.text("regex", r"[a-f]{2,5}-[0-9]{1,3}"),
     StructuredSpec.choice(["alpha", "beta", "gamma"]),
 ], ids=["json", "regex", "choice"])
-def test_greedy_under_a_constraint_equals_greedy_over_masked_hf_logits(llm, model_dir, spec):
+def test_greedy_under_a_constraint_equals_greedy_over_masked_hf_logits(request, model_dir, spec,
+                                                                      lib):
+    llm = request.getfixturevalue("llm" if lib == "xgrammar" else "llm_guidance")
     hf = load_hf(model_dir)
-    backend = XGrammarBackend(llm.engine.tokenizer, VOCAB, [EOS])
+    backend = (XGrammarBackend if lib == "xgrammar" else LLGuidanceBackend)(
+        llm.engine.tokenizer, VOCAB, [EOS])
     want = reference_greedy(hf, backend, spec, PROMPT, 60)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=60,
                                                 structured=spec))[0].outputs[0]
+    if lib == "llguidance":  # forced; the other engine chooses per constraint by measurement
+        assert set(llm.engine.structured.backend.chosen) == {"llguidance"}
     assert out.token_ids == want
     assert out.finish_reason == ("stop" if want[-1] == EOS else "length")
 

@@ -1,0 +1,50 @@
+"""``StructuredOutputsConfig``: vLLM's ``structured_outputs_config``, as far as kvserve has it.
+
+``backend``: ``auto`` (each constraint served by the library measured faster for it:
+engine.structured.routing), ``xgrammar``, or ``llguidance`` (vLLM calls it ``guidance``; both
+names are taken). Given as a dict, its JSON text, or an instance; unknown keys are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("auto", "xgrammar", "llguidance")
+_ALIASES = {"guidance": "llguidance"}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        backend = _ALIASES.get(self.backend, self.backend)
+        if backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of "
+                             f"{', '.join(BACKENDS)} (or guidance); got {self.backend!r}")
+        object.__setattr__(self, "backend", backend)
+
+    @classmethod
+    def from_value(cls, value: Any) -> StructuredOutputsConfig:
+        """Normalise any accepted form; None is the default."""
+        if value is None:
+            return cls()
+        if isinstance(value, StructuredOutputsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {exc.msg} "
+                                 f"(e.g. '{{\"backend\": \"xgrammar\"}}')") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object; got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs_config key(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**value)
