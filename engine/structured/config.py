@@ -27,6 +27,10 @@ class StructuredOutputsConfig:
                              f"{', '.join(BACKENDS)} (or guidance); got {self.backend!r}")
         object.__setattr__(self, "backend", backend)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object this config reads back from."""
+        return dataclasses.asdict(self)
+
     @classmethod
     def from_value(cls, value: Any) -> StructuredOutputsConfig:
         """Normalise any accepted form; None is the default."""
