@@ -16,7 +16,7 @@
 //   has q_norm/k_norm); K/V rows stored into the pool slots; attn = paged decode over the pool;
 //   x = L_down(silu_mul(L_gate_up(add_rms_norm_(L_o(attn), residual))))
 // and after the last layer the final norm: add_rms_norm_(x, residual).
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <optional>
 #include <vector>
@@ -26,8 +26,8 @@
 
 namespace kvserve_stack {
 
-StackLinear::StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Tensor> d,
-                         std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias,
+StackLinear::StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d,
+                         std::optional<at::Tensor> m, std::optional<at::Tensor> bias,
                          int64_t out_features, int64_t tiles_from)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
       out_features(out_features), tiles_from(tiles_from) {
@@ -47,14 +47,14 @@ StackLinear::StackLinear(std::vector<StackLinear> parts)
   }
 }
 
-torch::Tensor StackLinear::operator()(const torch::Tensor& x) const {
-  torch::Tensor y;
+at::Tensor StackLinear::operator()(const at::Tensor& x) const {
+  at::Tensor y;
   switch (kind) {
     case kConcat: {  // as QuantConcat.forward: torch.cat of the parts' outputs
-      std::vector<torch::Tensor> outs;
+      std::vector<at::Tensor> outs;
       outs.reserve(parts.size());
       for (const auto& p : parts) outs.push_back(p(x));
-      return torch::cat(outs, -1);
+      return at::cat(outs, -1);
     }
     case kFloat:
       return at::linear(x, w, bias);
@@ -86,14 +86,14 @@ namespace {
 // K or V rows [T, KVH, D] as int8 pool rows [T, KVH, D + 2]: engine/kv_cache/kv_quant.py
 // quantize_rows, op for op (the same ATen kernels, so the same bytes): a float16 scale
 // amax/127 (at least floor) and round-half-away values in -127..127, the scale's bytes last.
-torch::Tensor int8_rows(const torch::Tensor& x, double floor) {
-  const torch::Tensor xf = x.to(torch::kFloat32);
-  const torch::Tensor s = xf.abs().amax({-1}, true).div(127.0).clamp_min_(floor);
-  const torch::Tensor s16 = s.to(torch::kFloat16);
-  const torch::Tensor y = xf / s16.to(torch::kFloat32);
-  const torch::Tensor q =
-      y.abs().add(0.5).floor_().mul_(y.sign()).clamp_(-127, 127).to(torch::kInt8);
-  return torch::cat({q, s16.view(torch::kInt8)}, -1);
+at::Tensor int8_rows(const at::Tensor& x, double floor) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor s = xf.abs().amax({-1}, true).div(127.0).clamp_min_(floor);
+  const at::Tensor s16 = s.to(at::kHalf);
+  const at::Tensor y = xf / s16.to(at::kFloat);
+  const at::Tensor q =
+      y.abs().add(0.5).floor_().mul_(y.sign()).clamp_(-127, 127).to(at::kChar);
+  return at::cat({q, s16.view(at::kChar)}, -1);
 }
 
 }  // namespace
@@ -110,13 +110,13 @@ void DecodeStack::add_layer(StackLayer layer) {
   layers_.push_back(std::move(layer));
 }
 
-void DecodeStack::set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+void DecodeStack::set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                                 double int8_scale_floor) {
   TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size() && !k.empty(),
               "DecodeStack: one K and one V pool per layer");
   const auto dtype = k[0].scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat16 ||
-                  dtype == torch::kBFloat16 || dtype == torch::kInt8,
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf ||
+                  dtype == at::kBFloat16 || dtype == at::kChar,
               "DecodeStack: float32, float16, bfloat16 or int8 KV pools only");
   for (size_t i = 0; i < k.size(); i++) {
     TORCH_CHECK(k[i].scalar_type() == dtype && v[i].scalar_type() == dtype,
@@ -124,45 +124,45 @@ void DecodeStack::set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch:
   }
   k_caches_ = std::move(k);
   v_caches_ = std::move(v);
-  int8_ = dtype == torch::kInt8;
+  int8_ = dtype == at::kChar;
   pool_dtype_ = dtype;
   int8_floor_ = int8_scale_floor;
 }
 
-torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                   torch::Tensor slots, torch::Tensor block_tables,
-                                   torch::Tensor seq_lens, torch::Tensor final_norm,
+at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                   at::Tensor slots, at::Tensor block_tables,
+                                   at::Tensor seq_lens, at::Tensor final_norm,
                                    double final_eps) {
   TORCH_CHECK(!layers_.empty() && k_caches_.size() == layers_.size(),
               "DecodeStack: layers and KV pools must be set before forward");
   const int64_t t = x.size(0);
-  torch::Tensor residual;
+  at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); i++) {
     const StackLayer& L = layers_[i];
     const int64_t H = L.num_heads, KVH = L.num_kv_heads, D = L.head_dim;
     const int64_t q_size = H * D, kv_size = KVH * D;
-    torch::Tensor h;
+    at::Tensor h;
     if (i == 0) {
       residual = x;
       h = rms_norm(x, L.input_norm, L.eps);
     } else {
       h = add_rms_norm_(x, residual, L.input_norm, L.eps);
     }
-    const torch::Tensor qkv = L.qkv(h);
-    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
-    torch::Tensor q, k;
+    const at::Tensor qkv = L.qkv(h);
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
+    at::Tensor q, k;
     if (L.q_norm.has_value()) {
       q = rms_norm(qkv.narrow(1, 0, q_size).reshape({t, H, D}), *L.q_norm, L.eps);
       rotary_(q, cos, sin);
       k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({t, KVH, D}), *L.k_norm, L.eps);
       rotary_(k, cos, sin);
     } else {
-      const torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, H + KVH, D});
+      const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, H + KVH, D});
       rotary_(qk, cos, sin);
       q = qk.narrow(1, 0, H);
       k = qk.narrow(1, H, KVH);
     }
-    torch::Tensor attn;
+    at::Tensor attn;
     if (int8_) {
       store_kv_cpu(kvserve_stack::int8_rows(k, int8_floor_),
                    kvserve_stack::int8_rows(v, int8_floor_), k_caches_[i], v_caches_[i], slots);
@@ -173,7 +173,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
       attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
                               L.window);
     }
-    const torch::Tensor o = L.o(attn.reshape({t, q_size}));
+    const at::Tensor o = L.o(attn.reshape({t, q_size}));
     h = add_rms_norm_(o, residual, L.post_norm, L.eps);
     x = L.down(silu_mul(L.gate_up(h)));
   }

@@ -2,7 +2,7 @@
 // declared for the bindings.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <optional>
 #include <vector>
@@ -23,28 +23,28 @@ enum Kind : int64_t {
 // tiles_from (4-bit kinds; 0: never): inputs of at least that many rows run
 // quant_gemm_q4_tiled instead of the decode kernel, as QuantLinear does.
 struct StackLinear {
-  StackLinear(int64_t kind, torch::Tensor w, std::optional<torch::Tensor> d,
-              std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias,
+  StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d,
+              std::optional<at::Tensor> m, std::optional<at::Tensor> bias,
               int64_t out_features, int64_t tiles_from = 0);
   // A kConcat of parts (each a packed kind).
   explicit StackLinear(std::vector<StackLinear> parts);
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  at::Tensor operator()(const at::Tensor& x) const;
 
   int64_t kind;
-  torch::Tensor w;
-  std::optional<torch::Tensor> d, m, bias;
+  at::Tensor w;
+  std::optional<at::Tensor> d, m, bias;
   int64_t out_features;
   int64_t tiles_from = 0;
   std::vector<StackLinear> parts;
 };
 
 struct StackLayer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   double eps;
   StackLinear qkv, o, gate_up, down;
   int64_t num_heads, num_kv_heads, head_dim, window;
   double scale;
-  std::optional<torch::Tensor> q_norm, k_norm;
+  std::optional<at::Tensor> q_norm, k_norm;
 };
 
 }  // namespace kvserve_stack
@@ -55,19 +55,19 @@ class DecodeStack {
   // The KV pools, one K and one V per layer, kept until set again: float32, float16 or
   // bfloat16 rows, or int8 rows of head_dim values and a float16 scale (int8_scale_floor: the
   // smallest scale stored).
-  void set_kv_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+  void set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                      double int8_scale_floor);
   // Final hidden states [T, hidden] of decode rows x [T, hidden] (the embedding output, which
   // becomes the residual stream and is overwritten, as in the Python path).
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                        torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                        torch::Tensor final_norm, double final_eps);
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                        at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                        at::Tensor final_norm, double final_eps);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   std::vector<kvserve_stack::StackLayer> layers_;
-  std::vector<torch::Tensor> k_caches_, v_caches_;
+  std::vector<at::Tensor> k_caches_, v_caches_;
   bool int8_ = false;
-  torch::ScalarType pool_dtype_ = torch::kFloat32;
+  at::ScalarType pool_dtype_ = at::kFloat;
   double int8_floor_ = 0.0;
 };

@@ -5,7 +5,7 @@
 //   silu_mul        y = silu(gate) * up  over a fused [gate | up] row    (silu, mul, a split copy)
 //   rotary_         rotate-half RoPE on Q and K heads, in place           (cat, neg, 2 muls, add)
 // The arithmetic is HF's (float32 throughout); only summation order and FMA contraction differ.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cmath>
 
@@ -13,8 +13,8 @@
 
 namespace {
 
-inline void check_f32(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.device().is_cpu(), what, ": float32 CPU only");
+inline void check_f32(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.device().is_cpu(), what, ": float32 CPU only");
 }
 
 inline void norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
@@ -28,13 +28,13 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t n, float 
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_f32(x, "rms_norm");
   check_f32(weight, "rms_norm");
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #pragma omp parallel for if (rows > 16)
@@ -43,7 +43,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // residual += x (in place), returns rms_norm(residual).
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
                             double eps) {
   check_f32(x, "add_rms_norm_");
   check_f32(residual, "add_rms_norm_");
@@ -52,7 +52,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *rp = residual.data_ptr<float>(), *yp = y.data_ptr<float>();
 #pragma omp parallel for if (rows > 16)
@@ -67,13 +67,13 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 }
 
 // gate_up [T, 2I] -> silu(gate) * up  [T, I]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_f32(gate_up, "silu_mul");
   gate_up = gate_up.contiguous();
   const int64_t two_i = gate_up.size(-1), inter = two_i / 2, rows = gate_up.numel() / two_i;
   auto sizes = gate_up.sizes().vec();
   sizes.back() = inter;
-  auto y = torch::empty(sizes, gate_up.options());
+  auto y = at::empty(sizes, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #pragma omp parallel for if (rows > 16)
@@ -97,7 +97,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // x: [T, heads, D] view (any row stride, heads and D contiguous); cos, sin: [T, D] contiguous.
 // x[j] = x[j] cos[j] - x[j + D/2] sin[j];  x[j + D/2] = x[j + D/2] cos[j + D/2] + x[j] sin[j + D/2]
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_f32(x, "rotary_");
   check_f32(cos, "rotary_");
   check_f32(sin, "rotary_");

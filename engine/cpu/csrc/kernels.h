@@ -2,47 +2,47 @@
 // decode stack, which calls them directly.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <string>
 
-torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+at::Tensor paged_decode_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                int64_t window);
-torch::Tensor paged_decode_cpu_int8(torch::Tensor q, torch::Tensor k_cache,
-                                    torch::Tensor v_cache, torch::Tensor block_tables,
-                                    torch::Tensor seq_lens, double scale, int64_t window);
-torch::Tensor paged_decode_cpu_fp8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor block_tables, torch::Tensor seq_lens,
-                                   double scale, int64_t window, torch::Tensor lut,
-                                   torch::Tensor k_scales, torch::Tensor v_scales);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+at::Tensor paged_decode_cpu_int8(at::Tensor q, at::Tensor k_cache,
+                                    at::Tensor v_cache, at::Tensor block_tables,
+                                    at::Tensor seq_lens, double scale, int64_t window);
+at::Tensor paged_decode_cpu_fp8(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                   at::Tensor block_tables, at::Tensor seq_lens,
+                                   double scale, int64_t window, at::Tensor lut,
+                                   at::Tensor k_scales, at::Tensor v_scales);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
                             double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor small_gemm_pack(torch::Tensor w);
+at::Tensor silu_mul(at::Tensor gate_up);
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor small_gemm_pack(at::Tensor w);
 bool small_gemm_supported();
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
-                         c10::optional<torch::Tensor> bias);
-torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
-torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                            c10::optional<torch::Tensor> m);
-torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                torch::Tensor m);
-torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                               torch::Tensor rows, bool bf16);
-torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
-                               torch::Tensor rows, bool bf16);
+at::Tensor small_gemm(at::Tensor x, at::Tensor panels, int64_t N,
+                         c10::optional<at::Tensor> bias);
+at::Tensor quant_gemm_q4(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
+at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor qs, at::Tensor d,
+                            c10::optional<at::Tensor> m);
+at::Tensor quant_gemm_q4_fma(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                at::Tensor m);
+at::Tensor quant_dequant_q4(at::Tensor qs, at::Tensor d, at::Tensor m,
+                               at::Tensor rows, bool bf16);
+at::Tensor quant_dequant_q8(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                               at::Tensor rows, bool bf16);
 std::string quant_gemm_isa();
-torch::Tensor quant_gemm_q4_tiled(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
-torch::Tensor quant_gemm_q4_blocked(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                    torch::Tensor m, int64_t N);
-torch::Tensor quant_dequant_q4_blocked(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                                       torch::Tensor rows, bool bf16);
-torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
+at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                    at::Tensor m, int64_t N);
+at::Tensor quant_dequant_q4_blocked(at::Tensor qs, at::Tensor d, at::Tensor m,
+                                       at::Tensor rows, bool bf16);
+at::Tensor quant_gemm_q4_vnni(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
 bool quant_gemm_q4_vnni_available();
-torch::Tensor quant_gemm_q8_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                 c10::optional<torch::Tensor> m);
-void store_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor slots);
+at::Tensor quant_gemm_q8_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                 c10::optional<at::Tensor> m);
+void store_kv_cpu(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor slots);

@@ -4,18 +4,18 @@
 // most of it dispatch). Rows are moved as bytes, so float32, bf16, int8 (scale in-row) and
 // fp8 pools are all served; k/v must have the pool's dtype and row shape. Slots are checked
 // against the pool size before anything is written.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstring>
 
-void store_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor slots) {
+void store_kv_cpu(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor slots) {
   TORCH_CHECK(k.device().is_cpu() && k_cache.device().is_cpu(), "store_kv_cpu: CPU tensors only");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
               "store_kv_cpu: rows and pools must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "store_kv_cpu: pools must be contiguous and of one shape");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1, "slots must be int64 [T]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, "slots must be int64 [T]");
   const int64_t T = slots.numel();
   const int64_t row = k_cache.numel() / (k_cache.size(0) * k_cache.size(1));  // kvh * width
   const int64_t pool_rows = k_cache.size(0) * k_cache.size(1);

@@ -10,7 +10,7 @@
 // Work is split into one task per (sequence, KV head): the task computes the scores of that KV
 // head's G query heads, their softmax, and the weighted V sum. With AVX2+FMA and head_dim a
 // multiple of 16 the task runs on the vector path below; anything else takes the portable loop.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -253,11 +253,11 @@ void run_avx2(const Task<T>& t) {
 #endif
 
 template <typename T>
-torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+at::Tensor paged_decode_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                 int64_t window, const float* lut = nullptr,
                                 const float* k_heads = nullptr, const float* v_heads = nullptr) {
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32,
+  TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt,
               "paged_decode_cpu: int32 block tables and seq lens");
   q = q.contiguous();
   k_cache = k_cache.contiguous();
@@ -269,7 +269,7 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
   const int64_t MB = block_tables.size(1), G = H / KVH;
   TORCH_CHECK(W == (std::is_same<T, int8_t>::value ? D + 2 : D),
               "paged_decode_cpu: pool rows of ", W, " elements for head_dim ", D);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -305,18 +305,18 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
 
 }  // namespace
 
-torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+at::Tensor paged_decode_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                int64_t window) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype(),
+  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == v_cache.dtype(),
               "paged_decode_cpu: float32 queries, K and V pools of one dtype");
   switch (k_cache.scalar_type()) {
-    case torch::kFloat32:
+    case at::kFloat:
       return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-    case torch::kFloat16:
+    case at::kHalf:
       return paged_decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                           window);
-    case torch::kBFloat16:
+    case at::kBFloat16:
       return paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                               window);
     default:
@@ -325,26 +325,26 @@ torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Te
   }
 }
 
-torch::Tensor paged_decode_cpu_int8(torch::Tensor q, torch::Tensor k_cache,
-                                    torch::Tensor v_cache, torch::Tensor block_tables,
-                                    torch::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kInt8 &&
-              v_cache.dtype() == torch::kInt8,
+at::Tensor paged_decode_cpu_int8(at::Tensor q, at::Tensor k_cache,
+                                    at::Tensor v_cache, at::Tensor block_tables,
+                                    at::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kChar &&
+              v_cache.dtype() == at::kChar,
               "paged_decode_cpu_int8: float32 queries over an int8 pool");
   return paged_decode_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
 }
 
-torch::Tensor paged_decode_cpu_fp8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor block_tables, torch::Tensor seq_lens,
-                                   double scale, int64_t window, torch::Tensor lut,
-                                   torch::Tensor k_scales, torch::Tensor v_scales) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kUInt8 &&
-              v_cache.dtype() == torch::kUInt8,
+at::Tensor paged_decode_cpu_fp8(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                   at::Tensor block_tables, at::Tensor seq_lens,
+                                   double scale, int64_t window, at::Tensor lut,
+                                   at::Tensor k_scales, at::Tensor v_scales) {
+  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kByte &&
+              v_cache.dtype() == at::kByte,
               "paged_decode_cpu_fp8: float32 queries over an fp8 pool's uint8 view");
-  TORCH_CHECK(lut.dtype() == torch::kFloat32 && lut.numel() == 256 && lut.is_contiguous(),
+  TORCH_CHECK(lut.dtype() == at::kFloat && lut.numel() == 256 && lut.is_contiguous(),
               "paged_decode_cpu_fp8: a contiguous float32 table of the 256 byte values");
-  k_scales = k_scales.to(torch::kFloat32).contiguous();
-  v_scales = v_scales.to(torch::kFloat32).contiguous();
+  k_scales = k_scales.to(at::kFloat).contiguous();
+  v_scales = v_scales.to(at::kFloat).contiguous();
   TORCH_CHECK(k_scales.numel() == k_cache.size(2) && v_scales.numel() == k_cache.size(2),
               "paged_decode_cpu_fp8: one K and one V scale per KV head");
   return paged_decode_impl<uint8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,

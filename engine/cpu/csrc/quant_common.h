@@ -4,7 +4,7 @@
 // the activations' int8 rounding.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <type_traits>
 
@@ -15,15 +15,15 @@ namespace kvserve_quant {
 constexpr int64_t kGroup = 32;
 
 // The scale group of a q8 weight (16 or 32, from d's width) and its optional min, checked.
-inline int64_t q8_scale_group(const torch::Tensor& qs, const torch::Tensor& d,
-                              const c10::optional<torch::Tensor>& m) {
+inline int64_t q8_scale_group(const at::Tensor& qs, const at::Tensor& d,
+                              const c10::optional<at::Tensor>& m) {
   TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && d.size(1) > 0, "malformed q8 weight");
   const int64_t K = qs.size(1);
-  TORCH_CHECK(qs.scalar_type() == torch::kInt8 && (d.size(1) * 16 == K || d.size(1) * 32 == K),
+  TORCH_CHECK(qs.scalar_type() == at::kChar && (d.size(1) * 16 == K || d.size(1) * 32 == K),
               "malformed q8 weight: int8 values and one scale per 16 or 32 of them");
   const int64_t S = K / d.size(1);
   if (m.has_value()) {
-    TORCH_CHECK(S == kGroup && m->is_contiguous() && m->scalar_type() == torch::kFloat32 &&
+    TORCH_CHECK(S == kGroup && m->is_contiguous() && m->scalar_type() == at::kFloat &&
                     m->sizes() == d.sizes(),
                 "malformed q8 weight: a min needs one per group of 32, like its scale");
   }
@@ -32,22 +32,22 @@ inline int64_t q8_scale_group(const torch::Tensor& qs, const torch::Tensor& d,
 
 // The arguments of a packed-weight GEMM: x [M, K] float32 on the CPU, qs/d contiguous rows of
 // the weight, d float32 with one scale per scale_group of the K columns.
-inline void check_gemm_args(const torch::Tensor& x, const torch::Tensor& qs,
-                            const torch::Tensor& d, int64_t K, int64_t scale_group = kGroup) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+inline void check_gemm_args(const at::Tensor& x, const at::Tensor& qs,
+                            const at::Tensor& d, int64_t K, int64_t scale_group = kGroup) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.size(1) == K && K % kGroup == 0, "x has ", x.size(1), " columns; the weight has ",
               K, " (a multiple of 32)");
-  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == at::kFloat &&
                   d.size(0) == qs.size(0) && d.size(1) == K / scale_group,
               "malformed packed weight");
 }
 
 // check_gemm_args for a q4 weight (uint8 nibble pairs, a min per group like its scale).
-inline void check_q4_args(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                          const torch::Tensor& m) {
+inline void check_q4_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                          const at::Tensor& m) {
   check_gemm_args(x, qs, d, qs.size(1) * 2);
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && m.is_contiguous() && m.sizes() == d.sizes(),
+  TORCH_CHECK(qs.scalar_type() == at::kByte && m.is_contiguous() && m.sizes() == d.sizes(),
               "malformed q4 weight");
 }
 
@@ -83,7 +83,7 @@ struct QuantisedRows {
   const int8_t* q;
   const float *d, *s;
 };
-QuantisedRows quantise(const torch::Tensor& x);
+QuantisedRows quantise(const at::Tensor& x);
 
 // Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
 template <typename F>

@@ -3,7 +3,7 @@
 // rounding of d * q + m (a fused multiply-add); with bf16 = true the float result is then
 // rounded to bfloat16 (nearest even) as it is stored, for a bf16 matmul (no float32 panel is
 // written and read back).
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include "quant_common.h"
 #include "vec_math.h"
@@ -19,8 +19,8 @@ static void check_rows(const int64_t* idp, int64_t R, int64_t num_rows) {
 }
 
 template <typename T>
-static void dequant_q4(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
-                       const torch::Tensor& ids, torch::Tensor& out) {
+static void dequant_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                       const at::Tensor& ids, at::Tensor& out) {
   const int64_t K = qs.size(1) * 2, G = K / kGroup, R = ids.numel();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const uint8_t* w = qs.data_ptr<uint8_t>();
@@ -37,16 +37,16 @@ static void dequant_q4(const torch::Tensor& qs, const torch::Tensor& d, const to
 }
 
 // The packed weight's rows ``rows`` as float32, or bfloat16 when ``bf16``.
-static torch::Tensor rows_out(const torch::Tensor& rows, int64_t K, bool bf16,
-                              torch::Tensor* ids, int64_t num_rows) {
-  *ids = rows.to(torch::kInt64).contiguous();
+static at::Tensor rows_out(const at::Tensor& rows, int64_t K, bool bf16,
+                              at::Tensor* ids, int64_t num_rows) {
+  *ids = rows.to(at::kLong).contiguous();
   check_rows(ids->data_ptr<int64_t>(), ids->numel(), num_rows);
-  return torch::empty({ids->numel(), K}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+  return at::empty({ids->numel(), K}, bf16 ? at::kBFloat16 : at::kFloat);
 }
 
-torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                               torch::Tensor rows, bool bf16) {
-  torch::Tensor ids;
+at::Tensor quant_dequant_q4(at::Tensor qs, at::Tensor d, at::Tensor m,
+                               at::Tensor rows, bool bf16) {
+  at::Tensor ids;
   auto out = rows_out(rows, qs.size(1) * 2, bf16, &ids, qs.size(0));
   if (bf16) {
     dequant_q4<c10::BFloat16>(qs, d, m, ids, out);
@@ -57,8 +57,8 @@ torch::Tensor quant_dequant_q4(torch::Tensor qs, torch::Tensor d, torch::Tensor 
 }
 
 template <typename T>
-static void dequant_q8(const torch::Tensor& qs, const torch::Tensor& d, const float* mw,
-                       int64_t S, const torch::Tensor& ids, torch::Tensor& out) {
+static void dequant_q8(const at::Tensor& qs, const at::Tensor& d, const float* mw,
+                       int64_t S, const at::Tensor& ids, at::Tensor& out) {
   const int64_t K = qs.size(1), G = K / kGroup, D = d.size(1), R = ids.numel();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int8_t* w = qs.data_ptr<int8_t>();
@@ -90,11 +90,11 @@ static void dequant_q8(const torch::Tensor& qs, const torch::Tensor& d, const fl
   }
 }
 
-torch::Tensor quant_dequant_q8(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
-                               torch::Tensor rows, bool bf16) {
+at::Tensor quant_dequant_q8(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                               at::Tensor rows, bool bf16) {
   const int64_t S = q8_scale_group(qs, d, m);
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous(), "malformed q8 weight");
-  torch::Tensor ids;
+  at::Tensor ids;
   auto out = rows_out(rows, qs.size(1), bf16, &ids, qs.size(0));
   const float* mw = m.has_value() ? m->data_ptr<float>() : nullptr;
   if (bf16) {

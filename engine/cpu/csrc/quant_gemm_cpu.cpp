@@ -19,7 +19,7 @@
 //
 // quant_dequant_* (quant_dequant_cpu.cpp): float32 rows of W (for embedding lookups and for
 // prefill, where the caller runs a dense matmul over dequantised panels).
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cmath>
@@ -259,7 +259,7 @@ void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, co
 
 namespace kvserve_quant {
 
-QuantisedRows quantise(const torch::Tensor& x) {
+QuantisedRows quantise(const at::Tensor& x) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, s;
   const int64_t M = x.size(0), K = x.size(1);
@@ -273,11 +273,11 @@ QuantisedRows quantise(const torch::Tensor& x) {
 
 }  // namespace kvserve_quant
 
-torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
+at::Tensor quant_gemm_q4(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
   check_q4_args(x, qs, d, m);
   const auto xq = kvserve_quant::quantise(x);
-  auto y = torch::empty({M, N});
+  auto y = at::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
   const int8_t* xqp = xq.q;
@@ -293,13 +293,13 @@ torch::Tensor quant_gemm_q4(torch::Tensor x, torch::Tensor qs, torch::Tensor d, 
   return y;
 }
 
-torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                            c10::optional<torch::Tensor> m) {
+at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor qs, at::Tensor d,
+                            c10::optional<at::Tensor> m) {
   const int64_t N = qs.size(0), K = qs.size(1), G = K / kGroup, M = x.size(0);
   const int64_t S = q8_scale_group(qs, d, m);
   check_gemm_args(x, qs, d, K, S);
   const auto xq = kvserve_quant::quantise(x);
-  auto y = torch::empty({M, N});
+  auto y = at::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();
   const float* dw = d.data_ptr<float>();
   const float* mw = m.has_value() ? m->data_ptr<float>() : nullptr;
@@ -324,12 +324,12 @@ torch::Tensor quant_gemm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
 // The alternative design, kept for benchmarks/quant_linear.py's comparison: no activation
 // quantisation; each q4 group is unpacked to 4 x 8 floats in registers (d*q + m) and FMA'd with
 // the float activations of up to 4 rows. Exact up to float32 summation order.
-torch::Tensor quant_gemm_q4_fma(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                torch::Tensor m) {
+at::Tensor quant_gemm_q4_fma(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                at::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
   check_gemm_args(x, qs, d, K);
   auto xc = x.contiguous();
-  auto y = torch::empty({M, N});
+  auto y = at::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>(), *xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -21,7 +21,7 @@
 //
 // Tiles: one or two rows take 4 blocks (32 columns) at a time, more rows go 3 rows x 2 blocks;
 // threads split the column tiles. AVX2; without it the same math runs in scalar code.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cstring>
@@ -116,20 +116,20 @@ void gemm(const Blocked& w, int64_t N, const int8_t* x, const float* dx, const f
   }
 }
 
-Blocked check_blocked(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                      const torch::Tensor& m, int64_t N) {
-  TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 3 && qs.size(2) == kBlockBytes &&
+Blocked check_blocked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                      const at::Tensor& m, int64_t N) {
+  TORCH_CHECK(qs.dtype() == at::kByte && qs.dim() == 3 && qs.size(2) == kBlockBytes &&
                   qs.is_contiguous(),
               "quant_gemm_q4_blocked: qs must be contiguous uint8 [NB, G, 128]");
   const int64_t NB = qs.size(0), G = qs.size(1);
   TORCH_CHECK(N > (NB - 1) * kCols && N <= NB * kCols,
               "quant_gemm_q4_blocked: ", NB, " blocks cannot hold ", N, " columns");
   for (const auto* t : {&d, &m}) {
-    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 &&
+    TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == NB && t->size(1) == G && t->size(2) == kCols,
                 "quant_gemm_q4_blocked: d and m must be contiguous float32 [NB, G, 8]");
   }
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == G * kGroup,
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == G * kGroup,
               "quant_gemm_q4_blocked: x must be float32 [M, ", G * kGroup, "]");
   return {qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), G};
 }
@@ -155,12 +155,12 @@ void dequant_rows(const Blocked& w, const int64_t* ids, int64_t R, T* out) {
 
 }  // namespace
 
-torch::Tensor quant_gemm_q4_blocked(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                    torch::Tensor m, int64_t N) {
+at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                    at::Tensor m, int64_t N) {
   const Blocked w = check_blocked(x, qs, d, m, N);
   const int64_t M = x.size(0), K = x.size(1);
   const auto rows = kvserve_quant::quantise(x);
-  auto y = torch::empty({M, N});
+  auto y = at::empty({M, N});
   float* yp = y.data_ptr<float>();
   if (M == 1) {
     gemm<1, 4, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
@@ -173,18 +173,18 @@ torch::Tensor quant_gemm_q4_blocked(torch::Tensor x, torch::Tensor qs, torch::Te
 }
 
 
-torch::Tensor quant_dequant_q4_blocked(torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                                       torch::Tensor rows, bool bf16) {
+at::Tensor quant_dequant_q4_blocked(at::Tensor qs, at::Tensor d, at::Tensor m,
+                                       at::Tensor rows, bool bf16) {
   const int64_t NB = qs.size(0);
-  const Blocked w = check_blocked(torch::empty({0, qs.size(1) * kGroup}), qs, d, m, NB * kCols);
-  const auto ids = rows.to(torch::kInt64).contiguous();
+  const Blocked w = check_blocked(at::empty({0, qs.size(1) * kGroup}), qs, d, m, NB * kCols);
+  const auto ids = rows.to(at::kLong).contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
   const int64_t R = ids.numel();
   for (int64_t r = 0; r < R; r++) {
     TORCH_CHECK(ip[r] >= 0 && ip[r] < NB * kCols, "quant_dequant_q4_blocked: row ", ip[r],
                 " outside the weight");
   }
-  auto out = torch::empty({R, w.G * kGroup}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+  auto out = at::empty({R, w.G * kGroup}, bf16 ? at::kBFloat16 : at::kFloat);
   if (bf16) {
     dequant_rows(w, ip, R, out.data_ptr<c10::BFloat16>());
   } else {

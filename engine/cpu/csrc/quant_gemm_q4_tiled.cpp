@@ -22,7 +22,7 @@
 // the decode kernel) is measured at start-up (engine/models/quant_probe.py). The tile math after
 // the repack is quant_q4_tile.h's, shared with quant_gemm_q4_blocked.cpp (weights stored in
 // that form for good).
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cmath>
@@ -115,12 +115,12 @@ void repack_block(const uint8_t* qs, const float* d, const float* m, int64_t n0,
 
 }  // namespace
 
-torch::Tensor quant_gemm_q4_tiled(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                  torch::Tensor m) {
+at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                  at::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
   kvserve_quant::check_q4_args(x, qs, d, m);
   const auto rows = kvserve_quant::quantise(x);
-  auto y = torch::empty({M, N});
+  auto y = at::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
   const int8_t* xq = rows.q;

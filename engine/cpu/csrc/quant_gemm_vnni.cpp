@@ -14,7 +14,7 @@
 // Compiled only where the compiler targets AVX-512 F/BW/VL and VNNI (-march=native on such a
 // CPU); quant_gemm_q4_vnni_available() says whether it was. Which of this and quant_gemm_q4
 // serves is measured at start-up (engine/models/quant_probe.py), not assumed.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <vector>
 
@@ -103,8 +103,8 @@ void dot_q4_vnni(const uint8_t* w, const float* d, const float* m, const int8_t*
 }  // namespace
 #endif
 
-torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                 torch::Tensor m) {
+at::Tensor quant_gemm_q4_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                 at::Tensor m) {
 #ifdef KVSERVE_VNNI
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
   kvserve_quant::check_q4_args(x, qs, d, m);
@@ -118,7 +118,7 @@ torch::Tensor quant_gemm_q4_vnni(torch::Tensor x, torch::Tensor qs, torch::Tenso
   for (int64_t r = 0; r < M; r++) {
     quantise_row(xp + r * K, K, q.data() + r * K, dxv.data() + r * G, sxv.data() + r * G);
   }
-  auto y = torch::empty({M, N});
+  auto y = at::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
   const int8_t* xq = q.data();

@@ -18,7 +18,7 @@
 // Compiled only where the compiler targets AVX-512 F/BW/VL and VNNI (quant_vnni_common.h;
 // quant_gemm_q4_vnni_available() says whether it was). Which of this and quant_gemm_q8 serves is
 // measured at start-up (engine/models/quant_probe.py), not assumed.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstring>
 #include <vector>
@@ -117,8 +117,8 @@ void dot_q8_vnni(const int8_t* w, const float* d, const float* m, const uint8_t*
 }  // namespace
 #endif
 
-torch::Tensor quant_gemm_q8_vnni(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
-                                 c10::optional<torch::Tensor> m) {
+at::Tensor quant_gemm_q8_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                 c10::optional<at::Tensor> m) {
 #ifdef KVSERVE_VNNI
   const int64_t N = qs.size(0), K = qs.size(1), G = K / kGroup, M = x.size(0);
   const int64_t S = kvserve_quant::q8_scale_group(qs, d, m);
@@ -136,7 +136,7 @@ torch::Tensor quant_gemm_q8_vnni(torch::Tensor x, torch::Tensor qs, torch::Tenso
     quantise_row(xp + r * K, K, ax.data() + r * K, sg.data() + r * G, dxv.data() + r * G,
                  sxv.data() + r * G);
   }
-  auto y = torch::empty({M, N});
+  auto y = at::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();
   const float* dw = d.data_ptr<float>();
   const float* mw = m.has_value() ? m->data_ptr<float>() : nullptr;

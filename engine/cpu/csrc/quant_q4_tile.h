@@ -7,7 +7,7 @@
 // columns at once) add the group in float, in group order. Scalar code without AVX2.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cmath>
 #include <cstring>

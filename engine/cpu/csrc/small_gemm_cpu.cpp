@@ -6,7 +6,7 @@
 // stream is contiguous, and computes up to 6 rows x 16 columns per pass with 12 accumulators in
 // registers (2 weight loads + 6 broadcasts per 12 FMAs); a panel stays in L2 while every row
 // tile uses it, so DRAM sees the weight once. Threads split the panels.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 
@@ -57,10 +57,10 @@ void micro(const float* __restrict x, int64_t ldx, const float* __restrict panel
 }  // namespace
 
 // w [N, K] -> panels [ceil(N/16), K, 16]; columns beyond N are zero.
-torch::Tensor small_gemm_pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat32, "small_gemm_pack: float32 [N, K]");
+at::Tensor small_gemm_pack(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kFloat, "small_gemm_pack: float32 [N, K]");
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({P * kPanel, K}, w.options());
+  auto padded = at::zeros({P * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
@@ -75,19 +75,19 @@ bool small_gemm_supported() {
 
 // x [M, K] (rows contiguous), panels from small_gemm_pack, N the true output width, bias (if
 // any) zero-padded to the panels' width.
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
-                         c10::optional<torch::Tensor> bias) {
+at::Tensor small_gemm(at::Tensor x, at::Tensor panels, int64_t N,
+                         c10::optional<at::Tensor> bias) {
   TORCH_CHECK(small_gemm_supported(), "small_gemm: built without AVX2/FMA");
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32 && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == at::kFloat && x.stride(1) == 1,
               "small_gemm: x must be float32 [M, K] with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == kPanel &&
               panels.size(0) * kPanel >= N, "small_gemm: panels do not match x / N");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), ldx = x.stride(0);
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b;
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.dtype() == torch::kFloat32 && b.numel() == P * kPanel,
+    TORCH_CHECK(b.dtype() == at::kFloat && b.numel() == P * kPanel,
                 "small_gemm: bias must be float32, zero-padded to the panels' width");
   }
 #ifdef KVSERVE_AVX2
