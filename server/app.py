@@ -31,6 +31,7 @@ from server.config_file import ServerSettings
 from server.errors import APIError, bad_request, install_error_handlers
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from server.prompt_bound import prompt_bound, release_after
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,6 +89,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                          stream_timeout=settings.stream_timeout,
                          trust_request_chat_template=settings.trust_request_chat_template,
                          enable_auto_tool_choice=settings.enable_auto_tool_choice)
+    ctx.prompt_bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     template = template_source(engine.tokenizer)
     ctx.tool_format, why = choose_format(template, settings.tool_call_parser)
     ctx.tools_native = renders_tools(template)
@@ -175,11 +177,14 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
         try:
             messages, _ = tool_conversation(conversation(req.messages), None, ctx.tool_format,
                                             ctx.tools_native)
-            _, ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt)
+            text, ids = render_chat(tok, messages,
+                                    add_generation_prompt=req.add_generation_prompt)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
     else:
-        ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        text = req.prompt
+        ids = list(tok.encode(text, add_special_tokens=req.add_special_tokens))
+    release_after(len(text))
     body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.engine.max_model_len,
                             "tokens": ids}
     if req.return_token_strs:
