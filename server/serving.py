@@ -159,8 +159,9 @@ def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
         try:
             engine.check_request(ids, params)
         except ValueError as exc:
-            where = f"prompt {i}: " if len(prompts) > 1 else ""
-            raise bad_request(f"{where}{exc}", param="prompt") from None
+            field = getattr(exc, "field", None)  # a sampling field's fault, not the prompt's
+            where = f"prompt {i}: " if len(prompts) > 1 and field is None else ""
+            raise bad_request(f"{where}{exc}", param=field or "prompt") from None
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):
