@@ -1,16 +1,20 @@
 """Huge text prompts against the real server (issue 27 item 2): a prompt longer than
 ``max_model_len`` times the tokenizer's longest token is a 400 before it is tokenised (an 8 MiB
 one took 12 s to tokenise and kept +0.7 GB resident), the tightest prompt that fits is still
-served, and twenty huge prompts leave the server's resident memory where it was."""
+served, and twenty huge prompts leave the server's resident memory where it was, as do twenty
+prompts just within the bound, which are tokenised (glibc kept the tokeniser's peak buffers in
+each worker thread's arena: +60-130 MB; server/prompt_bound.py hands them back)."""
 
 from __future__ import annotations
 
 import random
+import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.server.helpers import assert_error
+from tests.server.helpers import assert_error, start_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +82,35 @@ def test_twenty_huge_prompts_leave_resident_memory_where_it_was(real_server):
         assert _post(real_server, path, body).status_code == 400
     growth = _rss_mb(real_server.proc.pid) - before
     assert growth <= 50, f"resident memory grew by {growth:.0f} MB over 20 huge prompts"
+
+
+def test_twenty_prompts_tokenised_just_within_the_bound_leave_memory_where_it_was(tmp_path):
+    # A server of the model's own context (8192 tokens: a bound of 663,552 characters), so that
+    # prompts of 600,000 characters (245,000 tokens) are tokenised before the engine refuses them.
+    proc, url = start_server_process(
+        ["-m", "server.cli", "serve", "--max-model-len", "8192", "--kv-cache-memory", "64MiB"],
+        tmp_path / "server.log", timeout=600)
+    try:
+        text = _huge_text(600_000)
+
+        def post(i: int) -> int:
+            path, body = [("/v1/completions", {"prompt": text, "max_tokens": 1}),
+                          ("/v1/chat/completions", {"messages": [
+                              {"role": "user", "content": text}], "max_tokens": 1})][i % 2]
+            r = httpx.post(f"{url}{path}", json=body, timeout=300)
+            assert "in the prompt" in r.text  # tokenised: the engine's refusal, by tokens
+            return r.status_code
+
+        assert post(0) == 400  # warm-up
+        before = _rss_mb(proc.pid)
+        with ThreadPoolExecutor(4) as pool:  # several tokeniser threads, several arenas
+            assert set(pool.map(post, range(20))) == {400}
+        growth = _rss_mb(proc.pid) - before
+        assert growth <= 50, f"resident memory grew by {growth:.0f} MB over 20 prompts"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except Exception:
+            proc.kill()
+            proc.wait()
