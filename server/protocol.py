@@ -42,6 +42,9 @@ MAX_TOKENIZE_CHARS = 1_000_000
 MAX_DETOKENIZE_IDS = 1_000_000
 
 
+_TEXT_HOLDERS = (str, dict, list)
+
+
 def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
     """``(path, message)`` for the first string (value or key) in a JSON-like value that holds
     a lone surrogate, else None. The message never holds the surrogate itself."""
@@ -60,8 +63,9 @@ def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
                     return (path or None, "has a field name that holds a lone surrogate, which "
                             "is not valid Unicode: send well-formed UTF-8 text")
                 stack.append((f"{path}.{key}" if path else key, item))
-        elif isinstance(v, list):
-            stack.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(v))))
+        elif isinstance(v, list):  # only what can hold text (a token-id list holds none)
+            stack.extend(reversed([(f"{path}.{i}", item) for i, item in enumerate(v)
+                                   if isinstance(item, _TEXT_HOLDERS)]))
     return None
 
 
