@@ -74,7 +74,9 @@ def strict_h11_protocol(max_body_size: int) -> type[H11Protocol]:
     class StrictH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            conn = _BoundedChunks(h11.SERVER, self.conn._max_incomplete_event_size)
+            limit = self.config.h11_max_incomplete_event_size
+            conn = (_BoundedChunks(h11.SERVER) if limit is None else
+                    _BoundedChunks(h11.SERVER, limit))  # as uvicorn builds its own
             conn.max_chunk = max_body_size
             self.conn = conn
 
