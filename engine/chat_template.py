@@ -3,15 +3,19 @@ does it (the server's chat route and ``/tokenize``, ``LLM.chat``, ``kvserve gene
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
 def render_chat(tokenizer: Any, conversation: list[dict[str, str]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                template_kwargs: dict[str, Any] | None = None,
+                check_text: Callable[[str], None] | None = None) -> tuple[str, list[int]]:
     """The prompt text and token ids for a conversation; ValueError when the template refuses.
 
     The template already holds the special tokens, so encoding adds none of its own.
+    ``check_text``, when given, sees the rendered text before it is tokenised (whatever it
+    raises propagates: the server refuses a text too long to tokenise there).
     """
     try:
         kwargs: dict[str, Any] = dict(template_kwargs or {})
@@ -22,4 +26,6 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, str]], *,
                                              **kwargs)
     except Exception as exc:  # jinja2 TemplateError, ValueError, ...
         raise ValueError(f"the chat template could not render these messages: {exc}") from None
+    if check_text is not None:
+        check_text(text)
     return text, list(tokenizer.encode(text, add_special_tokens=False))

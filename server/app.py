@@ -5,6 +5,9 @@ Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (server
 engine's own thread runs it, and tokenising runs on worker threads: the event loop only parses,
 validates and frames.
 
+``/health`` answers ``{"status": "ok"}`` (JSON) while serving. ``/openapi.json`` documents the
+errors as sent (server/openapi_errors.py); HTTP framing is checked by server/http_framing.py.
+
 Draining (:func:`begin_drain`, called on SIGTERM by ``run_server``): new requests get 503,
 ``/health`` answers 503, and the requests in flight may finish. The drain is bounded ONCE, by
 ``shutdown_timeout`` counted from its start: uvicorn's graceful wait and the engine's final
@@ -29,8 +32,11 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config_file import ServerSettings
 from server.errors import APIError, bad_request, install_error_handlers
+from server.http_framing import FramingMiddleware
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from server.openapi_errors import install as install_openapi_errors
+from server.prompt_bound import prompt_bound, release_after
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,6 +94,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                          stream_timeout=settings.stream_timeout,
                          trust_request_chat_template=settings.trust_request_chat_template,
                          enable_auto_tool_choice=settings.enable_auto_tool_choice)
+    ctx.prompt_bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     template = template_source(engine.tokenizer)
     ctx.tool_format, why = choose_format(template, settings.tool_call_parser)
     ctx.tools_native = renders_tools(template)
@@ -107,9 +114,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     app.state.engine = engine
     app.state.settings = settings
     install_error_handlers(app)
+    install_openapi_errors(app)
     # Added first = innermost: the API key is checked (and the request id set) before any body
     # is read.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size=settings.max_request_body_size)
+    app.add_middleware(FramingMiddleware)  # Content-Length with Transfer-Encoding: 400
     app.add_middleware(RequestContextMiddleware, api_key=settings.api_key,
                        log_requests=not settings.disable_log_requests)
 
@@ -120,7 +129,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
         if ctx.draining_since is not None:
             return APIError(503, "the server is shutting down", code="shutting_down",
                             headers={"Retry-After": "5"}).response()
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:
@@ -175,11 +184,14 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
         try:
             messages, _ = tool_conversation(conversation(req.messages), None, ctx.tool_format,
                                             ctx.tools_native)
-            _, ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt)
+            text, ids = render_chat(tok, messages,
+                                    add_generation_prompt=req.add_generation_prompt)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
     else:
-        ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        text = req.prompt
+        ids = list(tok.encode(text, add_special_tokens=req.add_special_tokens))
+    release_after(len(text))
     body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.engine.max_model_len,
                             "tokens": ids}
     if req.return_token_strs:

@@ -31,6 +31,7 @@ from engine.outputs import RequestOutput
 from engine.sampling.params import SamplingParams
 from server.errors import bad_request
 from server.logprobs import chat_logprobs
+from server.prompt_bound import check_chars, released_after
 from server.protocol import ChatCompletionRequest
 from server.serving import (
     ServingContext,
@@ -129,7 +130,9 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str
             render_chat, ctx.tokenizer, messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            template_kwargs=kwargs)
+            template_kwargs=kwargs,
+            check_text=lambda t: check_chars(ctx.prompt_bound, len(t), "messages"))
+        await released_after(len(text))
         params = req.sampling_params(max_tokens=req.max_new_tokens,
                                      logprobs=top if req.logprobs else None,
                                      defaults=ctx.sampling_defaults)

@@ -115,10 +115,13 @@ def exposure_warning(settings: ServerSettings) -> str | None:
 def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
     import uvicorn
 
+    from server.http_framing import strict_h11_protocol
+
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                           log_level=settings.log_level, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=settings.shutdown_timeout,
-                          limit_concurrency=settings.limit_concurrency)
+                          limit_concurrency=settings.limit_concurrency,
+                          http=strict_h11_protocol(settings.max_request_body_size))
 
 
 def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:

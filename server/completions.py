@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from engine.outputs import RequestOutput
 from server.errors import bad_request
 from server.logprobs import CompletionLogprobs
+from server.prompt_bound import check_chars, release_after
 from server.protocol import CompletionRequest
 from server.serving import (
     ServingContext,
@@ -40,9 +41,14 @@ logger = logging.getLogger("kvserve.server")
 def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest
                       ) -> list[tuple[str | None, list[int]]]:
     out: list[tuple[str | None, list[int]]] = []
-    for p in req.prompts():
+    prompts = req.prompts()
+    for p in prompts:
+        if isinstance(p, str):  # refused by its length before any prompt is tokenised
+            check_chars(ctx.prompt_bound, len(p), "prompt")
+    for p in prompts:
         if isinstance(p, str):
             out.append((p, list(ctx.tokenizer.encode(p, add_special_tokens=req.add_special_tokens))))
+            release_after(len(p))
         else:
             out.append((None, list(p)))
     return out

@@ -80,6 +80,8 @@ _UNION_HINTS = {
 
 
 def _clean_loc(err: dict[str, Any]) -> list[str]:
+    if err.get("type") == "json_invalid":  # its loc is a position in the body, not a field
+        return []
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     # pydantic names the union member tried ("str", "list[int]", "function-after[...]").
     return [x for x in loc if not any(c in x for c in "[]") and x not in
@@ -89,7 +91,10 @@ def _clean_loc(err: dict[str, Any]) -> list[str]:
 def _message(err: dict[str, Any]) -> str:
     kind = err.get("type")
     if kind == "json_invalid":
-        return f"the body is not valid JSON ({(err.get('ctx') or {}).get('error', 'parse error')})"
+        where = [x for x in err.get("loc", ()) if isinstance(x, int)]
+        at = f" at character {where[-1]}" if where else ""
+        return (f"the body is not valid JSON{at} "
+                f"({(err.get('ctx') or {}).get('error', 'parse error')})")
     if kind == "missing":
         return "this field is required"
     return str(err.get("msg", "invalid value")).removeprefix("Value error, ")

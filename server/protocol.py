@@ -4,7 +4,9 @@ Unknown fields are accepted and ignored (``extra="allow"``), as OpenAI's clients
 that a server may not know. No string anywhere in a body may hold a lone UTF-16 surrogate
 (JSON's ``"\\ud800"``): it is not text, and no tokenizer or JSON encoder takes it (400). Fields that
 would change the meaning of a request and that we do not implement (``suffix``, non-text
-content, ...) are rejected with a clear 400 instead of being silently dropped. Chat requests
+content, ...) are rejected with a clear 400 instead of being silently dropped, and so are an
+empty ``cache_salt`` (it would share the prefix cache with unsalted requests) and empty stop
+strings. Chat requests
 take function ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (validated by
 server/tools/request.py), assistant messages with ``tool_calls`` and ``tool`` messages
 answering them. Responses are plain dicts built in completions.py / chat.py.
@@ -40,6 +42,9 @@ MAX_TOKENIZE_CHARS = 1_000_000
 MAX_DETOKENIZE_IDS = 1_000_000
 
 
+_TEXT_HOLDERS = (str, dict, list)
+
+
 def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
     """``(path, message)`` for the first string (value or key) in a JSON-like value that holds
     a lone surrogate, else None. The message never holds the surrogate itself."""
@@ -58,8 +63,9 @@ def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
                     return (path or None, "has a field name that holds a lone surrogate, which "
                             "is not valid Unicode: send well-formed UTF-8 text")
                 stack.append((f"{path}.{key}" if path else key, item))
-        elif isinstance(v, list):
-            stack.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(v))))
+        elif isinstance(v, list):  # only what can hold text (a token-id list holds none)
+            stack.extend(reversed([(f"{path}.{i}", item) for i, item in enumerate(v)
+                                   if isinstance(item, _TEXT_HOLDERS)]))
     return None
 
 
@@ -128,6 +134,20 @@ class _SamplingFields(_Request):
     guided_grammar: StrictStr | None = None
     grammar: StrictStr | None = None
     json_schema: dict[str, Any] | StrictStr | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, v: str | None) -> str | None:
+        if v == "":  # as vLLM: "" is no salt, and would share the cache with unsalted requests
+            raise ValueError("must not be empty: leave cache_salt out for no salt")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("stop strings must not be empty")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

@@ -37,6 +37,7 @@ from engine.outputs import RequestOutput
 from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
+from server.prompt_bound import PromptBound
 from server.sse import DONE, SSEResponse, event
 from server.tools.formats import HERMES, ToolCallFormat
 
@@ -58,6 +59,8 @@ class ServingContext:
     tool_format: ToolCallFormat = HERMES
     tools_native: bool = False
     enable_auto_tool_choice: bool = True
+    # Text prompts that surely exceed max_model_len, refused before tokenising (prompt_bound.py).
+    prompt_bound: PromptBound | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -156,8 +159,9 @@ def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
         try:
             engine.check_request(ids, params)
         except ValueError as exc:
-            where = f"prompt {i}: " if len(prompts) > 1 else ""
-            raise bad_request(f"{where}{exc}", param="prompt") from None
+            field = getattr(exc, "field", None)  # a sampling field's fault, not the prompt's
+            where = f"prompt {i}: " if len(prompts) > 1 and field is None else ""
+            raise bad_request(f"{where}{exc}", param=field or "prompt") from None
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):

@@ -53,6 +53,7 @@ from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.device import resolve_device, set_device_for_thread
 from engine.runner.device_input import HostToDeviceStager, to_device
 from engine.runner.dtype_choice import resolve_dtype
+from engine.runner.triton_import import import_torch_dynamo_without_triton, triton_wanted
 from engine.sampling.prompt_logprobs import (
     PROMPT_LOGPROB_CHUNK,
     PromptLogprobs,
@@ -111,6 +112,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
+        if not triton_wanted(self.device, config.attention_backend):
+            import_torch_dynamo_without_triton()  # no Triton import, no exit noise from it
         set_device_for_thread(self.device)
         # Under tensor parallelism every rank must agree without talking: no per-rank probe
         # (resolve_dtype without a config: float32 on the CPU).

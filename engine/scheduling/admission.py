@@ -1,5 +1,6 @@
 """Admission: can a request ever be served? Pure checks, raising ``ValueError`` with a message
-a user can act on (the server's 400). What is only momentarily impossible (a full waiting
+a user can act on (the server's 400; :class:`FieldValueError` when the fault is in a request
+field other than the prompt, naming it). What is only momentarily impossible (a full waiting
 queue) is not decided here: that is ``AsyncEngine.submit``'s ``QueueFullError`` (503).
 """
 
@@ -9,6 +10,15 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.sampling.params import SamplingParams
+
+
+class FieldValueError(ValueError):
+    """A request that can never be served because of ``field`` (a SamplingParams field named
+    as the API names it: ``stop_token_ids``, ``logit_bias``), not because of its prompt."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,8 @@ def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_id
         bound = limits.token_id_bound
         bad = next((t for t in params.logit_bias if not 0 <= t < bound), None)
         if bad is not None:
-            raise ValueError(f"logit_bias names token {bad}, outside the vocabulary "
-                             f"(0..{bound - 1})")
+            raise FieldValueError("logit_bias", f"logit_bias names token {bad}, outside the "
+                                  f"vocabulary (0..{bound - 1})")
     _check_ids(limits, "stop_token_ids", params.stop_token_ids)
 
 
@@ -64,7 +74,8 @@ def _check_ids(limits: AdmissionLimits, where: str, ids: list[int]) -> None:
     bound = limits.token_id_bound
     bad = next((t for t in ids if not 0 <= t < bound), None)
     if bad is not None:
-        raise ValueError(f"token id {bad} in {where} is outside the vocabulary (0..{bound - 1})")
+        message = f"token id {bad} in {where} is outside the vocabulary (0..{bound - 1})"
+        raise ValueError(message) if where == "the prompt" else FieldValueError(where, message)
 
 
 def _check_fits_pool(limits: AdmissionLimits, prompt_len: int, max_tokens: int, n: int) -> None:

@@ -72,6 +72,10 @@ def test_chat_max_completion_tokens_wins_and_developer_is_system():
     ({"prompt": "x", "best_of": 3}, None, "best_of"),
     ({"prompt": "x", "seed": 2**70}, "seed", ""),
     ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids.0", ""),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt", "must not be empty"),
+    ({"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop", "must not be empty"),
+    ({"prompt": "x", "stop": ""}, "stop", "must not be empty"),
 ])
 def test_completion_validation_messages(body, param, fragment):
     message, got_param = _error(CompletionRequest, **body)
@@ -82,7 +86,8 @@ def test_validation_message_for_json_errors():
     msg, param = format_validation_errors([{"type": "json_invalid", "loc": ("body", 3),
                                             "msg": "JSON decode error",
                                             "ctx": {"error": "Expecting value"}}])
-    assert "not valid JSON" in msg and "Expecting value" in msg
+    assert "not valid JSON at character 3" in msg and "Expecting value" in msg
+    assert param is None  # a position in the body is not a parameter
 
 
 def test_sse_event_framing_and_round_trip():

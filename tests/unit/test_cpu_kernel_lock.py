@@ -141,3 +141,29 @@ def test_another_instruction_set_is_built_under_its_own_name(monkeypatch):
     monkeypatch.delenv("KVSERVE_CPU_MARCH")
     kernels.load()
     assert calls[1]["name"] == "kvserve_cpu_kernels" and "-march=native" in calls[1]["cflags"]
+
+
+def test_the_build_name_covers_torch_the_compiler_and_headers_not_the_checkout(tmp_path,
+                                                                                 monkeypatch):
+    """Issue 27 item 5: every checkout and version once built into one fixed folder
+    (torch_extensions/py311_cpu/kvserve_cpu_kernels) and overwrote the others' builds."""
+    import torch
+
+    monkeypatch.setenv("CXX", "g++")
+    src = _stub(tmp_path)
+    header = src.parent / "stub.h"
+    header.write_text("#define ANSWER 42\n")
+    key = kbuild.build_key([src], ["-O0"], [], [src.parent])
+    other_checkout = _stub(tmp_path / "elsewhere")  # same bytes, another path: shared
+    (other_checkout.parent / "stub.h").write_text("#define ANSWER 42\n")
+    assert kbuild.build_key([other_checkout], ["-O0"], [], [other_checkout.parent]) == key
+    header.write_text("#define ANSWER 43\n")
+    assert kbuild.build_key([src], ["-O0"], [], [src.parent]) != key
+    header.write_text("#define ANSWER 42\n")
+    assert kbuild.build_key([src], ["-O0"], ["-lm"], [src.parent]) != key
+    monkeypatch.setenv("CXX", "clang++")
+    assert kbuild.build_key([src], ["-O0"], [], [src.parent]) != key
+    monkeypatch.setenv("CXX", "g++")
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert kbuild.build_key([src], ["-O0"], [], [src.parent]) != key
+    assert "torch_extensions" not in str(kbuild.build_root())
