@@ -58,8 +58,13 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     try:
         chat = ChatCompletionRequest.model_validate(req.chat_body(chat_messages(history)))
     except ValidationError as exc:
-        raise bad_request(*format_validation_errors(list(exc.errors()))) from None
-    prompt = await chat_prompt(ctx, chat, xrid)
+        message, param = format_validation_errors(list(exc.errors()))
+        raise bad_request(message, _as_input(param)) from None
+    try:
+        prompt = await chat_prompt(ctx, chat, xrid)
+    except APIError as exc:
+        exc.param = _as_input(exc.param)
+        raise
     rid = item_id("resp")
     streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, rid,
                               chat.priority, xrid)
@@ -82,6 +87,12 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
                 opening=events.opening(), failed=events.failed, done=False), None)
         return await respond(raw, streams, ctx, xrid, None,
                              lambda finals: finish(draft.response(finals[0])))
+
+
+def _as_input(param: str | None) -> str | None:
+    """A chat request's ``messages...`` parameter is this request's ``input`` (the messages
+    also hold the instructions and the stored conversation, so no index carries over)."""
+    return "input" if param is not None and param.startswith("messages") else param
 
 
 def _check_results(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
