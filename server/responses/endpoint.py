@@ -60,14 +60,14 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     except ValidationError as exc:
         message, param = format_validation_errors(list(exc.errors()))
         raise bad_request(message, _as_input(param)) from None
+    rid = item_id("resp")
     try:
         prompt = await chat_prompt(ctx, chat, xrid)
+        streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, rid,
+                                  chat.priority, xrid)
     except APIError as exc:
         exc.param = _as_input(exc.param)
         raise
-    rid = item_id("resp")
-    streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, rid,
-                              chat.priority, xrid)
     with aborted_on_error(streams):
         logger.info("request_id=%s %s: %d prompt tokens, max_output_tokens=%s, stream=%s, "
                     "previous=%s", xrid, rid, len(prompt.ids), req.max_output_tokens,
@@ -90,9 +90,12 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
 
 
 def _as_input(param: str | None) -> str | None:
-    """A chat request's ``messages...`` parameter is this request's ``input`` (the messages
-    also hold the instructions and the stored conversation, so no index carries over)."""
-    return "input" if param is not None and param.startswith("messages") else param
+    """The chat machinery's ``messages...`` / ``prompt`` parameter is this request's ``input``
+    (the messages also hold the instructions and the stored conversation, so no index carries
+    over)."""
+    if param is not None and (param.startswith("messages") or param == "prompt"):
+        return "input"
+    return param
 
 
 def _check_results(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
