@@ -2,14 +2,21 @@
 
     python benchmarks/agents_vs_llamacpp.py [--agents 8] [--turns 6] [--out DIR]
 
-Runs `kvserve bench serve --workload agent` against each server, one after the other (never
-both at once), with the same seed, so both get the same requests: N concurrent agents, each a
-conversation that sends the same ~2,000 tokens of function tools on every turn (the prefix all
-agents share) and grows by a scripted tool call and its ~150-token result per turn;
-``max_tokens`` is small, so a turn is mostly prefill. Prints per turn index the prompt and
-prefix-cached tokens each server reported, TTFT p50 on each and the ratio kvserve /
-llama-server, then the overall TTFT p50 ratio (the target: <= 0.5 at 8 agents); writes both
-runs' JSON, results.json and summary.md to --out (default
+The workload is `kvserve bench serve --workload agent`, the same seed for both servers, so
+both get the same requests: N agents, each a conversation that sends the same ~2,000 tokens of
+function tools on every turn (the prefix all agents share) and grows by a scripted tool call
+and its ~150-token result per turn; ``max_tokens`` is small, so a turn is mostly prefill.
+
+Both servers are up together (an idle one takes no CPU) and the run is interleaved by turn: the
+N agents send turn k together to one server, all answers come back, then the same turn to the
+other (the order alternating turn by turn), so that load from other work on a shared machine
+falls on both alike. ``--sequential`` instead runs the whole workload on llama-server, then on
+kvserve (one server up at a time; the agents then run freely, each sending its next turn as
+soon as its answer is in), through the ``kvserve bench serve`` command line.
+
+Prints per turn index the prompt and prefix-cached tokens each server reported, TTFT p50 on
+each and the ratio kvserve / llama-server, then the overall TTFT p50 ratio (the target: <= 0.5
+at 8 agents); writes both runs' JSON, results.json and summary.md to --out (default
 docs/perf/agents-vs-llamacpp-<isa>-<date>).
 
 The servers:
@@ -37,17 +44,33 @@ tools in a stream, and sends its first chunk with the first token, so its TTFT i
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
+import httpx
+from tqdm import tqdm
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import find_llama_server, serving_process  # noqa: E402
 from benchmarks.startup_time import free_port, isa  # noqa: E402
+from server.bench.client import BenchClient, ClientConfig  # noqa: E402
+from server.bench.serve import machine_info, run_point  # noqa: E402
+from server.bench.stats import summarize  # noqa: E402
+from server.bench.workloads import (  # noqa: E402
+    RequestSpec,
+    Session,
+    WorkloadConfig,
+    build_sessions,
+    derive_seed,
+    load_tokenizer,
+)
 from server.cli import main as kvserve  # noqa: E402
 
 TEMPLATE = ROOT / "benchmarks" / "chatml_tools.jinja"
@@ -69,6 +92,69 @@ def _bench(url: str, name: str, args: argparse.Namespace, out: Path, *extra: str
     if rc != 0:
         print(f"{name}: some requests failed (exit status {rc})", file=sys.stderr)
     return result
+
+
+def _workload(args: argparse.Namespace) -> WorkloadConfig:
+    """What `kvserve bench serve` sends with the same arguments (its first point's seed)."""
+    return WorkloadConfig("agent", num_requests=args.agents * args.turns, num_turns=args.turns,
+                          input_len=args.task_len, output_len=args.max_tokens,
+                          tools_len=args.tools_len, tool_result_len=args.tool_result_len,
+                          seed=derive_seed(args.seed, "point", 0))
+
+
+def _turn(s: Session, k: int) -> Session:
+    """Turn ``k`` of an agent as a conversation of one request: its whole history so far."""
+    history = [m for t in s.turns[:k + 1] for m in t.messages or ()]
+    return Session(s.index, [RequestSpec(s.turns[k].prompt, s.turns[k].max_tokens,
+                                         messages=history)], chat=True, tools=s.tools,
+                   tool_choice=s.tool_choice, tools_tokens=s.tools_tokens)
+
+
+async def _interleaved(urls: dict[str, str], args: argparse.Namespace, out: Path) -> dict:
+    cfg = _workload(args)
+    sessions = build_sessions(cfg, load_tokenizer(None))
+    records: dict[str, list] = {n: [] for n in urls}
+    busy = dict.fromkeys(urls, 0.0)
+    load = {n: [] for n in urls}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {}
+        for name, url in urls.items():
+            async with httpx.AsyncClient() as c:
+                model = (await c.get(f"{url}/v1/models")).json()["data"][0]["id"]
+            clients[name] = await stack.enter_async_context(BenchClient(ClientConfig(
+                url, model, ttft_first_chunk=name == "llama-server")))
+            warm = build_sessions(WorkloadConfig(num_requests=1, input_len=16, output_len=4,
+                                                 seed=derive_seed(args.seed, "warmup")), None)
+            await run_point(clients[name], warm, [0.0], None)
+        bar = tqdm(total=len(urls) * cfg.num_requests, desc="agent turns", unit="req")
+        for k in range(args.turns):
+            order = list(urls) if k % 2 == 0 else list(urls)[::-1]
+            for name in order:
+                bar.set_postfix_str(f"turn {k} on {name}")
+                batch = [_turn(s, k) for s in sessions if len(s.turns) > k]
+                load[name].append(os.getloadavg()[0])
+                recs, dur = await run_point(clients[name], batch, [0.0] * len(batch),
+                                            args.agents, bar)
+                for r in recs:
+                    r.turn = k
+                records[name].extend(recs)
+                busy[name] += dur
+        bar.close()
+    params = {"workload": "agent", "mode": "interleaved by turn", "agents": args.agents,
+              "num_turns": args.turns, "input_len": cfg.input_len, "output_len":
+              cfg.output_len, "tools_len": cfg.tools_len, "tool_result_len":
+              cfg.tool_result_len, "tool_choice": cfg.tool_choice, "seed": cfg.seed}
+    results = {}
+    for name in urls:
+        summary = summarize(records[name], busy[name], name, params)
+        results[name] = {"tool": "benchmarks/agents_vs_llamacpp.py", "machine": machine_info(),
+                         "label": name, "ttft_at": "first-chunk" if name == "llama-server"
+                         else "token", "load_avg_per_turn": load[name],
+                         "runs": [summary.to_dict()]}
+        (out / f"{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
+        print(f"{name}: {summary.completed} turns answered, {summary.failed} failed; TTFT p50 "
+              f"per turn (ms): {[round(t) for t in summary.turn_ttft_p50()]}")
+    return results
 
 
 def _table(results: dict, agents: int) -> tuple[list[str], dict]:
@@ -113,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. --no-repack")
     ap.add_argument("--kvserve-args", default="", help="extra kvserve serve flags")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--sequential", action="store_true",
+                    help="one server after the other, agents running freely (see above)")
     args = ap.parse_args(argv)
     binary = args.llama_server or find_llama_server()
     if binary is None or not binary.exists():
@@ -138,18 +226,25 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"isa": isa(), "date": time.strftime("%Y-%m-%d"), "threads": threads,
                      "args": {k: str(v) for k, v in vars(args).items()},
                      "commands": {"llama-server": llama_cmd, "kvserve": kv_cmd}}
-    port = free_port()
-    with serving_process(llama_cmd + ["--port", str(port)], port,
-                         out / "llama-server.log") as url:
-        results["llama-server"] = _bench(url, "llama-server", args, out, "--ttft-at",
-                                         "first-chunk")
-    port = free_port()
-    with serving_process(kv_cmd + ["--port", str(port)], port, out / "kvserve.log") as url:
-        results["kvserve"] = _bench(url, "kvserve", args, out)
+    results["mode"] = "sequential" if args.sequential else "interleaved by turn"
+    lport, kport = free_port(), free_port()
+    llama = serving_process(llama_cmd + ["--port", str(lport)], lport, out / "llama-server.log")
+    kv = serving_process(kv_cmd + ["--port", str(kport)], kport, out / "kvserve.log")
+    if args.sequential:
+        with llama as url:
+            results["llama-server"] = _bench(url, "llama-server", args, out, "--ttft-at",
+                                             "first-chunk")
+        with kv as url:
+            results["kvserve"] = _bench(url, "kvserve", args, out)
+    else:
+        with llama as lurl, kv as kurl:
+            results |= asyncio.run(_interleaved({"llama-server": lurl, "kvserve": kurl}, args,
+                                                out))
     lines, figures = _table(results, args.agents)
     results["figures"] = figures
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    title = (f"Agent workload, {args.agents} concurrent agents x {args.turns} turns "
+    title = (f"Agent workload ({results['mode']}), {args.agents} concurrent agents x "
+             f"{args.turns} turns "
              f"(~{args.tools_len}-token tools, {args.tool_result_len}-token tool results, "
              f"max_tokens {args.max_tokens}), {isa()}, {threads} threads, "
              f"{time.strftime('%Y-%m-%d')}")
