@@ -78,6 +78,15 @@ def serving_process(cmd: list[str], port: int, log_path: Path,
             proc.wait()
 
 
+def find_llama_server() -> Path | None:
+    """The llama-server that benchmarks/vs_llamacpp.sh builds (in $KVSERVE_LLAMACPP_DIR, default
+    ~/.cache/kvserve/llamacpp), or None."""
+    cache = Path(os.environ.get("KVSERVE_LLAMACPP_DIR",
+                                Path.home() / ".cache" / "kvserve" / "llamacpp"))
+    found = sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+    return found[-1] if found else None
+
+
 def bench(url: str, out: Path, name: str, *args: str) -> int:
     argv = ["bench", "serve", "--base-url", url, "--json", str(out / f"{name}.json"), *args]
     print(f"\n$ kvserve {' '.join(argv)}", flush=True)

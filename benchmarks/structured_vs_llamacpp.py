@@ -36,7 +36,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving import serving_process  # noqa: E402
+from benchmarks.serving import find_llama_server, serving_process  # noqa: E402
 from benchmarks.startup_time import free_port, isa  # noqa: E402
 
 SCHEMA = {
@@ -63,13 +63,6 @@ def _body(model: str, i: int, max_tokens: int) -> dict:
     return {"model": model, "messages": _messages(i), "max_tokens": max_tokens,
             "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
                 "name": "people", "strict": True, "schema": SCHEMA}}}
-
-
-def _find_llama_server() -> Path | None:
-    cache = Path(os.environ.get("KVSERVE_LLAMACPP_DIR",
-                                Path.home() / ".cache" / "kvserve" / "llamacpp"))
-    found = sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
-    return found[-1] if found else None
 
 
 async def _run(url: str, n: int, concurrency: int, max_tokens: int, label: str) -> dict:
@@ -128,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. --no-repack")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    binary = args.llama_server or _find_llama_server()
+    binary = args.llama_server or find_llama_server()
     if binary is None or not binary.exists():
         print("llama-server not found: run `bash benchmarks/vs_llamacpp.sh` once to build it, "
               "or pass --llama-server PATH", file=sys.stderr)

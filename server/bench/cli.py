@@ -80,13 +80,17 @@ def _run_kv_calc(args: argparse.Namespace) -> int:
 
 def _add_common_workload(p: argparse.ArgumentParser, *, chat: bool) -> None:
     g = p.add_argument_group("workload")
-    choices = ["random", "shared-prefix", "copy"] + (["multi-turn"] if chat else [])
+    choices = ["random", "shared-prefix", "copy"] + (["multi-turn", "agent"] if chat else [])
     g.add_argument("--workload", choices=choices, default="random",
                    help="random prompts; K groups behind a common prefix; copy: a passage and "
                         "its beginning again, so the answer copies the prompt (input-grounded)"
-                        + ("; multi-turn chat resending the conversation" if chat else ""))
+                        + ("; multi-turn chat resending the conversation; agent: tool loops, "
+                           "the same function tools on every turn of every conversation and "
+                           "a growing history of scripted tool calls and results" if chat
+                           else ""))
     g.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=64,
-                   help="requests in the run (multi-turn: conversations x turns) (default 64)")
+                   help="requests in the run (multi-turn, agent: conversations x turns) "
+                        "(default 64)")
     g.add_argument("--input-len", type=int, default=280,
                    help="prompt tokens per request, excluding any shared prefix (default 280)")
     g.add_argument("--output-len", type=_csv_ints, default=[64],
@@ -131,8 +135,24 @@ def _add_serve(sub: Any) -> None:
                    help="send only OpenAI's own fields (no ignore_eos, no stream_options) and "
                         "count output tokens from the stream")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--ttft-at", choices=["token", "first-chunk"], default="token",
+                   help="token (default): TTFT at the first chunk carrying a token (its text, "
+                        "or its logprob: agent requests ask for logprobs, as a tool call's text "
+                        "comes only once the call is whole); first-chunk: at the stream's first "
+                        "chunk, and no logprobs asked, for servers that send that chunk with the "
+                        "first token and refuse logprobs with tools in a stream (llama-server)")
     _add_common_workload(p, chat=True)
-    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--num-turns", type=int, default=4,
+                   help="multi-turn, agent: turns per conversation (default 4)")
+    a = p.add_argument_group("agent workload (--input-len: the user's task; --output-len: "
+                             "max_tokens of every turn)")
+    a.add_argument("--tools-len", type=int, default=2000,
+                   help="tokens of function tools' JSON sent with every turn (default 2000)")
+    a.add_argument("--tool-result-len", type=int, default=150,
+                   help="tokens of each scripted tool result (default 150)")
+    a.add_argument("--tool-choice", choices=["auto", "none", "required"], default="auto",
+                   help="tool_choice of every turn (default auto; kvserve refuses auto when "
+                        "started with --no-enable-auto-tool-choice)")
     g = p.add_argument_group("arrivals")
     g.add_argument("--concurrency", type=_csv_ints, default=None,
                    help="max requests in flight; a comma list sweeps it (default: all at once)")

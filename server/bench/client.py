@@ -13,6 +13,13 @@ for no usage, for servers that reject unknown fields (llama.cpp's server, transf
 The stream's count is then exact for servers that send one chunk per token; it leaves out an EOS
 token (which has no text, though usage counts it) and counts a chunk that releases held-back text
 of several tokens as one.
+
+TTFT is the time to the first chunk that carries a token. A chat request with tools asks for
+``logprobs`` for it: a server holds back the text of a tool call until the call is whole, but
+sends each token's logprob as it is made (kvserve does). ``ttft_first_chunk`` takes TTFT at the
+stream's first chunk instead and asks no logprobs, for a server that sends its first chunk
+only with the first token and refuses logprobs with tools in a stream (llama-server; kvserve
+sends its opening chunk before the prompt is computed, so it needs the default).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class ClientConfig:
     openai_only: bool = False
     timeout: float = 600.0
     temperature: float = 0.0
+    ttft_first_chunk: bool = False  # TTFT at the stream's first chunk, not its first token
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -72,11 +80,12 @@ class BenchClient:
         resp.raise_for_status()
         return [m["id"] for m in resp.json().get("data", [])]
 
-    def _payload(self, max_tokens: int) -> dict[str, Any]:
+    def _payload(self, max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.cfg.model, "max_tokens": max_tokens,
                                 "temperature": self.cfg.temperature, "stream": True}
         if not self.cfg.openai_only:
-            body["ignore_eos"] = True  # fixed output lengths make runs comparable
+            if ignore_eos:
+                body["ignore_eos"] = True  # fixed output lengths make runs comparable
             body["stream_options"] = {"include_usage": True}
         return body
 
@@ -86,9 +95,19 @@ class BenchClient:
         return await self._stream("/v1/completions", body, chat=False,
                                   expected=expected_prompt_tokens)
 
-    async def chat(self, messages: list[dict[str, str]], max_tokens: int,
-                   expected_prompt_tokens: int = 0) -> RequestRecord:
-        body = self._payload(max_tokens) | {"messages": messages}
+    async def chat(self, messages: list[dict[str, Any]], max_tokens: int,
+                   expected_prompt_tokens: int = 0, tools: list[dict[str, Any]] | None = None,
+                   tool_choice: str | None = None) -> RequestRecord:
+        """With ``tools``: sent with ``tool_choice``, and with ``logprobs`` so that the first
+        token comes in a chunk of its own even when the server holds back its text (a tool
+        call is streamed once whole); no ``ignore_eos`` (the output may end with a call)."""
+        body = self._payload(max_tokens, ignore_eos=tools is None) | {"messages": messages}
+        if tools is not None:
+            body["tools"] = tools
+            if not self.cfg.ttft_first_chunk:
+                body["logprobs"] = True
+            if tool_choice is not None:
+                body["tool_choice"] = tool_choice
         return await self._stream("/v1/chat/completions", body, chat=True,
                                   expected=expected_prompt_tokens)
 
@@ -114,6 +133,8 @@ class BenchClient:
                         done = True
                         break
                     now = time.perf_counter()
+                    if self.cfg.ttft_first_chunk and rec.ttft is None:
+                        rec.ttft = now - start
                     obj = json.loads(data)
                     if obj.get("error"):
                         rec.error = f"stream error: {_error_message(obj)}"
@@ -129,7 +150,8 @@ class BenchClient:
                         parts.append(text)
                         rec.stream_tokens += ntok
                         if last_token_time is None:
-                            rec.ttft = now - start
+                            if rec.ttft is None:
+                                rec.ttft = now - start
                         else:
                             rec.itl.append(now - last_token_time)
                         last_token_time = now

@@ -4,7 +4,9 @@ A run is a sweep over the points asked for (prefix lengths x output lengths x co
 request rates); each point sends exactly ``num_requests`` requests (bounded: no retries, every
 request has a timeout) and yields a ``RunSummary``. Sessions start at their arrival time (all at
 once, or a Poisson process); ``concurrency`` caps the requests in flight. A multi-turn session
-sends its turns one after another, each resending the conversation with the previous answers.
+sends its turns one after another, each resending the conversation with the previous answers;
+an agent session (workload ``agent``) sends its tools with every turn and appends each turn's
+scripted messages (a tool call and its result) instead of the model's answers.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class Point:
                 "output_len": w.output_len, "prefix_len": w.prefix_len if w.kind ==
                 "shared-prefix" else 0, "num_groups": w.num_groups, "num_turns": w.num_turns,
                 "range_ratio": w.range_ratio, "concurrency": self.concurrency,
-                "request_rate": self.request_rate, "seed": w.seed}
+                "request_rate": self.request_rate, "seed": w.seed} | (
+                    {"tools_len": w.tools_len, "tool_result_len": w.tool_result_len,
+                     "tool_choice": w.tool_choice} if w.kind == "agent" else {})
 
 
 async def run_point(client: BenchClient, sessions: list[Session], arrivals: list[float],
@@ -72,7 +76,7 @@ async def run_point(client: BenchClient, sessions: list[Session], arrivals: list
         if delay > 0:
             await asyncio.sleep(delay)
         records: list[RequestRecord] = []
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         for i, turn in enumerate(session.turns):
             if records and not records[-1].ok:
                 # A conversation cannot continue past a failed answer; count the rest as failed.
@@ -86,7 +90,14 @@ async def run_point(client: BenchClient, sessions: list[Session], arrivals: list
             if sem is not None:
                 await sem.acquire()
             try:
-                if session.chat:
+                if session.tools is not None:
+                    messages.extend(turn.messages or ())
+                    expected = session.tools_tokens + sum(t.prompt.num_tokens
+                                                          for t in session.turns[:i + 1])
+                    rec = await client.chat(messages, turn.max_tokens, expected,
+                                            tools=session.tools,
+                                            tool_choice=session.tool_choice)
+                elif session.chat:
                     messages.append({"role": "user", "content": turn.prompt.text})
                     expected = sum(t.prompt.num_tokens + t.max_tokens
                                    for t in session.turns[:i]) + turn.prompt.num_tokens
@@ -98,6 +109,8 @@ async def run_point(client: BenchClient, sessions: list[Session], arrivals: list
             finally:
                 if sem is not None:
                     sem.release()
+            if session.chat:
+                rec.turn = i
             records.append(rec)
             if progress is not None:
                 progress.update(1)
@@ -121,9 +134,16 @@ def build_points(args: argparse.Namespace) -> list[Point]:
                                        range_ratio=args.range_ratio, prefix_len=prefix,
                                        num_groups=args.num_groups,
                                        num_turns=getattr(args, "num_turns", 1),
-                                       seed=derive_seed(args.seed, "point", len(points)))
+                                       seed=derive_seed(args.seed, "point", len(points)),
+                                       **_agent_fields(args))
                     points.append(Point(w, conc, rate))
     return points
+
+
+def _agent_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The agent workload's WorkloadConfig fields that the command line gives (serve only)."""
+    return {k: getattr(args, k) for k in ("tools_len", "tool_result_len", "tool_choice")
+            if getattr(args, k, None) is not None}
 
 
 def _yardstick(args: argparse.Namespace, model: str, log: Any) -> tuple[Any, Any]:
@@ -192,7 +212,8 @@ async def _run_all(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         model = args.model or (await c.list_models() or [""])[0]
     if not model:
         raise ValueError("the server lists no model; give --model")
-    cfg = ClientConfig(args.base_url, model, args.api_key, args.openai_only, args.timeout)
+    cfg = ClientConfig(args.base_url, model, args.api_key, args.openai_only, args.timeout,
+                       ttft_first_chunk=getattr(args, "ttft_at", "token") == "first-chunk")
     label = args.label or f"{model} @ {args.base_url}"
     shape, peak = _yardstick(args, model, log)
     summaries: list[RunSummary] = []
@@ -225,6 +246,7 @@ async def _run_all(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     return {"tool": "kvserve bench serve", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": machine_info(), "base_url": args.base_url, "model": model,
             "openai_only": args.openai_only, "label": label, "seed": args.seed,
+            "ttft_at": getattr(args, "ttft_at", "token"),
             "matmul_peak": None if peak is None else vars(peak) | {"shape": list(peak.shape)},
             "runs": [s.to_dict() for s in summaries]}
 
@@ -233,6 +255,8 @@ def _describe(p: Point) -> str:
     parts = [p.workload.kind]
     if p.workload.kind == "shared-prefix":
         parts.append(f"prefix={p.workload.prefix_len}")
+    if p.workload.kind == "agent":
+        parts.append(f"tools={p.workload.tools_len} turns={p.workload.num_turns}")
     parts.append(f"out={p.workload.output_len}")
     if p.concurrency:
         parts.append(f"c={p.concurrency}")

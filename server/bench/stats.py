@@ -71,6 +71,7 @@ class RequestRecord:
     expected_prompt_tokens: int = 0
     max_tokens: int = 0
     text: str = ""
+    turn: int | None = None  # the turn's index in its conversation (chat workloads)
 
     @property
     def e2e(self) -> float:
@@ -105,6 +106,11 @@ class RunSummary:
     itl_ms: Distribution
     e2e_ms: Distribution
     efficiency: dict[str, Any] | None = None
+    per_turn: list[dict[str, Any]] | None = None
+
+    def turn_ttft_p50(self) -> list[float]:
+        """TTFT p50 (ms) of each turn index; empty for a run without turns."""
+        return [t["ttft_ms"]["p50"] for t in self.per_turn or []]
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(asdict(self))
@@ -129,7 +135,31 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, label: str,
         ttft_ms=Distribution.of_seconds([r.ttft for r in ok if r.ttft is not None]),
         tpot_ms=Distribution.of_seconds([t for r in ok if (t := r.tpot) is not None]),
         itl_ms=Distribution.of_seconds([x for r in ok for x in r.itl]),
-        e2e_ms=Distribution.of_seconds([r.e2e for r in ok]))
+        e2e_ms=Distribution.of_seconds([r.e2e for r in ok]),
+        per_turn=per_turn(records))
+
+
+def per_turn(records: Sequence[RequestRecord]) -> list[dict[str, Any]] | None:
+    """Per turn index of the conversations (None when no record has more than turn 0): the
+    successful requests, their TTFT, and the mean prompt and prefix-cached tokens the server
+    reported (None where it reported none)."""
+    turns = sorted({r.turn for r in records if r.turn is not None})
+    if not turns or turns == [0]:
+        return None
+    out = []
+    for t in turns:
+        ok = [r for r in records if r.ok and r.turn == t]
+        prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+        cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+        out.append({"turn": t, "completed": len(ok),
+                    "failed": sum(1 for r in records if not r.ok and r.turn == t),
+                    "ttft_ms": asdict(Distribution.of_seconds(
+                        [r.ttft for r in ok if r.ttft is not None])),
+                    "prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else None,
+                    "cached_tokens_mean": sum(cached) / len(cached) if cached else None,
+                    "output_tokens_mean": (sum(r.output_tokens for r in ok) / len(ok)
+                                           if ok else None)})
+    return out
 
 
 def format_summary(s: RunSummary) -> str:
@@ -160,6 +190,16 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"{'Matmul peak (GFLOP/s, ' + e['peak_dtype'] + '):':<34}"
                      f"{e['peak_gflops']:>16.1f}")
         lines.append(f"{'Efficiency:':<34}{e['efficiency'] * 100:>15.1f}%")
+    if s.per_turn:
+        lines.append(" Per turn (TTFT p50, mean tokens) ".center(w, "-"))
+        lines.append(f"{'turn':>4}{'n':>5}{'TTFT p50 (ms)':>15}{'prompt':>9}{'cached':>9}"
+                     f"{'out':>8}")
+        for t in s.per_turn:
+            nums = [f"{v:>9.0f}" if (v := t[k]) is not None else f"{'-':>9}"
+                    for k in ("prompt_tokens_mean", "cached_tokens_mean")]
+            out = "-" if t["output_tokens_mean"] is None else f"{t['output_tokens_mean']:.1f}"
+            lines.append(f"{t['turn']:>4}{t['completed']:>5}{t['ttft_ms']['p50']:>15.1f}"
+                         f"{''.join(nums)}{out:>8}")
     if s.errors:
         lines.append(" Errors ".center(w, "-"))
         lines.extend(f"  {err}" for err in s.errors[:5])

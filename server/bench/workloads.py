@@ -1,6 +1,8 @@
-"""Benchmark workloads: random prompts, shared-prefix groups, multi-turn chats, and ``copy``
+"""Benchmark workloads: random prompts, shared-prefix groups, multi-turn chats, ``copy``
 (input-grounded: a passage, then its first part again, so the answer continues copying the
-prompt, the case speculative decoding's n-gram lookup is for).
+prompt, the case speculative decoding's n-gram lookup is for), and ``agent`` (tool loops: every
+conversation sends the same ~``tools_len`` tokens of function tools, then a growing history of
+scripted tool calls and their results; see ``build_agent_sessions``).
 
 Prompts are random sequences of common English words. With a tokenizer, a prompt is cut to
 exactly the asked number of tokens (``Prompt.token_ids``) and its text is the decoding of those
@@ -11,12 +13,14 @@ seeded ``random.Random``, so a seed reproduces the same workload.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-KINDS = ("random", "shared-prefix", "multi-turn", "copy")
+KINDS = ("random", "shared-prefix", "multi-turn", "copy", "agent")
+TOOL_CHOICES = ("auto", "none", "required")
 
 _WORDS = """the of and to in is was that for on are with as his they be at one have this from or
 had by word but what some we can out other were all there when up use your how said an each she
@@ -56,7 +60,9 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """What to send. Lengths are tokens; ``prefix_len`` counts only for ``shared-prefix``."""
+    """What to send. Lengths are tokens; ``prefix_len`` counts only for ``shared-prefix``;
+    ``tools_len`` (the function tools' JSON), ``tool_result_len`` (each scripted tool result)
+    and ``tool_choice`` only for ``agent``."""
 
     kind: str = "random"
     num_requests: int = 64
@@ -67,11 +73,18 @@ class WorkloadConfig:
     num_groups: int = 4
     num_turns: int = 4
     seed: int = 0
+    tools_len: int = 2000
+    tool_result_len: int = 150
+    tool_choice: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"workload must be one of {', '.join(KINDS)}; got {self.kind!r}")
-        for name in ("num_requests", "input_len", "output_len", "num_groups", "num_turns"):
+        if self.tool_choice not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; "
+                             f"got {self.tool_choice!r}")
+        for name in ("num_requests", "input_len", "output_len", "num_groups", "num_turns",
+                     "tools_len", "tool_result_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.prefix_len < 0:
@@ -97,11 +110,14 @@ class Prompt:
 
 @dataclass
 class RequestSpec:
-    """One request: the whole prompt (completions) or this turn's user message (chat)."""
+    """One request: the whole prompt (completions) or this turn's user message (chat). An agent
+    turn appends ``messages`` to the conversation instead (its ``prompt`` is then the text of
+    the newest of them, for the token estimate)."""
 
     prompt: Prompt
     max_tokens: int
     group: int | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -112,6 +128,9 @@ class Session:
     index: int
     turns: list[RequestSpec] = field(default_factory=list)
     chat: bool = False
+    tools: list[dict[str, Any]] | None = None  # agent: sent with every turn
+    tool_choice: str | None = None
+    tools_tokens: int = 0  # the tools' JSON, in tokens (an estimate without a tokenizer)
 
 
 class PromptMaker:
@@ -184,6 +203,8 @@ class PromptMaker:
 def build_sessions(cfg: WorkloadConfig, tokenizer: Tokenizer | None) -> list[Session]:
     """The sessions of a run; their turns add up to exactly ``cfg.num_requests`` requests."""
     maker = PromptMaker(tokenizer, cfg.seed)
+    if cfg.kind == "agent":
+        return build_agent_sessions(cfg, maker)
     if cfg.kind in ("random", "copy"):
         make = maker.make if cfg.kind == "random" else maker.make_copy
         return [Session(i, [RequestSpec(make(maker.length(cfg.input_len, cfg.range_ratio)),
@@ -209,6 +230,141 @@ def build_sessions(cfg: WorkloadConfig, tokenizer: Tokenizer | None) -> list[Ses
                         maker.length(cfg.output_len, cfg.range_ratio)) for _ in range(turns)],
             chat=True))
         remaining -= turns
+    return sessions
+
+
+AGENT_SYSTEM = ("You are an agent that completes the user's task with the tools below. Call one "
+                "tool at a time, read its result, then decide the next call; answer in text "
+                "only when the task is done.")
+
+
+def _words(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choices(_WORDS, k=rng.randint(lo, hi)))
+
+
+def _property(rng: random.Random, kind: str, depth: int = 0) -> dict[str, Any]:
+    """One parameter's JSON schema of ``kind``; ``object`` and ``array`` nest (once)."""
+    desc = _words(rng, 6, 14).capitalize() + "."
+    if kind == "string":
+        return {"type": "string", "description": desc}
+    if kind == "integer":
+        lo = rng.randint(0, 10)
+        return {"type": "integer", "description": desc, "minimum": lo,
+                "maximum": lo + rng.randint(10, 1000)}
+    if kind == "number":
+        return {"type": "number", "description": desc}
+    if kind == "boolean":
+        return {"type": "boolean", "description": desc}
+    if kind == "enum":
+        return {"type": "string", "description": desc,
+                "enum": sorted(set(rng.choices(_WORDS, k=rng.randint(3, 6))))}
+    inner_kinds = ["string", "integer", "boolean", "enum"] + (["object"] if depth == 0 else [])
+    props = {f"{w}_{i}": _property(rng, rng.choice(inner_kinds), depth + 1)
+             for i, w in enumerate(rng.sample(_WORDS, rng.randint(2, 3)))}
+    obj = {"type": "object", "description": desc, "properties": props,
+           "required": sorted(props)[:1]}
+    if kind == "array":
+        return {"type": "array", "description": desc, "items": obj,
+                "maxItems": rng.randint(2, 20)}
+    return obj
+
+
+_KINDS_REQUIRED = ("string", "integer", "enum")
+_KINDS_OPTIONAL = ("string", "integer", "number", "boolean", "enum", "object", "array")
+
+
+def make_tool(rng: random.Random, index: int) -> dict[str, Any]:
+    """One OpenAI function tool: a description and 3-5 parameters, the first two required
+    (simple types, which ``tool_arguments`` fills), the others of any kind, objects nested."""
+    name = f"{rng.choice(_WORDS)}_{rng.choice(_WORDS)}_{index}"
+    kinds = [rng.choice(_KINDS_REQUIRED) for _ in range(2)] + [
+        rng.choice(_KINDS_OPTIONAL) for _ in range(rng.randint(1, 3))]
+    props = {f"{w}_{i}": _property(rng, k)
+             for i, (w, k) in enumerate(zip(rng.sample(_WORDS, len(kinds)), kinds, strict=True))}
+    return {"type": "function", "function": {
+        "name": name, "description": _words(rng, 15, 30).capitalize() + ".",
+        "parameters": {"type": "object", "properties": props, "required": list(props)[:2]}}}
+
+
+def tools_text(tools: list[dict[str, Any]]) -> str:
+    """The tools as kvserve's default tool prompt lists them: one JSON object a line."""
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+
+
+def count_tokens(text: str, tokenizer: Tokenizer | None) -> int:
+    """Exact with a tokenizer, else an estimate of 4 characters a token."""
+    return len(tokenizer.encode(text)) if tokenizer is not None else max(1, len(text) // 4)
+
+
+def make_tools(rng: random.Random, num_tokens: int, tokenizer: Tokenizer | None
+               ) -> list[dict[str, Any]]:
+    """Function tools whose JSON (``tools_text``) holds about ``num_tokens`` tokens: tools are
+    added while the total stays nearer to it than without the next one."""
+    tools = [make_tool(rng, 0)]
+    size = count_tokens(tools_text(tools), tokenizer)
+    while size < num_tokens:
+        more = tools + [make_tool(rng, len(tools))]
+        more_size = count_tokens(tools_text(more), tokenizer)
+        if more_size - num_tokens > num_tokens - size:
+            break
+        tools, size = more, more_size
+    return tools
+
+
+def tool_arguments(rng: random.Random, tool: dict[str, Any]) -> dict[str, Any]:
+    """Values for the tool's required parameters, valid for their schemas."""
+    params = tool["function"]["parameters"]
+    args: dict[str, Any] = {}
+    for name in params["required"]:
+        schema = params["properties"][name]
+        if "enum" in schema:
+            args[name] = rng.choice(schema["enum"])
+        elif schema["type"] == "integer":
+            args[name] = rng.randint(schema["minimum"], schema["maximum"])
+        else:
+            args[name] = _words(rng, 2, 5)
+    return args
+
+
+def build_agent_sessions(cfg: WorkloadConfig, maker: PromptMaker) -> list[Session]:
+    """Agent conversations of ``cfg.num_turns`` requests each (``cfg.num_requests`` in all).
+
+    Every conversation gets the same tools (``make_tools``, ~``cfg.tools_len`` tokens) and the
+    same system prompt (``AGENT_SYSTEM``): the prefix all agents share. Turn 0 adds that system
+    message and a user task of ``cfg.input_len`` tokens; turn k > 0 adds a scripted assistant
+    message calling one of the tools (OpenAI shape: ``tool_calls`` with an id, arguments as
+    JSON text) and the ``tool`` message answering it (``cfg.tool_result_len`` tokens). The
+    model's own answers are not kept, so the history, and each turn's prompt, is the same for
+    any server and run with the seed."""
+    rng = maker.rng
+    tools = make_tools(rng, cfg.tools_len, maker.tokenizer)
+    tools_tokens = count_tokens(tools_text(tools), maker.tokenizer)
+    sessions: list[Session] = []
+    remaining = cfg.num_requests
+    while remaining > 0:
+        index = len(sessions)
+        turns: list[RequestSpec] = []
+        for k in range(min(cfg.num_turns, remaining)):
+            out_len = maker.length(cfg.output_len, cfg.range_ratio)
+            if k == 0:
+                task = maker.make(maker.length(cfg.input_len, cfg.range_ratio))
+                messages = [{"role": "system", "content": AGENT_SYSTEM},
+                            {"role": "user", "content": "Task:" + task.text}]
+                turns.append(RequestSpec(task, out_len, messages=messages))
+                continue
+            tool = rng.choice(tools)
+            call_id = f"call_{index}_{k}"
+            result = maker.make(maker.length(cfg.tool_result_len, cfg.range_ratio))
+            messages = [
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": call_id, "type": "function", "function": {
+                        "name": tool["function"]["name"],
+                        "arguments": json.dumps(tool_arguments(rng, tool))}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "Result:" + result.text}]
+            turns.append(RequestSpec(result, out_len, messages=messages))
+        sessions.append(Session(index, turns, chat=True, tools=tools,
+                                tool_choice=cfg.tool_choice, tools_tokens=tools_tokens))
+        remaining -= len(turns)
     return sessions
 
 

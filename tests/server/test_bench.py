@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -17,12 +18,20 @@ import pytest
 
 from engine.kv_cache.kv_calc import ModelShape, resolve_shape
 from server.bench.client import BenchClient, ClientConfig
-from server.bench.stats import Distribution, RequestRecord, percentile, summarize
+from server.bench.stats import (
+    Distribution,
+    RequestRecord,
+    format_summary,
+    percentile,
+    summarize,
+)
 from server.bench.workloads import (
     PromptMaker,
     WorkloadConfig,
     build_sessions,
+    load_tokenizer,
     poisson_arrivals,
+    tools_text,
 )
 from server.bench.yardstick import request_flops, run_flops
 
@@ -104,6 +113,94 @@ def test_workloads_have_the_asked_shape():
     assert again.text == PromptMaker(None, 5).make(12).text and len(again.text.split()) == 12
 
 
+@pytest.fixture(scope="module")
+def smol_tok():
+    """The embedded model's tokenizer: the one the agent workload is sized with by default."""
+    return load_tokenizer(None)
+
+
+def _agent_requests(session) -> list[dict]:
+    """Each turn's chat request body as run_point sends it: the conversation so far."""
+    messages, bodies = [], []
+    for turn in session.turns:
+        messages = messages + turn.messages
+        bodies.append({"model": "m", "messages": messages, "tools": session.tools,
+                       "tool_choice": session.tool_choice, "max_tokens": turn.max_tokens,
+                       "stream": True, "logprobs": True})
+    return bodies
+
+
+def test_agent_workload_shape_and_determinism(smol_tok):
+    import jsonschema
+
+    from server.protocol import ChatCompletionRequest
+
+    cfg = WorkloadConfig("agent", num_requests=8, num_turns=3, input_len=20, output_len=4,
+                         tool_result_len=60, seed=3)
+    sessions = build_sessions(cfg, smol_tok)
+    assert [len(s.turns) for s in sessions] == [3, 3, 2] and all(s.chat for s in sessions)
+    tools = sessions[0].tools
+    # The shared prefix: every conversation sends the same tools, ~2,000 tokens of JSON.
+    assert all(s.tools == tools and s.tool_choice == "auto" for s in sessions)
+    assert len(tools) >= 4 and len({t["function"]["name"] for t in tools}) == len(tools)
+    size = len(smol_tok.encode(tools_text(tools)))
+    assert sessions[0].tools_tokens == size and 1700 <= size <= 2300
+    assert any(p["type"] == "object" for t in tools
+               for p in t["function"]["parameters"]["properties"].values())  # nested
+    # The same seed gives the same workload; another seed other tools and tasks.
+    dump = json.dumps([[t.messages for t in s.turns] for s in sessions])
+    assert dump == json.dumps([[t.messages for t in s.turns]
+                               for s in build_sessions(cfg, smol_tok)])
+    other = build_sessions(WorkloadConfig(**{**vars(cfg), "seed": 4}), smol_tok)
+    assert other[0].tools != tools
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for s in sessions:
+        first = s.turns[0].messages
+        assert [m["role"] for m in first] == ["system", "user"]
+        assert len({s2.turns[0].messages[1]["content"] for s2 in sessions}) == len(sessions)
+        for k, turn in enumerate(s.turns[1:], 1):
+            call, result = turn.messages
+            [tc] = call["tool_calls"]
+            assert call["role"] == "assistant" and result["role"] == "tool"
+            assert tc["id"] == result["tool_call_id"] == f"call_{s.index}_{k}"
+            jsonschema.validate(json.loads(tc["function"]["arguments"]),
+                                by_name[tc["function"]["name"]])
+            assert len(smol_tok.encode(result["content"])) == pytest.approx(62, abs=2)
+        for body in _agent_requests(s):  # what the chat endpoint accepts, tools and history
+            req = ChatCompletionRequest.model_validate(body)
+            assert req.tool_set.choice == "auto" and len(req.tool_set.tools) == len(tools)
+
+
+def test_agent_prompts_grow_by_their_turn_on_kvserve_and_the_llamacpp_template(smol_tok):
+    """kvserve's default tool prompt makes each turn's prompt the previous one plus the new
+    messages (the prefix cache's case), and benchmarks/chatml_tools.jinja, which llama-server
+    gets in benchmarks/agents_vs_llamacpp.py, renders exactly the same text."""
+    from engine.chat_template import render_chat
+    from server.protocol import ChatCompletionRequest
+    from server.tools.formats import HERMES
+    from server.tools.prompt import tool_conversation
+
+    template = (Path(__file__).resolve().parents[2] / "benchmarks" /
+                "chatml_tools.jinja").read_text()
+    [session] = build_sessions(WorkloadConfig("agent", num_requests=3, num_turns=3,
+                                              input_len=20, output_len=4, tool_result_len=40,
+                                              tools_len=300, seed=1), smol_tok)
+    previous = None
+    for body in _agent_requests(session):
+        req = ChatCompletionRequest.model_validate(body)
+        msgs, kwargs = tool_conversation(req.conversation(), req.tool_set.openai_tools(),
+                                         HERMES, native=False)
+        text, ids = render_chat(smol_tok.tok, msgs, add_generation_prompt=True,
+                                template_kwargs=kwargs)
+        theirs = smol_tok.tok.apply_chat_template(body["messages"], tools=body["tools"],
+                                                  chat_template=template, tokenize=False,
+                                                  add_generation_prompt=True)
+        assert theirs == text
+        if previous is not None:  # the last prompt, its assistant opening included
+            assert text.startswith(previous) and len(text) > len(previous)
+        previous = text
+
+
 def test_poisson_arrivals():
     assert poisson_arrivals(4, None, 0) == [0.0] * 4
     times = poisson_arrivals(2000, 10.0, 3)
@@ -165,6 +262,54 @@ def test_client_openai_only_sends_only_openai_fields_and_counts_the_stream():
     assert rec.usage_completion_tokens is None
     assert set(seen[0]) <= OPENAI_COMPLETION_FIELDS | {"messages"}
     assert "ignore_eos" not in seen[0] and "stream_options" not in seen[0]
+
+
+def test_client_agent_turns_ask_for_logprobs_or_time_the_first_chunk():
+    def handler(_req):
+        return httpx.Response(200, content=_sse(
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]},
+            {"choices": [{"index": 0, "delta": {}, "logprobs": {"content": [{"token": "<"}]}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2,
+                                      "prompt_tokens_details": {"cached_tokens": 8}}},
+            "[DONE]"))
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+
+    async def go(first_chunk: bool):
+        seen = []
+
+        def capture(request):
+            seen.append(json.loads(request.content))
+            return handler(request)
+
+        cfg = ClientConfig("http://127.0.0.1:1", "m", timeout=5, ttft_first_chunk=first_chunk)
+        async with BenchClient(cfg, transport=httpx.MockTransport(capture)) as c:
+            return await c.chat([{"role": "user", "content": "hi"}], 3, tools=tools,
+                                tool_choice="auto"), seen[0]
+
+    rec, body = asyncio.run(go(False))
+    assert rec.ok and rec.ttft is not None and rec.stream_tokens == 1  # the logprob chunk
+    assert (rec.prompt_tokens, rec.cached_tokens, rec.output_tokens) == (9, 8, 2)
+    assert body["tools"] == tools and body["tool_choice"] == "auto" and body["logprobs"]
+    assert "ignore_eos" not in body  # a turn may end with its call
+    rec2, body2 = asyncio.run(go(True))
+    assert rec2.ok and rec2.ttft is not None and "logprobs" not in body2
+
+
+def test_summary_per_turn():
+    recs = [RequestRecord(ok=True, start=0.0, end=1.0, ttft=t, prompt_tokens=p,
+                          cached_tokens=c, output_tokens=2, turn=k)
+            for k, t, p, c in ((0, 0.4, 100, 0), (0, 0.2, 100, 96), (1, 0.1, 150, 96))]
+    recs.append(RequestRecord(ok=False, start=0.0, end=0.0, turn=1, error="x"))
+    s = summarize(recs, 1.0, "x", {})
+    [t0, t1] = s.per_turn
+    assert (t0["completed"], t0["failed"], t1["completed"], t1["failed"]) == (2, 0, 1, 1)
+    assert t0["ttft_ms"]["p50"] == pytest.approx(300.0) and s.turn_ttft_p50()[1] == 100.0
+    assert (t0["prompt_tokens_mean"], t0["cached_tokens_mean"]) == (100, 48)
+    assert "Per turn" in format_summary(s)
+    assert summarize(recs[:2], 1.0, "x", {}).per_turn is None  # one turn: no table
 
 
 @pytest.mark.parametrize("response, why", [
@@ -262,6 +407,24 @@ def test_bench_serve_shared_prefix_multi_turn_and_openai_only(real_server, tmp_p
     assert rc == 0 and run["completed"] == 3 and run["output_tokens"] <= 12
     # Counted from the stream alone; at most one EOS token per request is in the server's count.
     assert 0 <= _generated(real_server) - before - run["output_tokens"] <= 3
+
+
+@pytest.mark.slow
+def test_bench_serve_agent_workload(real_server, tmp_path):
+    """Two agents, two turns each, against the real server: every turn is accepted with its
+    tools and history, the second turn finds the first one's prompt in the prefix cache."""
+    rc, res = _bench(real_server, tmp_path, "--workload", "agent", "--num-requests", "4",
+                     "--num-turns", "2", "--tools-len", "300", "--tool-result-len", "40",
+                     "--input-len", "16", "--output-len", "4", "--concurrency", "2",
+                     "--seed", "3", "--no-yardstick", name="agent")
+    [run] = res["runs"]
+    assert rc == 0 and (run["completed"], run["failed"]) == (4, 0)
+    assert run["params"]["tool_choice"] == "auto" and run["ttft_ms"]["n"] == 4
+    t0, t1 = run["per_turn"]
+    assert t0["completed"] == t1["completed"] == 2
+    assert 300 < t0["prompt_tokens_mean"] < t1["prompt_tokens_mean"] < 700
+    # Turn 1 resends turn 0's prompt: all its full blocks (16 tokens) are cache hits.
+    assert t1["cached_tokens_mean"] >= t0["prompt_tokens_mean"] - 16
 
 
 @pytest.mark.slow
