@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -68,13 +69,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     engine_config.node_rank)
         return run_worker_node(engine_config)
     from server.app import build_app, version
+    from server.listen import bind_socket
 
+    # The port first: a taken one fails now, not after loading the model (as vLLM does).
+    sock = bind_socket(settings.host, settings.port)
     logger.info("kvserve %s: loading %s", version(), engine_config.model or "the embedded model")
     from engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(engine_config, start=False)
     app = build_app(engine, settings)
-    status = run_server(app, engine, settings)
+    status = run_server(app, engine, settings, sock)
     if status == ENGINE_DIED_EXIT_STATUS:
         # Drained and stopped, but a dead engine can leave native threads wedged in a failed
         # collective (a hung tensor-parallel rank): the interpreter's teardown then aborts in
@@ -121,8 +125,10 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
                           limit_concurrency=settings.limit_concurrency)
 
 
-def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
-    """Serve until SIGINT/SIGTERM or until the engine dies; then refuse new work (503, also on
+def run_server(app: Any, engine: Any, settings: ServerSettings,
+               sock: socket.socket | None = None) -> int:
+    """Serve on ``sock`` (bound to ``settings.host:port`` here when not given; see
+    server/listen.py) until SIGINT/SIGTERM or until the engine dies; then refuse new work (503, also on
     /health), let requests in flight finish within ``settings.shutdown_timeout`` seconds
     counted once from the start of the drain, and stop the engine.
 
@@ -135,7 +141,10 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
     import uvicorn
 
     from server.app import begin_drain
+    from server.listen import bind_socket
 
+    if sock is None:
+        sock = bind_socket(settings.host, settings.port)
     warning = exposure_warning(settings)
     if warning:
         bar = "!" * 78
@@ -170,7 +179,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
     gc.collect()
     gc.freeze()
     if engine.is_healthy:  # already driven by its own thread: serve on this one
-        server.run()
+        server.run(sockets=[sock])
         return ENGINE_DIED_EXIT_STATUS if server.engine_died else 0
     # The engine steps on this (the main) thread, where OpenMP runs its parallel regions at
     # full speed (see AsyncEngine.claim_calling_thread); HTTP is served by a second thread.
@@ -185,7 +194,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
 
     def serve_http() -> None:
         try:
-            server.run()
+            server.run(sockets=[sock])
         except SystemExit as exc:  # e.g. the port is taken: uvicorn exits at start-up
             http_exit.append(exc.code)
         finally:
