@@ -28,9 +28,11 @@ from engine.chat_template import render_chat
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config_file import ServerSettings
+from server.connections import ConnectionTracker
 from server.errors import APIError, bad_request, install_error_handlers
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from server.overload import OverloadMiddleware
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -110,6 +112,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     # Added first = innermost: the API key is checked (and the request id set) before any body
     # is read.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size=settings.max_request_body_size)
+    # The connections' shared state (server/connections.py; given to uvicorn by run_server).
+    app.state.connections = ConnectionTracker(settings.header_timeout, settings.body_timeout,
+                                              settings.max_connections_per_client)
+    app.add_middleware(OverloadMiddleware, limit=settings.limit_concurrency,
+                       tracker=app.state.connections)
     app.add_middleware(RequestContextMiddleware, api_key=settings.api_key,
                        log_requests=not settings.disable_log_requests)
 

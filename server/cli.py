@@ -117,12 +117,18 @@ def exposure_warning(settings: ServerSettings) -> str | None:
 
 
 def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
+    """uvicorn's settings: h11 with kvserve's connection limits (server/connections.py, the
+    app's ``state.connections``); ``--limit-concurrency`` is the app's own (server/overload.py),
+    not uvicorn's, so that /health stays answerable at the limit."""
     import uvicorn
 
+    from server.connections import protocol_class
+
+    tracker = getattr(getattr(app, "state", None), "connections", None)
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                           log_level=settings.log_level, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=settings.shutdown_timeout,
-                          limit_concurrency=settings.limit_concurrency)
+                          http=protocol_class(tracker) if tracker is not None else "h11")
 
 
 def run_server(app: Any, engine: Any, settings: ServerSettings,
