@@ -7,8 +7,9 @@ validates and frames.
 
 Draining (:func:`begin_drain`, called on SIGTERM by ``run_server``): new requests get 503,
 ``/health`` answers 503, and the requests in flight may finish. The drain is bounded ONCE, by
-``shutdown_timeout`` counted from its start: uvicorn's graceful wait and the engine's final
-wait at lifespan shutdown share that one budget.
+``shutdown_timeout`` counted from its start: the server's graceful wait (server/graceful.py)
+and the engine's final wait at lifespan shutdown share that one budget; what still runs at its
+end is ended properly (:func:`end_drain`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def begin_drain(app: FastAPI) -> None:
     if ctx.draining_since is None:
         ctx.draining_since = time.monotonic()
     app.state.engine.begin_drain()
+
+
+def end_drain(app: FastAPI) -> int:
+    """The drain's budget is spent: every request still running ends now, a stream with its
+    endpoint's "abort" ending (chat and completions: a chunk with ``finish_reason: "abort"``)
+    and ``[DONE]``, a non-streaming request with a 503 (``shutting_down``). Returns how many
+    engine requests were aborted."""
+    ctx: ServingContext = app.state.ctx
+    begin_drain(app)
+    ctx.drain_expired = True
+    return app.state.engine.abort_all()
 
 
 def drain_time_left(app: FastAPI) -> float:

@@ -134,9 +134,10 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
 def run_server(app: Any, engine: Any, settings: ServerSettings,
                sock: socket.socket | None = None) -> int:
     """Serve on ``sock`` (bound to ``settings.host:port`` here when not given; see
-    server/listen.py) until SIGINT/SIGTERM or until the engine dies; then refuse new work (503, also on
-    /health), let requests in flight finish within ``settings.shutdown_timeout`` seconds
-    counted once from the start of the drain, and stop the engine.
+    server/listen.py) until SIGINT/SIGTERM or until the engine dies; then drain
+    (server/graceful.py): refuse new work (503, also on /health), let requests in flight finish
+    within ``settings.shutdown_timeout`` seconds counted once from the start of the drain, end
+    those still running properly, and stop the engine.
 
     Returns the process exit status: 0 after a signal, ``ENGINE_DIED_EXIT_STATUS`` when the
     engine loop died (a failed forward pass): the process must end non-zero so that a
@@ -144,9 +145,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings,
     """
     import gc
 
-    import uvicorn
-
-    from server.app import begin_drain
+    from server.graceful import GracefulServer
     from server.listen import bind_socket
 
     if sock is None:
@@ -156,29 +155,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings,
         bar = "!" * 78
         logger.warning("%s\n%s\n%s", bar, warning, bar)
 
-    class _Server(uvicorn.Server):
-        engine_died = False
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                logger.info("signal %d: draining requests in flight (up to %.0fs)", sig,
-                            settings.shutdown_timeout)
-            begin_drain(app)
-            super().handle_exit(sig, frame)
-
-        async def on_tick(self, counter: int) -> bool:
-            # Every 0.1 s on the server's loop: a dead engine can serve nothing again.
-            if not self.should_exit and not engine.is_healthy:
-                self.engine_died = True
-                logger.error("the engine died (%s): draining and exiting with status %d so "
-                             "that a supervisor restarts the server",
-                             engine.dead_reason or "its thread stopped",
-                             ENGINE_DIED_EXIT_STATUS)
-                begin_drain(app)
-                self.should_exit = True
-            return await super().on_tick(counter)
-
-    server = _Server(uvicorn_config(app, settings))
+    server = GracefulServer(uvicorn_config(app, settings), app, engine, settings)
     # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
     # process: frozen, the cyclic collector's scans skip them and look at per-request objects
     # only (~1.5% of a loaded CPU server's time went to collections; vLLM freezes likewise).
