@@ -134,7 +134,7 @@ def test_streams_still_running_at_the_budget_end_get_an_ending_and_done(tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
-    for (_, seen), (path, body) in zip(streams, bodies):
+    for (_, seen), (_path, body) in zip(streams, bodies, strict=True):
         events = parse_events("\n\n".join(seen) + "\n\n")
         assert events[-1] == "[DONE]"
         ends = [c for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
