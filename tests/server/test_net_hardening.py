@@ -4,11 +4,13 @@
 (slowloris) get a 408 and are closed; one address cannot hold more than
 ``--max-connections-per-client``; a client that stops reading is aborted after
 ``--stream-timeout`` and its KV blocks freed, though the kernel's buffers could take its
-whole stream. Every wait is bounded."""
+whole stream; SIGTERM mid-stream ends every stream with finish_reason "abort" and [DONE].
+Every wait is bounded."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from contextlib import ExitStack
@@ -16,6 +18,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from server.sse import parse_events
 from tests.server.helpers import assert_error, sample, scrape, start_server_process
 
 pytestmark = pytest.mark.slow  # a real model; ~1 minute
@@ -142,3 +145,44 @@ def test_a_client_that_never_reads_is_aborted_and_its_kv_freed(live):
             sample(before, "kvserve:generation_tokens_total")
         assert 0 < generated < 8000
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_sigterm_mid_stream_ends_every_stream_with_abort_and_done(tmp_path):
+    """Issue 27 item 3 on the real server: six long streams (chat and completions) and a
+    non-streaming request are running when SIGTERM comes with --shutdown-timeout 3."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, url = start_server_process(
+        ["-m", "server.cli", "serve", "--max-model-len", "4096", "--shutdown-timeout", "3"],
+        tmp_path / "server.log", timeout=600)
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}]}
+    bodies = [("/v1/chat/completions", chat) if i % 2 else
+              ("/v1/completions", {"prompt": "Once upon a time"}) for i in range(6)]
+    try:
+        with ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, f"{url}/v1/completions", timeout=120, json={
+                "prompt": "Once", "max_tokens": 3000, "ignore_eos": True})
+            streams = []
+            for path, body in bodies:
+                r = stack.enter_context(httpx.stream("POST", f"{url}{path}", timeout=120, json={
+                    **body, "max_tokens": 3000, "ignore_eos": True, "stream": True}))
+                lines = r.iter_lines()
+                streams.append((lines, [next(x for x in lines if x.startswith("data:"))]))
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert_error(httpx.get(f"{url}/health", timeout=10), 503, code="shutting_down")
+            for lines, seen in streams:
+                seen.extend(x for x in lines if x)  # raises on an incomplete chunked body
+            assert_error(plain.result(), 503, code="shutting_down")
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for _, seen in streams:
+        events = parse_events("\n\n".join(seen) + "\n\n")
+        assert events[-1] == "[DONE]"
+        assert [c["finish_reason"] for e in events[:-1] for c in e["choices"]
+                if c["finish_reason"]] == ["abort"]
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log and "CancelledError" not in log
