@@ -86,7 +86,7 @@ def raw_error(error: APIError) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
-_REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -173,6 +173,11 @@ class GuardedH11Protocol(H11Protocol):
             cycle.message_event.set()  # an endpoint waiting for the body sees the client gone
         self._refuse(APIError(408, f"The request's {phase} did not arrive within {timeout:g} "
                                    f"seconds ({flag}).", code="request_timeout"))
+
+    def send_400_response(self, msg: str) -> None:
+        """Not HTTP (h11 could not parse it): a 400 in OpenAI's shape, not uvicorn's text."""
+        self._refuse(APIError(400, f"{msg} (not an HTTP/1.1 request)",
+                              code="invalid_http_request"))
 
     def _refuse(self, error: APIError) -> None:
         self.transport.write(raw_error(error))
