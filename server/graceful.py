@@ -92,7 +92,8 @@ class GracefulServer(uvicorn.Server):
         for sock in sockets or []:
             sock.close()
         for connection in list(state.connections):
-            busy = connection.cycle is not None and not connection.cycle.response_complete
+            cycle = getattr(connection, "cycle", None)
+            busy = cycle is not None and not cycle.response_complete
             # Still busy after the grace: a client that is not reading; nothing will reach it.
             (connection.transport.abort if busy else connection.transport.close)()
         await asyncio.sleep(0.1)  # the dropped connections' requests see their client gone
