@@ -43,5 +43,4 @@ def bind_socket(host: str, port: int) -> socket.socket:
                errno.EACCES: "permission denied (ports below 1024 need privileges); "
                              "choose another --port"}.get(exc.errno, exc.strerror or str(exc))
         raise PortUnavailableError(f"cannot listen on {host}:{port}: {why}") from None
-    sock.set_inheritable(True)
     return sock
