@@ -174,17 +174,25 @@ class GuardedH11Protocol(H11Protocol):
         self._refuse(APIError(408, f"The request's {phase} did not arrive within {timeout:g} "
                                    f"seconds ({flag}).", code="request_timeout"))
 
-    def send_400_response(self, msg: str) -> None:
-        """Not HTTP (h11 could not parse it): a 400 in OpenAI's shape, not uvicorn's text."""
-        self._refuse(APIError(400, f"{msg} (not an HTTP/1.1 request)",
-                              code="invalid_http_request"))
-
     def _refuse(self, error: APIError) -> None:
         self.transport.write(raw_error(error))
         self.transport.close()
 
 
-def protocol_class(tracker: ConnectionTracker) -> type[GuardedH11Protocol]:
+class _JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, its own 400 (bytes that are not HTTP) in OpenAI's shape."""
+
+    def send_400_response(self, msg: str) -> None:
+        self.transport.write(raw_error(APIError(400, f"{msg} (not an HTTP/1.1 request)",
+                                                code="invalid_http_request")))
+        self.transport.close()
+
+
+def protocol_class(tracker: ConnectionTracker,
+                   base: type[H11Protocol] = H11Protocol) -> type[GuardedH11Protocol]:
     """The protocol class to give uvicorn (``uvicorn.Config(http=...)``), bound to
-    ``tracker``."""
-    return type("KVServeH11Protocol", (GuardedH11Protocol,), {"tracker": tracker})
+    ``tracker``: this module's guards over ``base`` (another subclass of uvicorn's h11
+    protocol, e.g. one with framing checks of its own; the plain one gets OpenAI-shaped 400s)."""
+    if base is H11Protocol:
+        base = _JsonErrorsH11Protocol
+    return type("KVServeH11Protocol", (GuardedH11Protocol, base), {"tracker": tracker})
