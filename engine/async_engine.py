@@ -320,11 +320,17 @@ class AsyncEngine:
         deadline = loop.time() + timeout
         while self.num_in_flight and loop.time() < deadline and self.is_healthy:
             await asyncio.sleep(0.05)
+        self.abort_all()
+        await asyncio.to_thread(self.stop)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (event loop only; the end of a drain's budget): each
+        consumer's next read raises ``RequestAbortedError``. Returns how many were aborted."""
         with self._cond:
             streams = list(self._streams.values())
         for stream in streams:
             stream.abort()
-        await asyncio.to_thread(self.stop)
+        return len(streams)
 
     def stop(self, join_timeout: float = 30.0) -> None:
         """Abort everything in the core and stop the engine thread (blocking)."""

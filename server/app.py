@@ -10,8 +10,9 @@ errors as sent (server/openapi_errors.py); HTTP framing is checked by server/htt
 
 Draining (:func:`begin_drain`, called on SIGTERM by ``run_server``): new requests get 503,
 ``/health`` answers 503, and the requests in flight may finish. The drain is bounded ONCE, by
-``shutdown_timeout`` counted from its start: uvicorn's graceful wait and the engine's final
-wait at lifespan shutdown share that one budget.
+``shutdown_timeout`` counted from its start: the server's graceful wait (server/graceful.py)
+and the engine's final wait at lifespan shutdown share that one budget; what still runs at its
+end is ended properly (:func:`end_drain`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from engine.chat_template import render_chat
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config_file import ServerSettings
+from server.connections import ConnectionTracker
 from server.errors import APIError, bad_request, install_error_handlers
 from server.http_framing import FramingMiddleware
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from server.openapi_errors import install as install_openapi_errors
+from server.overload import OverloadMiddleware
 from server.prompt_bound import prompt_bound, release_after
 from server.protocol import (
     ChatCompletionRequest,
@@ -70,6 +73,17 @@ def begin_drain(app: FastAPI) -> None:
     if ctx.draining_since is None:
         ctx.draining_since = time.monotonic()
     app.state.engine.begin_drain()
+
+
+def end_drain(app: FastAPI) -> int:
+    """The drain's budget is spent: every request still running ends now, a stream with its
+    endpoint's "abort" ending (chat and completions: a chunk with ``finish_reason: "abort"``)
+    and ``[DONE]``, a non-streaming request with a 503 (``shutting_down``). Returns how many
+    engine requests were aborted."""
+    ctx: ServingContext = app.state.ctx
+    begin_drain(app)
+    ctx.drain_expired = True
+    return app.state.engine.abort_all()
 
 
 def drain_time_left(app: FastAPI) -> float:
@@ -119,6 +133,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     # is read.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size=settings.max_request_body_size)
     app.add_middleware(FramingMiddleware)  # Content-Length with Transfer-Encoding: 400
+    # The connections' shared state (server/connections.py; given to uvicorn by run_server).
+    app.state.connections = ConnectionTracker(settings.header_timeout, settings.body_timeout,
+                                              settings.max_connections_per_client)
+    app.add_middleware(OverloadMiddleware, limit=settings.limit_concurrency,
+                       tracker=app.state.connections)
     app.add_middleware(RequestContextMiddleware, api_key=settings.api_key,
                        log_requests=not settings.disable_log_requests)
 

@@ -273,10 +273,17 @@ class _ChatWriter:
                 yield event({**self._base("chat.completion.chunk"), "choices": [],
                              "usage": usage_of(finals)})
 
+        def cut_short() -> Iterator[str]:  # the drain's budget ran out: vLLM's "abort"
+            for i in range(n):
+                if not done[i]:
+                    done[i] = True
+                    yield self._chunk({"index": i, "delta": {}, "logprobs": None,
+                                       "finish_reason": "abort", "stop_reason": None})
+
         opening = [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}) for i in range(n)]
         return stream_events(self.ctx, raw, streams, self.xrid, deltas=deltas, closing=closing,
-                             opening=opening)
+                             opening=opening, cut_short=cut_short)
 
 
 

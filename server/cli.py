@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -68,13 +69,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     engine_config.node_rank)
         return run_worker_node(engine_config)
     from server.app import build_app, version
+    from server.listen import bind_socket
 
+    # The port first: a taken one fails now, not after loading the model (as vLLM does).
+    sock = bind_socket(settings.host, settings.port)
     logger.info("kvserve %s: loading %s", version(), engine_config.model or "the embedded model")
     from engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(engine_config, start=False)
     app = build_app(engine, settings)
-    status = run_server(app, engine, settings)
+    status = run_server(app, engine, settings, sock)
     if status == ENGINE_DIED_EXIT_STATUS:
         # Drained and stopped, but a dead engine can leave native threads wedged in a failed
         # collective (a hung tensor-parallel rank): the interpreter's teardown then aborts in
@@ -113,21 +117,29 @@ def exposure_warning(settings: ServerSettings) -> str | None:
 
 
 def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
+    """uvicorn's settings: h11 with kvserve's connection limits (server/connections.py, the
+    app's ``state.connections``); ``--limit-concurrency`` is the app's own (server/overload.py),
+    not uvicorn's, so that /health stays answerable at the limit."""
     import uvicorn
 
+    from server.connections import protocol_class
     from server.http_framing import strict_h11_protocol
 
+    strict = strict_h11_protocol(settings.max_request_body_size)
+    tracker = getattr(getattr(app, "state", None), "connections", None)
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                           log_level=settings.log_level, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=settings.shutdown_timeout,
-                          limit_concurrency=settings.limit_concurrency,
-                          http=strict_h11_protocol(settings.max_request_body_size))
+                          http=protocol_class(tracker, strict) if tracker is not None else strict)
 
 
-def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
-    """Serve until SIGINT/SIGTERM or until the engine dies; then refuse new work (503, also on
-    /health), let requests in flight finish within ``settings.shutdown_timeout`` seconds
-    counted once from the start of the drain, and stop the engine.
+def run_server(app: Any, engine: Any, settings: ServerSettings,
+               sock: socket.socket | None = None) -> int:
+    """Serve on ``sock`` (bound to ``settings.host:port`` here when not given; see
+    server/listen.py) until SIGINT/SIGTERM or until the engine dies; then drain
+    (server/graceful.py): refuse new work (503, also on /health), let requests in flight finish
+    within ``settings.shutdown_timeout`` seconds counted once from the start of the drain, end
+    those still running properly, and stop the engine.
 
     Returns the process exit status: 0 after a signal, ``ENGINE_DIED_EXIT_STATUS`` when the
     engine loop died (a failed forward pass): the process must end non-zero so that a
@@ -135,45 +147,24 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
     """
     import gc
 
-    import uvicorn
+    from server.graceful import GracefulServer
+    from server.listen import bind_socket
 
-    from server.app import begin_drain
-
+    if sock is None:
+        sock = bind_socket(settings.host, settings.port)
     warning = exposure_warning(settings)
     if warning:
         bar = "!" * 78
         logger.warning("%s\n%s\n%s", bar, warning, bar)
 
-    class _Server(uvicorn.Server):
-        engine_died = False
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                logger.info("signal %d: draining requests in flight (up to %.0fs)", sig,
-                            settings.shutdown_timeout)
-            begin_drain(app)
-            super().handle_exit(sig, frame)
-
-        async def on_tick(self, counter: int) -> bool:
-            # Every 0.1 s on the server's loop: a dead engine can serve nothing again.
-            if not self.should_exit and not engine.is_healthy:
-                self.engine_died = True
-                logger.error("the engine died (%s): draining and exiting with status %d so "
-                             "that a supervisor restarts the server",
-                             engine.dead_reason or "its thread stopped",
-                             ENGINE_DIED_EXIT_STATUS)
-                begin_drain(app)
-                self.should_exit = True
-            return await super().on_tick(counter)
-
-    server = _Server(uvicorn_config(app, settings))
+    server = GracefulServer(uvicorn_config(app, settings), app, engine, settings)
     # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
     # process: frozen, the cyclic collector's scans skip them and look at per-request objects
     # only (~1.5% of a loaded CPU server's time went to collections; vLLM freezes likewise).
     gc.collect()
     gc.freeze()
     if engine.is_healthy:  # already driven by its own thread: serve on this one
-        server.run()
+        server.run(sockets=[sock])
         return ENGINE_DIED_EXIT_STATUS if server.engine_died else 0
     # The engine steps on this (the main) thread, where OpenMP runs its parallel regions at
     # full speed (see AsyncEngine.claim_calling_thread); HTTP is served by a second thread.
@@ -188,7 +179,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings) -> int:
 
     def serve_http() -> None:
         try:
-            server.run()
+            server.run(sockets=[sock])
         except SystemExit as exc:  # e.g. the port is taken: uvicorn exits at start-up
             http_exit.append(exc.code)
         finally:

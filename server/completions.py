@@ -142,7 +142,16 @@ class _Writer:
             if self.req.include_usage:
                 yield event({**self._base(), "choices": [], "usage": usage_of(finals)})
 
-        return stream_events(self.ctx, raw, streams, self.xrid, deltas=deltas, closing=closing)
+        def cut_short() -> Iterator[str]:  # the drain's budget ran out: vLLM's "abort"
+            for k, st in enumerate(states):
+                if not st.finished:
+                    st.finished = True
+                    yield event({**self._base(), "choices": [{
+                        "index": k, "text": "", "logprobs": None, "finish_reason": "abort",
+                        "stop_reason": None}]})
+
+        return stream_events(self.ctx, raw, streams, self.xrid, deltas=deltas, closing=closing,
+                             cut_short=cut_short)
 
     def _delta(self, pi: int, out: RequestOutput, c: Any, st: _ChoiceState
                ) -> dict[str, Any] | None:

@@ -38,7 +38,10 @@ class ServerSettings:
 
     Limits against hostile or careless clients: ``max_request_body_size`` (bytes, or "32MiB")
     answers 413 above it; ``limit_concurrency`` (connections + requests in flight; None = no
-    limit) makes uvicorn answer 503 above it; ``stream_timeout`` (seconds; 0 = none) ends a
+    limit) answers 503 above it, except on /health and /metrics (server/overload.py);
+    ``header_timeout`` / ``body_timeout`` (seconds; 0 = none) close a connection whose request
+    headers / body do not arrive in time; ``max_connections_per_client`` (None = no cap) caps
+    one client address's open connections (server/connections.py); ``stream_timeout`` (seconds; 0 = none) ends a
     streaming response whose client stops reading for that long, aborting its engine request.
     ``trust_request_chat_template`` lets requests bring their own chat template (vLLM's flag).
     ``tool_call_parser`` names the tool-call format (None: chosen from the chat template);
@@ -55,6 +58,9 @@ class ServerSettings:
     disable_log_requests: bool = False
     max_request_body_size: int | str = 32 * MIB
     limit_concurrency: int | None = 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_connections_per_client: int | None = 256
     stream_timeout: float = 60.0
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None
@@ -80,6 +86,15 @@ class ServerSettings:
                              f"{self.limit_concurrency}")
         if self.limit_concurrency == 0:
             object.__setattr__(self, "limit_concurrency", None)
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) >= 0:  # also refuses NaN
+                raise ValueError(f"{name.replace('_', '-')} cannot be negative (0: none); got "
+                                 f"{getattr(self, name)}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 0:
+            raise ValueError(f"max-connections-per-client cannot be negative (0 or null: no "
+                             f"cap); got {self.max_connections_per_client}")
+        if self.max_connections_per_client == 0:
+            object.__setattr__(self, "max_connections_per_client", None)
         if not self.stream_timeout >= 0:  # also refuses NaN
             raise ValueError(f"stream-timeout cannot be negative (0: no timeout); got "
                              f"{self.stream_timeout}")
@@ -242,8 +257,20 @@ SERVER_OPTIONS = [
            "largest request body, e.g. 32MiB: above it 413 (checked from Content-Length "
            "before reading, and while reading a chunked body)"),
     Option("limit-concurrency", "limit_concurrency", "server", int,
-           "connections + requests in flight beyond which uvicorn answers 503 (0 or null: no "
+           "open connections or requests in flight beyond which requests get 503 "
+           "(server_overloaded); /health and /metrics are always answered (0 or null: no "
            "limit)", nullable=True),
+    Option("header-timeout", "header_timeout", "server", float,
+           "seconds a connection may take to send a request's headers (from its start, or the "
+           "end of the previous response); then 408 and closed, or just closed if it sent "
+           "nothing (0: never)"),
+    Option("body-timeout", "body_timeout", "server", float,
+           "seconds a request's body may take after its headers; then 408 and closed "
+           "(0: never)"),
+    Option("max-connections-per-client", "max_connections_per_client", "server", int,
+           "open connections one client address may hold; more get 503 "
+           "(too_many_connections) and are closed. Behind a proxy every client has the "
+           "proxy's address: raise it or set 0 (0 or null: no cap)", nullable=True),
     Option("stream-timeout", "stream_timeout", "server", float,
            "seconds a streaming response may wait for a client that stopped reading; then "
            "its engine request is aborted (KV blocks freed) and the response closed (0: never)"),

@@ -54,6 +54,7 @@ class ServingContext:
     stream_timeout: float = 60.0  # 0: a stalled streaming client is never timed out
     trust_request_chat_template: bool = False
     draining_since: float | None = None  # time.monotonic() when the drain began
+    drain_expired: bool = False  # the drain's budget ran out: its aborts end requests properly
     # Tool calling (server/tools): the call format, whether the chat template renders tools
     # itself, and whether tool_choice "auto" is allowed.
     tool_format: ToolCallFormat = HERMES
@@ -224,13 +225,18 @@ async def stream_events(ctx: ServingContext, raw: Request, streams: list[Request
                         closing: Callable[[list[RequestOutput]], Iterable[str]],
                         opening: Iterable[str] = (),
                         failed: Callable[[APIError], Iterable[str]] | None = None,
-                        done: bool = True) -> AsyncIterator[str]:
+                        done: bool = True,
+                        cut_short: Callable[[], Iterable[str]] | None = None
+                        ) -> AsyncIterator[str]:
     """The SSE loop that the streaming endpoints share: ``opening`` events, then for every
     output (prompt index, cumulative output) the events ``deltas`` makes of it, then the events
     ``closing`` makes of the finished outputs (in prompt order; the usage chunk), then
     ``[DONE]`` (unless ``done`` is false: the Responses API sends none). An engine error is
     reported in the stream as ``failed`` makes it (default: the error body, as OpenAI's chat
-    does); a client that went away is told nothing. However it ends, every stream is aborted
+    does); a client that went away is told nothing. A stream still running when the drain's
+    budget ends (``ctx.drain_expired``: SIGTERM) ends with the events ``cut_short`` makes (chat
+    and completions: ``finish_reason: "abort"`` for each unfinished choice; default: ``failed``
+    of a 503 ``shutting_down``), then ``[DONE]``. However it ends, every stream is aborted
     (frees its blocks)."""
     finals: dict[int, RequestOutput] = {}
     try:
@@ -247,16 +253,31 @@ async def stream_events(ctx: ServingContext, raw: Request, streams: list[Request
         for e in closing([finals[i] for i in sorted(finals)]):
             yield e
     except RequestAbortedError:
-        return  # the client is gone: nobody to tell
+        if not ctx.drain_expired:
+            return  # the client is gone: nobody to tell
+        for e in (cut_short() if cut_short is not None else
+                  (failed or _error_events)(shut_down_error())):
+            yield e
     except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI does
         error = engine_error(exc, ctx, request_id)
-        for e in (failed(error) if failed is not None else [event(error.body())]):
+        for e in (failed or _error_events)(error):
             yield e
     finally:
         for s in streams:  # a consumer that stopped early (disconnect) frees its blocks
             s.abort()
     if done:
         yield DONE
+
+
+def _error_events(error: APIError) -> list[str]:
+    return [event(error.body())]
+
+
+def shut_down_error() -> APIError:
+    """What a request still running when the drain's budget ran out gets."""
+    return APIError(503, "the server shut down before this request finished; retry on another "
+                         "replica or once it is back", code="shutting_down",
+                    headers={"Retry-After": "5"})
 
 
 async def _wait_disconnect(raw: Request) -> None:
@@ -343,6 +364,8 @@ async def respond(raw: Request, streams: list[RequestStream], ctx: ServingContex
     try:
         finals = await final_outputs(raw, streams)
     except RequestAbortedError:
+        if ctx.drain_expired:
+            raise shut_down_error() from None
         return Response(status_code=499)
     except Exception as exc:  # noqa: BLE001
         raise engine_error(exc, ctx, request_id) from None

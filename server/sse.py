@@ -1,10 +1,13 @@
 """Server-sent events as OpenAI streams them: ``data: {json}\\n\\n`` per chunk, then
 ``data: [DONE]\\n\\n``. JSON is compact and never holds NaN/Infinity (invalid JSON).
 
-:class:`SSEResponse` bounds what a client that stops reading can cost: a send that cannot
-complete within ``send_timeout`` seconds ends the response, and ``on_close`` (the endpoint's
-"abort my engine requests") runs exactly once however the response ends — including a client
-that went away before the body's first byte, when the body iterator never even starts.
+:class:`SSEResponse` bounds what a client that stops reading can cost: when for
+``send_timeout`` seconds the client has taken no byte while bytes wait for it (in the kernel's
+send buffer too: server/write_progress.py, given by server/connections.py), or a send cannot
+complete for that long, the response ends and its connection is dropped; ``on_close`` (the
+endpoint's "abort my engine requests", which frees their KV blocks) runs exactly once however
+the response ends — including a client that went away before the body's first byte, when the
+body iterator never even starts.
 """
 
 from __future__ import annotations
@@ -72,6 +75,18 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeout = self.send_timeout
+        closed = False
+
+        def close_once() -> None:
+            nonlocal closed
+            if not closed and self.on_close is not None:
+                closed = True
+                self.on_close()
+
+        progress = (scope.get("extensions") or {}).get("kvserve.write_progress")
+        watchdog = None
+        if timeout and progress is not None and progress.supported():
+            watchdog = asyncio.create_task(self._watch(progress, timeout, close_once))
 
         async def timed_send(message: Message) -> None:
             # uvicorn's send waits while the socket's write buffer is full: a client that stops
@@ -94,10 +109,24 @@ class SSEResponse(StreamingResponse):
         except ClientDisconnect:  # ASGI 2.4 servers: send raises once the client is gone
             pass
         finally:
-            if self.on_close is not None:
-                self.on_close()
+            if watchdog is not None:
+                watchdog.cancel()
+            close_once()
             # Run the body iterator's own cleanup now rather than whenever it is collected.
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _watch(self, progress: Any, timeout: float, close: Callable[[], None]) -> None:
+        """End the stream once the client has taken nothing for ``timeout`` seconds while
+        bytes waited for it: the engine requests are aborted now, the connection dropped."""
+        interval = min(1.0, timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            if progress.stalled_for() >= timeout:
+                break
+        logger.warning("request_id=%s the client read nothing for %gs: stream aborted",
+                       self.request_id, timeout)
+        close()
+        progress.abort()
 

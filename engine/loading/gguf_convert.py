@@ -108,8 +108,11 @@ def ensure_converted(gguf_path: Path, target: Path, *, progress: bool | None = N
     return target
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None,
+                 weights_in_gguf: bool = False) -> None:
     """Write a Hugging Face directory for ``gguf_path`` into the existing directory ``out_dir``.
+    ``weights_in_gguf``: write no weights at all (an empty safetensors file; every tensor is
+    named in the marker and read from the GGUF at load), for when no cache can hold them.
 
     Not atomic by itself (use :func:`ensure_converted`). Raises ``ValueError`` when transformers
     cannot read the file (e.g. an architecture or tokenizer its GGUF reader does not know) and
@@ -138,7 +141,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         stages.set_postfix_str("dequantise and write weights")
         with _unreadable_as_value_error(gguf_path):
             model_class, in_gguf = _write_weights_streaming(gguf_path, config, out_dir,
-                                                            disable=disable)
+                                                            disable=disable,
+                                                            all_in_gguf=weights_in_gguf)
         stages.update()
 
         stages.set_postfix_str("save config")
@@ -222,19 +226,23 @@ class _GGUFTensors:
         return t
 
 
-def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *,
-                             disable: bool | None) -> tuple[str, list[str]]:
+def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *, disable: bool | None,
+                             all_in_gguf: bool = False) -> tuple[str, list[str]]:
     """Save the GGUF's tensors (:class:`_GGUFTensors`) as float32 safetensors, dequantised one
     at a time and written a shard at a time (sharded above MAX_SHARD_BYTES): memory holds one
     shard, never the whole model. The packable tensors
     (``engine.loading.packed_policy``) are left out when their float32 copies would be too big
     for this machine: the engine serves them packed, and reads them from the GGUF only if asked
-    for float. Returns the HF model class name and the names left in the GGUF."""
+    for float. Returns the HF model class name and the names left in the GGUF (every tensor
+    with ``all_in_gguf``: then only an empty safetensors file is written)."""
     from safetensors.torch import save_file
 
     from engine.loading.packed_policy import float_copies_too_big, is_packable
 
     src = _GGUFTensors(gguf_path, config)
+    if all_in_gguf:
+        save_file({}, out_dir / "model.safetensors", metadata={"format": "pt"})
+        return src.model_class, sorted(hf for _, hf in src.plan)
     packable = [(t, hf) for t, hf in src.plan if is_packable(t)]
     too_big = float_copies_too_big(sum(4 * int(t.n_elements) for t, _ in packable))
     in_gguf = sorted(hf for _, hf in packable) if too_big else []

@@ -7,7 +7,8 @@ kvserve never downloads anything. A model is one of:
 - a local Hugging Face directory (``config.json`` plus safetensors or ``pytorch_model*.bin``);
 - a local ``.gguf`` file, or a directory holding exactly one.
 GGUF files are converted once into a cache (see :mod:`engine.loading.gguf_convert`) and reused. The cache
-is ``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``. The embedded name wins
+is ``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``; one that cannot be written
+(read-only, full) is logged and the GGUF served directly (:mod:`engine.loading.cache_fallback`). The embedded name wins
 over a same-named relative directory; write ``./SmolLM2-135M-Instruct`` to mean the directory.
 
 Every reader below takes a :class:`ModelFiles`, whose ``path`` is always a Hugging Face layout.
@@ -28,6 +29,7 @@ import torch
 
 from engine.cache_dir import default_cache_dir
 from engine.loading import gguf_convert
+from engine.loading.cache_fallback import converted_or_direct
 from engine.loading.embedded import (  # noqa: F401 - re-exported: the loader's public names
     EMBEDDED_GGUF_FILE,
     EMBEDDED_MODEL_ALIASES,
@@ -118,7 +120,8 @@ def _resolve_local(
 
 def _converted(gguf: Path, cache_root: Path, progress: bool | None) -> Path:
     target = gguf_convert.converted_dir(gguf, cache_root)
-    return gguf_convert.ensure_converted(gguf, target, progress=progress)
+    # A cache that cannot be written: one warning line, and the GGUF served directly.
+    return converted_or_direct(gguf, target, cache_root, progress)
 
 
 def load_config(files: ModelFiles):

@@ -187,11 +187,27 @@ def test_hardening_flags_and_keys(tmp_path):
         (3, 64 * 1024, None, 0.0, True)
 
 
+def test_connection_flags_and_keys(tmp_path):
+    _, server = _parse()
+    assert (server.header_timeout, server.body_timeout, server.max_connections_per_client) \
+        == (10.0, 60.0, 256)
+    _, server = _parse("--header-timeout", "2.5", "--body-timeout", "0",
+                       "--max-connections-per-client", "0")
+    assert (server.header_timeout, server.body_timeout, server.max_connections_per_client) \
+        == (2.5, 0.0, None)
+    f = _write(tmp_path, "header-timeout: 3\nmax-connections-per-client: 16\n")
+    _, server = resolve({}, f)
+    assert (server.header_timeout, server.max_connections_per_client) == (3.0, 16)
+
+
 @pytest.mark.parametrize("text,fragment", [
     ("max-request-body-size: 10\n", "max-request-body-size must be at least 1KiB"),
     ("max-request-body-size: lots\n", "cannot read"),
     ("limit-concurrency: -1\n", "limit-concurrency cannot be negative"),
     ("stream-timeout: -1\n", "stream-timeout cannot be negative"),
+    ("header-timeout: -1\n", "header-timeout cannot be negative"),
+    ("body-timeout: .nan\n", "body-timeout cannot be negative"),
+    ("max-connections-per-client: -2\n", "max-connections-per-client cannot be negative"),
     ("scheduling-policy: lottery\n", "scheduling-policy must be one of"),
     ("max-seqs-per-request: 0\n", "max_seqs_per_request must be >= 1"),
 ])

@@ -3,11 +3,15 @@ server on a loopback port): random completions and chat bodies built from the re
 wrong types, huge and negative numbers, NaN and infinities, unicode edge cases (lone
 surrogates, NUL, right-to-left marks), huge lists, unknown fields — must never get a 5xx, every
 error must come in OpenAI's shape, and afterwards the server is healthy with no KV block in use.
+The server runs kvserve's connection layer (server/connections.py): raw bytes on a socket —
+requests cut anywhere (slowloris), garbage, a stream never read — always get an answer in
+OpenAI's shape or a silent close, within the header/body timeouts, never a hung socket.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -19,6 +23,8 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loading.tiny import make_tiny_model_dir
 from server.app import build_app
+from server.config_file import ServerSettings
+from server.connections import protocol_class
 from tests.server.helpers import ServerThread
 
 pytestmark = pytest.mark.slow  # ~2 minutes: hundreds of requests, the valid ones generate
@@ -94,8 +100,9 @@ def live(tmp_path_factory):
                                       dtype="float32", device="cpu", kv_cache_memory="2MiB",
                                       max_num_seqs=8, max_waiting_requests=64,
                                       max_num_batched_tokens=128))
-    with ServerThread(build_app(engine)) as srv, httpx.Client(base_url=srv.url,
-                                                                 timeout=120) as client:
+    app = build_app(engine, ServerSettings(header_timeout=1, body_timeout=1, stream_timeout=1))
+    with ServerThread(app, http=protocol_class(app.state.connections)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as client:
         yield srv, engine, client
 
 
@@ -145,6 +152,43 @@ def test_fuzzed_chat_never_5xx(live, body):
                              "/detokenize"]))
 def test_malformed_json_is_a_4xx(live, raw, path):
     _check(live[2].post(path, content=raw, headers={"Content-Type": "application/json"}))
+
+
+_BODY = b'{"prompt": "hello", "max_tokens": 3}'
+_VALID = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+          b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.one_of(st.integers(0, len(_VALID) - 1).map(lambda n: _VALID[:n]),
+                     st.binary(max_size=200),
+                     st.binary(max_size=40).map(lambda b: _VALID[:60] + b)),
+       read=st.booleans())
+def test_raw_bytes_get_an_answer_or_a_close_within_the_timeouts(live, raw, read):
+    srv = live[0]
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        if not read:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(raw)
+        if not read:
+            time.sleep(0.5)  # a client that reads late: whatever came is still readable
+        sock.settimeout(10)  # well above the 1 s timeouts
+        data = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    if data:
+        head, _, body = data.partition(b"\r\n\r\n")
+        status = int(head.split()[1])
+        assert 400 <= status < 500, data[:300]
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
 
 
 def test_after_the_fuzz_the_server_is_healthy_and_holds_no_blocks(live):

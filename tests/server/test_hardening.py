@@ -230,21 +230,26 @@ def test_a_chunked_body_is_cut_off_at_the_limit_with_413():
         assert status == 413 and body["error"]["code"] == "request_too_large"
 
 
-def test_limit_concurrency_reaches_uvicorn():
-    settings = ServerSettings(limit_concurrency=2)
-    assert uvicorn_config(object(), settings).limit_concurrency == 2
-    assert uvicorn_config(object(), ServerSettings(limit_concurrency=0)).limit_concurrency \
+def test_limit_concurrency_is_a_json_503_and_health_stays_answerable():
+    """--limit-concurrency is the app's (server/overload.py), not uvicorn's plain-text one:
+    work gets OpenAI's 503 at the limit, /health and /metrics are always answered."""
+    assert uvicorn_config(object(), ServerSettings(limit_concurrency=2)).limit_concurrency \
         is None
     core = FakeCore()
-    with _serve(core, uvicorn_kwargs={"limit_concurrency": 2}) as srv:
+    with _serve(core, limit_concurrency=1) as srv:
         core.pause()
         with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30, json={
                 "prompt": "x", "max_tokens": 2, "stream": True}) as r:
             assert r.status_code == 200
-            assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}).status_code \
-                == 503
+            busy = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"})
+            assert_error(busy, 503, code="server_overloaded", contains="--limit-concurrency")
+            assert busy.headers["retry-after"] == "1"
+            assert httpx.get(f"{srv.url}/health").status_code == 200
+            assert httpx.get(f"{srv.url}/metrics").status_code == 200
             core.resume()
             r.read()
+        assert httpx.post(f"{srv.url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 # ---- 7. /tokenize and /detokenize --------------------------------------------------------

@@ -36,7 +36,8 @@ def test_sigterm_drains_requests_in_flight_then_exits(tmp_path, timeout, tokens,
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             proc.send_signal(signal.SIGTERM)
-            with pytest.raises(httpx.HTTPError):  # new connections are refused
+            # New requests get 503 while the drain lasts; once it ends, connections are refused.
+            with pytest.raises(httpx.HTTPError):
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=5)
@@ -95,3 +96,51 @@ def test_a_taken_port_exits_non_zero_instead_of_hanging(tmp_path):
                                "--port", str(port)], cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert proc.returncode != 0, proc.stdout + proc.stderr
+
+
+def test_streams_still_running_at_the_budget_end_get_an_ending_and_done(tmp_path):
+    """Issue 27 item 3: at the end of --shutdown-timeout, a stream gets a final chunk with
+    finish_reason "abort" and [DONE] in a complete chunked body, a non-streaming request a 503;
+    during the drain the socket still listens and /health answers the documented 503."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import ExitStack
+
+    proc, url, log = _start(tmp_path, "--step-delay", "0.02", "--shutdown-timeout", "2")
+    bodies = [("/v1/completions", {"prompt": "x", "max_tokens": 4000, "n": 2}),
+              ("/v1/completions", {"prompt": "y", "max_tokens": 4000}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 4000})]
+    try:
+        with ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, f"{url}/v1/completions", timeout=60,
+                                json={"prompt": "z", "max_tokens": 4000})
+            streams = []
+            for path, body in bodies:
+                r = stack.enter_context(httpx.stream("POST", f"{url}{path}", timeout=60,
+                                                     json={**body, "stream": True}))
+                lines = r.iter_lines()
+                streams.append((lines, [next(x for x in lines if x.startswith("data:"))]))
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert_error(httpx.get(f"{url}/health", timeout=5), 503, code="shutting_down")
+            assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=5),
+                         503, code="shutting_down")
+            for lines, seen in streams:
+                seen.extend(x for x in lines if x)  # raises on an incomplete chunked body
+            assert_error(plain.result(), 503, code="shutting_down")
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.ConnectError):  # the socket closed once the drain ended
+            httpx.get(f"{url}/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for (_, seen), (_path, body) in zip(streams, bodies, strict=True):
+        events = parse_events("\n\n".join(seen) + "\n\n")
+        assert events[-1] == "[DONE]"
+        ends = [c for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+        assert sorted(c["index"] for c in ends) == list(range(body.get("n", 1)))
+        assert {c["finish_reason"] for c in ends} == {"abort"}
+        assert len(events) > 3  # text was streamed before the cut
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text
+    assert "request(s) still running end now" in text
