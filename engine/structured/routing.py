@@ -73,7 +73,7 @@ class RoutingBackend:
 
     def compile(self, spec: StructuredSpec) -> Routed:
         llg = self.llguidance if spec.kind in KINDS else None
-        if llg is None:
+        if llg is None or self.policy == "xgrammar":
             return self._routed(self.xgrammar, self.xgrammar.compile(spec))
         if self.policy == "llguidance":
             return self._routed(llg, llg.compile(spec))

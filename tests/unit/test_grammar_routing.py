@@ -82,8 +82,9 @@ def test_the_router_follows_the_measurement_and_keeps_xgrammar_only_kinds(tok, m
     grammar = StructuredSpec.text("grammar", 'root ::= "a" | "b"')
     assert router.compile(grammar).backend.name == "xgrammar"
     assert router.chosen == {"llguidance": 1, "xgrammar": 2}
-    for policy in ("xgrammar", "llguidance"):
-        router.policy = policy
+    for policy, measured in (("xgrammar", (2e-3, 1e-3)), ("llguidance", (1e-3, 2e-3))):
+        router.policy = policy  # forced against what the measurement would choose
+        monkeypatch.setattr(routing, "fill_seconds", lambda *a, m=measured, **k: m)
         assert router.compile(SPECS["choice"][0]).backend.name == policy
 
 
