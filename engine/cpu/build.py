@@ -157,7 +157,7 @@ def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None
         src.mkdir(parents=True)
         for path in [*sources, *(p for d in includes for p in Path(d).glob("*.h"))]:
             shutil.copyfile(path, src / path.name)
-        logger.info("building %s (%d sources; once per machine, 1.5-3 minutes on two cores) "
+        logger.info("building %s (%d sources; once per machine, about 1 minute on two quiet cores) "
                     "in %s", name, len(sources), folder)
         from torch.utils.cpp_extension import load as load_ext
 

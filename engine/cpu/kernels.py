@@ -15,7 +15,8 @@
 
 They are compiled once per machine with torch's cpp_extension (gcc + ninja) by
 ``engine.cpu.build`` into ``~/.cache/kvserve/cpu-kernels/<name>-<hash of sources and flags>``
-(about 1.5 minutes on two cores, with a progress bar), under a lock that dies with its holder;
+(about 1 minute on two quiet cores, with a progress bar; ``benchmarks/kernel_build.py``), under
+a lock that dies with its holder;
 ``make install`` builds them (``python -m engine.cpu.kernels``), so a first start only loads
 them. They are used for float32 on CPU. If they cannot be built, ``load()`` returns None, a
 warning says why, and the engine keeps the PyTorch route; a wait for another live builder past
