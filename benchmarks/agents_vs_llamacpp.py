@@ -58,7 +58,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving import find_llama_server, serving_process  # noqa: E402
+from benchmarks.serving import serving_process, side_by_side  # noqa: E402
 from benchmarks.startup_time import free_port, isa  # noqa: E402
 from server.bench.client import BenchClient, ClientConfig  # noqa: E402
 from server.bench.serve import machine_info, run_point  # noqa: E402
@@ -166,7 +166,7 @@ def _table(results: dict, agents: int) -> tuple[list[str], dict]:
     def num(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}"
 
-    for a, b in zip(kv["per_turn"], ll["per_turn"], strict=True):
+    for a, b in zip(kv["per_turn"] or [], ll["per_turn"] or [], strict=True):
         ta, tb = a["ttft_ms"]["p50"], b["ttft_ms"]["p50"]
         lines.append(f"| {a['turn']} | {num(a['prompt_tokens_mean'])} / "
                      f"{num(b['prompt_tokens_mean'])} | {num(a['cached_tokens_mean'])} / "
@@ -202,18 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential", action="store_true",
                     help="one server after the other, agents running freely (see above)")
     args = ap.parse_args(argv)
-    binary = args.llama_server or find_llama_server()
-    if binary is None or not binary.exists():
-        print("llama-server not found: run `bash benchmarks/vs_llamacpp.sh` once to build it, "
-              "or pass --llama-server PATH", file=sys.stderr)
+    setup = side_by_side(args.llama_server, args.out, "agents-vs-llamacpp")
+    if setup is None:
         return 2
-    from engine.loading.embedded import embedded_gguf_path
-
-    gguf = str(embedded_gguf_path())
-    threads = str(os.cpu_count() or 1)
-    out = args.out or ROOT / "docs" / "perf" / (
-        f"agents-vs-llamacpp-{isa().replace(' ', '')}-{time.strftime('%Y-%m-%d')}")
-    out.mkdir(parents=True, exist_ok=True)
+    binary, gguf, threads, out = setup
     print(f"agent workload: {args.agents} agents x {args.turns} turns, ~{args.tools_len} tokens "
           f"of tools, {args.tool_result_len}-token tool results, max_tokens {args.max_tokens}; "
           f"{isa()}, {threads} threads; {gguf}")

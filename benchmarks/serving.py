@@ -87,6 +87,26 @@ def find_llama_server() -> Path | None:
     return found[-1] if found else None
 
 
+def side_by_side(binary: Path | None, out: Path | None, name: str
+                 ) -> tuple[Path, str, str, Path] | None:
+    """What a benchmark against llama-server starts from: the llama-server binary (``binary``,
+    else ``find_llama_server()``), the embedded model's GGUF, the thread count and the results
+    folder (``out``, else docs/perf/<name>-<ISA>-<date>, made). None, after saying why, when no
+    llama-server is found."""
+    from benchmarks.startup_time import isa
+    from engine.loading.embedded import embedded_gguf_path
+
+    binary = binary or find_llama_server()
+    if binary is None or not binary.exists():
+        print("llama-server not found: run `bash benchmarks/vs_llamacpp.sh` once to build it, "
+              "or pass --llama-server PATH", file=sys.stderr)
+        return None
+    out = out or ROOT / "docs" / "perf" / (
+        f"{name}-{isa().replace(' ', '')}-{time.strftime('%Y-%m-%d')}")
+    out.mkdir(parents=True, exist_ok=True)
+    return binary, str(embedded_gguf_path()), str(os.cpu_count() or 1), out
+
+
 def bench(url: str, out: Path, name: str, *args: str) -> int:
     argv = ["bench", "serve", "--base-url", url, "--json", str(out / f"{name}.json"), *args]
     print(f"\n$ kvserve {' '.join(argv)}", flush=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving import find_llama_server, serving_process  # noqa: E402
+from benchmarks.serving import serving_process, side_by_side  # noqa: E402
 from benchmarks.startup_time import free_port, isa  # noqa: E402
 
 SCHEMA = {
@@ -121,18 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. --no-repack")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    binary = args.llama_server or find_llama_server()
-    if binary is None or not binary.exists():
-        print("llama-server not found: run `bash benchmarks/vs_llamacpp.sh` once to build it, "
-              "or pass --llama-server PATH", file=sys.stderr)
+    setup = side_by_side(args.llama_server, args.out, "structured-vs-llamacpp")
+    if setup is None:
         return 2
-    from engine.loading.embedded import embedded_gguf_path
-
-    gguf = str(embedded_gguf_path())
-    threads = str(os.cpu_count() or 1)
-    out = args.out or ROOT / "docs" / "perf" / (
-        f"structured-vs-llamacpp-{isa().replace(' ', '')}-{time.strftime('%Y-%m-%d')}")
-    out.mkdir(parents=True, exist_ok=True)
+    binary, gguf, threads, out = setup
     results = {"isa": isa(), "schema": SCHEMA, "requests": args.requests,
                "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d")}
     port = free_port()
