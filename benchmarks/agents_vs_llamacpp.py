@@ -176,7 +176,7 @@ def _table(results: dict, agents: int) -> tuple[list[str], dict]:
                  f"{kv['cached_tokens']} / {ll['cached_tokens']} (sum) | "
                  f"{ll['ttft_ms']['p50']:.0f} | {kv['ttft_ms']['p50']:.0f} | {ratio:.2f} |")
     same = all(a["prompt_tokens_mean"] == b["prompt_tokens_mean"]
-               for a, b in zip(kv["per_turn"], ll["per_turn"], strict=True))
+               for a, b in zip(kv["per_turn"] or [], ll["per_turn"] or [], strict=True))
     figures = {"agents": agents, "ttft_p50_ratio": ratio, "target_ratio": 0.5,
                "target_met": ratio <= 0.5, "same_prompt_tokens_every_turn": same,
                "failed": {"kvserve": kv["failed"], "llama-server": ll["failed"]},
