@@ -27,6 +27,7 @@ from server.config_file import (
     as_yaml_dict,
     resolve,
 )
+from server.exit_status import ENGINE_DIED_EXIT_STATUS
 
 logger = logging.getLogger("kvserve.cli")
 
@@ -89,8 +90,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os._exit(status)
     return status
 
-
-ENGINE_DIED_EXIT_STATUS = 1
 
 
 def is_loopback(host: str) -> bool:

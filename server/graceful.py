@@ -28,6 +28,7 @@ import uvicorn
 
 from server.app import begin_drain, drain_time_left, end_drain
 from server.config_file import ServerSettings
+from server.exit_status import ENGINE_DIED_EXIT_STATUS
 
 logger = logging.getLogger("kvserve.cli")
 
@@ -57,8 +58,6 @@ class GracefulServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         # Every 0.1 s on the server's loop: a dead engine can serve nothing again.
         if not self.should_exit and not self.engine.is_healthy:
-            from server.cli import ENGINE_DIED_EXIT_STATUS
-
             self.engine_died = True
             logger.error("the engine died (%s): draining and exiting with status %d so that a "
                          "supervisor restarts the server",

@@ -25,9 +25,10 @@ leave speculation configured otherwise than asked.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from engine.json_config import json_object
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -96,22 +97,10 @@ class SpeculativeConfig:
         """Normalise any accepted form (see the module docstring); None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc.msg} (e.g. "
-                                 f'\'{{"method": "ngram", "num_speculative_tokens": 4}}\')'
-                                 ) from None
-            if value is None:
-                return None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object; got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
+        value = json_object(value, "speculative_config",
+                            '{"method": "ngram", "num_speculative_tokens": 4}', cls)
+        if value is None:
+            return None
         if "method" not in value:
             raise ValueError('speculative_config needs "method" ("ngram" or "draft_model")')
         kwargs = dict(value)

@@ -8,9 +8,10 @@ names are taken). Given as a dict, its JSON text, or an instance; unknown keys a
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from engine.json_config import json_object
 
 BACKENDS = ("auto", "xgrammar", "llguidance")
 _ALIASES = {"guidance": "llguidance"}
@@ -38,17 +39,7 @@ class StructuredOutputsConfig:
             return cls()
         if isinstance(value, StructuredOutputsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"structured_outputs_config is not valid JSON: {exc.msg} "
-                                 f"(e.g. '{{\"backend\": \"xgrammar\"}}')") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a JSON object; got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown structured_outputs_config key(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+        value = json_object(value, "structured_outputs_config", '{"backend": "xgrammar"}', cls)
+        if value is None:
+            return cls()
         return cls(**value)
