@@ -14,9 +14,11 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 260  # 256 bytes + specials + spare
@@ -54,6 +56,14 @@ def tiny_config(model_type: str = "llama", **overrides):
     if model_type == "qwen3":
         common.setdefault("head_dim", 32)
         return Qwen3Config(**common)
+    if model_type == "qwen3_moe":  # 8 experts, 2 per token, layer 1 dense (mlp_only_layers)
+        common.setdefault("head_dim", 32)
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                   norm_topk_prob=True, mlp_only_layers=[1])
+        return Qwen3MoeConfig(**{**moe, **common})
+    if model_type == "mixtral":  # 4 experts, 2 per token, experts of intermediate_size
+        moe = dict(num_local_experts=4, num_experts_per_tok=2)
+        return MixtralConfig(**{**moe, **common})
     raise ValueError(model_type)
 
 

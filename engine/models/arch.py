@@ -18,7 +18,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from engine.models.moe_spec import MOE_MODEL_TYPES, MoeSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -95,7 +98,7 @@ def shape_from_hf_config(config: Any, name: str) -> ModelShape:
         tied_embeddings=bool(_get(config, "tie_word_embeddings", False)),
         attention_bias=bool(_get(config, "attention_bias", model_type == "qwen2")),
         max_position=_get(config, "max_position_embeddings"),
-        qk_norm=model_type == "qwen3")
+        qk_norm=model_type in _QK_NORM_TYPES)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class ModelArch:
     # Per-layer sliding window (None = full attention on that layer).
     sliding_windows: tuple[int | None, ...]
     hidden_act: str = "silu"
+    moe: MoeSpec | None = None  # mixture-of-experts layers (engine.models.moe_spec)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArch:
@@ -186,10 +190,11 @@ class ModelArch:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(_get(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in _QK_NORM_TYPES,
             rope=RopeSpec.from_config(config),
             sliding_windows=windows,
             hidden_act="silu",
+            moe=MoeSpec.from_hf_config(config, model_type, shape.layers),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -208,7 +213,7 @@ class ModelArch:
 def _sliding_windows(config: Any, model_type: str, layers: int) -> tuple[int | None, ...]:
     window = _get(config, "sliding_window")
     layer_types = _get(config, "layer_types")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if not _get(config, "use_sliding_window", False) or not window:
             return (None,) * layers
     if not window:

@@ -151,6 +151,8 @@ def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:
         return None, f"{type(model).__name__} model"
     if getattr(model, "tp", None) is not None:
         return None, "tensor parallel"
+    if getattr(model.arch, "moe", None) is not None:
+        return None, "mixture-of-experts layers"
     ops = getattr(model, "ops", None)
     if not isinstance(ops, FusedCpuOps):
         return None, "not the fused CPU layer ops"

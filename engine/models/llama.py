@@ -105,10 +105,15 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce_(o)
         x, residual = ops.add_rms_norm(o, residual, self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)
-        down = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        down = self.feed_forward(x, ops)
         if self.tp is not None:
             self.tp.all_reduce_(down)
         return down, residual
+
+    def feed_forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+        """The MLP of the normed ``[T, hidden]`` input (a mixture-of-experts layer overrides
+        it, engine.models.moe_model)."""
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -6,12 +6,15 @@ from typing import Any
 
 from engine.models.arch import ModelArch
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe_model import MoeForCausalLM
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 
@@ -25,7 +28,8 @@ def build_model(hf_config: Any, max_positions: int | None = None,
         raise ValueError(f"unsupported architecture {archs[0]!r}; kvserve runs "
                          f"{', '.join(sorted(_ARCHITECTURES))}")
     arch = ModelArch.from_hf_config(hf_config)
-    cls = _ARCHITECTURES[known[0]] if known else LlamaForCausalLM
+    cls = _ARCHITECTURES[known[0]] if known else (
+        MoeForCausalLM if arch.moe is not None else LlamaForCausalLM)
     if tp is None:
         return cls(arch, max_positions=max_positions)
     from engine.distributed.sharding import local_arch
