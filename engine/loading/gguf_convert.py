@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from engine.loading import gguf_moe
+
 logger = logging.getLogger("kvserve.loader")
 
 # Bump when the layout written below changes: it is part of the cache key, so old caches are
@@ -136,6 +138,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         stages.set_postfix_str("config")
         with _unreadable_as_value_error(gguf_path):
             config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+            config = gguf_moe.moe_config(gguf_path, config)  # experts: see gguf_moe
         stages.update()
 
         stages.set_postfix_str("dequantise and write weights")
@@ -204,22 +207,27 @@ class _GGUFTensors:
         with torch.device("meta"):  # names and shapes only: no weights are allocated
             skeleton = AutoModelForCausalLM.from_config(config)
         self.model_class = type(skeleton).__name__
-        self.names = get_gguf_hf_weights_map(skeleton, self.processor)
+        self.names = get_gguf_hf_weights_map(skeleton, self.processor,
+                                             gguf_moe.gguf_model_type(config))
         self.expected = {n: tuple(t.shape) for n, t in skeleton.state_dict().items()}
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
             self.expected.pop("lm_head.weight", None)
         self.plan = [(t, self.names[t.name]) for t in reader.tensors
                      if self.names.get(t.name) in self.expected]
+        self.plan = gguf_moe.expert_plan(reader, self.plan, self.expected)
 
     def float32(self, tensor, hf: str) -> torch.Tensor:
         import numpy as np
         from gguf import dequantize
 
-        result = self.processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
-                                        name=tensor.name, tensor_key_mapping=self.names,
-                                        parsed_parameters=self.parsed)
-        t = torch.from_numpy(np.copy(result.weights)).to(torch.float32).contiguous()
+        if isinstance(tensor, gguf_moe.StackedExperts):
+            t = tensor.float32()
+        else:
+            result = self.processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
+                                            name=tensor.name, tensor_key_mapping=self.names,
+                                            parsed_parameters=self.parsed)
+            t = torch.from_numpy(np.copy(result.weights)).to(torch.float32).contiguous()
         if tuple(t.shape) != self.expected[hf]:
             raise ValueError(f"GGUF tensor {tensor.name} has shape {tuple(t.shape)}; "
                              f"{hf} needs {self.expected[hf]}")

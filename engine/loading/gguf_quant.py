@@ -6,7 +6,8 @@ which holds every tensor dequantised. With ``quantization="auto"`` the engine al
 Q4_K, Q5_K, Q6_K; ``engine.models.gguf_blocks``) packed.
 
 Contract of :func:`read_packed`: returns ``{hf_name: Packed}`` for the 2-D tensors of the
-decoder (q/k/v/o, gate/up/down, token embedding, output head) stored in a supported type;
+decoder (q/k/v/o, gate/up/down, token embedding, output head) stored in a supported type,
+and each expert of a stacked expert tensor (engine.loading.gguf_moe.expert_packs);
 every other tensor is absent (the caller keeps its float copy). Rows are in Hugging Face order:
 llama.cpp's converter permutes the rows of Q and K for rotary embeddings in llama/mistral
 files, and this undoes it exactly as transformers' GGUF reader does (a row permutation, so the
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.loading import gguf_convert
+from engine.loading.gguf_moe import expert_packs
 from engine.loading.packed_policy import hf_name, is_packable
 from engine.models.gguf_blocks import from_gguf_blocks
 from engine.models.quant_formats import Packed
@@ -60,6 +62,10 @@ def read_packed(path: Path) -> dict[str, Packed]:
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
     out: dict[str, Packed] = {}
     for tensor in reader.tensors:
+        experts = expert_packs(tensor)  # mixture-of-experts: one packed weight per expert
+        if experts is not None:
+            out.update(experts)
+            continue
         if not is_packable(tensor):
             continue
         name = hf_name(tensor.name)

@@ -37,6 +37,7 @@ from torch import nn
 from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.loading.packed_policy import float_copies_too_big
 from engine.models import quant_probe_cache as probe_cache
+from engine.models.moe_quant import packed_experts, rtn_experts
 from engine.models.quant_formats import Packed, cat, same_layout
 from engine.models.quant_linear import (
     QuantConcat,
@@ -92,6 +93,7 @@ def build_quantised(model: nn.Module, packed: dict[str, Packed],
         out.linears["lm_head"] = QuantLinear(head)
         if check:
             _check(out.linears["lm_head"], model.lm_head.weight, "lm_head")
+    out.experts = packed_experts(model, packed, check)
     return out
 
 
@@ -133,10 +135,10 @@ def apply(model: nn.Module, q: QuantisedModules, float_above: int | None = None)
     if float_above is not None:
         for dense, quant in float_modules(model, q):
             quant.keep_float_above(float_above, dense)
-    for path, mod in q.linears.items():
+    for path, mod in [*q.linears.items(), *q.experts.items()]:
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, mod)
-    n = len(q.linears)
+    n = len(q.linears) + len(q.experts)
     if q.embedding is not None:
         model.embed_tokens = q.embedding
         if model.lm_head is None:
@@ -228,7 +230,9 @@ def build_rtn(model: nn.Module, scheme: str, group_size: int,
 
     for i, layer in enumerate(model.layers):
         for attr in _FUSED:
-            dense = getattr(layer, attr)
+            dense = getattr(layer, attr, None)
+            if dense is None:  # a mixture-of-experts layer: experts below
+                continue
             p = packed(dense.weight, f"layers.{i}.{attr}", scheme)
             if p is not None:
                 out.linears[f"layers.{i}.{attr}"] = QuantLinear(p, dense.bias)
@@ -239,6 +243,7 @@ def build_rtn(model: nn.Module, scheme: str, group_size: int,
         head = packed(model.lm_head.weight, "lm_head", head_scheme)
         if head is not None:
             out.linears["lm_head"] = QuantLinear(head)
+    out.experts = rtn_experts(model, scheme, group_size)
     if skipped:
         logger.warning("quantization=%s: %d weights kept float, their width not a multiple of "
                        "%d (%s%s)", scheme, len(skipped), group_size, ", ".join(skipped[:4]),

@@ -326,6 +326,9 @@ class QuantisedModules:
 
     linears: dict[str, QuantLinear | QuantConcat] = field(default_factory=dict)
     embedding: QuantEmbedding | None = None
+    # Packed experts of mixture-of-experts layers by path (``layers.N.moe.experts``;
+    # engine.models.moe_quant). Not probed: swapped in whenever the linears are.
+    experts: dict[str, nn.Module] = field(default_factory=dict)
 
     def modules(self) -> list[QuantLinear | QuantConcat]:
         """The linears and the embedding's head (the packed table, also a tied logits head)."""
@@ -333,4 +336,5 @@ class QuantisedModules:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.modules())
+        return (sum(m.nbytes for m in self.modules())
+                + sum(m.nbytes for m in self.experts.values()))
