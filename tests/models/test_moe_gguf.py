@@ -19,6 +19,9 @@ from tests.models.teacher_forced import TEXT
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def moe_gguf(request, tmp_path_factory):
+    from engine.cpu.kernels import load
+
+    load()  # built (or found) under the usual cache dir, not again under the tests' temp one
     root = tmp_path_factory.mktemp(request.param)
     path = root / f"tiny-{request.param}.gguf"
     _, reference = write_moe_gguf(path, request.param)
