@@ -28,6 +28,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache.eviction_spec import KVEvictionSpec
+from engine.kv_cache.groups import describe_kv_groups
+from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
 from engine.kv_cache.streaming import StreamingEviction
@@ -87,7 +89,7 @@ class EngineCore:
             self._calibrate_kv_scales()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
-        self._block_bytes = self.runner.kv_bytes_per_token * config.block_size
+        self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
         cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
                                         self._block_bytes) if num_host_blocks else None)
         # The scheduler owns the manager (and its host tier): the core keeps a reference for
@@ -96,9 +98,15 @@ class EngineCore:
         self.sliding_window = (min(windows) if windows and None not in windows else None)
         eviction = _eviction_spec(config, self.max_model_len, windows)
         # Streaming eviction re-rotates kept keys: their blocks no longer match a text hash.
-        self.kv = KVCacheManager(num_blocks, config.block_size,
-                                 config.enable_prefix_caching and eviction is None,
-                                 num_host_blocks=num_host_blocks, cost=cost)
+        layout = self.runner.kv_layout
+        if layout.is_hybrid:  # per-group block tables over the shared pool
+            self.kv = HybridKVCacheManager(num_blocks, config.block_size, layout,
+                                           config.enable_prefix_caching,
+                                           num_host_blocks=num_host_blocks, cost=cost)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size,
+                                     config.enable_prefix_caching and eviction is None,
+                                     num_host_blocks=num_host_blocks, cost=cost)
         self.stream = StreamingEviction(eviction, self.kv) if eviction is not None else None
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
@@ -115,7 +123,10 @@ class EngineCore:
         self.token_id_bound = min(self.vocab_size, tokenizer_size(self.tokenizer))
         self.limits = AdmissionLimits(
             max_model_len=self.max_model_len, token_id_bound=self.token_id_bound,
-            block_size=config.block_size, num_blocks=num_blocks,
+            block_size=config.block_size,
+            # hybrid: the blocks of the longest sequence the pool holds, in one group's terms
+            num_blocks=(layout.max_seq_tokens(num_blocks, config.block_size)
+                        // config.block_size if layout.is_hybrid else num_blocks),
             swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0,
             max_cache_tokens=(eviction.max_cache_tokens(config.block_size)
                               if eviction is not None else None))
@@ -158,6 +169,10 @@ class EngineCore:
             r.model.ops.name,
             self.max_model_len, self.config.kv_cache_dtype, r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
+        if r.kv_layout.is_hybrid:
+            logger.info("%s", describe_kv_groups(r.kv_layout, r.num_blocks, self.config.block_size,
+                                                 r.kv_bytes_per_token // r.arch.num_layers,
+                                                 self.max_model_len))
         logger.info("%s", self.generation_defaults.describe())
         if self.stream is not None:
             logger.info("KV eviction (streaming, approximate; prefix caching off): %s",

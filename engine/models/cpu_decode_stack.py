@@ -117,7 +117,8 @@ class CpuDecodeStack:
 
     def accepts(self, x: torch.Tensor, meta, backend, kv_caches, ops: TorchLayerOps) -> bool:
         """Whether this step can run here (module docstring); call after ``backend.prepare``."""
-        if ops is not self._ops or getattr(backend, "name", None) != "torch":
+        if (ops is not self._ops or getattr(backend, "name", None) != "torch"
+                or meta.layer_metas is not None):  # hybrid KV cache: per-group tables
             return False
         state = meta.backend_state
         group = state.get("decode")

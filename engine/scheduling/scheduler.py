@@ -105,6 +105,8 @@ class Scheduler:
         self.proposer = proposer
         self.kv = kv  # owned: nothing outside the scheduler allocates, frees or looks up
         self.sliding_window = sliding_window
+        # A hybrid KV cache (engine.kv_cache.hybrid): per-group tables, per-group windows.
+        self.hybrid = hasattr(kv, "group_tables")
         self.stream = stream
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
         self.has_host_tier = kv.host is not None
@@ -225,10 +227,13 @@ class Scheduler:
             if s.draft:
                 chunks.append(SeqChunk([seq.token_ids[start], *s.draft], start,
                                        table(seq.seq_id), True, None, len(s.draft)))
-                continue
-            chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
-                                   self._cached(seq), table(seq.seq_id), s.sample,
-                                   prompt_logit_span(s.seq, s.start, s.num_new_tokens)))
+            else:
+                chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
+                                       self._cached(seq), table(seq.seq_id), s.sample,
+                                       prompt_logit_span(s.seq, s.start, s.num_new_tokens)))
+            if self.hybrid:  # every KV group's table (engine.kv_cache.hybrid)
+                tables = kv.group_tables(seq.seq_id)
+                chunks[-1].block_table, chunks[-1].extra_tables = tables[0], tables[1:]
         seqs = tuple(chunks)
         shifts = self.stream.take_shifts() if self.stream is not None else ()
         copies = kv.take_copies() if self.has_host_tier else None
@@ -373,7 +378,8 @@ class Scheduler:
         hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys,
                                   record_stats=False)
         first = request.seqs[0]
-        if seq.index > 0 and first.status is SeqStatus.RUNNING and self.stream is None:
+        if (seq.index > 0 and first.status is SeqStatus.RUNNING and self.stream is None
+                and not self.hybrid):
             # Share the first sample's full prompt blocks (also with prefix caching off).
             bs = self.kv.block_size
             n_blocks = min((seq.num_prompt_tokens - 1) // bs, first.num_computed_tokens // bs)
@@ -395,7 +401,7 @@ class Scheduler:
             if not seq.finished:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_extra_keys)
-                if self.sliding_window is not None:
+                if self.sliding_window is not None or self.hybrid:
                     self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
                                                    self.sliding_window)
             if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
@@ -418,6 +424,6 @@ class Scheduler:
         self.kv.truncate(seq.seq_id, seq.num_tokens)
         self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                        seq.request.cache_extra_keys)
-        if self.sliding_window is not None:
+        if self.sliding_window is not None or self.hybrid:
             self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
                                            self.sliding_window)
