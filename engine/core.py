@@ -519,6 +519,10 @@ class EngineCore:
             num_blocks_used=kv.num_used_blocks,
             num_blocks_cached=kv.num_cached_blocks,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            kv_cache_groups=self.runner.kv_layout.num_groups,
+            kv_cache_group_bytes_per_token=self.runner.kv_page_bytes_per_token,
+            kv_cache_max_concurrency=self.runner.kv_layout.max_concurrency(
+                kv.num_blocks, self.config.block_size, self.max_model_len),
             num_blocks_released_window=self.kv.num_window_released,
             num_blocks_evicted_stream=self.stream.num_evicted_blocks if self.stream else 0,
             computed_tokens=self.counters["computed_tokens"],

@@ -81,6 +81,11 @@ class EngineStats:
     num_blocks_used: int = 0
     num_blocks_cached: int = 0
     kv_bytes_per_token: int = 0
+    # KV groups (engine.kv_cache.groups): 1 unless the model mixes sliding-window and full
+    # layers; each group's bytes per token (all equal); sequences of max_model_len the pool holds.
+    kv_cache_groups: int = 1
+    kv_cache_group_bytes_per_token: int = 0
+    kv_cache_max_concurrency: float = 0.0
     num_blocks_released_window: int = 0  # given back outside a sliding window, cumulative
     num_blocks_evicted_stream: int = 0  # evicted by --kv-eviction (sinks + window), cumulative
     computed_tokens: int = 0

@@ -57,6 +57,14 @@ _GAUGES = [
     (lambda s: s.kv_bytes_per_token, "kvserve:kv_cache_bytes_per_token",
      "KV-cache bytes per token (2 x layers x KV heads x row bytes; int8 rows carry a 2-byte "
      "scale)."),
+    (lambda s: s.kv_cache_groups, "kvserve:kv_cache_groups",
+     "KV cache groups: 1, or per attention type (full / sliding window) for a hybrid model, "
+     "each with its own block tables over the shared pool."),
+    (lambda s: s.kv_cache_group_bytes_per_token, "kvserve:kv_cache_group_bytes_per_token",
+     "KV-cache bytes per token of one group (every group has as many layers)."),
+    (lambda s: s.kv_cache_max_concurrency, "kvserve:kv_cache_max_concurrency",
+     "Sequences of max_model_len tokens the device pool holds at once (per-group block "
+     "accounting)."),
     (lambda s: s.host.host_blocks_total, "kvserve:host_kv_cache_num_blocks",
      "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
     (lambda s: s.host.host_blocks_used, "kvserve:host_kv_cache_used_blocks",

@@ -43,6 +43,8 @@ class ModelShape:
     attention_bias: bool = False
     max_position: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k
+    # Per-layer sliding window (None: full), () when unknown or all full: kv-calc's KV groups.
+    sliding_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("layers", "heads", "kv_heads", "head_dim"):
@@ -95,7 +97,8 @@ def shape_from_hf_config(config: Any, name: str) -> ModelShape:
         tied_embeddings=bool(_get(config, "tie_word_embeddings", False)),
         attention_bias=bool(_get(config, "attention_bias", model_type == "qwen2")),
         max_position=_get(config, "max_position_embeddings"),
-        qk_norm=model_type == "qwen3")
+        qk_norm=model_type == "qwen3",
+        sliding_windows=_sliding_windows(config, model_type or "llama", layers))
 
 
 @dataclass(frozen=True)
