@@ -111,7 +111,8 @@ class EngineCore:
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
                                   vocab_size=self.runner.arch.vocab_size,
-                                  num_blocks=num_blocks) if spec else None
+                                  # hybrid: pages of one group; the draft's hold all layers
+                                  num_blocks=num_blocks // layout.num_groups) if spec else None
         self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window,
                                    stream=self.stream)
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)

@@ -164,3 +164,22 @@ def test_speculative_rollback_and_int8_pool(tmp_path):
     assert int8.stats()["num_blocks_released_window"] > 0
     same = sum(a == b for g, e in zip(got, exact) for a, b in zip(g, e))
     assert same >= 0.8 * sum(len(e) for e in exact)
+
+
+def test_kv_calc_and_stats_count_per_group(qwen2):
+    from engine.kv_cache.kv_calc import format_report, kv_report, report_dict
+    from engine.models.arch import shape_from_hf_config
+
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    config = {"model_type": "qwen2", "num_hidden_layers": 18, "num_attention_heads": 4,
+              "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640,
+              "sliding_window": 512, "use_sliding_window": True, "layer_types": types}
+    report = kv_report(shape_from_hf_config(config, "gemma3-270m-like"), 8192, 1, "bfloat16")
+    groups = report_dict(report)["kv_groups"]
+    assert len(groups["groups"]) == 6 and groups["layers_per_group"] == 3
+    assert groups["bytes_total"] <= 0.3 * report.total  # the memory target
+    assert "hybrid KV cache: 6 groups of 3 layers" in format_report(report)
+    path, _ = qwen2
+    stats = _llm(path).engine.stats()
+    assert stats.kv_cache_groups == 2 and stats.kv_cache_group_bytes_per_token > 0
+    assert stats.kv_cache_max_concurrency > 0
