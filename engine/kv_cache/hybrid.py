@@ -186,9 +186,16 @@ class HybridKVCacheManager:
         pool is short. Returns the new block ids of all groups."""
         if not self.can_allocate(seq_id, num_tokens, prefix):
             return None
+        # Every group's hit blocks first: fresh blocks for one group must not evict another
+        # group's free-cached hit blocks (taking them back takes them out of the free queue).
+        for g, m in enumerate(self.groups):
+            hit = self._group_prefix(prefix, g)
+            if hit is not None and hit.num_tokens:
+                got = m.allocate(group_key(seq_id, g), hit.num_tokens, hit)
+                assert got == [], "a device hit needs no fresh block"
         new: list[int] = []
         for g, m in enumerate(self.groups):
-            ids = m.allocate(group_key(seq_id, g), num_tokens, self._group_prefix(prefix, g))
+            ids = m.allocate(group_key(seq_id, g), num_tokens)
             assert ids is not None, "the summed need was checked"
             new += ids
         return new
