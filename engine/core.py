@@ -124,10 +124,8 @@ class EngineCore:
         self.token_id_bound = min(self.vocab_size, tokenizer_size(self.tokenizer))
         self.limits = AdmissionLimits(
             max_model_len=self.max_model_len, token_id_bound=self.token_id_bound,
-            block_size=config.block_size,
-            # hybrid: the blocks of the longest sequence the pool holds, in one group's terms
-            num_blocks=(layout.max_seq_tokens(num_blocks, config.block_size)
-                        // config.block_size if layout.is_hybrid else num_blocks),
+            block_size=config.block_size, num_blocks=num_blocks,
+            kv_layout=layout if layout.is_hybrid else None,
             swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0,
             max_cache_tokens=(eviction.max_cache_tokens(config.block_size)
                               if eviction is not None else None))

@@ -183,3 +183,18 @@ def test_kv_calc_and_stats_count_per_group(qwen2):
     stats = _llm(path).engine.stats()
     assert stats.kv_cache_groups == 2 and stats.kv_cache_group_bytes_per_token > 0
     assert stats.kv_cache_max_concurrency > 0
+
+
+def test_admission_counts_blocks_per_group():
+    from engine.scheduling.admission import AdmissionLimits, _check_fits_pool
+
+    layout = plan_kv_groups((None, WINDOW, WINDOW, None))  # 1 full + 1 window group
+    # 40 tokens: 10 full blocks + 3 window blocks (window 8 + one being filled) = 13.
+    assert layout.blocks_for(40, BS) == 13
+    limits = AdmissionLimits(max_model_len=64, token_id_bound=256, block_size=BS,
+                             num_blocks=13, swap_blocks=0, kv_layout=layout)
+    _check_fits_pool(limits, 20, 20, 1)
+    with pytest.raises(ValueError, match="whole pool holds 40"):
+        _check_fits_pool(limits, 20, 21, 1)
+    with pytest.raises(ValueError, match="samples need 26 KV blocks"):
+        _check_fits_pool(limits, 20, 20, 2)
