@@ -14,8 +14,9 @@ and host) never alias: the same tokens have one cached block per group.
 
 Prefix hits follow vLLM's rule: a hit of ``k`` blocks needs, in a full group, every block
 ``0 .. k-1`` cached, and in a window group only the blocks a query at position ``k * block_size``
-can still see; the hit is the longest ``k`` every group accepts. The host tier stores spilled
-blocks and swapped sequences per group, but prefix hits are served from the device only.
+can still see; the hit is the longest ``k`` every group accepts. With a host tier, the blocks a
+group needs may end with blocks only the host holds (spilled there on eviction): ``allocate``
+loads them back into fresh device blocks, as the one-group manager does.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ from engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from engine.kv_cache.manager import KVCacheManager, KVCacheStats, PrefixHit
 from engine.kv_cache.offload import BlockCopies, OffloadStats, SwapCostModel
 from engine.kv_cache.tiered import CopyFn, HostTier
+
+_ON_HOST = object()  # find_prefix: a block only the host tier holds
+
+
+def _device_then_host(flags: list) -> bool:
+    """Whether ``flags`` are device blocks followed by host-only blocks (none missing)."""
+    i = 0
+    while i < len(flags) and flags[i] is not None and flags[i] is not _ON_HOST:
+        i += 1
+    while i < len(flags) and flags[i] is _ON_HOST:
+        i += 1
+    return i == len(flags)
 
 
 def group_key(seq_id: str, group: int) -> str:
@@ -120,13 +133,18 @@ class HybridKVCacheManager:
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         cached_flags = []
         hashes_by_group = []
+        host = self.host.cache if self.host is not None else None
         for g, m in enumerate(self.groups):
             state = m._state_for(group_key(seq_id, g), extra_keys)
             if len(state.hashes) < max_blocks:
                 extend_block_hashes(state.hashes, token_ids, bs, max_blocks, state.extra)
             hashes = state.hashes[:max_blocks]
             hashes_by_group.append(hashes)
-            cached_flags.append([self.pool.cached.get(h) for h in hashes])
+            flags = [self.pool.cached.get(h) for h in hashes]
+            if host is not None:  # blocks only the host holds: _ON_HOST
+                flags = [_ON_HOST if b is None and host.lookup(h) is not None else b
+                         for b, h in zip(flags, hashes)]
+            cached_flags.append(flags)
         k = max_blocks
         while True:
             before = k
@@ -138,8 +156,10 @@ class HybridKVCacheManager:
         for g, w in enumerate(self.windows):
             skip = self._first_needed(k, w)
             blocks = cached_flags[g][skip:k]
-            hits.append(PrefixHit([b.block_id for b in blocks], k * bs,
-                                  tuple(hashes_by_group[g][skip:k]), (), skip))
+            dev = next((i for i, b in enumerate(blocks) if b is _ON_HOST), len(blocks))
+            names = hashes_by_group[g][skip:k]
+            hits.append(PrefixHit([b.block_id for b in blocks[:dev]], k * bs,
+                                  tuple(names[:dev]), tuple(names[dev:]), skip))
         hit = HybridPrefixHit(tuple(hits), k * bs) if k else empty
         if record_stats:
             self.record_prefix_stats(len(token_ids), hit.num_tokens)
@@ -152,12 +172,18 @@ class HybridKVCacheManager:
         return max(0, k * self.block_size + 1 - window) // self.block_size
 
     def _group_hit(self, cached: list, k: int, window: int | None) -> int:
-        """The largest ``k' <= k`` this group can resume from."""
+        """The largest ``k' <= k`` this group can resume from: the blocks it needs are device
+        blocks followed by host-only blocks (``allocate`` loads those back)."""
         for kk in range(k, 0, -1):
-            if all(b is not None for b in cached[self._first_needed(kk, window):kk]):
+            if _device_then_host(cached[self._first_needed(kk, window):kk]):
                 return kk
-            if window is None:  # a full group needs every block: shrink to the first gap
-                return next(i for i, b in enumerate(cached) if b is None)
+            if window is None:  # a full group needs every block: the longest valid run
+                n = 0
+                while n < kk and cached[n] is not None and cached[n] is not _ON_HOST:
+                    n += 1
+                while n < kk and cached[n] is _ON_HOST:
+                    n += 1
+                return n
         return 0
 
     def record_prefix_stats(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
@@ -184,19 +210,35 @@ class HybridKVCacheManager:
     def allocate(self, seq_id: str, num_tokens: int, prefix=None) -> list[int] | None:
         """Every group's table covers ``num_tokens`` tokens; None (nothing changed) when the
         pool is short. Returns the new block ids of all groups."""
+        hits = [self._group_prefix(prefix, g) for g in range(len(self.groups))]
+        if any(h is not None and h.host_hashes for h in hits):
+            if self.host is None:
+                raise ValueError("the prefix names host-tier blocks but there is no host tier")
+            if any(h is not None and self.host.lookup(h.host_hashes) != len(h.host_hashes)
+                   for h in hits):
+                raise ValueError("stale prefix hit: a host block was evicted since "
+                                 "find_prefix; call find_prefix again right before allocate")
         if not self.can_allocate(seq_id, num_tokens, prefix):
             return None
-        # Every group's hit blocks first: fresh blocks for one group must not evict another
-        # group's free-cached hit blocks (taking them back takes them out of the free queue).
-        for g, m in enumerate(self.groups):
-            hit = self._group_prefix(prefix, g)
-            if hit is not None and hit.num_tokens:
-                got = m.allocate(group_key(seq_id, g), hit.num_tokens, hit)
+        # Pin every host block of the hit, then take every group's device hit blocks, and only
+        # then fresh blocks: one group's fresh blocks (and the spills they cause) must not
+        # evict another group's hit blocks, on the device or the host.
+        loads = [self.host.prepare_load(h.host_hashes) if h is not None and h.host_hashes
+                 else [] for h in hits]
+        for g, (m, hit) in enumerate(zip(self.groups, hits)):
+            if hit is not None and (hit.block_ids or hit.num_skipped):
+                device = PrefixHit(hit.block_ids, (hit.num_skipped + len(hit.block_ids))
+                                   * self.block_size, hit.block_hashes, (), hit.num_skipped)
+                got = m.allocate(group_key(seq_id, g), device.num_tokens, device)
                 assert got == [], "a device hit needs no fresh block"
         new: list[int] = []
-        for g, m in enumerate(self.groups):
+        for g, (m, hit, load) in enumerate(zip(self.groups, hits, loads)):
             ids = m.allocate(group_key(seq_id, g), num_tokens)
             assert ids is not None, "the summed need was checked"
+            if load:  # the first fresh blocks take the host blocks' KV and names
+                self.host.load(load, ids[:len(load)])
+                for name, dev in zip(hit.host_hashes, ids):
+                    self.pool.register(self.pool.blocks[dev], name)  # may stay private
             new += ids
         return new
 

@@ -1,8 +1,9 @@
 """The hybrid KV cache (issue 28): a model mixing sliding-window and full-attention layers keeps
 one block table per KV group over the shared pool; window groups give back the blocks that slid
 out of their window while full groups keep everything. Greedy tokens stay identical to HF
-transformers (float32, prompts and generations several windows long) with prefix caching, recompute
-and swap preemption (host tier), and the block accounting holds after every step."""
+transformers (float32, prompts and generations several windows long) with prefix caching
+(device and host-tier hits), recompute and swap preemption and speculative rollback, and the
+block accounting holds after every step."""
 
 from __future__ import annotations
 
@@ -100,6 +101,10 @@ def test_prefix_hits_and_both_preemption_modes_match_hf(qwen2):
         assert got == expected * 2, mode
         key = "num_preemptions_swap" if mode == "swap" else "num_preemptions_recompute"
         assert tight.stats()[key] > 0, mode
+    # The host tier kept the blocks evicted from the device: a repeat hits them there (each
+    # group loads back what it needs) and the tokens stay HF's.
+    assert _run_checked(tight, prompts[:2], params) == expected[:2]
+    assert tight.stats()["prefix_cache_host_hits"] > 0
 
 
 def test_manager_random_ops_keep_integrity():
