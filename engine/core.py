@@ -167,7 +167,9 @@ class EngineCore:
             r.device, r.backend.name, r.linear_backend,
             r.model.ops.name,
             self.max_model_len, self.config.kv_cache_dtype, r.num_blocks, self.config.block_size,
-            tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
+            tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30,
+            r.kv_layout.max_concurrency(r.num_blocks, self.config.block_size, self.max_model_len)
+            if r.kv_layout.is_hybrid else tokens / self.max_model_len)
         if r.kv_layout.is_hybrid:
             logger.info("%s", describe_kv_groups(r.kv_layout, r.num_blocks, self.config.block_size,
                                                  r.kv_bytes_per_token // r.arch.num_layers,
