@@ -146,10 +146,11 @@ class HybridKVCacheManager:
                          for b, h in zip(flags, hashes)]
             cached_flags.append(flags)
         k = max_blocks
-        while True:
+        order = sorted(range(len(self.groups)), key=lambda g: self.windows[g] is not None)
+        while True:  # full groups first: they cut k to their first gap at once
             before = k
-            for g, w in enumerate(self.windows):
-                k = self._group_hit(cached_flags[g], k, w)
+            for g in order:
+                k = self._group_hit(cached_flags[g], k, self.windows[g])
             if k == before:
                 break
         hits = []
@@ -174,16 +175,22 @@ class HybridKVCacheManager:
     def _group_hit(self, cached: list, k: int, window: int | None) -> int:
         """The largest ``k' <= k`` this group can resume from: the blocks it needs are device
         blocks followed by host-only blocks (``allocate`` loads those back)."""
+        if window is None:  # every block from the first: the longest device-then-host run
+            n = 0
+            while n < k and cached[n] is not None and cached[n] is not _ON_HOST:
+                n += 1
+            while n < k and cached[n] is _ON_HOST:
+                n += 1
+            return n
+        run = 0  # held blocks ending at kk - 1, counted once left to right: O(k) in all
+        runs = []
+        for b in cached[:k]:
+            run = run + 1 if b is not None else 0
+            runs.append(run)
         for kk in range(k, 0, -1):
-            if _device_then_host(cached[self._first_needed(kk, window):kk]):
+            first = self._first_needed(kk, window)
+            if runs[kk - 1] >= kk - first and _device_then_host(cached[first:kk]):
                 return kk
-            if window is None:  # a full group needs every block: the longest valid run
-                n = 0
-                while n < kk and cached[n] is not None and cached[n] is not _ON_HOST:
-                    n += 1
-                while n < kk and cached[n] is _ON_HOST:
-                    n += 1
-                return n
         return 0
 
     def record_prefix_stats(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
