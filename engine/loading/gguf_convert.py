@@ -163,6 +163,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         stages.set_postfix_str("config")
         with _unreadable_as_value_error(gguf_path):
             config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+        _apply_gguf_overrides(gguf_path, config)
         stages.update()
 
         stages.set_postfix_str("dequantise and write weights")
@@ -193,6 +194,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         _verify(out_dir)
         _write_marker(out_dir, gguf_path, config.model_type, in_gguf)
         stages.update()
+
+
+def _apply_gguf_overrides(gguf_path: Path, config) -> None:
+    """Set what the file means but transformers' reader drops (Gemma: ``gguf_gemma``)."""
+    from gguf import GGUFReader
+
+    from engine.loading.gguf_gemma import gemma_overrides
+
+    reader = GGUFReader(gguf_path)
+    for key, value in gemma_overrides(reader, gguf_architecture(gguf_path)).items():
+        setattr(config, key, value)
 
 
 @contextlib.contextmanager

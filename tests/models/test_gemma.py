@@ -69,8 +69,8 @@ def tiny_gemma(request, tmp_path_factory):
     shared = [rng.randrange(0, 256) for _ in range(14)]  # prefix-cache hits across requests
     prompts = [([*shared] if i % 2 else []) + [rng.randrange(0, 256)
                                                for _ in range(rng.randint(3, 26))]
-               for i in range(8)]
-    lengths = [rng.randint(4, 14) for _ in prompts]
+               for i in range(6)]
+    lengths = [rng.randint(4, 10) for _ in prompts]
     hf = load_hf(path)
     return path, prompts, lengths, [hf_greedy(hf, p, k) for p, k in zip(prompts, lengths)]
 
