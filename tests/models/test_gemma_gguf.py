@@ -71,3 +71,39 @@ def test_gguf_chat_template_and_config(gemma_gguf):
     else:
         assert config.layer_types.count("full_attention") == 1
         assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+
+
+def test_gguf_metadata_overrides(tmp_path):
+    """What llama.cpp derives for a Gemma 3 27B-shaped header (62 layers: query scale by
+    hidden / heads) with linear RoPE scaling x8 and a local base; Gemma 2's soft-caps."""
+    import gguf
+
+    from engine.loading.gguf_gemma import gemma_overrides
+
+    def header(arch: str, **keys) -> gguf.GGUFReader:
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch=arch)
+        w.add_embedding_length(5376)
+        w.add_head_count(32)
+        w.add_key_length(128)
+        w.add_block_count(keys.pop("layers"))
+        for name, value in keys.items():
+            getattr(w, f"add_{name}")(value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return gguf.GGUFReader(path)
+
+    g3 = gemma_overrides(header("gemma3", layers=62, rope_freq_base=1e6,
+                                rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                                rope_scaling_factor=8.0), "gemma3")
+    assert g3["query_pre_attn_scalar"] == 168
+    assert g3["rope_parameters"]["full_attention"] == {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1e6}
+    assert g3["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    g2 = gemma_overrides(header("gemma2", layers=26, attn_logit_softcapping=50.0,
+                                final_logit_softcapping=30.0), "gemma2")
+    assert g2 == {"query_pre_attn_scalar": 128, "attn_logit_softcapping": 50.0,
+                  "final_logit_softcapping": 30.0}
+    assert gemma_overrides(header("llama", layers=2), "llama") == {}
