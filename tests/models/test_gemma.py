@@ -86,7 +86,6 @@ def test_greedy_matches_hf(tiny_gemma):
     path, prompts, lengths, expected = tiny_gemma
     llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory="8MiB",
               quantization="none", enable_prefix_caching=True, max_num_batched_tokens=24)
-    assert _generate(llm, prompts[:1], lengths[:1]) == expected[:1]  # one alone first
     assert _generate(llm, prompts, lengths) == expected
     assert llm.stats()["prefix_cache_hits"] > 0
     llm.engine.kv.check_integrity()
