@@ -109,7 +109,14 @@ class GemmaDecoderLayer(DecoderLayer):
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 / Gemma 3 text model (module docstring); the Llama model's interface."""
 
-    decode_stack_refusal = "Gemma layers (sandwich norms, GeGLU) are not in the C++ stack"
+    @property
+    def decode_stack_refusal(self) -> str:
+        """Why the C++ decode stack does not run this model (the runner logs it)."""
+        why = "Gemma layers (sandwich norms, GeGLU) are not in the C++ stack"
+        if self.arch.attn_softcap is not None:
+            why += ("; soft-capped attention takes the torch backend's explicit softmax, not "
+                    "the compiled CPU decode kernel")
+        return why
 
     def __init__(self, arch: ModelArch, max_positions: int | None = None,
                  tp: TPGroup | None = None) -> None:
