@@ -19,6 +19,7 @@ KV manager — propagates: the engine's state can no longer be trusted (``AsyncE
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import time
@@ -63,7 +64,9 @@ from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
+from engine.structured.jump_forward import JumpForward
 from engine.structured.outputs import PendingMask, StructuredOutputs
+from engine.structured.stats import StructuredStats
 
 logger = logging.getLogger("kvserve.engine")
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -113,8 +116,9 @@ class EngineCore:
                                   vocab_size=self.runner.arch.vocab_size,
                                   # hybrid: pages of one group; the draft's hold all layers
                                   num_blocks=num_blocks // layout.num_groups) if spec else None
+        self.jump_forward = _jump_forward(config, self.tokenizer)
         self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window,
-                                   stream=self.stream)
+                                   stream=self.stream, jump_forward=self.jump_forward)
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -442,7 +446,8 @@ class EngineCore:
             self.structured.mask_draft(logits, seq.matcher, s.draft)
         run = DraftRun(s.draft, rows_for_draft(self._row(seq), s.draft))
         [v], sampled = verify(self.sampler, logits, [run], self._spec_gen)
-        self.spec_counters.observe(len(s.draft), v.num_accepted)
+        counters = self.jump_forward if s.forced else self.spec_counters
+        counters.observe(len(s.draft), v.num_accepted)
         for j in range(len(v.tokens)):
             if seq.finished:
                 return
@@ -500,6 +505,14 @@ class EngineCore:
 
     # ---- introspection -------------------------------------------------------------------
 
+    def _structured_stats(self) -> StructuredStats:
+        stats = self.structured.stats()
+        jf = self.jump_forward
+        if jf is None:
+            return stats
+        return dataclasses.replace(stats, jump_forward_drafted=jf.drafted,
+                                   jump_forward_accepted=jf.accepted)
+
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
         return EngineStats(
@@ -528,7 +541,7 @@ class EngineCore:
             num_blocks_evicted_stream=self.stream.num_evicted_blocks if self.stream else 0,
             computed_tokens=self.counters["computed_tokens"],
             spec_decode=self.spec_counters.snapshot(),
-            structured=self.structured.stats(),
+            structured=self._structured_stats(),
             host=HostTierStats.from_offload(
                 self.kv.offload_stats(), self._block_bytes),
         )
@@ -556,3 +569,13 @@ def _eviction_spec(config: EngineConfig, max_model_len: int, windows) -> KVEvict
                          "one has sliding-window layers, which already bound their KV")
     spec.validate(config.block_size, max_model_len)
     return spec
+
+
+def _jump_forward(config: EngineConfig, tokenizer) -> JumpForward | None:
+    """Jump-forward drafts for constrained sequences (``structured_outputs_config``), or None
+    when ``jump_forward_tokens`` is 0."""
+    so = config.structured_outputs_config
+    if not so.jump_forward_tokens:
+        return None
+    return JumpForward(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                       so.jump_forward_tokens, so.jump_forward_max_seqs)

@@ -115,5 +115,7 @@ class EngineStats:
                    structured_compile_failures=st.compile_failures,
                    structured_cache_hits=st.cache_hits,
                    structured_compile_seconds_sum=st.compile_seconds_sum,
-                   structured_constrained_rows=st.constrained_rows)
+                   structured_constrained_rows=st.constrained_rows,
+                   structured_jump_forward_drafted=st.jump_forward_drafted,
+                   structured_jump_forward_accepted=st.jump_forward_accepted)
         return out

@@ -128,6 +128,12 @@ _COUNTERS = [
     ("kvserve:structured_output_constrained_steps",
      "Engine steps that sampled at least one constrained row.",
      None, [(lambda s: s.structured.constrained_steps, None)]),
+    ("kvserve:structured_output_jump_forward_draft_tokens",
+     "Tokens a grammar forced, proposed as jump-forward drafts and verified.",
+     None, [(lambda s: s.structured.jump_forward_drafted, None)]),
+    ("kvserve:structured_output_jump_forward_accepted_tokens",
+     "Jump-forward draft tokens kept by verification (each a decode step saved).",
+     None, [(lambda s: s.structured.jump_forward_accepted, None)]),
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.models.arch import ModelArch
+from engine.models.gemma import GemmaForCausalLM
+from engine.models.gemma_arch import GEMMA_MODEL_TYPES
 from engine.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES = {
@@ -12,7 +14,11 @@ _ARCHITECTURES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,  # the text model only
 }
+SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 
 
 def build_model(hf_config: Any, max_positions: int | None = None,
@@ -25,7 +31,10 @@ def build_model(hf_config: Any, max_positions: int | None = None,
         raise ValueError(f"unsupported architecture {archs[0]!r}; kvserve runs "
                          f"{', '.join(sorted(_ARCHITECTURES))}")
     arch = ModelArch.from_hf_config(hf_config)
-    cls = _ARCHITECTURES[known[0]] if known else LlamaForCausalLM
+    if known:
+        cls = _ARCHITECTURES[known[0]]
+    else:  # a config without ``architectures``: its model type decides
+        cls = GemmaForCausalLM if arch.model_type in GEMMA_MODEL_TYPES else LlamaForCausalLM
     if tp is None:
         return cls(arch, max_positions=max_positions)
     from engine.distributed.sharding import local_arch

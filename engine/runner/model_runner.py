@@ -172,6 +172,11 @@ class ModelRunner:
             logger.info("decode steps: %s", "one C++ layer-stack call" if why_not == ""
                         else f"Python layer loop ({why_not})")
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        refusal = getattr(self.model, "attention_backend_refusal", lambda _name: None)(
+            self.backend.name)
+        if refusal:  # e.g. Gemma 2's soft-capping: only the torch backend computes it
+            logger.warning("attention backend: %s; the torch backend serves instead", refusal)
+            self.backend = get_attention_backend("torch", self.device)
         self.kv_cache_dtype, why = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
                                                           self.device.type, config.dtype)
         self.kv_format: KVFormat = kv_format(self.kv_cache_dtype, self.dtype,
