@@ -331,7 +331,8 @@ class EngineConfig:
     def resolve_max_model_len(self, hf_config: Any) -> int:
         """``max_model_len``, or the model's own context (``max_position_embeddings``, 2048
         when the config has none); ValueError beyond the model's positions."""
-        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+        text = getattr(hf_config, "text_config", None) or hf_config  # multimodal: its LM
+        model_max = int(getattr(text, "max_position_embeddings", 0) or 0) or 2048
         if self.max_model_len is None:
             return model_max
         if self.max_model_len > model_max:

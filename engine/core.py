@@ -19,6 +19,7 @@ KV manager — propagates: the engine's state can no longer be trusted (``AsyncE
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import time
@@ -28,6 +29,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache.eviction_spec import KVEvictionSpec
+from engine.kv_cache.groups import describe_kv_groups
+from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
 from engine.kv_cache.streaming import StreamingEviction
@@ -61,7 +64,9 @@ from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
+from engine.structured.jump_forward import JumpForward
 from engine.structured.outputs import PendingMask, StructuredOutputs
+from engine.structured.stats import StructuredStats
 
 logger = logging.getLogger("kvserve.engine")
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -87,7 +92,7 @@ class EngineCore:
             self._calibrate_kv_scales()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
-        self._block_bytes = self.runner.kv_bytes_per_token * config.block_size
+        self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
         cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
                                         self._block_bytes) if num_host_blocks else None)
         # The scheduler owns the manager (and its host tier): the core keeps a reference for
@@ -96,16 +101,24 @@ class EngineCore:
         self.sliding_window = (min(windows) if windows and None not in windows else None)
         eviction = _eviction_spec(config, self.max_model_len, windows)
         # Streaming eviction re-rotates kept keys: their blocks no longer match a text hash.
-        self.kv = KVCacheManager(num_blocks, config.block_size,
-                                 config.enable_prefix_caching and eviction is None,
-                                 num_host_blocks=num_host_blocks, cost=cost)
+        layout = self.runner.kv_layout
+        if layout.is_hybrid:  # per-group block tables over the shared pool
+            self.kv = HybridKVCacheManager(num_blocks, config.block_size, layout,
+                                           config.enable_prefix_caching,
+                                           num_host_blocks=num_host_blocks, cost=cost)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size,
+                                     config.enable_prefix_caching and eviction is None,
+                                     num_host_blocks=num_host_blocks, cost=cost)
         self.stream = StreamingEviction(eviction, self.kv) if eviction is not None else None
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
                                   vocab_size=self.runner.arch.vocab_size,
-                                  num_blocks=num_blocks) if spec else None
+                                  # hybrid: pages of one group; the draft's hold all layers
+                                  num_blocks=num_blocks // layout.num_groups) if spec else None
+        self.jump_forward = _jump_forward(config, self.tokenizer)
         self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window,
-                                   stream=self.stream)
+                                   stream=self.stream, jump_forward=self.jump_forward)
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -116,6 +129,7 @@ class EngineCore:
         self.limits = AdmissionLimits(
             max_model_len=self.max_model_len, token_id_bound=self.token_id_bound,
             block_size=config.block_size, num_blocks=num_blocks,
+            kv_layout=layout if layout.is_hybrid else None,
             swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0,
             max_cache_tokens=(eviction.max_cache_tokens(config.block_size)
                               if eviction is not None else None))
@@ -157,7 +171,13 @@ class EngineCore:
             r.device, r.backend.name, r.linear_backend,
             r.model.ops.name,
             self.max_model_len, self.config.kv_cache_dtype, r.num_blocks, self.config.block_size,
-            tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
+            tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30,
+            r.kv_layout.max_concurrency(r.num_blocks, self.config.block_size, self.max_model_len)
+            if r.kv_layout.is_hybrid else tokens / self.max_model_len)
+        if r.kv_layout.is_hybrid:
+            logger.info("%s", describe_kv_groups(r.kv_layout, r.num_blocks, self.config.block_size,
+                                                 r.kv_bytes_per_token // r.arch.num_layers,
+                                                 self.max_model_len))
         logger.info("%s", self.generation_defaults.describe())
         if self.stream is not None:
             logger.info("KV eviction (streaming, approximate; prefix caching off): %s",
@@ -426,7 +446,8 @@ class EngineCore:
             self.structured.mask_draft(logits, seq.matcher, s.draft)
         run = DraftRun(s.draft, rows_for_draft(self._row(seq), s.draft))
         [v], sampled = verify(self.sampler, logits, [run], self._spec_gen)
-        self.spec_counters.observe(len(s.draft), v.num_accepted)
+        counters = self.jump_forward if s.forced else self.spec_counters
+        counters.observe(len(s.draft), v.num_accepted)
         for j in range(len(v.tokens)):
             if seq.finished:
                 return
@@ -484,6 +505,14 @@ class EngineCore:
 
     # ---- introspection -------------------------------------------------------------------
 
+    def _structured_stats(self) -> StructuredStats:
+        stats = self.structured.stats()
+        jf = self.jump_forward
+        if jf is None:
+            return stats
+        return dataclasses.replace(stats, jump_forward_drafted=jf.drafted,
+                                   jump_forward_accepted=jf.accepted)
+
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
         return EngineStats(
@@ -504,11 +533,15 @@ class EngineCore:
             num_blocks_used=kv.num_used_blocks,
             num_blocks_cached=kv.num_cached_blocks,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            kv_cache_groups=self.runner.kv_layout.num_groups,
+            kv_cache_group_bytes_per_token=self.runner.kv_page_bytes_per_token,
+            kv_cache_max_concurrency=self.runner.kv_layout.max_concurrency(
+                kv.num_blocks, self.config.block_size, self.max_model_len),
             num_blocks_released_window=self.kv.num_window_released,
             num_blocks_evicted_stream=self.stream.num_evicted_blocks if self.stream else 0,
             computed_tokens=self.counters["computed_tokens"],
             spec_decode=self.spec_counters.snapshot(),
-            structured=self.structured.stats(),
+            structured=self._structured_stats(),
             host=HostTierStats.from_offload(
                 self.kv.offload_stats(), self._block_bytes),
         )
@@ -536,3 +569,13 @@ def _eviction_spec(config: EngineConfig, max_model_len: int, windows) -> KVEvict
                          "one has sliding-window layers, which already bound their KV")
     spec.validate(config.block_size, max_model_len)
     return spec
+
+
+def _jump_forward(config: EngineConfig, tokenizer) -> JumpForward | None:
+    """Jump-forward drafts for constrained sequences (``structured_outputs_config``), or None
+    when ``jump_forward_tokens`` is 0."""
+    so = config.structured_outputs_config
+    if not so.jump_forward_tokens:
+        return None
+    return JumpForward(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                       so.jump_forward_tokens, so.jump_forward_max_seqs)

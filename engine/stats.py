@@ -81,6 +81,11 @@ class EngineStats:
     num_blocks_used: int = 0
     num_blocks_cached: int = 0
     kv_bytes_per_token: int = 0
+    # KV groups (engine.kv_cache.groups): 1 unless the model mixes sliding-window and full
+    # layers; each group's bytes per token (all equal); sequences of max_model_len the pool holds.
+    kv_cache_groups: int = 1
+    kv_cache_group_bytes_per_token: int = 0
+    kv_cache_max_concurrency: float = 0.0
     num_blocks_released_window: int = 0  # given back outside a sliding window, cumulative
     num_blocks_evicted_stream: int = 0  # evicted by --kv-eviction (sinks + window), cumulative
     computed_tokens: int = 0
@@ -110,5 +115,7 @@ class EngineStats:
                    structured_compile_failures=st.compile_failures,
                    structured_cache_hits=st.cache_hits,
                    structured_compile_seconds_sum=st.compile_seconds_sum,
-                   structured_constrained_rows=st.constrained_rows)
+                   structured_constrained_rows=st.constrained_rows,
+                   structured_jump_forward_drafted=st.jump_forward_drafted,
+                   structured_jump_forward_accepted=st.jump_forward_accepted)
         return out

@@ -38,6 +38,8 @@ class SeqChunk:
     of positions ``0 .. start - 1`` are already in the pool. ``block_table`` lists the
     sequence's blocks in token order and covers ``start + len(token_ids)`` tokens, so token
     ``p`` lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+    ``extra_tables`` (hybrid KV cache only): the block tables of KV groups ``1..``, laid out
+    like ``block_table`` (group 0's); a window group's leading entries may be -1 (released).
     ``sample``: the chunk reaches the last known token and its last row's logits are sampled.
     ``num_draft`` (speculative decoding): the last ``num_draft`` token ids are drafted guesses
     that follow the last known token; then the last ``num_draft + 1`` rows are all sampled
@@ -50,6 +52,7 @@ class SeqChunk:
     sample: bool
     prompt_logits: PromptLogitSpan | None = None
     num_draft: int = 0
+    extra_tables: tuple[list[int], ...] = ()
 
     @property
     def num_sample_rows(self) -> int:

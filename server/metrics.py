@@ -57,6 +57,14 @@ _GAUGES = [
     (lambda s: s.kv_bytes_per_token, "kvserve:kv_cache_bytes_per_token",
      "KV-cache bytes per token (2 x layers x KV heads x row bytes; int8 rows carry a 2-byte "
      "scale)."),
+    (lambda s: s.kv_cache_groups, "kvserve:kv_cache_groups",
+     "KV cache groups: 1, or per attention type (full / sliding window) for a hybrid model, "
+     "each with its own block tables over the shared pool."),
+    (lambda s: s.kv_cache_group_bytes_per_token, "kvserve:kv_cache_group_bytes_per_token",
+     "KV-cache bytes per token of one group (every group has as many layers)."),
+    (lambda s: s.kv_cache_max_concurrency, "kvserve:kv_cache_max_concurrency",
+     "Sequences of max_model_len tokens the device pool holds at once (per-group block "
+     "accounting)."),
     (lambda s: s.host.host_blocks_total, "kvserve:host_kv_cache_num_blocks",
      "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
     (lambda s: s.host.host_blocks_used, "kvserve:host_kv_cache_used_blocks",
@@ -120,6 +128,12 @@ _COUNTERS = [
     ("kvserve:structured_output_constrained_steps",
      "Engine steps that sampled at least one constrained row.",
      None, [(lambda s: s.structured.constrained_steps, None)]),
+    ("kvserve:structured_output_jump_forward_draft_tokens",
+     "Tokens a grammar forced, proposed as jump-forward drafts and verified.",
+     None, [(lambda s: s.structured.jump_forward_drafted, None)]),
+    ("kvserve:structured_output_jump_forward_accepted_tokens",
+     "Jump-forward draft tokens kept by verification (each a decode step saved).",
+     None, [(lambda s: s.structured.jump_forward_accepted, None)]),
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

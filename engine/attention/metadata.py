@@ -14,6 +14,11 @@ attention_triton.py; ``engine.attention.backend`` chooses one):
   sequence, as in ``meta.cu_seqlens_q``) attends causally to keys ``0 .. pos`` of that sequence,
   ``pos = seq_lens[b] - q_len[b] + i``, restricted to the last ``sliding_window`` keys when set.
 
+Hybrid KV cache (``engine.kv_cache.groups``): each group of layers has its own block tables and
+slots. The step's metadata is then group 0's, and ``layer_metas[i]`` is the metadata layer ``i``
+attends with (its group's, sharing everything but ``slot_mapping``, ``block_tables`` and
+``backend_state``); model code asks :meth:`AttentionMetadata.for_layer`. Backends are unchanged.
+
 Sequences are ordered decodes first (``q_len == 1``), then prefills/chunks, and
 ``meta.num_decodes`` says how many decodes lead, so backends can take a fast path for them.
 """
@@ -50,10 +55,35 @@ class AttentionMetadata:
     # Fixed split count for the decode kernel (CUDA-graph buckets); None: the kernel chooses.
     decode_num_splits: int | None = None
     backend_state: dict[str, Any] = field(default_factory=dict)
+    # Hybrid KV cache: per layer, the metadata of its group (None: one group, this one).
+    layer_metas: list[AttentionMetadata] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer ``layer`` attends with (``self`` unless the KV cache is hybrid)."""
+        return self if self.layer_metas is None else self.layer_metas[layer]
+
+
+def with_group_tables(meta: AttentionMetadata, slot_mappings: list[torch.Tensor],
+                      block_tables: list[torch.Tensor],
+                      layer_group: tuple[int, ...]) -> list[AttentionMetadata]:
+    """Give ``meta`` (group 0's) per-layer metadata for a hybrid KV cache: groups ``1..`` take
+    ``slot_mappings[g - 1]`` and ``block_tables[g - 1]``. Returns the new groups' metadata
+    (each needs ``backend.prepare``)."""
+    groups = [meta] + [
+        AttentionMetadata(
+            slot_mapping=s, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
+            block_tables=t, block_size=meta.block_size, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes,
+            num_decode_tokens=meta.num_decode_tokens, query_lens_cpu=meta.query_lens_cpu,
+            seq_lens_cpu=meta.seq_lens_cpu, all_slots_valid=meta.all_slots_valid,
+            decode_num_splits=meta.decode_num_splits)
+        for s, t in zip(slot_mappings, block_tables)]
+    meta.layer_metas = [groups[g] for g in layer_group]
+    return groups[1:]
 
 
 class AttentionBackend(Protocol):

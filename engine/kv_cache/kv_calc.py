@@ -230,7 +230,37 @@ def format_report(r: KVReport) -> str:
     else:
         lines += ["", f"total bytes: {r.total:,} (no GQA: kv_heads = heads); with GQA the "
                       f"total scales by kv_heads/heads (--kv-heads N)"]
+    groups = kv_groups_dict(r)
+    if groups is not None:
+        kinds = ", ".join(f"{'full' if g['window'] is None else 'window ' + str(g['window'])}: "
+                          f"{human_bytes(g['bytes_per_token'])}/token, "
+                          f"{human_bytes(g['bytes_held_per_seq'])} held"
+                          for g in groups["groups"])
+        lines += ["", f"hybrid KV cache: {len(groups['groups'])} groups of "
+                      f"{groups['layers_per_group']} layers ({kinds}) per sequence of "
+                      f"{r.seq_len}; total {human_bytes(groups['bytes_total'])} = "
+                      f"{groups['bytes_total'] / r.total:.3f}x of keeping every layer's history "
+                      f"(block size {groups['block_size']})"]
     return "\n".join(lines)
+
+
+def kv_groups_dict(r: KVReport, block_size: int = 16) -> dict[str, Any] | None:
+    """Per KV group of a hybrid model (``engine.kv_cache.groups``): bytes per token and the
+    bytes one ``seq_len`` sequence holds (a window group: at most its window + one block),
+    and the total for the batch. None for a model with one attention type."""
+    from engine.kv_cache.groups import plan_kv_groups
+
+    layout = plan_kv_groups(r.shape.sliding_windows)
+    if not layout.is_hybrid:
+        return None
+    layer = r.per_token_per_layer
+    page = layer * layout.group_size * block_size
+    groups = [{"layers": list(g.layers), "window": g.window,
+               "bytes_per_token": layer * len(g.layers),
+               "bytes_held_per_seq": g.max_blocks(r.seq_len, block_size) * page}
+              for g in layout.groups]
+    return {"layers_per_group": layout.group_size, "block_size": block_size, "groups": groups,
+            "bytes_total": sum(g["bytes_held_per_seq"] for g in groups) * r.batch}
 
 
 def report_dict(r: KVReport) -> dict[str, Any]:
@@ -238,7 +268,8 @@ def report_dict(r: KVReport) -> dict[str, Any]:
             "batch": r.batch, "tokens": r.tokens, "bytes_per_token": r.per_token,
             "bytes_per_token_per_layer": r.per_token_per_layer,
             "bytes_per_layer": r.per_layer_total, "bytes_total": r.total,
-            "mha_bytes_per_token": r.mha_per_token, "mha_bytes_total": r.mha_total}
+            "mha_bytes_per_token": r.mha_per_token, "mha_bytes_total": r.mha_total,
+            "kv_groups": kv_groups_dict(r)}
 
 
 def main_from_args(args: Any) -> int:

@@ -54,16 +54,21 @@ class PrefixHit:
     ``host_hashes`` names the blocks right after ``block_ids`` that only the host tier holds
     (``allocate`` loads them back); ``num_tokens`` covers both parts. A manager without a host
     tier refuses such a hit.
+
+    ``num_skipped`` (a sliding-window group of the hybrid manager, ``engine.kv_cache.hybrid``):
+    the hit starts with that many blocks no future query can see; ``allocate`` enters them as
+    :data:`RELEASED` and ``block_ids`` holds the blocks after them. ``num_tokens`` covers all.
     """
 
     block_ids: list[int]
     num_tokens: int
     block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
     host_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
+    num_skipped: int = 0
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_ids) + len(self.host_hashes)
+        return self.num_skipped + len(self.block_ids) + len(self.host_hashes)
 
 
 @dataclass
@@ -113,6 +118,9 @@ class KVCacheManager:
 
     ``num_host_blocks > 0`` adds the host tier (``self.host``; None without one); ``cost``
     drives :meth:`swap_is_cheaper`. ``check_integrity`` then covers the host pool too.
+
+    The hybrid manager (``engine.kv_cache.hybrid``) runs one manager per KV group over a shared
+    ``pool`` (and ``host`` tier); ``hash_salt`` keeps each group's cache entries apart.
     """
 
     def __init__(
@@ -124,6 +132,9 @@ class KVCacheManager:
         *,
         num_host_blocks: int = 0,
         cost: SwapCostModel | None = None,
+        pool: BlockPool | None = None,
+        host: HostTier | None = None,
+        hash_salt: bytes = b"",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -131,9 +142,14 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._user_on_evict = on_evict
-        self.pool = BlockPool(num_blocks, on_evict=self._spill if num_host_blocks else on_evict)
-        self.host: HostTier | None = (
-            HostTier(num_host_blocks, self.pool, block_size, cost) if num_host_blocks else None)
+        self._salt = hash_salt
+        if pool is not None:  # a group of the hybrid manager: pool and host tier are shared
+            self.pool, self.host = pool, host
+        else:
+            self.pool = BlockPool(num_blocks,
+                                  on_evict=self._spill if num_host_blocks else on_evict)
+            self.host = (HostTier(num_host_blocks, self.pool, block_size, cost)
+                         if num_host_blocks else None)
         self._seqs: dict[str, _SeqState] = {}
         # Swapped-out sequences: their hashes and commit progress (the device table is empty).
         self._swapped: dict[str, _SeqState] = {}
@@ -238,6 +254,7 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         have = len(state.block_ids) if state else 0
         prefix_blocks = self._prefix_blocks(have, prefix)
+        have += prefix.num_skipped if prefix is not None else 0
         fresh = max(0, -(-num_tokens // self.block_size) - have - len(prefix_blocks))
         return fresh + sum(1 for b in prefix_blocks if b.ref_count == 0)
 
@@ -266,17 +283,21 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         have = len(state.block_ids) if state else 0
         prefix_blocks = self._prefix_blocks(have, prefix)
-        fresh = max(0, -(-num_tokens // self.block_size) - have - len(prefix_blocks))
-        if not prefix_blocks and fresh == 0:
+        skipped = prefix.num_skipped if prefix is not None else 0
+        fresh = max(0, -(-num_tokens // self.block_size) - have - skipped - len(prefix_blocks))
+        if not prefix_blocks and fresh == 0 and not skipped:
             # The per-step common case for decoding sequences: nothing to do.
             if state is None:
-                self._seqs[seq_id] = _SeqState()
+                self._seqs[seq_id] = _SeqState(extra=self._salt)
             return []
         touched = sum(1 for b in prefix_blocks if b.ref_count == 0)
         if fresh + touched > self.pool.num_free_blocks:
             return None
         if state is None:
-            state = self._seqs[seq_id] = _SeqState()
+            state = self._seqs[seq_id] = _SeqState(extra=self._salt)
+        if skipped:  # a window group's hit: the blocks before the window stay released
+            state.block_ids.extend([RELEASED] * skipped)
+            state.num_released = state.num_committed = skipped
         pool = self.pool
         for block in prefix_blocks:
             pool.touch(block)
@@ -312,25 +333,26 @@ class KVCacheManager:
     def _device_part(self, prefix: PrefixHit | None) -> PrefixHit | None:
         if prefix is None or not prefix.host_hashes or self.host is None:
             return prefix
-        return PrefixHit(prefix.block_ids, len(prefix.block_ids) * self.block_size,
-                         prefix.block_hashes)
+        return PrefixHit(prefix.block_ids,
+                         (prefix.num_skipped + len(prefix.block_ids)) * self.block_size,
+                         prefix.block_hashes, (), prefix.num_skipped)
 
     def _prefix_blocks(self, have: int, prefix: PrefixHit | None) -> list[KVBlock]:
         """Validate ``prefix`` against the pool and return its blocks (no state change)."""
         if prefix is not None and prefix.host_hashes:
             raise ValueError("the prefix names host-tier blocks but this manager has no host "
                              "tier (swap_space > 0)")
-        if prefix is None or not prefix.block_ids:
+        if prefix is None or not (prefix.block_ids or prefix.num_skipped):
             return []
         if have:
             raise ValueError(
                 "a prefix can only start a block table: the sequence already has blocks"
             )
         n = len(prefix.block_ids)
-        if prefix.num_tokens != n * self.block_size:
+        if prefix.num_skipped < 0 or prefix.num_tokens != prefix.num_blocks * self.block_size:
             raise ValueError(
-                f"prefix of {n} blocks must cover {n * self.block_size} tokens, "
-                f"not {prefix.num_tokens}"
+                f"prefix of {prefix.num_blocks} blocks must cover "
+                f"{prefix.num_blocks * self.block_size} tokens, not {prefix.num_tokens}"
             )
         if prefix.block_hashes and len(prefix.block_hashes) != n:
             raise ValueError("prefix.block_hashes must be empty or match prefix.block_ids")
@@ -625,6 +647,17 @@ class KVCacheManager:
     def _check_device(self) -> None:
         self.pool.check_integrity()
         refs = [0] * self.num_blocks
+        self._count_table_refs(refs)
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id} has ref_count {block.ref_count} but is held by "
+                f"{refs[block.block_id]} tables"
+            )
+        if not self.enable_prefix_caching:
+            assert not self.pool.cached, "prefix caching is disabled but blocks hold hashes"
+
+    def _count_table_refs(self, refs: list[int]) -> None:
+        """Assert each live table's shape and add one to ``refs[b]`` per table entry ``b``."""
         for seq_id, state in self._seqs.items():
             held = state.block_ids[state.num_released:]
             assert all(b == RELEASED for b in state.block_ids[:state.num_released]) and \
@@ -638,13 +671,6 @@ class KVCacheManager:
             )
             for block_id in held:
                 refs[block_id] += 1
-        for block in self.pool.blocks:
-            assert block.ref_count == refs[block.block_id], (
-                f"block {block.block_id} has ref_count {block.ref_count} but is held by "
-                f"{refs[block.block_id]} tables"
-            )
-        if not self.enable_prefix_caching:
-            assert not self.pool.cached, "prefix caching is disabled but blocks hold hashes"
 
     # ---------------------------------------------------------------- helpers
     def _state_for(self, seq_id: str, extra_keys: tuple) -> _SeqState:
@@ -656,8 +682,7 @@ class KVCacheManager:
             self._reset_hashes(state, extra_keys)
         return state
 
-    @staticmethod
-    def _reset_hashes(state: _SeqState, extra_keys: tuple) -> None:
-        state.extra = encode_extra_keys(extra_keys)
+    def _reset_hashes(self, state: _SeqState, extra_keys: tuple) -> None:
+        state.extra = encode_extra_keys(extra_keys) + self._salt
         state.extra_keys = extra_keys
         state.hashes = []

@@ -53,6 +53,9 @@ GGUF_MAGIC = b"GGUF"
 # Shard size for the written safetensors: small models get one file, big ones a few shards.
 MAX_SHARD_BYTES = 4 * 1024**3
 _CHAT_PROBE = [{"role": "user", "content": "ping"}]
+# ``general.architecture`` values of the GGUF files kvserve runs (Mistral files say "llama").
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3",
+                               "qwen3moe")
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -82,14 +85,38 @@ def is_complete(directory: Path) -> bool:
     return (directory / MARKER).is_file()
 
 
+def gguf_architecture(gguf_path: Path) -> str:
+    """The file's ``general.architecture`` (read from its header only)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{gguf_path} has no general.architecture in its metadata; is it a "
+                         "model GGUF?")
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def check_supported(gguf_path: Path) -> str:
+    """The file's architecture, or ValueError naming the supported ones: run before any
+    conversion work, so an unsupported model is refused in well under a second."""
+    arch = gguf_architecture(gguf_path)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"cannot convert {gguf_path}: unsupported GGUF architecture {arch!r}; kvserve "
+                         f"runs GGUF files of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (and "
+                         "Hugging Face directories of the same models)")
+    return arch
+
+
 def ensure_converted(gguf_path: Path, target: Path, *, progress: bool | None = None) -> Path:
     """Return ``target``, converting ``gguf_path`` into it first unless a complete copy exists.
 
     Safe against interruption and against concurrent callers (see the module docstring).
+    An architecture kvserve does not run is refused first (:func:`check_supported`).
     """
     if is_complete(target):
         logger.debug("using cached conversion %s", target)
         return target
+    check_supported(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(target.parent / f".{target.name}.lock") as locked:
         if is_complete(target):
@@ -123,6 +150,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_path = gguf_path.resolve()
+    check_supported(gguf_path)
     src_dir, name = str(gguf_path.parent), gguf_path.name
     # progress=None lets tqdm decide (off when stderr is not a terminal).
     disable = None if progress is None else not progress
@@ -139,6 +167,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         with _unreadable_as_value_error(gguf_path):
             config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
             config = gguf_moe.moe_config(gguf_path, config)  # experts: see gguf_moe
+        _apply_gguf_overrides(gguf_path, config)
         stages.update()
 
         stages.set_postfix_str("dequantise and write weights")
@@ -169,6 +198,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         _verify(out_dir)
         _write_marker(out_dir, gguf_path, config.model_type, in_gguf)
         stages.update()
+
+
+def _apply_gguf_overrides(gguf_path: Path, config) -> None:
+    """Set what the file means but transformers' reader drops (Gemma: ``gguf_gemma``)."""
+    from gguf import GGUFReader
+
+    from engine.loading.gguf_gemma import gemma_overrides
+
+    reader = GGUFReader(gguf_path)
+    for key, value in gemma_overrides(reader, gguf_architecture(gguf_path)).items():
+        setattr(config, key, value)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -64,6 +66,26 @@ def tiny_config(model_type: str = "llama", **overrides):
     if model_type == "mixtral":  # 4 experts, 2 per token, experts of intermediate_size
         moe = dict(num_local_experts=4, num_experts_per_tok=2)
         return MixtralConfig(**{**moe, **common})
+    if model_type in ("gemma2", "gemma3_text"):
+        # Tiny Gemmas: few wide KV heads, a window smaller than the test prompts; the
+        # distinctive scalars are set apart from their defaults so that a missed one shows.
+        common.update(num_key_value_heads=overrides.get("num_key_value_heads", 1),
+                      initializer_range=overrides.get("initializer_range", 1.0),
+                      tie_word_embeddings=overrides.get("tie_word_embeddings", True))
+        common.setdefault("head_dim", 32)
+        common.setdefault("sliding_window", 8)
+        common.setdefault("query_pre_attn_scalar", 24)
+        if model_type == "gemma2":
+            common["num_hidden_layers"] = overrides.get("num_hidden_layers", 3)
+            common.setdefault("attn_logit_softcapping", 5.0)
+            common.setdefault("final_logit_softcapping", 3.0)
+            return Gemma2Config(**common)
+        common["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        common.setdefault("layer_types", ["sliding_attention", "full_attention"] * 2)
+        common.setdefault("rope_parameters", {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})
+        return Gemma3TextConfig(**common)
     raise ValueError(model_type)
 
 
@@ -73,6 +95,13 @@ def make_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0,
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if model_type.startswith("gemma"):  # Gemma norms start at 0 (scale 1 + w): randomise
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+                elif name.endswith("embed_tokens.weight"):  # x sqrt(hidden): keep it small
+                    p.normal_(0.0, 0.1)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     byte_tokenizer().save_pretrained(path)

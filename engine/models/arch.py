@@ -18,10 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from engine.models.gemma_arch import GEMMA_MODEL_TYPES, gemma_fields, text_config
 from engine.models.moe_spec import MOE_MODEL_TYPES, MoeSpec
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES,
+                         *MOE_MODEL_TYPES)
+_QK_NORM_TYPES = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe")
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -46,6 +48,8 @@ class ModelShape:
     attention_bias: bool = False
     max_position: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k
+    # Per-layer sliding window (None: full), () when unknown or all full: kv-calc's KV groups.
+    sliding_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("layers", "heads", "kv_heads", "head_dim"):
@@ -98,7 +102,8 @@ def shape_from_hf_config(config: Any, name: str) -> ModelShape:
         tied_embeddings=bool(_get(config, "tie_word_embeddings", False)),
         attention_bias=bool(_get(config, "attention_bias", model_type == "qwen2")),
         max_position=_get(config, "max_position_embeddings"),
-        qk_norm=model_type in _QK_NORM_TYPES)
+        qk_norm=model_type in _QK_NORM_TYPES,
+        sliding_windows=_sliding_windows(config, model_type or "llama", layers))
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,13 @@ class ModelArch:
     # Per-layer sliding window (None = full attention on that layer).
     sliding_windows: tuple[int | None, ...]
     hidden_act: str = "silu"
+    # Gemma 2/3 (engine.models.gemma_arch): RoPE of the sliding-window layers (None: ``rope``),
+    # query scale (None: head_dim ** -0.5), tanh soft-caps (None: off), embedding multiplier.
+    rope_local: RopeSpec | None = None
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: float | None = None
     moe: MoeSpec | None = None  # mixture-of-experts layers (engine.models.moe_spec)
 
     @classmethod
@@ -166,9 +178,14 @@ class ModelArch:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model type {model_type!r}; kvserve runs "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        act = _get(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported activation {act!r}; kvserve supports silu")
+        gemma: dict[str, Any] = {}
+        if model_type in GEMMA_MODEL_TYPES:
+            config = text_config(config)
+            gemma = gemma_fields(config, RopeSpec.from_config)
+        else:
+            act = _get(config, "hidden_act", "silu")
+            if act not in ("silu", "swish"):
+                raise ValueError(f"unsupported activation {act!r}; kvserve supports silu")
         shape = shape_from_hf_config(config, model_type)
         if shape.vocab is None or shape.intermediate is None:
             raise ValueError(f"{model_type}: config lacks vocab_size or intermediate_size")
@@ -191,9 +208,8 @@ class ModelArch:
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(_get(config, "mlp_bias", False)),
             qk_norm=model_type in _QK_NORM_TYPES,
-            rope=RopeSpec.from_config(config),
             sliding_windows=windows,
-            hidden_act="silu",
+            **(gemma or dict(rope=RopeSpec.from_config(config), hidden_act="silu")),
             moe=MoeSpec.from_hf_config(config, model_type, shape.layers),
         )
 

@@ -117,7 +117,8 @@ class CpuDecodeStack:
 
     def accepts(self, x: torch.Tensor, meta, backend, kv_caches, ops: TorchLayerOps) -> bool:
         """Whether this step can run here (module docstring); call after ``backend.prepare``."""
-        if ops is not self._ops or getattr(backend, "name", None) != "torch":
+        if (ops is not self._ops or getattr(backend, "name", None) != "torch"
+                or meta.layer_metas is not None):  # hybrid KV cache: per-group tables
             return False
         state = meta.backend_state
         group = state.get("decode")
@@ -149,6 +150,9 @@ def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:
         return None, "KVSERVE_DECODE_STACK=0"
     if not isinstance(model, LlamaForCausalLM):
         return None, f"{type(model).__name__} model"
+    refusal = getattr(model, "decode_stack_refusal", None)
+    if refusal:
+        return None, refusal
     if getattr(model, "tp", None) is not None:
         return None, "tensor parallel"
     if getattr(model.arch, "moe", None) is not None:

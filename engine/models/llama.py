@@ -157,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
         if stack is not None and stack.accepts(x, meta, backend, kv_caches, ops):
             return stack(x, cos, sin, kv_caches, meta)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend, ops)
+        # A hybrid KV cache gives each layer its group's tables and slots (for_layer).
+        metas = meta.layer_metas or [meta] * len(self.layers)
+        for layer, kv_cache, m in zip(self.layers, kv_caches, metas):
+            x, residual = layer(x, residual, cos, sin, kv_cache, m, backend, ops)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:

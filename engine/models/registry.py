@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.models.arch import ModelArch
+from engine.models.gemma import GemmaForCausalLM
+from engine.models.gemma_arch import GEMMA_MODEL_TYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe_model import MoeForCausalLM
 
@@ -15,7 +17,11 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,  # the text model only
 }
+SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 
 
 def build_model(hf_config: Any, max_positions: int | None = None,
@@ -28,8 +34,12 @@ def build_model(hf_config: Any, max_positions: int | None = None,
         raise ValueError(f"unsupported architecture {archs[0]!r}; kvserve runs "
                          f"{', '.join(sorted(_ARCHITECTURES))}")
     arch = ModelArch.from_hf_config(hf_config)
-    cls = _ARCHITECTURES[known[0]] if known else (
-        MoeForCausalLM if arch.moe is not None else LlamaForCausalLM)
+    if known:
+        cls = _ARCHITECTURES[known[0]]
+    elif arch.moe is not None:  # a config without ``architectures``: its model type decides
+        cls = MoeForCausalLM
+    else:
+        cls = GemmaForCausalLM if arch.model_type in GEMMA_MODEL_TYPES else LlamaForCausalLM
     if tp is None:
         return cls(arch, max_positions=max_positions)
     from engine.distributed.sharding import local_arch

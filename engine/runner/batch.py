@@ -55,6 +55,9 @@ class ModelInput:
     prompt_targets: torch.Tensor  # [P] int64 the prompt token each of those rows predicts
     prompt_top_k: int  # the largest prompt_logprobs k among those rows (0 if none)
     prompt_rows: list[PromptLogitRows]
+    # Hybrid KV cache: block tables and slots of KV groups 1.. (group 0's are the above).
+    extra_block_tables: tuple[torch.Tensor, ...] = ()
+    extra_slot_mappings: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -108,11 +111,7 @@ def build_model_input(plan: StepPlan) -> ModelInput:
             prompt_rows.append(PromptLogitRows(i, row_start, len(prompt_flat), first + 1))
             prompt_top_k = max(prompt_top_k, span.top_k)
 
-    max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-    # Entries released outside a sliding window (-1) read as block 0: any valid block does,
-    # the kernels mask those positions.
-    block_tables = torch.tensor(padded, dtype=torch.int32).clamp_(min=0)
+    block_tables = _pad_tables(tables)
     q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
@@ -120,12 +119,18 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     num_tokens = len(ids)
     if num_decodes == len(q_lens):  # decode only: one token per sequence
         positions = seq_lens_t - 1
-        slots = block_tables[torch.arange(num_tokens), positions // bs].long() * bs \
-            + positions % bs
+        seq_idx = torch.arange(num_tokens)
     else:
         seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
         positions = (torch.arange(num_tokens) - cu[seq_idx] + (seq_lens_t - q_lens_t)[seq_idx])
-        slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+    slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+    extra_tables: tuple[torch.Tensor, ...] = ()
+    extra_slots: tuple[torch.Tensor, ...] = ()
+    if plan.seqs[0].extra_tables:  # hybrid KV cache: the same rows in each group's blocks
+        extra_tables = tuple(_pad_tables([s.extra_tables[g] for s in plan.seqs])
+                             for g in range(len(plan.seqs[0].extra_tables)))
+        extra_slots = tuple(t[seq_idx, positions // bs].long() * bs + positions % bs
+                            for t in extra_tables)
     ends = cu[1:][torch.tensor(sample_seq_indices, dtype=torch.int64)]
     if num_draft_rows:  # speculating chunks sample their last num_draft + 1 rows
         counts = torch.tensor(sample_counts, dtype=torch.int64)
@@ -152,4 +157,14 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64),
         prompt_top_k=prompt_top_k,
         prompt_rows=prompt_rows,
+        extra_block_tables=extra_tables,
+        extra_slot_mappings=extra_slots,
     )
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    """``[B, max_blocks]`` int32, padded with 0. Entries released outside a sliding window
+    (-1) read as block 0: any valid block does, the kernels mask those positions."""
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int32).clamp_(min=0)

@@ -11,11 +11,11 @@ The returned device tensors are views of one device buffer owned by the caller's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, with_group_tables
 from engine.runner.batch import ModelInput
 
 _ALIGN = 4  # int32 words: every packed tensor starts on a 16-byte boundary
@@ -29,6 +29,7 @@ class DeviceBatch:
     sample_indices: torch.Tensor  # [S]
     prompt_indices: torch.Tensor  # [P]
     prompt_targets: torch.Tensor  # [P]
+    group_metas: list[AttentionMetadata] = field(default_factory=list)
 
 
 class HostToDeviceStager:
@@ -71,14 +72,23 @@ class HostToDeviceStager:
                 for t, (off, n) in zip(tensors, layout)]
 
 
-def to_device(inp: ModelInput, stager: HostToDeviceStager) -> DeviceBatch:
-    ids, pos, slots, cu, lens, tables, sample, prompt, targets = stager.stage([
+def to_device(inp: ModelInput, stager: HostToDeviceStager,
+              layer_group: tuple[int, ...] = ()) -> DeviceBatch:
+    """``layer_group`` (hybrid KV cache): each layer's KV group; the metadata then carries
+    every layer's (``AttentionMetadata.layer_metas``), and ``DeviceBatch.group_metas`` lists
+    the groups' beyond group 0 (to prepare)."""
+    extra = [*inp.extra_slot_mappings, *inp.extra_block_tables]
+    ids, pos, slots, cu, lens, tables, sample, prompt, targets, *groups = stager.stage([
         inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q, inp.seq_lens,
-        inp.block_tables, inp.sample_indices, inp.prompt_indices, inp.prompt_targets])
+        inp.block_tables, inp.sample_indices, inp.prompt_indices, inp.prompt_targets, *extra])
     meta = AttentionMetadata(
         slot_mapping=slots, cu_seqlens_q=cu, seq_lens=lens, block_tables=tables,
         block_size=inp.block_size, max_query_len=max(inp.query_lens),
         max_seq_len=max(inp.seq_lens_list), num_decodes=inp.num_decodes,
         num_decode_tokens=inp.num_decodes, query_lens_cpu=inp.query_lens,
         seq_lens_cpu=inp.seq_lens_list, all_slots_valid=True)
-    return DeviceBatch(ids, pos, meta, sample, prompt, targets)
+    group_metas: list[AttentionMetadata] = []
+    if extra and layer_group:
+        n = len(inp.extra_slot_mappings)
+        group_metas = with_group_tables(meta, groups[:n], groups[n:], layer_group)
+    return DeviceBatch(ids, pos, meta, sample, prompt, targets, group_metas)

@@ -27,6 +27,7 @@ import torch
 from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
+from engine.kv_cache.groups import KVGroupLayout, plan_kv_groups
 from engine.kv_cache.host_copy import HostTierCopier
 from engine.kv_cache.host_pool import allocate_host_pools
 from engine.kv_cache.kv_quant import KVFormat, kv_format, resolve_kv_cache_dtype
@@ -171,6 +172,11 @@ class ModelRunner:
             logger.info("decode steps: %s", "one C++ layer-stack call" if why_not == ""
                         else f"Python layer loop ({why_not})")
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        refusal = getattr(self.model, "attention_backend_refusal", lambda _name: None)(
+            self.backend.name)
+        if refusal:  # e.g. Gemma 2's soft-capping: only the torch backend computes it
+            logger.warning("attention backend: %s; the torch backend serves instead", refusal)
+            self.backend = get_attention_backend("torch", self.device)
         self.kv_cache_dtype, why = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
                                                           self.device.type, config.dtype)
         self.kv_format: KVFormat = kv_format(self.kv_cache_dtype, self.dtype,
@@ -181,7 +187,12 @@ class ModelRunner:
             for layer in self.model.layers:
                 layer.kv_scales = (one, one)
         self.max_model_len = max_model_len
+        # KV groups (engine.kv_cache.groups): one for a model with one attention type; a
+        # hybrid model's layers share group_size pool tensors through per-group block tables.
+        self.kv_layout: KVGroupLayout = plan_kv_groups(self.arch.sliding_windows)
+        self._layer_group = self.kv_layout.layer_group if self.kv_layout.is_hybrid else ()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_slots: list[tuple[torch.Tensor, torch.Tensor]] = []  # the distinct pools
         self.num_blocks = 0
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the host KV tier
         self.num_host_blocks = 0
@@ -211,8 +222,14 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """What one token's K and V take in the pools, scales included."""
+        """What one token's K and V take in the pools, scales included (all layers)."""
         return 2 * self.arch.num_layers * self.arch.num_kv_heads * self.kv_format.row_bytes
+
+    @property
+    def kv_page_bytes_per_token(self) -> int:
+        """What one token of one pool block takes: one KV group's layers (all layers unless
+        the KV cache is hybrid)."""
+        return 2 * self.kv_layout.group_size * self.arch.num_kv_heads * self.kv_format.row_bytes
 
     def _pool_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         return (num_blocks, self.config.block_size, self.arch.num_kv_heads,
@@ -257,7 +274,7 @@ class ModelRunner:
             del logits, probs
             del hidden
         torch.cuda.synchronize(self.device)
-        self.kv_caches = []
+        self.kv_caches = self._kv_slots = []
         snap = MemorySnapshot.capture(self.device)
         budget = kv_cache_budget(snap, self.config.gpu_memory_utilization)
         logger.info("GPU memory: %s", budget.describe())
@@ -268,20 +285,23 @@ class ModelRunner:
         (a speculative draft model's pool, sized like its target's) skips the sizing."""
         bs = self.config.block_size
         if num_blocks is None:
-            num_blocks = self.kv_budget_bytes() // (self.kv_bytes_per_token * bs)
+            num_blocks = self.kv_budget_bytes() // (self.kv_page_bytes_per_token * bs)
             if self.tp is not None:  # every rank's pool has the same number of blocks
                 num_blocks = self.tp.min_int(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {bs} tokens "
-                             f"({self.kv_bytes_per_token * bs} bytes)")
+                             f"({self.kv_page_bytes_per_token * bs} bytes)")
         self._allocate(num_blocks)
         return num_blocks
 
     def _allocate(self, num_blocks: int) -> None:
         shape, dtype = self._pool_shape(num_blocks), self.kv_format.storage_dtype
         # Zeroed, not empty: padded key slots are masked, but 0 * NaN garbage would still be NaN.
-        self.kv_caches = [(_zeros(shape, dtype, self.device), _zeros(shape, dtype, self.device))
-                          for _ in range(self.arch.num_layers)]
+        slots = [(_zeros(shape, dtype, self.device), _zeros(shape, dtype, self.device))
+                 for _ in range(self.kv_layout.group_size)]
+        # Hybrid: layer i stores into its slot's tensors, through its group's block table.
+        self.kv_caches = [slots[s] for s in self.kv_layout.layer_slot]
+        self._kv_slots = slots
         self.num_blocks = num_blocks
 
     def calibrate_kv_scales(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor,
@@ -323,7 +343,7 @@ class ModelRunner:
         """Allocate the host pools (same layout as the device pools) sized by ``swap_space``;
         returns the number of host blocks, 0 when the tier is off. Uninitialised: a host block
         is only ever read after a copy filled it."""
-        block_bytes = self.kv_bytes_per_token * self.config.block_size
+        block_bytes = self.kv_page_bytes_per_token * self.config.block_size
         n = self.config.swap_space_bytes // block_bytes
         if self.tp is not None:
             n = self.tp.min_int(n)
@@ -339,12 +359,12 @@ class ModelRunner:
         # One exact-size host buffer (not one pinned tensor per layer, which PyTorch's caching
         # host allocator rounds up to a power of two each). Unpinned: the copier moves blocks
         # through pinned staging buffers of its own (engine/kv_cache/host_copy.py).
-        pools = allocate_host_pools(self.arch.num_layers, self._pool_shape(n),
+        pools = allocate_host_pools(self.kv_layout.group_size, self._pool_shape(n),
                                     self.kv_format.storage_dtype, pin=False)
         self._host_pools = pools
-        self.host_kv_caches = pools.layers
+        self.host_kv_caches = pools.layers  # one per pool tensor (slot): per layer unless hybrid
         self.num_host_blocks = n
-        self._host_copier = HostTierCopier(self.kv_caches, self.host_kv_caches, self.device)
+        self._host_copier = HostTierCopier(self._kv_slots, self.host_kv_caches, self.device)
         logger.info("host KV tier: %d blocks, %.2f GiB", n, pools.nbytes / 2**30)
         return n
 
@@ -371,7 +391,7 @@ class ModelRunner:
 
     def kv_pool_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for k, v in self.kv_caches)
+                   for k, v in self._kv_slots)
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -379,8 +399,10 @@ class ModelRunner:
         """After the KV pools are allocated: compile every kernel variant a step can launch
         and, on CUDA with the Triton backend, capture the decode graphs (``enforce_eager``
         turns them off). Nothing compiles later, while requests wait."""
+        # Not with a hybrid KV cache: the captured graphs hold one group's tables.
         use_graphs = (self.device.type == "cuda" and self.backend.name == "triton"
-                      and not self.config.enforce_eager and self.tp is None)
+                      and not self.config.enforce_eager and self.tp is None
+                      and not self.kv_layout.is_hybrid)
         if self.device.type != "cuda":
             return
         self._warm_up()
@@ -449,7 +471,11 @@ class ModelRunner:
             if inp.sample_indices.numel() != hidden.shape[0]:
                 hidden = hidden[inp.sample_indices.to(self.device)]
             return ModelOutput(self.model.compute_logits(hidden), None)
-        dev = to_device(inp, self._stager)
+        if self._layer_group and not inp.extra_block_tables:
+            raise RuntimeError("a hybrid KV cache needs every group's block tables in the plan")
+        dev = to_device(inp, self._stager, self._layer_group)
+        for meta in dev.group_metas:  # hybrid KV cache: groups 1.. (group 0's is prepared
+            self.backend.prepare(meta)  # by the model)
         hidden = self._forward(dev.input_ids, dev.positions, dev.meta)
         sample_logits = self.model.compute_logits(hidden[dev.sample_indices])
         prompt = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.kv_cache.groups import KVGroupLayout
 from engine.sampling.params import SamplingParams
 
 
@@ -33,6 +34,9 @@ class AdmissionLimits:
     # --kv-eviction: the most cached tokens of a decoding sequence (None: eviction off; then
     # a sequence's text must fit max_model_len)
     max_cache_tokens: int | None = None
+    # Hybrid KV cache (engine.kv_cache.groups.KVGroupLayout): blocks a sequence holds at most
+    # across its groups; None: one group, ceil(tokens / block_size)
+    kv_layout: KVGroupLayout | None = None
 
 
 def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_ids: list[int],
@@ -91,10 +95,18 @@ def _check_fits_pool(limits: AdmissionLimits, prompt_len: int, max_tokens: int, 
     if limits.max_cache_tokens is not None:  # the cache stops growing; no block sharing
         total = min(total, max(prompt_len, limits.max_cache_tokens))
         shared = 0
-    if total > num_blocks * bs:
+    layout = limits.kv_layout
+    if layout is not None:  # hybrid: per-group blocks, samples share nothing
+        fits = layout.max_seq_tokens(num_blocks, bs)
+        if layout.blocks_for(total, bs) > num_blocks:
+            raise ValueError(f"the request needs {total} tokens of KV cache but the whole pool "
+                             f"holds {fits}; raise kv_cache_memory or shorten it")
+        per_seq, shared = layout.blocks_for(total, bs), 0
+    elif total > num_blocks * bs:
         raise ValueError(f"the request needs {total} tokens of KV cache but the whole pool "
                          f"holds {num_blocks * bs}; raise kv_cache_memory or shorten it")
-    per_seq = -(-total // bs)
+    else:
+        per_seq = -(-total // bs)
     need = per_seq + (n - 1) * (per_seq - shared)
     capacity = num_blocks + limits.swap_blocks
     if need > capacity:

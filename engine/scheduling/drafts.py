@@ -13,7 +13,11 @@ Policy (``Scheduler.schedule`` calls these; the proposer is ``engine.spec_decode
   pool preempt anyone: it is cut to nothing unless its extra blocks leave one free block per
   running sequence;
 * a constrained sequence's draft is cut to the prefix its grammar allows
-  (``engine.structured.drafts``).
+  (``engine.structured.drafts``);
+* jump-forward: a constrained sequence with no draft from the proposer (or no proposer) gets
+  the tokens its grammar forces (``engine.structured.jump_forward``), under the same
+  max_tokens, budget and pool rules, in steps where at most ``jump_forward_max_seqs``
+  sequences decode.
 """
 
 from __future__ import annotations
@@ -23,11 +27,17 @@ from engine.request import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, Proposer
 from engine.structured.drafts import grammar_prefix
+from engine.structured.jump_forward import JumpForward
 
 
 def in_decode_phase(seq: Sequence) -> bool:
     return (seq.num_tokens - seq.num_computed_tokens == 1
             and seq.num_computed_tokens >= seq.num_prompt_tokens)
+
+
+def _room(seq: Sequence) -> int:
+    """Draft tokens ``seq`` may take before its ``max_tokens`` (its own token comes too)."""
+    return (seq.request.params.max_tokens or 0) - (seq.num_tokens - seq.num_prompt_tokens) - 1
 
 
 def propose_drafts(running: list[Sequence], proposer: Proposer,
@@ -40,9 +50,7 @@ def propose_drafts(running: list[Sequence], proposer: Proposer,
     batch = []
     seqs = []
     for seq in decoding:
-        params = seq.request.params
-        left = (params.max_tokens or 0) - (seq.num_tokens - seq.num_prompt_tokens) - 1
-        room = min(config.num_speculative_tokens, left)
+        room = min(config.num_speculative_tokens, _room(seq))
         if room >= 1:
             batch.append(DraftRequest(seq.seq_id, seq.token_ids, room))
             seqs.append(seq)
@@ -56,6 +64,23 @@ def propose_drafts(running: list[Sequence], proposer: Proposer,
             d = d[:grammar_prefix(seq.matcher, d)]
         if d:
             out[r.seq_id] = d
+    return out
+
+
+def forced_drafts(running: list[Sequence], jump: JumpForward,
+                  taken: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Jump-forward drafts, by ``seq_id``, of the constrained decoding sequences that have no
+    draft in ``taken``; empty when more than ``jump.max_seqs`` sequences decode."""
+    decoding = [s for s in running if in_decode_phase(s)]
+    if not decoding or not jump.applies_at(len(decoding)):
+        return {}
+    out = {}
+    for seq in decoding:
+        if seq.matcher is None or seq.seq_id in taken:
+            continue
+        draft = jump.draft(seq.matcher, _room(seq))
+        if draft:
+            out[seq.seq_id] = draft
     return out
 
 

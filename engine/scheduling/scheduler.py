@@ -28,7 +28,8 @@ Policy, whole (one screen):
    running sequences advance, decoding ones get drafts from the proposer (unless the batch is
    above the adaptive switch); a sequence with a draft takes ``1 + len(draft)`` tokens of the
    budget. After the step the core appends the tokens verification kept and calls
-   ``accept_drafts``, which rolls the KV back to them.
+   ``accept_drafts``, which rolls the KV back to them. Constrained sequences with no such draft
+   get their grammar's forced tokens as one (jump-forward, ``ScheduledSeq.forced``).
 4. Streaming eviction (``--kv-eviction``; ``engine.kv_cache.streaming``): before a running
    sequence's chunk its middle blocks past sinks + window are evicted (the plan carries the
    kept keys' re-rotation); the KV manager and the plan count cache positions, the
@@ -51,11 +52,12 @@ from engine.config import EngineConfig
 from engine.kv_cache.manager import RELEASED, KVCacheManager, PrefixHit
 from engine.kv_cache.streaming import StreamingEviction
 from engine.request import Request, SeqStatus, Sequence
-from engine.scheduling.drafts import fit_draft, propose_drafts
+from engine.scheduling.drafts import fit_draft, forced_drafts, propose_drafts
 from engine.scheduling.prompt_span import prompt_logit_span
 from engine.scheduling.waiting_queue import WaitingQueue
 from engine.spec_decode.proposer import Proposer
 from engine.step_plan import BlockCopyOrders, SeqChunk, StepPlan
+from engine.structured.jump_forward import JumpForward
 
 _NO_COPIES = BlockCopyOrders()
 
@@ -69,6 +71,7 @@ class ScheduledSeq:
     num_new_tokens: int  # the draft included
     sample: bool  # the chunk reaches the last known token: sample the next one
     draft: tuple[int, ...] = ()  # speculative tokens after the last known one
+    forced: bool = False  # the draft is the grammar's forced text (jump-forward), not a guess
 
     @property
     def start(self) -> int:
@@ -93,19 +96,25 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  proposer: Proposer | None = None, sliding_window: int | None = None,
-                 stream: StreamingEviction | None = None) -> None:
+                 stream: StreamingEviction | None = None,
+                 jump_forward: JumpForward | None = None) -> None:
         """``proposer`` drafts tokens when ``config.speculative_config`` is set.
         ``sliding_window``: the window every layer of the model attends through, if all
         have one; a running sequence's blocks wholly behind it are given back each step.
         ``stream`` (``--kv-eviction``): before each chunk a running sequence's middle blocks
         beyond sinks + window are evicted; the KV manager and the plan then count cache
-        positions (``stream.cache_pos``), the ``Sequence`` text positions."""
+        positions (``stream.cache_pos``), the ``Sequence`` text positions. ``jump_forward``
+        drafts constrained sequences' forced tokens (not with ``stream``: a draft's rollback
+        does not cross evicted blocks)."""
         self.config = config
         self.spec = config.speculative_config if proposer is not None else None
         self.proposer = proposer
         self.kv = kv  # owned: nothing outside the scheduler allocates, frees or looks up
         self.sliding_window = sliding_window
+        # A hybrid KV cache (engine.kv_cache.hybrid): per-group tables, per-group windows.
+        self.hybrid = hasattr(kv, "group_tables")
         self.stream = stream
+        self.jump_forward = jump_forward if stream is None else None
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
         self.has_host_tier = kv.host is not None
         self.use_priority = config.scheduling_policy == "priority"
@@ -186,6 +195,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         drafts = (propose_drafts(self.running, self.proposer, self.spec)
                   if self.spec is not None else {})
+        forced = (forced_drafts(self.running, self.jump_forward, drafts)
+                  if self.jump_forward is not None else {})
+        drafts.update(forced)
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -201,7 +213,8 @@ class Scheduler:
             if not self._allocate_or_preempt(seq, self._cached(seq) + num_new, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new),
-                                              tuple(draft) if draft else ()))
+                                              tuple(draft) if draft else (),
+                                              bool(draft) and seq.seq_id in forced))
             budget -= num_new
         if not out.preempted:
             budget = self._admit(out, budget)
@@ -225,10 +238,13 @@ class Scheduler:
             if s.draft:
                 chunks.append(SeqChunk([seq.token_ids[start], *s.draft], start,
                                        table(seq.seq_id), True, None, len(s.draft)))
-                continue
-            chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
-                                   self._cached(seq), table(seq.seq_id), s.sample,
-                                   prompt_logit_span(s.seq, s.start, s.num_new_tokens)))
+            else:
+                chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
+                                       self._cached(seq), table(seq.seq_id), s.sample,
+                                       prompt_logit_span(s.seq, s.start, s.num_new_tokens)))
+            if self.hybrid:  # every KV group's table (engine.kv_cache.hybrid)
+                tables = kv.group_tables(seq.seq_id)
+                chunks[-1].block_table, chunks[-1].extra_tables = tables[0], tables[1:]
         seqs = tuple(chunks)
         shifts = self.stream.take_shifts() if self.stream is not None else ()
         copies = kv.take_copies() if self.has_host_tier else None
@@ -373,7 +389,8 @@ class Scheduler:
         hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys,
                                   record_stats=False)
         first = request.seqs[0]
-        if seq.index > 0 and first.status is SeqStatus.RUNNING and self.stream is None:
+        if (seq.index > 0 and first.status is SeqStatus.RUNNING and self.stream is None
+                and not self.hybrid):
             # Share the first sample's full prompt blocks (also with prefix caching off).
             bs = self.kv.block_size
             n_blocks = min((seq.num_prompt_tokens - 1) // bs, first.num_computed_tokens // bs)
@@ -395,7 +412,7 @@ class Scheduler:
             if not seq.finished:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_extra_keys)
-                if self.sliding_window is not None:
+                if self.sliding_window is not None or self.hybrid:
                     self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
                                                    self.sliding_window)
             if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
@@ -418,6 +435,6 @@ class Scheduler:
         self.kv.truncate(seq.seq_id, seq.num_tokens)
         self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                        seq.request.cache_extra_keys)
-        if self.sliding_window is not None:
+        if self.sliding_window is not None or self.hybrid:
             self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
                                            self.sliding_window)

@@ -39,6 +39,10 @@ def build_proposer(config: EngineConfig, *, max_model_len: int, vocab_size: int,
                                swap_space=0.0, preemption_mode="recompute")
     runner = ModelRunner(draft_cfg, hf_config, iter_weights(files), max_model_len,
                          files_dir=files.path)
+    if runner.kv_layout.is_hybrid:  # its proposer keeps one block table per sequence
+        raise ValueError(f"the draft model {spec.model} mixes sliding-window and full-attention "
+                         "layers: a draft model needs one attention type (use the n-gram "
+                         "method or another draft)")
     runner.allocate_kv_cache(num_blocks)
     runner.prepare_for_serving()
     logger.info("draft model %s: %.1f MiB of weights, %d KV blocks (%.2f GiB)", files.name,

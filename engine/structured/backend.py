@@ -10,7 +10,11 @@ belongs to one sequence and is driven by the engine thread only:
   made by ``allocate_bitmask`` (bit ``t`` of the row set iff token ``t`` is allowed; EOS only
   where the grammar can end);
 * ``rollback(k)``: undo the last ``k`` accepted tokens;
-* ``is_terminated()``: the grammar has ended (it accepted a stop token).
+* ``is_terminated()``: the grammar has ended (it accepted a stop token);
+* ``forced_text()``: the longest text every continuation of the grammar's current state starts
+  with ("" when the next character is free), and ``forced_tokens()``: the library's own
+  tokenization of it. Neither changes the matcher; jump-forward drafts are made from them
+  (``engine.structured.jump_forward``).
 
 ``fill_bitmasks(matchers, bitmask, rows)`` fills row ``rows[i]`` from ``matchers[i]`` (in
 parallel where the library can); ``apply_bitmask(logits, bitmask, rows)`` sets the forbidden
@@ -40,6 +44,10 @@ class Matcher(Protocol):
     def rollback(self, k: int) -> None: ...
 
     def is_terminated(self) -> bool: ...
+
+    def forced_text(self) -> str: ...
+
+    def forced_tokens(self) -> list[int]: ...
 
 
 class GrammarBackend(Protocol):

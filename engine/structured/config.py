@@ -3,6 +3,13 @@
 ``backend``: ``auto`` (each constraint served by the library measured faster for it:
 engine.structured.routing), ``xgrammar``, or ``llguidance`` (vLLM calls it ``guidance``; both
 names are taken). Given as a dict, its JSON text, or an instance; unknown keys are refused.
+
+``jump_forward_tokens`` (kvserve's): at most this many tokens of the text a grammar forces are
+proposed as a draft per sequence and step, verified like a speculative draft so the output does
+not change (engine.structured.jump_forward); 0 turns it off. ``jump_forward_max_seqs``: only in
+steps where at most this many sequences decode (at larger batches a step is bound by arithmetic
+and the extra rows cost more than the steps saved); null: at any batch size. Defaults measured
+with benchmarks/jump_forward.py (README, structured outputs).
 """
 
 from __future__ import annotations
@@ -15,13 +22,29 @@ from engine.json_config import json_object
 
 BACKENDS = ("auto", "xgrammar", "llguidance")
 _ALIASES = {"guidance": "llguidance"}
+MAX_JUMP_FORWARD_TOKENS = 16
+DEFAULT_JUMP_FORWARD_TOKENS = 8
+DEFAULT_JUMP_FORWARD_MAX_SEQS = 4
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     backend: str = "auto"
+    jump_forward_tokens: int = DEFAULT_JUMP_FORWARD_TOKENS
+    jump_forward_max_seqs: int | None = DEFAULT_JUMP_FORWARD_MAX_SEQS
 
     def __post_init__(self) -> None:
+        k, b = self.jump_forward_tokens, self.jump_forward_max_seqs
+        if not _is_int(k) or not 0 <= k <= MAX_JUMP_FORWARD_TOKENS:
+            raise ValueError(f"structured_outputs_config jump_forward_tokens must be an integer "
+                             f"in 0..{MAX_JUMP_FORWARD_TOKENS} (0: off); got {k!r}")
+        if b is not None and (not _is_int(b) or b < 1):
+            raise ValueError(f"structured_outputs_config jump_forward_max_seqs must be an "
+                             f"integer >= 1 (or null: any batch size); got {b!r}")
         backend = _ALIASES.get(self.backend, self.backend)
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_config backend must be one of "

@@ -66,6 +66,17 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self._ended_at is not None
 
+    def forced_text(self) -> str:
+        if self._ended_at is not None:
+            return ""
+        # Bytes that end (or start) inside a character are left for the model to produce.
+        return bytes(self._m.compute_ff_bytes()).decode("utf-8", errors="ignore")
+
+    def forced_tokens(self) -> list[int]:
+        if self._ended_at is not None:
+            return []
+        return [t for t in self._m.compute_ff_tokens() if t not in self._stop]
+
 
 class LLGuidanceBackend:
     """Compiles the shared kinds for one tokenizer and vocabulary (``vocab_size``: the logits'

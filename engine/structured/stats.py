@@ -18,3 +18,5 @@ class StructuredStats:
     compile_buckets: tuple[int, ...] = (0,) * (len(COMPILE_BUCKETS) + 1)
     constrained_rows: int = 0  # sampled rows that carried a grammar, cumulative
     constrained_steps: int = 0  # steps with at least one such row
+    jump_forward_drafted: int = 0  # forced tokens proposed as drafts (jump_forward.py)
+    jump_forward_accepted: int = 0  # of them kept by verification

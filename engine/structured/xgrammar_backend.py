@@ -43,6 +43,12 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def forced_text(self) -> str:
+        return self._m.find_jump_forward_string()
+
+    def forced_tokens(self) -> list[int]:
+        return list(self._m.find_jump_forward_tokens())
+
 
 class XGrammarBackend:
     """Compiles specs for one tokenizer and vocabulary (``vocab_size``: the model's logits

@@ -20,6 +20,10 @@ PROMPTS = [[7, 3, 250, 11, 42], list(range(40, 61)), [99], list(range(200, 213))
 @pytest.mark.parametrize("model_type,overrides,engine_overrides", [
     ("llama", {}, {"block_size": 8}),
     ("mistral", {"sliding_window": 6}, {"block_size": 4, "max_num_batched_tokens": 16}),
+    # Hybrid KV cache: window and full layers read their own group's block tables.
+    ("qwen2", {"sliding_window": 6, "use_sliding_window": True, "max_window_layers": 2,
+               "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
+     {"block_size": 4, "max_num_batched_tokens": 16}),
     # 8-bit pools: the Triton store/attention read the format the torch path writes.
     ("llama", {}, {"block_size": 8, "kv_cache_dtype": "int8", "max_num_batched_tokens": 16}),
     pytest.param("llama", {}, {"block_size": 8, "kv_cache_dtype": "fp8_e4m3"},

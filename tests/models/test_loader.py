@@ -123,7 +123,25 @@ def test_unsupported_gguf_architecture(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"cannot convert .*odd\.gguf.*no-such-arch"):
         resolve_model(tmp_path / "odd.gguf", cache_dir=tmp_path / "cache", progress=False)
-    assert [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == []
+    models = tmp_path / "cache" / "models"
+    assert not models.exists() or [p for p in models.iterdir() if p.is_dir()] == []
+
+
+def test_unsupported_gguf_refused_before_conversion(tmp_path, monkeypatch):
+    """An architecture transformers reads but kvserve does not run (phi3) is refused from the
+    header, naming the supported ones, before any conversion work starts."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), arch="phi3")
+    w.add_tokenizer_model("llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _fail_if_called)
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'phi3'.*llama, qwen2, "
+                                         r"qwen3, gemma2, gemma3"):
+        resolve_model(tmp_path / "phi.gguf", cache_dir=tmp_path / "cache", progress=False)
 
 
 def test_cached_conversion_is_reused(tiny_gguf, tiny_converted, monkeypatch):

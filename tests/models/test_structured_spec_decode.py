@@ -1,7 +1,7 @@
-"""Constrained decoding with speculative decoding (n-gram drafts) on a tiny random Llama: under
-a grammar, greedy output is token for token the output without speculation while drafts are
-really accepted; seeded sampled outputs are valid and reproducible; a recompute preemption
-mid-object keeps the output; the KV pool ends clean.
+"""Constrained decoding with speculative decoding (n-gram drafts, and jump-forward drafts of the
+grammar's forced text) on a tiny random Llama: under a grammar, greedy output is token for token
+the output without any drafts while drafts are really accepted; seeded sampled outputs are valid
+and reproducible; a recompute preemption mid-object keeps the output; the KV pool ends clean.
 
 The model is initialised with a small weight scale (0.05), so its continuations fall into short
 loops and n-gram drafts get accepted (as in test_spec_decode_engine)."""
@@ -30,6 +30,8 @@ SPECS = {
     "json": StructuredSpec.json_schema(SCHEMA),
 }
 PROMPTS = [list(b"ab ab ab ba ab "), list(b"abab abab ab"), list(b'["ab", "ab", "ba"')]
+NO_JUMP = {"jump_forward_tokens": 0}
+JUMP = {"jump_forward_tokens": 8, "jump_forward_max_seqs": None}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,9 @@ def model_dir(tmp_path_factory):
                                initializer_range=0.05)
 
 
-def _llm(model_dir, spec: bool, blocks: int = 2048, **kw) -> LLM:
-    cfg = dict(dtype="float32", block_size=4, kv_cache_memory=blocks * BLOCK_BYTES, **kw)
+def _llm(model_dir, spec: bool, blocks: int = 2048, jump: dict = NO_JUMP, **kw) -> LLM:
+    cfg = dict(dtype="float32", block_size=4, kv_cache_memory=blocks * BLOCK_BYTES,
+               structured_outputs_config=jump, **kw)
     if spec:
         cfg["speculative_config"] = NGRAM
     return LLM(str(model_dir), **cfg)
@@ -53,6 +56,12 @@ def base(model_dir):
 @pytest.fixture(scope="module")
 def spec(model_dir):
     return _llm(model_dir, spec=True)
+
+
+@pytest.fixture(scope="module")
+def jump(model_dir):
+    """Jump-forward drafts alone (no proposer), at every batch size."""
+    return _llm(model_dir, spec=False, jump=JUMP)
 
 
 def _valid(kind: str, text: str) -> None:
@@ -84,6 +93,40 @@ def test_greedy_under_a_grammar_is_identical_and_drafts_are_accepted(base, spec,
     assert accepted > 0
     assert after["structured_constrained_rows"] > before["structured_constrained_rows"]
     _assert_clean(spec)
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_jump_forward_drafts_keep_greedy_output_and_are_accepted(base, jump, kind):
+    params = SamplingParams(temperature=0, max_tokens=100, structured=SPECS[kind])
+    want = [o.outputs[0] for o in base.generate(PROMPTS, params)]
+    before = jump.stats()
+    got = [o.outputs[0] for o in jump.generate(PROMPTS, params)]
+    after = jump.stats()
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+    drafted = (after["structured_jump_forward_drafted"]
+               - before["structured_jump_forward_drafted"])
+    accepted = (after["structured_jump_forward_accepted"]
+                - before["structured_jump_forward_accepted"])
+    assert 0 < accepted <= drafted
+    # The forced tokens were verified, not counted as speculation.
+    assert after["spec_decode_num_draft_tokens"] == before["spec_decode_num_draft_tokens"]
+    assert after["num_steps"] - before["num_steps"] < sum(len(w.token_ids) for w in want)
+    _assert_clean(jump)
+
+
+def test_jump_forward_with_ngram_drafts_and_recompute_preemption_keeps_the_output(model_dir,
+                                                                                 base):
+    prompts = [list(b"request %d: ab ab " % i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=100, structured=SPECS["json"])
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    tight = _llm(model_dir, spec=True, blocks=48, jump=JUMP, preemption_mode="recompute")
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    stats = tight.stats()
+    assert stats["num_preemptions_recompute"] > 0
+    assert stats["structured_jump_forward_accepted"] > 0
+    assert got == want
+    _assert_clean(tight)
 
 
 def test_seeded_samples_under_a_grammar_are_valid_and_reproducible(spec):

@@ -22,6 +22,8 @@ SPEC_KEYS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",
              "spec_decode_num_accepted_tokens"}
 
 
+KV_GROUP_KEYS = {"kv_cache_groups", "kv_cache_group_bytes_per_token", "kv_cache_max_concurrency"}
+JUMP_FORWARD_KEYS = {"structured_jump_forward_drafted", "structured_jump_forward_accepted"}
 STRUCTURED_KEYS = {"structured_compiles", "structured_compile_failures", "structured_cache_hits",
                    "structured_compile_seconds_sum", "structured_constrained_rows"}
 
@@ -31,7 +33,8 @@ def test_flat_form_keeps_the_offline_api_keys():
     flat = stats.as_dict()
     assert LEGACY_KEYS <= set(flat)  # kept; new counters may join
     assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window",
-                                       "num_blocks_evicted_stream"} | SPEC_KEYS | STRUCTURED_KEYS
+                                       "num_blocks_evicted_stream"} | SPEC_KEYS | STRUCTURED_KEYS \
+        | KV_GROUP_KEYS | JUMP_FORWARD_KEYS
     per_pos = EngineStats(spec_decode=SpecDecodeStats(2, 8, 3, (2, 1, 0, 0))).as_dict()
     assert per_pos["spec_decode_num_accepted_tokens_pos1"] == 1
     assert set(per_pos) - set(flat) == {f"spec_decode_num_accepted_tokens_pos{j}"
