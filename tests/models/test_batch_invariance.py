@@ -132,3 +132,17 @@ def test_greedy_tokens_do_not_depend_on_the_batch(q4_model, monkeypatch):
     assert tight.stats()["num_preemptions_recompute"] > 0
     for i, tokens in enumerate(got):
         assert tokens == alone[i], f"prompt {i} under preemption"
+
+
+def test_flag_and_yaml_key(tmp_path):
+    from server.cli import _settings, build_parser
+
+    def parse(*argv: str):
+        return _settings(build_parser().parse_args(["serve", *argv]))[0]
+
+    assert parse().batch_invariant is True  # the default
+    assert parse("--no-batch-invariant").batch_invariant is False
+    f = tmp_path / "c.yaml"
+    f.write_text("batch_invariant: false\n")
+    assert parse("--config", str(f)).batch_invariant is False
+    assert parse("--config", str(f), "--batch-invariant").batch_invariant is True
