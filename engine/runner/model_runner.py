@@ -164,6 +164,9 @@ class ModelRunner:
             self.invariance = make_batch_invariant(self.model, self.backend)
             if self.quant_verdict is not None and self.quant_verdict.mode == "hybrid":
                 self.quant_verdict = replace(self.quant_verdict, mode="quant", float_above=None)
+        elif config.batch_invariant:
+            logger.info("batch_invariant covers the CPU path only: on %s a row's kernels may "
+                        "still follow the batch", self.device)
         self.quantized = self.quant_verdict is not None and self.quant_verdict.mode != "float"
         what = str(self.dtype)
         if self.quantized:
