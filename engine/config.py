@@ -86,6 +86,10 @@ class EngineConfig:
     measures that faster (a float checkpoint stays float); ``int4`` / ``int8`` quantise the
     weights on load (round-to-nearest in groups of ``quantization_group_size``, 32 or 128;
     CPU, float32 activations); ``none`` dequantises to ``dtype`` (the exact reference path).
+    ``batch_invariant`` (CPU): each row's arithmetic does not depend on the other rows of its
+    step (one kernel per linear for every row count, attention per row), so greedy output is
+    the same alone, batched, chunked, after a prefix hit or a preemption;
+    ``engine.models.batch_invariant``.
 
     Admission limits (a request beyond them is refused before anything is queued):
     ``max_waiting_requests`` bounds the SEQUENCES waiting to be scheduled (a request counts
@@ -117,6 +121,7 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str = "auto"
     quantization_group_size: int = 32
+    batch_invariant: bool = True
     # The CPU start-up probes (dtype=auto, quantization=auto): reuse this machine's cached
     # verdict ("cached"), measure again ("force") or measure nothing, defaults ("off").
     cpu_probe: str = "cached"

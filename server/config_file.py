@@ -163,6 +163,9 @@ ENGINE_OPTIONS = [
            "share KV blocks between prompts with a common prefix", boolean=True),
     Option("enable-chunked-prefill", "enable_chunked_prefill", "engine", bool,
            "split long prompts across steps", boolean=True),
+    Option("batch-invariant", "batch_invariant", "engine", bool,
+           "CPU: greedy output independent of the batch (one kernel per linear for every row "
+           "count, attention per row)", boolean=True),
     Option("preemption-mode", "preemption_mode", "engine", str,
            "what to do with a request when blocks run out", choices=PREEMPTION_MODES),
     Option("attention-backend", "attention_backend", "engine", str, "attention kernels",

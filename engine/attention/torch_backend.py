@@ -19,6 +19,13 @@ first, so those keys are in the pool; the row's causal attention is exactly what
 decode at that position computes (the same kernel, the same keys), which keeps speculative
 greedy output identical to one-token decoding and skips the per-sequence gather and mask of
 the prefill path.
+
+Batch-invariant (``batch_invariant = True``, set by ``engine.models.batch_invariant``): on the
+CPU every row of the step joins the decode group, whole prompts and prefix-cache hits
+included, so each query row's attention is one task of the compiled decode kernel over keys
+``0 .. its position`` read from the pool: the same reduction whether the prompt came in whole,
+in chunks, after a prefix hit, after a recompute preemption, or alongside any other rows
+(SDPA's flash kernel blocks its queries by the chunk's length).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._cpu_kernel = None
         self._cpu_kernel_tried = False
+        self.batch_invariant = False
 
     def _decode_kernel(self, q: torch.Tensor, fmt: KVFormat):
         """The compiled CPU paged-decode kernel when it applies (CPU, float32 queries over a
@@ -99,6 +107,8 @@ class TorchAttentionBackend:
         q_lens = meta.query_lens_cpu
         ns = nd  # sequences in the decode group: the decodes, then the short ones after them
         # A whole prompt (nothing cached) keeps the prefill path: SDPA over its exact K/V.
+        if self.batch_invariant and device.type == "cpu":
+            ns = meta.num_seqs  # every row a decode row (module docstring)
         while (ns < meta.num_seqs and q_lens[ns] <= SMALL_QUERY_ROWS
                and meta.seq_lens_cpu[ns] > q_lens[ns]):
             ns += 1

@@ -17,6 +17,10 @@ as running sequences. Two packed backends, chosen by ``linear_backend(device, dt
 Both are the same math as ``F.linear`` (float32 accumulation); only the summation order
 differs, as between any two BLAS libraries. ``KVSERVE_PACKED_LINEAR=0`` turns packing off,
 ``=onednn`` skips the AVX2 kernel.
+
+Batch-invariant (:meth:`PackedLinear.set_batch_invariant`): the panel kernel for every row count
+(its per-row operations do not depend on the other rows); oneDNN, whose blocking follows the
+row count, is not used. Without the panel kernel (``onednn`` only) there is no such route.
 """
 
 from __future__ import annotations
@@ -110,6 +114,15 @@ class PackedLinear(nn.Module):
             self.bias = b
         # Rows up to which the panel kernel runs (all rows without oneDNN, none without panels).
         self.small_rows = {"avx2-panels": 1 << 62, "hybrid": SMALL_ROWS, "onednn": -1}[backend]
+
+    def set_batch_invariant(self) -> bool:
+        """Run every row count on the panel kernel (row ``r``'s output then does not depend on
+        the other rows); False, and nothing changed, where this linear has no panels."""
+        if self.panels is None:
+            return False
+        self.small_rows = 1 << 62
+        self.onednn = None  # never used again: free its copy of the weight
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -30,6 +30,12 @@
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster.
+* batch-invariant (:meth:`QuantLinear.set_batch_invariant`, ``EngineConfig.batch_invariant``):
+  one kernel for every row count, whose per-row arithmetic does not depend on the other rows:
+  4-bit weights stored blocked and served by ``quant_gemm_q4_blocked`` (its 1-, 2- and 3-row
+  tiles do the same operations per row, in group order), 8-bit weights by their decode kernel
+  (tiles of 1-4 rows, the same operations per row); no float fallback, no panels. Row ``r``'s
+  output is then bit-identical whatever the number of rows (tests/models/test_batch_invariance.py).
 
 ``QuantEmbedding`` looks ids up by dequantising only those rows; tied to the logits head, both
 share one packed tensor. Float32 CPU only; the packed tensors are buffers (they count in the
@@ -94,6 +100,17 @@ class QuantLinear(nn.Module):
         self.q4_prefill = "panels"
         self.q4_batch = "kernel"
         self.q4_layout = "rows"
+        self.batch_invariant = False
+
+    def set_batch_invariant(self) -> None:
+        """Serve every row count with one kernel whose per-row arithmetic (int8 activation
+        scales per row and group, integer group sums, float accumulation in a fixed order) does
+        not depend on how many rows share the call: 4-bit weights move to the blocked layout
+        (``quant_gemm_q4_blocked``), 8-bit weights keep their decode kernel; a float fallback
+        is dropped. Irreversible (the prefill panels and per-size routes are not used again)."""
+        self.set_q4_layout("blocked")
+        self.fallback = self.float_above = None
+        self.batch_invariant = True
 
     def set_q4_kernel(self, name: str) -> None:
         """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
@@ -183,7 +200,9 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         rows = x2.shape[0]
-        if self._on_tiles(rows):
+        if self.batch_invariant:
+            out = self._tiles(x2) if self.is_q4 else self._gemm(x2, self.qs, self.d, self.m)
+        elif self._on_tiles(rows):
             out = self._tiles(x2)
         elif rows <= self.dense_rows:
             out = self._gemm(x2, self.qs, self.d, self.m)
@@ -257,6 +276,13 @@ class QuantConcat(nn.Module):
 
     def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
         self.fallback, self.float_above = fallback, rows
+
+    def set_batch_invariant(self) -> None:
+        """:meth:`QuantLinear.set_batch_invariant` on every part; the float fallback dropped
+        (each part's output is per-row invariant, and so is their concatenation)."""
+        for part in self.parts:
+            part.set_batch_invariant()
+        self.fallback = self.float_above = None
 
     def set_panel_dtype(self, dtype: torch.dtype) -> None:
         for part in self.parts:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from engine.kv_cache.kv_quant import KVFormat, kv_format, resolve_kv_cache_dtype
 from engine.kv_cache.rope_shift import shift_block_keys
 from engine.loading.loader import iter_dir_weights
 from engine.models.arch import ModelArch
+from engine.models.batch_invariant import make_batch_invariant
 from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
@@ -158,6 +159,20 @@ class ModelRunner:
             self.model.pack_linears(self.linear_backend)
         if quantised and config.quantization == "auto":
             self.quant_verdict = adopt(self.model, quantised, config)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        refusal = getattr(self.model, "attention_backend_refusal", lambda _name: None)(
+            self.backend.name)
+        if refusal:  # e.g. Gemma 2's soft-capping: only the torch backend computes it
+            logger.warning("attention backend: %s; the torch backend serves instead", refusal)
+            self.backend = get_attention_backend("torch", self.device)
+        self.invariance = None
+        if config.batch_invariant and self.device.type == "cpu":  # before the decode stack
+            self.invariance = make_batch_invariant(self.model, self.backend)
+            if self.quant_verdict is not None and self.quant_verdict.mode == "hybrid":
+                self.quant_verdict = replace(self.quant_verdict, mode="quant", float_above=None)
+        elif config.batch_invariant:
+            logger.info("batch_invariant covers the CPU path only: on %s a row's kernels may "
+                        "still follow the batch", self.device)
         self.quantized = self.quant_verdict is not None and self.quant_verdict.mode != "float"
         what = str(self.dtype)
         if self.quantized:
@@ -171,12 +186,6 @@ class ModelRunner:
             self.model.decode_stack, why_not = build_decode_stack(self.model)
             logger.info("decode steps: %s", "one C++ layer-stack call" if why_not == ""
                         else f"Python layer loop ({why_not})")
-        self.backend = get_attention_backend(config.attention_backend, self.device)
-        refusal = getattr(self.model, "attention_backend_refusal", lambda _name: None)(
-            self.backend.name)
-        if refusal:  # e.g. Gemma 2's soft-capping: only the torch backend computes it
-            logger.warning("attention backend: %s; the torch backend serves instead", refusal)
-            self.backend = get_attention_backend("torch", self.device)
         self.kv_cache_dtype, why = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
                                                           self.device.type, config.dtype)
         self.kv_format: KVFormat = kv_format(self.kv_cache_dtype, self.dtype,
