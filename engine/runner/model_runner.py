@@ -319,12 +319,13 @@ class ModelRunner:
 
     # ---- host KV tier (swap_space) -------------------------------------------------------
 
-    def allocate_host_kv_cache(self) -> int:
-        """Allocate the host pools (same layout as the device pools) sized by ``swap_space``;
-        returns the number of host blocks, 0 when the tier is off. Uninitialised: a host block
-        is only ever read after a copy filled it."""
+    def allocate_host_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the host pools (same layout as the device pools) sized by ``swap_space``,
+        or of ``num_blocks`` (the disk tier's staging area when swap_space is 0); returns the
+        number of host blocks, 0 when the tier is off. Uninitialised: a host block is only
+        ever read after a copy filled it."""
         block_bytes = self.kv_bytes_per_token * self.config.block_size
-        n = self.config.swap_space_bytes // block_bytes
+        n = self.config.swap_space_bytes // block_bytes if num_blocks is None else num_blocks
         if self.tp is not None:
             n = self.tp.min_int(n)
         if self.config.swap_space > 0 and n == 0:
