@@ -244,7 +244,7 @@ class EngineConfig:
             return None
         from engine.kv_cache.disk.config import DiskTierConfig, parse_size
 
-        return DiskTierConfig(str(self.kv_disk_dir), parse_size(self.kv_disk_size))
+        return DiskTierConfig.for_size(str(self.kv_disk_dir), parse_size(self.kv_disk_size))
 
     def _normalise_names(self) -> None:
         names = self.served_model_name

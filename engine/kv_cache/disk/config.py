@@ -47,7 +47,13 @@ class DiskTierConfig:
             raise ValueError(f"kv disk segments must be >= 4096 bytes; got {self.segment_bytes}")
         if self.size_bytes < 2 * self.segment_bytes:
             raise ValueError(f"kv_disk_size {self.size_bytes} bytes is below two segments "
-                             f"({2 * self.segment_bytes} bytes); give at least 8MiB, "
+                             f"({2 * self.segment_bytes} bytes); give more, "
                              f"e.g. --kv-disk-size 20GiB")
         if self.queue_blocks < 1:
             raise ValueError(f"the disk writer queue needs >= 1 block; got {self.queue_blocks}")
+
+    @classmethod
+    def for_size(cls, directory: str, size_bytes: int) -> DiskTierConfig:
+        """Segments of 4 MiB, smaller for a tier under 32 MiB (a tier holds >= 8)."""
+        seg = min(4 * 1024**2, max(4096, size_bytes // 8))
+        return cls(directory, size_bytes, segment_bytes=seg)
