@@ -250,3 +250,25 @@ def test_sigkill_during_writes_loses_at_most_the_tail(tmp_path):
     assert len(s) >= 50
     assert _check_all(s, range(len(s) + 200)) == len(s)  # everything indexed reads right
     s.close()
+
+
+def test_config_errors_name_the_fix():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs both kv_disk_dir and kv_disk_size"):
+        EngineConfig(kv_disk_dir="/tmp/x")
+    with pytest.raises(ValueError, match="below two segments"):
+        EngineConfig(kv_disk_dir="/tmp/x", kv_disk_size="1KiB")
+    with pytest.raises(ValueError, match="cannot read the size"):
+        EngineConfig(kv_disk_dir="/tmp/x", kv_disk_size="lots")
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        EngineConfig(kv_disk_dir="/tmp/x", kv_disk_size="1GiB", enable_prefix_caching=False)
+    assert EngineConfig(kv_disk_dir="/tmp/x", kv_disk_size="1GiB").kv_disk_size == 2**30
+
+
+def test_kv_calc_counts_the_tokens_a_disk_size_holds():
+    from engine.kv_cache.kv_calc import disk_report
+
+    r = disk_report(1000, "1MiB", 16)
+    assert r["bytes_per_block"] == 16 * 1000 + RECORD_HEADER_BYTES
+    assert r["blocks"] == 2**20 // r["bytes_per_block"] and r["tokens"] == 16 * r["blocks"]
