@@ -349,6 +349,12 @@ class ModelRunner:
         logger.info("host KV tier: %d blocks, %.2f GiB", n, pools.nbytes / 2**30)
         return n
 
+    def wait_host_copies(self) -> None:
+        """Block until the host pools hold every block written back so far (CUDA defers the
+        last step's write-backs; see ``HostTierCopier.wait_d2h``). No-op without a tier."""
+        if self._host_copier is not None:
+            self._host_copier.wait_d2h()
+
     def copy_kv_blocks(self, d2h: Sequence[tuple[int, int]],
                        h2d: Sequence[tuple[int, int]]) -> None:
         """One step's block moves (``StepPlan.copies``): ``d2h`` (device block, host block)

@@ -28,4 +28,5 @@ def build_disk_tier(config, core) -> DiskTier:
     r = core.runner
     block_bytes = r.kv_bytes_per_token * config.block_size
     store = DiskStore(config.disk_tier_config(), fp.digest, fp.hex, block_bytes)
-    return DiskTier(store, core.kv, r.kv_caches, r.host_kv_caches, core.kv.host.cost)
+    return DiskTier(store, core.kv, r.kv_caches, r.host_kv_caches, core.kv.host.cost,
+                    settle_host=r.wait_host_copies)

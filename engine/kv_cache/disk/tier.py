@@ -28,7 +28,7 @@ Block bytes on disk: the K then V block of layer 0, then layer 1, ... as stored 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,8 +51,12 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 class DiskTier:
     def __init__(self, store: DiskStore, kv, device_pools: KVPools, host_pools: KVPools,
-                 cost: SwapCostModel | None = None) -> None:
-        """``kv``: the engine's ``KVCacheManager``, with a host tier (the staging area)."""
+                 cost: SwapCostModel | None = None,
+                 settle_host: Callable[[], None] | None = None) -> None:
+        """``kv``: the engine's ``KVCacheManager``, with a host tier (the staging area).
+        ``settle_host``: lands deferred device->host write-backs (CUDA) before host blocks are
+        handed to the reader thread: a block reserved for a read may have been the target of
+        the last step's spill, whose bytes must not land after the read's."""
         if kv.host is None:
             raise ValueError("the disk KV tier loads blocks through host memory: the KV "
                              "manager needs a host tier")
@@ -67,6 +71,7 @@ class DiskTier:
             raise ValueError(f"disk store blocks of {store.block_bytes} bytes for pools of "
                              f"{self.block_bytes}")
         self.cost = cost
+        self._settle_host = settle_host
         self._jobs: dict[str, PrefetchJob] = {}
         self._written: dict[str, int] = {}  # seq id -> table entries already considered
         self._recent: set[bytes] = set()  # queued for writing lately (not yet in the index)
@@ -97,6 +102,8 @@ class DiskTier:
         n = min(n, host.pool.num_free_blocks // 2)
         if n <= 0:
             return 0
+        if self._settle_host is not None:
+            self._settle_host()
         blocks = host.pool.get_new_blocks(n)  # one reference each, held by the job
         job = PrefetchJob(seq_id, hashes[i:i + n], blocks)
         self._jobs[seq_id] = job
