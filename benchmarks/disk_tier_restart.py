@@ -6,7 +6,11 @@ a short unrelated warm-up prompt, then the ``--prompt-tokens`` prompt (cold: not
 and exits (its writer finishes the queued blocks at close); process 2 starts an engine on the
 same directory, runs the same warm-up, then the same prompt. Printed per setting: TTFT cold and
 after the restart (arrival to first token, so the disk reads count), their ratio, the share of
-prompt tokens reported cached after the restart, and whether the greedy outputs are identical.
+prompt tokens reported cached after the restart, and whether the greedy output after the
+restart equals (a) process 1's output for the same prompt served from its device prefix cache
+(a second request there: the bytes read back from disk must give exactly that) and (b) the cold
+output (a full prefill; a prefix hit of any tier computes the last tokens over cached KV, and on
+near-tied logits, as random-token prompts have, that alone can change a greedy pick).
 Targets (issue 29): cached >= 90 % and TTFT after restart <= 1/3 of cold, outputs identical.
 
     python benchmarks/disk_tier_restart.py                 # embedded SmolLM2-135M, CPU
@@ -56,10 +60,15 @@ def _child(spec: dict) -> None:
     llm.generate([spec["warmup"]], [sp])
     out = llm.generate([spec["prompt"]], [sp])[0]
     m = out.metrics
+    # The same prompt again in this process: a device prefix hit, the prefix cache's own truth
+    # (a hit computes only the last tokens over cached KV, which can flip near-tied greedy
+    # picks against a full prefill; restored bytes must give exactly this output).
+    hit = llm.generate([spec["prompt"]], [sp])[0].outputs[0].token_ids
     stats = llm.stats()
     llm.close()
     print(json.dumps({"ttft": m.first_token_time - m.arrival_time,
                       "cached": out.num_cached_tokens, "tokens": out.outputs[0].token_ids,
+                      "hit_tokens": hit,
                       "disk_hit_blocks": stats["disk_hit_blocks"],
                       "disk_blocks_at_start": stats["disk_blocks_at_start"],
                       "disk_written_blocks": stats["disk_written_blocks"],
@@ -96,7 +105,7 @@ def main(argv=None) -> int:
     print(f"model {model} | prompt {args.prompt_tokens} tokens | {args.max_tokens} generated "
           f"| greedy | each phase a fresh process")
     print(f"{'setting':10}{'cold TTFT s':>13}{'restart TTFT s':>16}{'ratio':>8}"
-          f"{'cached':>9}{'identical':>11}")
+          f"{'cached':>9}{'= device hit':>14}{'= cold':>8}")
     ok = True
     for name in args.settings.split(","):
         spec = {"model": model, "dir": str(tmp / f"disk-{name}"), "size": args.kv_disk_size,
@@ -105,13 +114,15 @@ def main(argv=None) -> int:
         cold, warm = _phase(spec), _phase(spec)
         ratio = warm["ttft"] / cold["ttft"]
         share = warm["cached"] / len(prompt)
-        same = cold["tokens"] == warm["tokens"]
+        same = cold["hit_tokens"] == warm["tokens"]
+        same_cold = cold["tokens"] == warm["tokens"]
         ok &= share >= 0.9 and ratio <= 1 / 3 and same
         print(f"{name:10}{cold['ttft']:13.3f}{warm['ttft']:16.3f}{ratio:8.3f}{share:9.1%}"
-              f"{str(same):>11}   (written {cold['disk_written_blocks']}, dropped "
+              f"{str(same):>14}{str(same_cold):>8}   (written {cold['disk_written_blocks']}, dropped "
               f"{cold['disk_dropped_writes']}, found {warm['disk_blocks_at_start']}, "
               f"read {warm['disk_hit_blocks']} blocks)")
-    print("targets (cached >= 90%, TTFT <= 1/3 of cold, identical):", "met" if ok else "NOT met")
+    print("targets (cached >= 90%, TTFT <= 1/3 of cold, output = the device prefix hit's):",
+          "met" if ok else "NOT met")
     return 0
 
 
