@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import queue
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.kv_cache.disk.config import DiskTierConfig
+from engine.kv_cache.disk.manifest import load_manifest, save_manifest
 from engine.kv_cache.disk.segment import (
     HEADER_BYTES,
     SUFFIX,
@@ -391,41 +391,21 @@ class DiskStore:
         s.used_bytes = self.used_bytes()
         return s
 
-    # ---- manifest (a start-up shortcut, never trusted beyond file sizes) ---------------
+    # ---- manifest (a start-up shortcut; see engine.kv_cache.disk.manifest) -------------
     def _save_manifest(self) -> None:
         with self._lock:
-            data = {name: [seg.end, [[h.hex(), self._index[h].offset] for h in seg.hashes
-                                     if h in self._index and self._index[h].segment == name]]
+            data = {name: (seg.end, [(h, self._index[h].offset) for h in seg.hashes
+                                     if h in self._index and self._index[h].segment == name])
                     for name, seg in self._segments.items()}
-        tmp = self.dir / f".manifest-{os.getpid()}.tmp"
-        try:
-            tmp.write_text(json.dumps({"block_bytes": self.block_bytes, "segments": data}))
-            os.replace(tmp, self.dir / "manifest.json")
-        except OSError:
-            pass
+        save_manifest(self.dir, self.block_bytes, data)
 
     def _load_manifest(self) -> None:
-        """Index the segments ``manifest.json`` describes whose file size is exactly the end
-        it states (others are scanned). Records are still checked on every read."""
-        try:
-            data = json.loads((self.dir / "manifest.json").read_text())
-            if data.get("block_bytes") != self.block_bytes:
-                return
-            for name, (end, records) in data["segments"].items():
-                path = self.dir / name
-                if not name.endswith(SUFFIX) or path.stat().st_size != end:
-                    continue
-                with open(path, "rb") as f:
-                    if f.read(HEADER_BYTES) != segment_header(self.fingerprint):
-                        continue
-                seg = self._segments[name] = _Segment(end, 0)
-                for hx, off in records:
-                    h = bytes.fromhex(hx)
-                    self._index[h] = RecordRef(name, int(off), self.block_bytes)
-                    seg.hashes.append(h)
-        except (OSError, ValueError, KeyError, TypeError):
-            self._index.clear()
-            self._segments.clear()
+        for name, (end, records) in load_manifest(self.dir, self.fingerprint,
+                                                  self.block_bytes).items():
+            seg = self._segments[name] = _Segment(end, 0)
+            for h, off in records:
+                self._index[h] = RecordRef(name, off, self.block_bytes)
+                seg.hashes.append(h)
 
 
 def _write_all(fd: int, data: bytes) -> None:
