@@ -2,7 +2,7 @@
 
 Per setting (host tier on, host tier off = disk alone with a one-context staging area, int8
 KV with the host tier on) and in a fresh ``--kv-disk-dir``: process 1 starts an engine, runs
-a short unrelated warm-up prompt, then the ``--prompt-tokens`` prompt (cold: nothing cached)
+a short unrelated warm-up prompt twice (so a prefix hit's path is warm too), then the ``--prompt-tokens`` prompt (cold: nothing cached)
 and exits (its writer finishes the queued blocks at close); process 2 starts an engine on the
 same directory, runs the same warm-up, then the same prompt. Printed per setting: TTFT cold and
 after the restart (arrival to first token, so the disk reads count), their ratio, the share of
@@ -57,7 +57,8 @@ def _child(spec: dict) -> None:
     llm = LLM(spec["model"], kv_disk_dir=spec["dir"], kv_disk_size=spec["size"],
               **spec["engine"])
     sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    llm.generate([spec["warmup"]], [sp])
+    llm.generate([spec["warmup"]], [sp])  # twice: the full-prefill path and the path of a
+    llm.generate([spec["warmup"]], [sp])  # prefix hit (last tokens over cached KV) both warm
     out = llm.generate([spec["prompt"]], [sp])[0]
     m = out.metrics
     # The same prompt again in this process: a device prefix hit, the prefix cache's own truth
