@@ -54,13 +54,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disk", action="store_true",
+                    help="also run host tier + disk tier (--kv-disk-dir in a temporary "
+                         "directory) and print its throughput against the host tier alone")
+    ap.add_argument("--kv-disk-size", default="4GiB")
     return ap.parse_args(argv)
 
 
-def _run(args, model, vocab_hi: int, swap_space: float, device_tokens: int, label: str):
+def _run(args, model, vocab_hi: int, swap_space: float, device_tokens: int, label: str,
+         disk: str | None = None):
+    extra = {"kv_disk_dir": disk, "kv_disk_size": args.kv_disk_size} if disk else {}
     llm = LLM(model, dtype=args.dtype, block_size=args.block_size, swap_space=swap_space,
               kv_cache_memory=device_tokens * _bytes_per_token(model, args), seed=args.seed,
-              preemption_mode=args.preemption_mode if swap_space else "recompute")
+              preemption_mode=args.preemption_mode if swap_space else "recompute", **extra)
     rng = random.Random(args.seed)  # the same workload for both runs
     history = [[rng.randrange(10, vocab_hi) for _ in range(args.system_tokens)]
                for _ in range(args.conversations)]
@@ -87,6 +93,7 @@ def _run(args, model, vocab_hi: int, swap_space: float, device_tokens: int, labe
     wall = time.perf_counter() - t0
     stats = llm.stats()
     llm.engine.kv.check_integrity()
+    llm.close()
     return dict(ttft=ttft, computed=computed, cached=cached, wall=wall, stats=stats,
                 replies=replies, num_blocks=stats["num_blocks_total"])
 
@@ -141,6 +148,17 @@ def main(argv=None) -> int:
           f"{s['host_evictions']} host evictions, preemptions swap/recompute "
           f"{s['num_preemptions_swap']}/{s['num_preemptions_recompute']} "
           f"(off: {off['stats']['num_preemptions']})")
+    if args.disk:
+        disk = _run(args, model, vocab_hi, args.swap_space, device_tokens, "host + disk   ",
+                    disk=tempfile.mkdtemp(prefix="kvdisk-"))
+        same = same and disk["replies"] == on["replies"]
+        n_gen = len(disk["replies"]) * args.max_tokens
+        d = disk["stats"]
+        print(f"\ndisk tier: {d['disk_hit_tokens']} prompt tokens read back, "
+              f"{d['disk_written_blocks']} blocks written, {d['disk_dropped_writes']} dropped")
+        print(f"throughput (requests/s): host tier alone {len(on['replies']) / on['wall']:.3f}, "
+              f"host + disk {len(disk['replies']) / disk['wall']:.3f}: "
+              f"{on['wall'] / disk['wall']:.2f}x ({n_gen} tokens generated each)")
     print(f"outputs identical: {same}")
     return 0 if same else 1
 

@@ -155,6 +155,10 @@ class EngineConfig:
     distributed_timeout: float = 60.0
     # StreamingLLM eviction, "sink:S,window:N" (None: off); engine/kv_cache/streaming.py.
     kv_eviction: str | None = None
+    # The disk KV tier (engine/kv_cache/disk/): a directory and its size (bytes or "20GiB");
+    # both or neither (None: off).
+    kv_disk_dir: str | None = None
+    kv_disk_size: int | str | None = None
 
     def __post_init__(self) -> None:
         self._normalise_names()
@@ -223,6 +227,29 @@ class EngineConfig:
                                  "draft rollback does not cross evicted blocks; use one")
         # Normalise the size once so that every reader sees bytes.
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        self._check_disk_tier()
+
+    def _check_disk_tier(self) -> None:
+        if self.kv_disk_dir is None and self.kv_disk_size is None:
+            return
+        if self.kv_disk_dir is None or self.kv_disk_size is None:
+            raise ValueError("the disk KV tier needs both kv_disk_dir and kv_disk_size "
+                             "(e.g. --kv-disk-dir /var/cache/kvserve --kv-disk-size 20GiB)")
+        object.__setattr__(self, "kv_disk_size", self.disk_tier_config().size_bytes)
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_disk_dir is not supported with tensor_parallel_size > 1 yet "
+                             "(each rank's share of the KV would need its own files)")
+        if not self.enable_prefix_caching or self.kv_eviction is not None:
+            raise ValueError("kv_disk_dir stores prefix-cache blocks: it needs prefix caching "
+                             "on and kv_eviction off")
+
+    def disk_tier_config(self):
+        """The disk tier's options (``DiskTierConfig``), or None when it is off."""
+        if self.kv_disk_dir is None:
+            return None
+        from engine.kv_cache.disk.config import DiskTierConfig, parse_size
+
+        return DiskTierConfig.for_size(str(self.kv_disk_dir), parse_size(self.kv_disk_size))
 
     def _normalise_names(self) -> None:
         names = self.served_model_name

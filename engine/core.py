@@ -28,6 +28,8 @@ from collections.abc import Iterable
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_cache.disk.build import build_disk_tier
+from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.groups import describe_kv_groups
 from engine.kv_cache.hybrid import HybridKVCacheManager
@@ -91,6 +93,10 @@ class EngineCore:
         if config.calculate_kv_scales:
             self._calibrate_kv_scales()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
+        if config.kv_disk_dir is not None and num_host_blocks == 0:
+            # The disk tier loads through host memory: a staging area of one context's blocks.
+            num_host_blocks = self.runner.allocate_host_kv_cache(
+                -(-self.max_model_len // config.block_size) + 8)
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
         self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
         cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
@@ -119,6 +125,9 @@ class EngineCore:
         self.jump_forward = _jump_forward(config, self.tokenizer)
         self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window,
                                    stream=self.stream, jump_forward=self.jump_forward)
+        self.disk = build_disk_tier(config, self) if config.kv_disk_dir is not None else None
+        if self.disk is not None:
+            self.scheduler.admission_gate = self.disk.ready
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -182,6 +191,8 @@ class EngineCore:
         if self.stream is not None:
             logger.info("KV eviction (streaming, approximate; prefix caching off): %s",
                         self.stream.spec.describe(self.config.block_size))
+        if self.disk is not None:
+            logger.info("%s", self.disk.describe())
         spec = self.config.speculative_config
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe(
@@ -223,6 +234,9 @@ class EngineCore:
                 logprobs=[] if params.logprobs is not None else None))
         self.requests[request_id] = req
         self.counters["prompt_tokens"] += len(prompt_token_ids)
+        if self.disk is not None and not req.wants_prompt_logprobs:
+            # Looked up on arrival: its disk blocks load into host memory while it waits.
+            self.disk.on_arrival(req.seqs[0].seq_id, prompt_token_ids, req.cache_extra_keys)
         if params.structured is not None:
             req.grammar = self.structured.submit(params.structured)
             if not req.grammar.done():
@@ -290,6 +304,8 @@ class EngineCore:
         """One iteration. Returns the (cumulative) outputs of requests that progressed."""
         touched: dict[str, Request] = {r.request_id: r for r in self._finished_unreported}
         self._finished_unreported = []
+        if self.disk is not None:
+            self.disk.poll()
         self._admit_compiled(touched)
         out = self.scheduler.schedule()
         copies = out.plan.copies
@@ -314,6 +330,9 @@ class EngineCore:
                 outputs.append(bare_error_output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                if self.disk is not None:
+                    for seq in req.seqs:
+                        self.disk.forget(seq.seq_id)
         return outputs
 
     @property
@@ -330,6 +349,8 @@ class EngineCore:
     def close(self) -> None:
         """Release what outlives the object (tensor-parallel workers). Idempotent."""
         self.structured.close()
+        if self.disk is not None:
+            self.disk.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -392,6 +413,8 @@ class EngineCore:
         # A failure here is the engine's, not a request's. The plan is what TP workers get.
         result = self.runner.execute(inp, out.plan)
         self.scheduler.update_after_step(out)
+        if self.disk is not None:  # write-through of the blocks committed just now
+            self.disk.after_step([s.seq.seq_id for s in out.scheduled])
         if result.prompt_logprobs is not None:
             for rows in inp.prompt_rows:
                 req = out.scheduled[rows.seq_index].seq.request
@@ -544,6 +567,7 @@ class EngineCore:
             structured=self._structured_stats(),
             host=HostTierStats.from_offload(
                 self.kv.offload_stats(), self._block_bytes),
+            disk=self.disk.snapshot() if self.disk is not None else DiskTierStats(),
         )
 
 

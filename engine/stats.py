@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.kv_cache.disk.stats import DiskTierStats
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.structured.stats import StructuredStats
 
@@ -90,6 +91,7 @@ class EngineStats:
     num_blocks_evicted_stream: int = 0  # evicted by --kv-eviction (sinks + window), cumulative
     computed_tokens: int = 0
     host: HostTierStats = field(default_factory=HostTierStats)
+    disk: DiskTierStats = field(default_factory=DiskTierStats)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     structured: StructuredStats = field(default_factory=StructuredStats)
 
@@ -102,8 +104,9 @@ class EngineStats:
         ``spec_decode_num_accepted_tokens_pos<j>`` per draft position."""
         out: dict[str, int | float] = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in ("host", "spec_decode", "structured")}
+            if f.name not in ("host", "disk", "spec_decode", "structured")}
         out.update(dataclasses.asdict(self.host))
+        out.update({f"disk_{k}": v for k, v in dataclasses.asdict(self.disk).items()})
         sd = self.spec_decode
         out.update(spec_decode_num_drafts=sd.num_drafts,
                    spec_decode_num_draft_tokens=sd.num_draft_tokens,

@@ -202,6 +202,13 @@ ENGINE_OPTIONS = [
            "the middle and re-use positions, so a generation may run past --max-model-len in "
            "bounded memory; approximate; turns prefix caching off (default: off)",
            nullable=True),
+    Option("kv-disk-dir", "kv_disk_dir", "engine", str,
+           "disk KV tier: keep prefix-cache blocks in checksummed segment files under DIR, "
+           "across restarts and shared by the servers of one host (needs --kv-disk-size; "
+           "default: off)", nullable=True),
+    Option("kv-disk-size", "kv_disk_size", "engine", _size,
+           "the disk KV tier's size, e.g. 20GiB (LRU eviction keeps DIR under it)",
+           nullable=True),
     Option("calculate-kv-scales", "calculate_kv_scales", "engine", bool,
            "fp8 KV: calibrate per-layer, per-head scales on a built-in text at start-up "
            "(else 1.0)", boolean=True),

@@ -65,6 +65,14 @@ _GAUGES = [
     (lambda s: s.kv_cache_max_concurrency, "kvserve:kv_cache_max_concurrency",
      "Sequences of max_model_len tokens the device pool holds at once (per-group block "
      "accounting)."),
+    (lambda s: s.disk.used_bytes, "kvserve:local_storage_usage",
+     "Bytes of disk-tier segment files (LMCache's name; 0 without --kv-disk-dir)."),
+    (lambda s: s.disk.capacity_bytes, "kvserve:disk_kv_cache_capacity_bytes",
+     "The disk tier's size (--kv-disk-size)."),
+    (lambda s: s.disk.blocks, "kvserve:disk_kv_cache_num_blocks",
+     "Blocks the disk tier's index holds."),
+    (lambda s: int(s.disk.disk_full), "kvserve:disk_kv_cache_full",
+     "1 once the disk tier stopped writing because the disk is full."),
     (lambda s: s.host.host_blocks_total, "kvserve:host_kv_cache_num_blocks",
      "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
     (lambda s: s.host.host_blocks_used, "kvserve:host_kv_cache_used_blocks",
@@ -110,6 +118,28 @@ _COUNTERS = [
      [(lambda s: s.host.host_evictions, None)]),
     ("kvserve:kv_offload_spills", "Cached device blocks written back to the host on eviction.",
      None, [(lambda s: s.host.offload_spills, None)]),
+    # The disk tier (--kv-disk-dir); all zero when it is off.
+    ("kvserve:prefix_cache_disk_hits", "Prompt tokens whose KV was read back from the disk "
+     "tier (LMCache's lmcache:num_hit_tokens for its local disk).", None,
+     [(lambda s: s.disk.hit_tokens, None)]),
+    ("kvserve:disk_kv_cache_blocks", "Disk-tier block look-ups that hit (read, verified) or "
+     "missed.", "result", [(lambda s: s.disk.hit_blocks, "hit"),
+                           (lambda s: s.disk.miss_blocks, "miss")]),
+    ("kvserve:disk_kv_cache_bytes", "Bytes read from and written to the disk tier.",
+     "direction", [(lambda s: s.disk.read_bytes, "read"),
+                   (lambda s: s.disk.write_bytes, "write")]),
+    ("kvserve:disk_kv_cache_io_seconds", "Seconds spent reading and writing disk-tier blocks "
+     "(off the engine thread); divide by the block counts for mean latencies.", "direction",
+     [(lambda s: s.disk.read_seconds, "read"), (lambda s: s.disk.write_seconds, "write")]),
+    ("kvserve:disk_kv_cache_written_blocks", "Blocks written to the disk tier.", None,
+     [(lambda s: s.disk.written_blocks, None)]),
+    ("kvserve:disk_kv_cache_dropped_writes", "Blocks not written to the disk tier: the writer "
+     "queue was full or the disk was full.", None, [(lambda s: s.disk.dropped_writes, None)]),
+    ("kvserve:disk_kv_cache_checksum_failures", "Disk-tier blocks that failed their checksum "
+     "when read (served as misses, dropped).", None,
+     [(lambda s: s.disk.checksum_failures, None)]),
+    ("kvserve:disk_kv_cache_evicted_blocks", "Blocks evicted (LRU) from the disk tier.", None,
+     [(lambda s: s.disk.evicted_blocks, None)]),
     ("kvserve:spec_decode_num_drafts", "Speculative drafts verified (one per sequence and step).",
      None, [(lambda s: s.spec_decode.num_drafts, None)]),
     ("kvserve:spec_decode_num_draft_tokens", "Speculative tokens proposed in verified drafts.",

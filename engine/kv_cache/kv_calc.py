@@ -288,5 +288,37 @@ def main_from_args(args: Any) -> int:
     except (ValueError, OSError) as e:
         print(f"kv-calc: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report_dict(report), indent=2) if args.json else format_report(report))
+    disk = None
+    if getattr(args, "kv_disk_size", None) is not None:
+        try:
+            disk = disk_report(report.per_token, args.kv_disk_size, args.block_size)
+        except ValueError as e:
+            print(f"kv-calc: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        out = report_dict(report)
+        if disk is not None:
+            out["disk_tier"] = disk
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(report))
+        if disk is not None:
+            print(f"\ndisk tier {human_bytes(disk['bytes'])}: {disk['tokens']:,} tokens "
+                  f"({disk['blocks']:,} blocks of {disk['block_size']} tokens, "
+                  f"{disk['bytes_per_block']:,} bytes each on disk with its record header)")
     return 0
+
+
+def disk_report(per_token: int, size: int | str, block_size: int) -> dict[str, int]:
+    """How many tokens a disk KV tier of ``size`` holds: whole blocks, each stored with its
+    record header (engine/kv_cache/disk/segment.py), segment headers neglected."""
+    from engine.kv_cache.disk.config import parse_size
+    from engine.kv_cache.disk.segment import RECORD_HEADER_BYTES
+
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1; got {block_size}")
+    n = parse_size(size)
+    per_block = per_token * block_size + RECORD_HEADER_BYTES
+    blocks = n // per_block
+    return {"bytes": n, "block_size": block_size, "bytes_per_block": per_block,
+            "blocks": blocks, "tokens": blocks * block_size}

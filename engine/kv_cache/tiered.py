@@ -56,6 +56,9 @@ class HostTier:
         self.cost = cost or SwapCostModel(seconds_per_token=1.0, seconds_per_block=0.0)
         self._swapped: dict[str, _HostTable] = {}
         self._hit_tokens = 0
+        # Host block id -> references held outside this class (the disk tier's reads in
+        # flight), for check_integrity.
+        self.external_holders: Callable[[], dict[int, int]] | None = None
 
     # ---- views -------------------------------------------------------------------------
     @property
@@ -248,6 +251,9 @@ class HostTier:
                 if name is not None:
                     assert hb.block_hash == name, (
                         f"swapped {seq_id}: host block {hb.block_id} lost its hash")
+        if self.external_holders is not None:
+            for hb_id, n in self.external_holders().items():
+                holders[hb_id] = holders.get(hb_id, 0) + n
         self.cache.check_integrity(holders)
         if not enable_prefix_caching:
             assert not self.cache.pool.cached, \

@@ -348,12 +348,13 @@ class ModelRunner:
 
     # ---- host KV tier (swap_space) -------------------------------------------------------
 
-    def allocate_host_kv_cache(self) -> int:
-        """Allocate the host pools (same layout as the device pools) sized by ``swap_space``;
-        returns the number of host blocks, 0 when the tier is off. Uninitialised: a host block
-        is only ever read after a copy filled it."""
+    def allocate_host_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the host pools (same layout as the device pools) sized by ``swap_space``,
+        or of ``num_blocks`` (the disk tier's staging area when swap_space is 0); returns the
+        number of host blocks, 0 when the tier is off. Uninitialised: a host block is only
+        ever read after a copy filled it."""
         block_bytes = self.kv_page_bytes_per_token * self.config.block_size
-        n = self.config.swap_space_bytes // block_bytes
+        n = self.config.swap_space_bytes // block_bytes if num_blocks is None else num_blocks
         if self.tp is not None:
             n = self.tp.min_int(n)
         if self.config.swap_space > 0 and n == 0:
@@ -376,6 +377,12 @@ class ModelRunner:
         self._host_copier = HostTierCopier(self._kv_slots, self.host_kv_caches, self.device)
         logger.info("host KV tier: %d blocks, %.2f GiB", n, pools.nbytes / 2**30)
         return n
+
+    def wait_host_copies(self) -> None:
+        """Block until the host pools hold every block written back so far (CUDA defers the
+        last step's write-backs; see ``HostTierCopier.wait_d2h``). No-op without a tier."""
+        if self._host_copier is not None:
+            self._host_copier.wait_d2h()
 
     def copy_kv_blocks(self, d2h: Sequence[tuple[int, int]],
                        h2d: Sequence[tuple[int, int]]) -> None:

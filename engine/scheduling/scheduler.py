@@ -46,6 +46,7 @@ What leaves the scheduler for the model side is ``SchedulerOutput.plan``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -127,6 +128,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
+        # A hook (the disk KV tier's): ``gate(seq, busy)`` False keeps ``seq`` waiting this
+        # step (its KV blocks are still on their way); ``busy``: other sequences run.
+        self.admission_gate: Callable[[Sequence, bool], bool] | None = None
 
     # ---- queue management --------------------------------------------------------------
 
@@ -338,6 +342,9 @@ class Scheduler:
                     break
                 budget -= num_new
                 continue
+            if self.admission_gate is not None and not self.admission_gate(
+                    seq, bool(self.running or out.scheduled)):
+                break
             prefix = self._prefix_for(seq)
             start = prefix.num_tokens
             if self.stream is not None:  # a recomputation resuming past the evicted gap

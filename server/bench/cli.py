@@ -69,6 +69,10 @@ def _add_kv_calc(subparsers: Any) -> None:
     p.add_argument("--head-dim", type=int, default=None, help="override: dimension per head")
     p.add_argument("--list-presets", action="store_true", help="list the named presets and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--kv-disk-size", default=None, metavar="SIZE",
+                   help="also report how many tokens a disk KV tier of SIZE (e.g. 20GiB) holds")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block, for --kv-disk-size (default 16)")
     p.set_defaults(func=_run_kv_calc)
 
 

@@ -1,0 +1,16 @@
+"""The disk KV tier (``--kv-disk-dir``/``--kv-disk-size``): prefix blocks in checksummed
+segment files under a directory, surviving restarts and shared by the servers of one host.
+
+- :mod:`.config`: the frozen, validated options;
+- :mod:`.fingerprint`: what gives the bytes meaning (a different fingerprint is never read);
+- :mod:`.segment`: the file format (records with a CRC each) and its scanner;
+- :mod:`.store`: the directory: index rebuilt from the segments, LRU eviction, locks, the
+  writer thread with its bounded queue;
+- :mod:`.prefetch`: the reader thread that loads disk blocks into host blocks;
+- :mod:`.tier`: the engine's facade (arrival look-up, admission gate, commit write-through).
+"""
+
+from engine.kv_cache.disk.config import DiskTierConfig, parse_size
+from engine.kv_cache.disk.fingerprint import KVFingerprint
+
+__all__ = ["DiskTierConfig", "KVFingerprint", "parse_size"]

@@ -1,0 +1,217 @@
+"""DiskTier: the engine's facade over the disk store, under the host tier.
+
+The flow, by the engine thread unless said otherwise:
+
+* **Arrival** (``on_arrival``, from ``EngineCore.add_request``): the prompt's chained hashes are
+  looked up device -> host -> disk. The run of blocks after what the device and host hold that
+  the disk holds gets host blocks (at most half of the free host blocks, one reference each) and
+  a read job for the reader thread: the load overlaps other requests' steps while the request
+  waits in the queue.
+* **Arrived** (``poll``, at the start of every step and from the gate): each finished job's
+  verified blocks are named in the host prefix cache and released (free-cached, head of the
+  chain most recently used), its unread blocks released unnamed. The scheduler's ordinary
+  prefix look-up then finds them in the host tier and loads them back to the device:
+  ``cached_tokens`` counts them like host hits.
+* **Admission gate** (``ready``, ``Scheduler.admission_gate``): a request whose blocks are
+  still loading is admitted once they arrived; while the scheduler has other work it waits in
+  the queue; with nothing else to run the engine thread waits for its reads (bounded). If the
+  cost model says recomputing its tokens is cheaper than reading them, it is admitted at once
+  (blocks that arrive later still go to the host cache).
+* **Write-through** (``after_step``, after every step's commit): blocks a sequence has just
+  committed are copied out of the device pools and queued for the writer thread (dropped when
+  the queue is full; a hash the disk already holds is skipped).
+
+Block bytes on disk: the K then V block of layer 0, then layer 1, ... as stored in the pools
+(scales included for int8), ``block_bytes`` in all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.kv_cache.disk.prefetch import Prefetcher, PrefetchJob
+from engine.kv_cache.disk.stats import DiskTierStats
+from engine.kv_cache.disk.store import DiskStore
+from engine.kv_cache.hashing import encode_extra_keys, extend_block_hashes
+from engine.kv_cache.offload import SwapCostModel
+
+logger = logging.getLogger("kvserve.engine")
+KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
+_DISK_BYTES_PER_S = 5.0e8  # nominal read rate behind the wait-or-recompute choice
+_GATE_WAIT_S = 10.0  # the most the engine waits for a request's reads when idle
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([blocks, ...]) as uint8 [blocks, bytes per block]."""
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
+class DiskTier:
+    def __init__(self, store: DiskStore, kv, device_pools: KVPools, host_pools: KVPools,
+                 cost: SwapCostModel | None = None,
+                 settle_host: Callable[[], None] | None = None) -> None:
+        """``kv``: the engine's ``KVCacheManager``, with a host tier (the staging area).
+        ``settle_host``: lands deferred device->host write-backs (CUDA) before host blocks are
+        handed to the reader thread: a block reserved for a read may have been the target of
+        the last step's spill, whose bytes must not land after the read's."""
+        if kv.host is None:
+            raise ValueError("the disk KV tier loads blocks through host memory: the KV "
+                             "manager needs a host tier")
+        self.store = store
+        self.kv = kv
+        self.block_size = kv.block_size
+        self._device = [t for kv in device_pools for t in kv]
+        # numpy views of the host pools (uint8 [blocks, bytes]): the reader thread's copies
+        # cost ~1 us each this way, against ~5-10 us through torch (60+ per block)
+        self._host = [_flat_bytes(t).numpy() for kv in host_pools for t in kv]
+        self._host_widths = [h.shape[1] for h in self._host]
+        self.block_bytes = sum(self._host_widths)
+        if self.block_bytes != store.block_bytes:
+            raise ValueError(f"disk store blocks of {store.block_bytes} bytes for pools of "
+                             f"{self.block_bytes}")
+        self.cost = cost
+        self._settle_host = settle_host
+        self._jobs: dict[str, PrefetchJob] = {}
+        self._written: dict[str, int] = {}  # seq id -> table entries already considered
+        self._recent: set[bytes] = set()  # queued for writing lately (not yet in the index)
+        self._prefetcher = Prefetcher(store.read, self._write_host_block)
+        self.stats = store.stats
+        kv.host.external_holders = self.holders
+
+    # ---- arrival and prefetch -----------------------------------------------------------
+    def on_arrival(self, seq_id: str, token_ids: Sequence[int], extra_keys: tuple) -> int:
+        """Start loading the disk blocks of this prompt that neither the device nor the host
+        holds; returns how many blocks were queued for reading."""
+        kv = self.kv
+        host = kv.host
+        if not kv.enable_prefix_caching or seq_id in self._jobs:
+            return 0
+        bs = self.block_size
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, token_ids, bs, max_blocks, encode_extra_keys(extra_keys))
+        cached = kv.pool.cached
+        i = 0
+        while i < max_blocks and (hashes[i] in cached or host.lookup(hashes[i:i + 1])):
+            i += 1
+        if i == max_blocks:
+            return 0
+        n = self.store.lookup(hashes[i:])
+        self.stats.miss_blocks += max_blocks - i - n
+        n = min(n, host.pool.num_free_blocks // 2)
+        if n <= 0:
+            return 0
+        if self._settle_host is not None:
+            self._settle_host()
+        blocks = host.pool.get_new_blocks(n)  # one reference each, held by the job
+        job = PrefetchJob(seq_id, hashes[i:i + n], blocks)
+        self._jobs[seq_id] = job
+        self._prefetcher.submit(job)
+        return n
+
+    def _write_host_block(self, host_block: int, payload: bytes) -> None:
+        """Reader thread: the payload's bytes into the host block it reserved."""
+        src = np.frombuffer(payload, dtype=np.uint8)
+        off = 0
+        for dst, width in zip(self._host, self._host_widths):
+            dst[host_block] = src[off:off + width]
+            off += width
+
+    def poll(self) -> None:
+        """Hand finished reads to the host prefix cache (see the module docstring)."""
+        pool = self.kv.host.pool
+        for job in self._prefetcher.take_done():
+            if self._jobs.get(job.seq_id) is job:
+                del self._jobs[job.seq_id]
+            for j, (h, hb) in enumerate(zip(job.hashes, job.host_blocks)):
+                if j < job.num_loaded and pool.register(hb, h):
+                    self.stats.hit_blocks += 1
+                    self.stats.hit_tokens += self.block_size
+                    self.stats.prefetched_blocks += 1
+            for hb in reversed(job.host_blocks):
+                pool.free(hb)
+
+    def ready(self, seq, busy: bool) -> bool:
+        """The admission gate: may ``seq`` be admitted now? (module docstring)"""
+        job = self._jobs.get(seq.seq_id)
+        if job is None:
+            return True
+        if job.done.is_set():
+            self.poll()
+            return True
+        pending = len(job.hashes) - job.num_loaded
+        if self.cost is not None and pending * self.block_bytes / _DISK_BYTES_PER_S > \
+                pending * self.block_size * self.cost.seconds_per_token:
+            return True  # recomputing is cheaper than waiting for the disk
+        if busy:
+            return False
+        job.done.wait(_GATE_WAIT_S)
+        self.poll()
+        return True
+
+    def holders(self) -> dict[int, int]:
+        """Host block id -> references held by reads in flight (for integrity checks)."""
+        out: dict[int, int] = {}
+        for job in self._jobs.values():
+            for hb in job.host_blocks:
+                out[hb.block_id] = out.get(hb.block_id, 0) + 1
+        return out
+
+    def forget(self, seq_id: str) -> None:
+        self._written.pop(seq_id, None)
+
+    # ---- write-through --------------------------------------------------------------------
+    def after_step(self, seq_ids: Sequence[str]) -> int:
+        """Queue the blocks ``seq_ids`` committed since the last call; returns how many."""
+        kv = self.kv
+        todo: list[tuple[int, bytes]] = []
+        blocks = kv.pool.blocks
+        for seq_id in seq_ids:
+            n = kv.num_committed_blocks(seq_id)
+            w = self._written.get(seq_id, 0)
+            if n <= w:
+                if n < w:  # rolled back or recomputed from scratch
+                    self._written[seq_id] = n
+                continue
+            table = kv.block_table(seq_id)
+            for b in table[w:n]:
+                if b < 0:
+                    continue
+                h = blocks[b].block_hash
+                if h is None or h in self.store or h in self._recent:
+                    continue
+                todo.append((b, h))
+            self._written[seq_id] = n
+        if not todo or self.stats.disk_full:
+            return 0
+        if len(self._recent) > 65536:
+            self._recent.clear()
+        ids = torch.tensor([b for b, _ in todo], dtype=torch.int64,
+                           device=self._device[0].device)
+        gathered = torch.cat([_flat_bytes(t.index_select(0, ids)) for t in self._device],
+                             dim=1).cpu().numpy()
+        queued = 0
+        for row, (_, h) in zip(gathered, todo):
+            if self.store.submit(h, row.tobytes()):
+                self._recent.add(h)
+                queued += 1
+        return queued
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def snapshot(self) -> DiskTierStats:
+        return self.store.snapshot()
+
+    def describe(self) -> str:
+        s = self.store
+        return (f"disk KV tier: {s.dir} | {s.config.size_bytes / 2**30:.2f} GiB | "
+                f"{len(s)} blocks found ({len(s) * self.block_size} tokens) | "
+                f"{self.block_bytes} bytes/block")
+
+    def close(self) -> None:
+        """Stop the threads; queued writes are written first. Idempotent."""
+        self._prefetcher.close()
+        self.store.close()
