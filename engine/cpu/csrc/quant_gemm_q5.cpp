@@ -74,27 +74,40 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// R rows (R <= 4) of x against one weight row; writes y[r * ldy]. Two accumulators per row
-// (even and odd groups) so that consecutive FMAs of a row do not wait on each other.
+// R rows (R <= 4) of x against one weight row; writes y[r * ldy]. Groups go in pairs, each
+// into its own accumulator per row (even groups, odd groups), so that consecutive FMAs of a
+// row do not wait on each other; a row's order of operations is the same whatever R.
 template <int R>
 void dot_q5(const uint8_t* w, const float* d, const float* m, const int8_t* x, const float* dx,
             const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
 #ifdef KVSERVE_AVX2
-  __m256 acc[R][2];
+  __m256 acc0[R], acc1[R];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; g++) {
-    const __m256i wq = unpack_q5(w + g * kBytes);
+  for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const __m256i w0 = unpack_q5(w + g * kBytes), w1 = unpack_q5(w + (g + 1) * kBytes);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-      const __m256 s = _mm256_set1_ps(d[g] * dx[r * G + g]);
-      acc[r][g & 1] = _mm256_fmadd_ps(s, group_dot(wq, x + r * K + g * kGroup), acc[r][g & 1]);
+      const int8_t* xr = x + r * K + g * kGroup;
+      const float* dxr = dx + r * G + g;
+      acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dxr[0]), group_dot(w0, xr), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[g + 1] * dxr[1]), group_dot(w1, xr + kGroup),
+                                acc1[r]);
+    }
+  }
+  if (g < G) {  // an odd last group
+    const __m256i w0 = unpack_q5(w + g * kBytes);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dx[r * G + g]),
+                                group_dot(w0, x + r * K + g * kGroup), acc0[r]);
     }
   }
   for (int r = 0; r < R; r++) {
     float tail = 0.f;
-    for (int64_t g = 0; g < G; g++) tail += m[g] * sx[r * G + g];
-    y[r * ldy] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + tail;
+    for (int64_t j = 0; j < G; j++) tail += m[j] * sx[r * G + j];
+    y[r * ldy] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + tail;
   }
 #else
   for (int r = 0; r < R; r++) {
