@@ -54,8 +54,10 @@ def test_five_bit_and_iq4_tensors_load_packed_and_agree_with_none(q5_gguf, monke
         assert [p.is_q5 for p in qkv.parts] == [True, False]  # IQ4_NL's as 8-bit values
         assert qkv.parts[1].m is None and not qkv.parts[1].is_q4
         assert layer.o_proj.is_q5 and layer.gate_up_proj.is_q5 and layer.down_proj.is_q5
+    assert model.decode_stack is not None  # the C++ layer stack takes the 5-bit kind too
     hits, total = continuation_hits(auto, zip(PROMPTS, expected))
     assert hits / total >= 0.95
     outs = auto.generate(PROMPTS, params)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert model.decode_stack.calls > 0
     auto.engine.kv.check_integrity()
