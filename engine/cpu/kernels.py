@@ -37,7 +37,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_gemm_cpu.cpp",
             "quant_gemm_cpu.cpp", "quant_gemm_q4_tiled.cpp", "quant_gemm_q4_blocked.cpp",
             "quant_gemm_vnni.cpp",
-            "quant_gemm_vnni_q8.cpp", "quant_dequant_cpu.cpp",
+            "quant_gemm_vnni_q8.cpp", "quant_dequant_cpu.cpp", "quant_gemm_q5.cpp",
             "kv_store_cpu.cpp", "decode_stack_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
 _module = None

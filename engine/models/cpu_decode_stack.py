@@ -39,7 +39,7 @@ NO_LIMIT = 1 << 62
 # CPU decode kernel's float pools and int8 (not fp8).
 STACK_POOL_DTYPES = (*CPU_KERNEL_FLOAT_POOLS, torch.int8)
 # StackLinear kinds (decode_stack_cpu.h)
-_FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI, _Q4_BLOCKED = 0, 1, 2, 3, 4, 5, 6
+_FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI, _Q4_BLOCKED, _Q5 = 0, 1, 2, 3, 4, 5, 6, 8
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,9 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
         return _Linear(kernels.StackLinear([p.spec for p in parts]), rows)
     if isinstance(mod, QuantLinear):
         rows = mod.dense_rows if mod.fallback is None else min(mod.dense_rows, mod.float_above)
-        if mod.blocked:
+        if mod.is_q5:
+            kind = _Q5
+        elif mod.blocked:
             kind = _Q4_BLOCKED
         elif mod.is_q4:
             kind = _Q4_VNNI if mod.q4_kernel == "vnni" else _Q4

@@ -14,7 +14,19 @@ Q4_K      256: fp16 d, dmin, 12 B of    PackedQ4 per sub-block of 32: ``d * sc``
 Q5_K      Q4_K + 32 B of 5th bits       PackedQ8 (q in 0..31), scale and min per 32
 Q6_K      256: 128 B low 4 bits, 64 B   PackedQ8 (q - 32 in -32..31), scale ``d * sc`` per 16
           high 2 bits, 16 int8 sc, d
+Q5_0      32: fp16 d, 4 B fifth bits,   PackedQ5 (nibbles and fifth bits as stored), ``m = -16 d``
+          16 B nibbles
+Q5_1      32: fp16 d, m, then as Q5_0   PackedQ5 as stored
+Q3_K      256: 32 B high-bit mask, 64   PackedQ8 (q in -4..3), scale ``d * (sc - 32)`` per 16
+          B 2-bit q, 12 B 6-bit sc, d
+IQ4_NL    32: fp16 d, 16 B indices      PackedQ8 (the non-linear table's int8 values), scale d
+IQ4_XS    256: d, 6-bit sc per 32,      PackedQ8 (table values), scale ``d * (sc - 32)`` per 32
+          128 B indices
 ========  ============================  =========================================================
+
+Q2_K (a scale and a min per 16) has no exact form here and stays dequantised to float. Q3_K,
+IQ4_NL and IQ4_XS widen to 8 bits (2-3x their GGUF bytes, a quarter of float32's); products
+such as ``d * (sc - 32) * q`` need at most 24 significant bits, so every mapped value is exact.
 
 The bit layouts follow ggml's reference dequantisers (``dequantize_row_q4_K`` etc., mirrored
 by ``gguf.quants``). Contract of :func:`from_gguf_blocks`: ``raw`` holds the bytes of a
@@ -27,14 +39,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.models.quant_formats import GROUP, Packed, PackedQ4, PackedQ8
+from engine.models.quant_formats import GROUP, Packed, PackedQ4, PackedQ5, PackedQ8
 
 # GGUF block type ids (gguf.GGMLQuantizationType) -> (elements, bytes) per block.
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
-BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34),
-          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 11, 12, 13, 14
+IQ4_NL, IQ4_XS = 20, 23
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+          IQ4_NL: (32, 18), IQ4_XS: (256, 136)}
 SUPPORTED = tuple(BLOCKS)
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q3_K: "Q3_K",
+         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
+# IQ4_NL/IQ4_XS: the int8 value of each 4-bit index (ggml's kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      dtype=np.int8)
 
 
 def from_gguf_blocks(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Packed:
@@ -47,7 +65,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Pac
         raise ValueError(f"a {NAMES[qtype]} tensor's rows must be a multiple of {per_block}; "
                          f"got {k}")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // per_block, nbytes)
-    decode = {Q4_0: _q4_0, Q4_1: _q4_1, Q8_0: _q8_0, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+    decode = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, Q3_K: _q3_k,
+              Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs}
     return decode[qtype](blocks, n, k)
 
 
@@ -68,6 +87,65 @@ def _q4_0(blocks: np.ndarray, n: int, k: int) -> Packed:
 def _q4_1(blocks: np.ndarray, n: int, k: int) -> Packed:
     d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     return PackedQ4(_t(blocks[..., 4:].reshape(n, k // 2)), _t(d), _t(m))
+
+
+def _q5_groups(blocks: np.ndarray, n: int, k: int, head: int) -> np.ndarray:
+    """Q5_0/Q5_1 blocks (``head`` bytes of fp16 fields, 4 of fifth bits, 16 of nibbles) ->
+    PackedQ5's 20 bytes per group: the nibbles, then the fifth bits."""
+    qh, qs = blocks[..., head:head + 4], blocks[..., head + 4:head + 20]
+    return np.concatenate([qs, qh], axis=-1).reshape(n, k // GROUP * PackedQ5.BYTES)
+
+
+def _q5_0(blocks: np.ndarray, n: int, k: int) -> Packed:
+    d = _f16(blocks[..., 0:2])
+    return PackedQ5(_t(_q5_groups(blocks, n, k, 2)), _t(d), _t(-16.0 * d))
+
+
+def _q5_1(blocks: np.ndarray, n: int, k: int) -> Packed:
+    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    return PackedQ5(_t(_q5_groups(blocks, n, k, 4)), _t(d), _t(m))
+
+
+def _iq4_values(qs: np.ndarray) -> np.ndarray:
+    """16 bytes of indices per group of 32 (low nibbles: elements 0-15, high: 16-31) -> int8
+    table values [..., groups, 32]."""
+    idx = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return IQ4_VALUES[idx]
+
+
+def _iq4_nl(blocks: np.ndarray, n: int, k: int) -> Packed:
+    q = _iq4_values(blocks[..., 2:18])
+    return PackedQ8(_t(q.reshape(n, k)), _t(_f16(blocks[..., 0:2])))
+
+
+def _iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed:
+    lead = blocks.shape[:-1]
+    d = _f16(blocks[..., 0:2])
+    high = blocks[..., 2:4].copy().view(np.uint16)  # [..., 1]: 2 bits per sub-block
+    high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = blocks[..., 4:8]
+    low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(*lead, 8)
+    sc = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32.0
+    q = _iq4_values(blocks[..., 8:136].reshape(*lead, 8, 16))
+    return PackedQ8(_t(q.reshape(n, k)), _t((d[..., None] * sc).reshape(n, -1)))
+
+
+def _q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
+    lead = blocks.shape[:-1]
+    hmask, qs, s = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    d = _f16(blocks[..., 108:110])
+    # 16 6-bit scales: low nibbles of bytes 0-7 (sub-blocks 0-7) then their high nibbles
+    # (8-15); sub-block i's top 2 bits are bits 2 (i // 4) .. +1 of byte 8 + i % 4.
+    low = np.concatenate([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], axis=-1)
+    top = (s[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3  # [..., byte, shift]
+    top = top.swapaxes(-1, -2).reshape(*lead, 16)
+    sc = (low | (top << 4)).astype(np.float32) - 32.0
+    # Elements 128h + 32s + j: bits 2s..2s+1 of qs byte 32h + j; element i's "no -4" bit is bit
+    # i // 32 of hmask byte i % 32.
+    q2 = (qs.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    hb = (hmask.reshape(*lead, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    q = q2.reshape(*lead, 256).astype(np.int8) - ((1 - hb.reshape(*lead, 256)) * 4).astype(np.int8)
+    return PackedQ8(_t(q.reshape(n, k)), _t((d[..., None] * sc).reshape(n, -1)))
 
 
 def _q8_0(blocks: np.ndarray, n: int, k: int) -> Packed:

@@ -1,7 +1,7 @@
 """Packed weight formats that GGUF's block types map onto exactly (``engine.models.gguf_blocks``
 decodes the blocks; ``engine.models.quant_rtn`` quantises float weights onto the same forms).
 
-Both formats hold a weight ``W [N, K]`` (``K`` a multiple of :data:`GROUP`) in groups of 32
+The formats hold a weight ``W [N, K]`` (``K`` a multiple of :data:`GROUP`) in groups of 32
 consecutive input elements of one output row, with float32 scales (GGUF stores fp16; float32
 costs 2 bytes more per group and saves a conversion per group in the kernel):
 
@@ -17,7 +17,14 @@ costs 2 bytes more per group and saves a conversion per group in the kernel):
   with ``m`` (``q`` in 0..31, the 5-bit value); Q6_K is ``S = 16`` without ``m`` (``q`` in
   -32..31, its 16-element sub-blocks keep their own scale ``d * sc``).
 
-``dequantize()`` of either equals ``gguf.quants.dequantize`` of the source blocks (Q4_0, Q8_0
+* :class:`PackedQ5`: ``qs`` uint8 ``[N, K/32 * 20]``, ``d`` and ``m`` float32 ``[N, K/32]``;
+  ``w = d * q + m`` with ``q`` in 0..31. Each group of 32 is 20 bytes: 16 bytes of low nibbles
+  in Q4_0's order, then the 32 fifth bits as a little-endian uint32 (bit ``j``: element ``j``),
+  GGUF's Q5_0/Q5_1 blocks without their fp16 scales. Q5_0 (``w = d * (q - 16)``) is
+  ``m = -16 d``, exact in float32; Q5_1 is ``(d, m)`` as stored. 7 bits per weight (GGUF: 5.5
+  and 6), where widening to :class:`PackedQ8` would take 9 and 10.
+
+``dequantize()`` of each equals ``gguf.quants.dequantize`` of the source blocks (Q4_0, Q8_0
 and Q6_K bit for bit; with a min, up to one rounding of ``d * q + m`` where a fused
 multiply-add is used). Rows can be selected (``take_rows``) and concatenated (``cat``) without
 touching the values: that is how llama.cpp's Q/K row permutation is undone and how fused
@@ -108,7 +115,48 @@ class PackedQ8:
         return w
 
 
-Packed = PackedQ4 | PackedQ8
+@dataclass
+class PackedQ5:
+    """5-bit groups of 32: ``w = d * q + m`` (see the module docstring for the layout)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    BYTES = 20  # per group of 32: 16 bytes of nibbles, 4 of fifth bits
+
+    def __post_init__(self) -> None:
+        n, width = self.qs.shape
+        if (self.qs.dtype != torch.uint8 or width % self.BYTES or self.d.shape != (n, width // 20)
+                or self.m.shape != self.d.shape):
+            raise ValueError(f"a 5-bit weight needs uint8 groups of {self.BYTES} bytes and one "
+                             f"scale and min per group; got {tuple(self.qs.shape)} bytes and "
+                             f"scales {tuple(self.d.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1] // self.BYTES * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def take_rows(self, rows: torch.Tensor) -> PackedQ5:
+        return PackedQ5(self.qs[rows].contiguous(), self.d[rows].contiguous(),
+                        self.m[rows].contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 ``[N, K]`` (reference implementation, in PyTorch)."""
+        n, k = self.shape
+        g = self.qs.view(n, k // GROUP, self.BYTES)
+        low = torch.cat([g[..., :16] & 0x0F, g[..., :16] >> 4], dim=-1)
+        bits = torch.arange(8, dtype=torch.uint8)
+        high = ((g[..., 16:, None] >> bits) & 1).reshape(n, k // GROUP, GROUP)
+        q = (low | (high << 4)).float()
+        return (q * self.d[..., None] + self.m[..., None]).reshape(n, k)
+
+
+Packed = PackedQ4 | PackedQ8 | PackedQ5
 
 
 def cat(parts: list[Packed]) -> Packed:
@@ -117,8 +165,9 @@ def cat(parts: list[Packed]) -> Packed:
     kinds = {_layout(p) for p in parts}
     if len(kinds) != 1:
         raise ValueError("only packed weights of one format and width can be concatenated")
-    if isinstance(parts[0], PackedQ4):
-        return PackedQ4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")))
+    if isinstance(parts[0], (PackedQ4, PackedQ5)):
+        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts])
+                                for f in ("qs", "d", "m")))
     m = None if parts[0].m is None else torch.cat([p.m for p in parts])
     return PackedQ8(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 
@@ -131,4 +180,6 @@ def same_layout(parts: list[Packed]) -> bool:
 def _layout(p: Packed) -> tuple:
     if isinstance(p, PackedQ4):
         return ("q4", p.shape[1])
+    if isinstance(p, PackedQ5):
+        return ("q5", p.shape[1])
     return ("q8", p.shape[1], p.scale_group, p.m is not None)

@@ -1,7 +1,10 @@
 """Linear layers and embeddings over weights kept packed (``engine.models.quant_formats``).
 
-``QuantLinear(packed, bias)`` computes ``y = x @ W.T + b`` for ``W`` in 4-bit or 8-bit groups
-(8-bit: scales per 32 or 16, optional mins):
+``QuantLinear(packed, bias)`` computes ``y = x @ W.T + b`` for ``W`` in 4-bit, 5-bit or 8-bit
+groups (8-bit: scales per 32 or 16, optional mins). 5-bit weights (GGUF's Q5_0/Q5_1) have one
+decode kernel, ``quant_gemm_q5`` (engine/cpu/csrc/quant_gemm_q5.cpp: the same int8 math, VNNI's
+dot product where built), and otherwise take the dequantised panels; the 4-bit and 8-bit
+settings below leave them alone:
 
 * up to ``dense_rows`` rows (decode steps): the C++ kernels ``quant_gemm_q4`` / ``quant_gemm_q8``
   (engine/cpu/csrc/quant_gemm_cpu.cpp; ``quant_gemm_q4_vnni`` / ``quant_gemm_q8_vnni`` where the
@@ -51,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.quant_blocked import from_blocked, to_blocked
-from engine.models.quant_formats import Packed, PackedQ4
+from engine.models.quant_formats import Packed, PackedQ4, PackedQ5
 
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
 PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
@@ -87,6 +90,7 @@ class QuantLinear(nn.Module):
             raise RuntimeError("quantised linears need the CPU kernels (KVSERVE_CPU_KERNELS)")
         self.out_features, self.in_features = packed.shape
         self.is_q4 = isinstance(packed, PackedQ4)
+        self.is_q5 = isinstance(packed, PackedQ5)
         self.register_buffer("qs", packed.qs)
         self.register_buffer("d", packed.d)
         self.register_buffer("m", packed.m)  # q8: None unless the format has mins (Q5_K)
@@ -96,6 +100,8 @@ class QuantLinear(nn.Module):
         self.float_above: int | None = None
         self.panel_dtype = torch.float32
         self._gemm = self._kernels.quant_gemm_q4 if self.is_q4 else self._kernels.quant_gemm_q8
+        if self.is_q5:
+            self._gemm = self._kernels.quant_gemm_q5
         self.q4_kernel = self.q8_kernel = "base"
         self.q4_prefill = "panels"
         self.q4_batch = "kernel"
@@ -123,10 +129,10 @@ class QuantLinear(nn.Module):
 
     def set_q8_kernel(self, name: str) -> None:
         """As :meth:`set_q4_kernel` for 8-bit weights (``quant_gemm_q8`` or
-        ``quant_gemm_q8_vnni``); 4-bit weights ignore it."""
+        ``quant_gemm_q8_vnni``); 4-bit and 5-bit weights ignore it."""
         self._check_kernel(name)
         self.q8_kernel = name
-        if not self.is_q4:
+        if not self.is_q4 and not self.is_q5:
             self._gemm = (self._kernels.quant_gemm_q8_vnni if name == "vnni"
                           else self._kernels.quant_gemm_q8)
 
@@ -190,6 +196,8 @@ class QuantLinear(nn.Module):
             return self._kernels.quant_dequant_q4_blocked(self.qs, self.d, self.m, rows, bf16)
         if self.is_q4:
             return self._kernels.quant_dequant_q4(self.qs, self.d, self.m, rows, bf16)
+        if self.is_q5:
+            return self._kernels.quant_dequant_q5(self.qs, self.d, self.m, rows, bf16)
         return self._kernels.quant_dequant_q8(self.qs, self.d, self.m, rows, bf16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,6 +254,8 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         if self.is_q4:
             kind = "q4 blocked" if self.blocked else "q4"
+        elif self.is_q5:
+            kind = "q5"
         else:
             kind = f"q8/{self.in_features // self.d.shape[1]}" + ("+m" if self.m is not None
                                                                   else "")

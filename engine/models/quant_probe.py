@@ -213,7 +213,7 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
             settings["q4_prefill"] = Setting.measured("q4_prefill", confirmed_probe(
                 lambda repeats: probe_q4_prefill(q, max(dense), panels, repeats), 2))
     for key, is_q4 in (("q4_kernel", True), ("q8_kernel", False)):
-        if vnni_available() and any(m.is_q4 == is_q4 for m in _leaf_modules(q)):
+        if vnni_available() and any(m.is_q4 == is_q4 and not getattr(m, "is_q5", False) for m in _leaf_modules(q)):
             settings[key] = Setting.measured(key, confirmed_probe(
                 lambda repeats, is_q4=is_q4: probe_decode_kernels(q, is_q4, repeats=repeats), 3))
     apply_settings(q, Verdict("quant", None, {}, settings))
@@ -378,7 +378,7 @@ def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...]
     step), on the ``base`` decode kernel (``float_s``) against the ``vnni`` one (``quant_s``):
     one pass at each of ``rows`` (a single stream and a batch of decodes; at one row a
     memory-bound weight can tie, and the batch then decides). Left on ``base``."""
-    mods = [m for m in _leaf_modules(q) if m.is_q4 == is_q4]
+    mods = [m for m in _leaf_modules(q) if m.is_q4 == is_q4 and not getattr(m, "is_q5", False)]
     return _toggle(mods, rows, "set_q4_kernel" if is_q4 else "set_q8_kernel", "base", "vnni",
                    repeats)
 

@@ -96,10 +96,13 @@ KQUANT_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_outp
                 "output": "Q6_K"}
 
 
-def _write_gguf(model, path: Path, quantised: bool = False, kquants: bool = False) -> None:
+def _write_gguf(model, path: Path, quantised: bool = False, kquants: bool = False,
+                linear_types: dict[str, str] | None = None) -> None:
     """Write ``model`` as an F32 llama GGUF with a byte-level BPE tokenizer and a ChatML template
-    (``quantised``: linears Q4_0, token table and output Q8_0, norms F32; ``kquants``: the
-    K-quant types of :data:`KQUANT_TYPES`, encoded by tests/models/kquant_encode.py)."""
+    (``quantised``: linears Q4_0, token table and output Q8_0, norms F32, except the roles of
+    ``linear_types`` (``attn_q`` -> ``Q5_0``: quantised by gguf, or by
+    tests/models/kquant_encode.py where gguf cannot); ``kquants``: the K-quant types of
+    :data:`KQUANT_TYPES`, encoded by tests/models/kquant_encode.py)."""
     import gguf
 
     from tests.models.kquant_encode import ENCODERS
@@ -110,6 +113,12 @@ def _write_gguf(model, path: Path, quantised: bool = False, kquants: bool = Fals
             kind = gguf.GGMLQuantizationType[KQUANT_TYPES[role]]
             w.add_tensor(name, ENCODERS[kind.name](t), raw_dtype=kind)
         elif quantised and qtype is not None:
+            kind = (linear_types or {}).get(role)
+            if kind in ENCODERS:  # no quantiser in gguf (IQ4_NL)
+                w.add_tensor(name, ENCODERS[kind](t), raw_dtype=gguf.GGMLQuantizationType[kind])
+                return
+            if kind is not None:
+                qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, t)
@@ -163,10 +172,10 @@ def _write_gguf(model, path: Path, quantised: bool = False, kquants: bool = Fals
 
 
 def _make_llama_gguf(path: Path, tied: bool = True, quantised: bool = False,
-                     kquants: bool = False):
+                     kquants: bool = False, linear_types: dict[str, str] | None = None):
     # K-quant rows hold super-blocks of 256: hidden and intermediate sizes to match.
     model = _tiny_llama(tied, 256, 512) if kquants else _tiny_llama(tied)
-    _write_gguf(model, path, quantised, kquants)
+    _write_gguf(model, path, quantised, kquants, linear_types)
     return model
 
 

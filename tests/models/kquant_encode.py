@@ -1,4 +1,6 @@
-"""A small round-to-nearest encoder of float weights into GGUF's Q4_K, Q5_K and Q6_K blocks.
+"""A small round-to-nearest encoder of float weights into GGUF's Q4_K, Q5_K, Q6_K and IQ4_NL
+blocks (IQ4_NL: a scale per 32 from the largest magnitude, each value the nearest entry of
+the non-linear table).
 
 ``gguf.quants`` can dequantise the K-quants but not quantise them, and the tests need K-quant
 GGUF files of a known model. This is the plain scheme (no llama.cpp search for the best scale):
@@ -77,4 +79,18 @@ def encode_q6_k(w: np.ndarray) -> np.ndarray:
                            sc.view(np.uint8), d_bytes], axis=-1).reshape(n, -1)
 
 
-ENCODERS = {"Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k}
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      dtype=np.float32)
+
+
+def encode_iq4_nl(w: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32).astype(np.float32)
+    d_bytes, d = _f16(np.abs(b).max(-1) / 127)
+    idx = np.abs(b[..., None] - d[..., None, None] * IQ4_VALUES).argmin(-1).astype(np.uint8)
+    return np.concatenate([d_bytes, idx[..., :16] | (idx[..., 16:] << 4)],
+                          axis=-1).reshape(n, -1)
+
+
+ENCODERS = {"Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k,
+            "IQ4_NL": encode_iq4_nl}

@@ -31,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_dequant_q8", &quant_dequant_q8, "float32 (bf16=True: bfloat16) rows of an 8-bit packed weight",
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
+  m.def("quant_gemm_q5", &quant_gemm_q5, "x @ W^T, W 5-bit groups of 32 (d*q+m; Q5_0/Q5_1)", nogil());
+  m.def("quant_dequant_q5", &quant_dequant_q5, "float32 (bf16=True: bfloat16) rows of a 5-bit packed weight",
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
   m.def("quant_gemm_q4_tiled", &quant_gemm_q4_tiled, "quant_gemm_q4's math for batches and prefill (8-column blocks repacked per call)", nogil());
   m.def("quant_gemm_q4_blocked", &quant_gemm_q4_blocked,

@@ -31,11 +31,13 @@ StackLinear::StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d
                          int64_t out_features, int64_t tiles_from)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
       out_features(out_features), tiles_from(tiles_from) {
-  TORCH_CHECK(kind >= kFloat && kind < kConcat, "StackLinear: unknown kind ", kind);
+  TORCH_CHECK(kind >= kFloat && kind <= kQ5 && kind != kConcat, "StackLinear: unknown kind ",
+              kind);
   const bool quant = kind != kFloat && kind != kPanels;
   TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
-  TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni && kind != kQ4Blocked || this->m.has_value(),
-              "StackLinear: a 4-bit weight needs its mins");
+  TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni && kind != kQ4Blocked && kind != kQ5 ||
+                  this->m.has_value(),
+              "StackLinear: a 4-bit or 5-bit weight needs its mins");
 }
 
 StackLinear::StackLinear(std::vector<StackLinear> parts)
@@ -73,6 +75,9 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
       break;
     case kQ4Blocked:
       y = quant_gemm_q4_blocked(x, w, *d, *m, out_features);
+      break;
+    case kQ5:
+      y = quant_gemm_q5(x, w, *d, *m);
       break;
     default:
       y = quant_gemm_q8(x, w, *d, m);

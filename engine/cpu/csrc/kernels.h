@@ -35,6 +35,9 @@ at::Tensor quant_dequant_q4(at::Tensor qs, at::Tensor d, at::Tensor m,
 at::Tensor quant_dequant_q8(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                                at::Tensor rows, bool bf16);
 std::string quant_gemm_isa();
+at::Tensor quant_gemm_q5(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
+at::Tensor quant_dequant_q5(at::Tensor qs, at::Tensor d, at::Tensor m, at::Tensor rows,
+                            bool bf16);
 at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
 at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
                                     at::Tensor m, int64_t N);

@@ -1,0 +1,63 @@
+"""``quantization=auto`` on a tiny random Llama whose linears are Q5_0 / Q5_1 (llama-quantize's
+fallback where rows are not multiples of 256) and IQ4_NL, against ``none``.
+
+``none`` dequantises every tensor exactly (gguf's own dequantiser); ``auto`` must keep every
+one of these tensors packed (5-bit forms on their own kernel, IQ4_NL widened to 8 bits; Q/K/V
+in one ``QuantConcat``) and agree with ``none`` teacher-forced on >= 95% of positions
+(the int8 rounding of activations is the packed path's only approximation).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.models.teacher_forced import continuation_hits
+
+PROMPTS = [list(b"hello world, "), list(b"The quick brown fox"), list(b"0123456789" * 5)]
+TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_output": "Q5_1",
+         "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q5_0"}
+
+
+@pytest.fixture(scope="module")
+def q5_gguf(tmp_path_factory, make_llama_gguf):
+    pytest.importorskip("gguf")
+    from engine.models.quant_linear import quant_kernels
+
+    if quant_kernels() is None:
+        pytest.skip("CPU kernels unavailable")
+    root = tmp_path_factory.mktemp("q5gguf")
+    path = root / "tiny-llama.Q5_mix.gguf"
+    make_llama_gguf(path, tied=True, quantised=True, linear_types=TYPES)
+    return path, root / "cache"
+
+
+def test_five_bit_and_iq4_tensors_load_packed_and_agree_with_none(q5_gguf, monkeypatch,
+                                                                  default_quant_settings):
+    from engine.models.quant_linear import QuantConcat
+
+    path, cache = q5_gguf
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
+    none = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
+
+    default_quant_settings()
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    auto = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="auto")
+    model = auto.engine.runner.model
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"QuantLinear", "QuantEmbedding"} <= kinds and "Linear" not in kinds
+    for layer in model.layers:
+        qkv = layer.qkv_proj
+        assert isinstance(qkv, QuantConcat)  # Q5_0 and Q5_1 rows in one 5-bit run, then
+        assert [p.is_q5 for p in qkv.parts] == [True, False]  # IQ4_NL's as 8-bit values
+        assert qkv.parts[1].m is None and not qkv.parts[1].is_q4
+        assert layer.o_proj.is_q5 and layer.gate_up_proj.is_q5 and layer.down_proj.is_q5
+    assert model.decode_stack is not None  # the C++ layer stack takes the 5-bit kind too
+    hits, total = continuation_hits(auto, zip(PROMPTS, expected))
+    assert hits / total >= 0.95
+    outs = auto.generate(PROMPTS, params)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert model.decode_stack.calls > 0
+    auto.engine.kv.check_integrity()
