@@ -30,6 +30,8 @@ from engine.config import EngineConfig
 from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
+from engine.kv_cache.precision import kv_precision_warning
+from engine.kv_cache.snapshot import KVGeometry, KVSnapshot, KVSnapshotter
 from engine.kv_cache.streaming import StreamingEviction
 from engine.loading.generation_defaults import generation_defaults
 from engine.loading.loader import (
@@ -100,6 +102,10 @@ class EngineCore:
                                  config.enable_prefix_caching and eviction is None,
                                  num_host_blocks=num_host_blocks, cost=cost)
         self.stream = StreamingEviction(eviction, self.kv) if eviction is not None else None
+        self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
+            self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
+            str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
+            self.max_model_len))
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
                                   vocab_size=self.runner.arch.vocab_size,
@@ -159,6 +165,10 @@ class EngineCore:
             self.max_model_len, self.config.kv_cache_dtype, r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30, tokens / self.max_model_len)
         logger.info("%s", self.generation_defaults.describe())
+        warning = kv_precision_warning(str(self.config.kv_cache_dtype), r.dtype,
+                                       getattr(self.hf_config, "torch_dtype", None))
+        if warning:
+            logger.warning("KV cache precision: %s", warning)
         if self.stream is not None:
             logger.info("KV eviction (streaming, approximate; prefix caching off): %s",
                         self.stream.spec.describe(self.config.block_size))
@@ -294,6 +304,9 @@ class EngineCore:
                 outputs.append(bare_error_output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                if req.num_cached_tokens:  # the KV page's largest shared prefixes
+                    self.kv_snapshots.prefixes.observe(req.num_cached_tokens, req.request_id,
+                                                       req.prompt_token_ids)
         return outputs
 
     @property
@@ -483,6 +496,11 @@ class EngineCore:
             self.scheduler.finish_seq(seq, info.reason, info.stop_reason)
 
     # ---- introspection -------------------------------------------------------------------
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """A read-only picture of the KV cache (``engine.kv_cache.snapshot``); engine thread
+        only (``AsyncEngine.call_on_engine_thread``), between steps."""
+        return self.kv_snapshots.take(self.scheduler.running)
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
