@@ -127,6 +127,7 @@ class KVSnapshot:
     seqs: tuple[SeqKV, ...]
     shared_prefixes: tuple[SharedPrefix, ...]
     counters: KVCounters
+    live_tokens: int = 0  # token slots of device blocks holding computed KV (shared: once)
     prefix_caching: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -203,10 +204,17 @@ class KVSnapshotter:
         blocks = pool.blocks
         bs = self.geometry.block_size
         seq_views = []
+        filled: dict[int, int] = {}  # device block -> slots holding computed KV
         for seq in seqs:
             table = kv.block_table(seq.seq_id)
             swapped = bool(kv.is_swapped(seq.seq_id)) if hasattr(kv, "is_swapped") else False
             held = [b for b in table if b >= 0]
+            for i, b in enumerate(table):
+                n = min(bs, seq.num_computed_tokens - i * bs)
+                if n <= 0:
+                    break
+                if b >= 0 and filled.get(b, 0) < n:
+                    filled[b] = n
             shared = 0
             for b in table:
                 if b < 0 or blocks[b].ref_count < 2:
@@ -241,5 +249,5 @@ class KVSnapshotter:
         return KVSnapshot(seq_no=self._seq_no, time=time.time(), geometry=self.geometry,
                           tiers=tuple(tiers), blocks=block_states(pool), seqs=tuple(seq_views),
                           shared_prefixes=self.prefixes.top(),
-                          counters=counters,
+                          counters=counters, live_tokens=sum(filled.values()),
                           prefix_caching=bool(getattr(kv, "enable_prefix_caching", True)))

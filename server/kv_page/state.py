@@ -17,6 +17,8 @@ The document (``"version": 1``; every count in blocks unless named ``*_tokens`` 
     arithmetic: {num_layers, num_kv_heads, head_dim, kv_cache_dtype, row_bytes,
                  bytes_per_token, bytes_per_block, formula, max_model_len,
                  bytes_per_max_len_seq, live_tokens, reserved_tokens, live_fraction}
+                                 live_tokens: slots of device blocks holding computed KV (a
+                                 shared block once); reserved_tokens: used blocks x block_size
 
 ``/kv/events`` sends the same document as ``event: state`` whenever it changed (checked every
 ``interval`` seconds), and ``: ping`` comments in between.
@@ -44,7 +46,7 @@ def state_document(snap: KVSnapshot, decode: Callable[[tuple[int, ...]], str]) -
         "shared_tokens": s.num_shared_blocks * bs, "num_cached_tokens": s.num_cached_tokens,
         "swapped": s.swapped} for s in snap.seqs]
     c = snap.counters
-    live = sum(s.num_computed_tokens for s in snap.seqs if not s.swapped)
+    live = snap.live_tokens
     device = snap.tiers[0]
     reserved = device.used * bs
     return {

@@ -53,6 +53,7 @@ def test_snapshot_counts_states_and_sharing():
     sa, sb = s.seqs
     assert sa.num_shared_blocks == sb.num_shared_blocks == 3
     assert sb.num_cached_tokens == 12 and sb.block_ids[:3] == sa.block_ids[:3]
+    assert s.live_tokens == 12 + 1 + 1  # the shared blocks count once
     (top,) = s.shared_prefixes
     assert top.num_tokens == 12 and top.num_requests == 2 and top.first_token_ids == tuple(
         range(12))

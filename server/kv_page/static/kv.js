@@ -3,8 +3,10 @@
 "use strict";
 (function () {
   const SVGNS = "http://www.w3.org/2000/svg";
-  const key = new URLSearchParams(location.search).get("key");
+  const params = new URLSearchParams(location.search);
+  const key = params.get("key");
   const q = key ? "?key=" + encodeURIComponent(key) : "";
+  const every = params.get("interval");  // seconds between updates (0.1..10; server: 0.5)
   const $ = (id) => document.getElementById(id);
   let prev = null;
   let rects = [];
@@ -178,7 +180,8 @@
 
   $("state-link").href = "kv/state" + q;
   if (window.EventSource) {
-    const es = new EventSource("kv/events" + q);
+    const eq = every ? (q ? q + "&" : "?") + "interval=" + encodeURIComponent(every) : q;
+    const es = new EventSource("kv/events" + eq);
     es.addEventListener("state", (e) => { draw(JSON.parse(e.data)); status("live", "live"); });
     es.addEventListener("error", () => {
       if (es.readyState === EventSource.CLOSED) { status("stream closed: polling", "down"); poll(); }
