@@ -1,12 +1,13 @@
 """§5.3's mixed-precision rule: warn when the KV cache stores K/V in a dtype of narrower range or
-lower precision than the model computes (or was trained) in.
+lower precision than the model is known to need.
 
-The case the seed warns about is a bfloat16-trained model over a float16 cache: bfloat16 has
-float32's exponent range (to ~3.4e38), float16 stops at 65504, so an activation outlier that
-bfloat16 carries overflows to inf in the cache and poisons attention. The other direction
-(a bfloat16 cache under a float16 or float32 model) keeps the range but drops mantissa bits
-(8 vs 11 vs 24): softmax sharpness and long contexts may drift. 8-bit caches (fp8, int8) are an
-explicit, scaled choice and are not warned about here.
+The case the seed warns about is a bfloat16 model (trained or computing in bfloat16) over a
+float16 cache: bfloat16 has float32's exponent range (to ~3.4e38), float16 stops at 65504, so an
+activation outlier that bfloat16 carries overflows to inf in the cache and poisons attention.
+The other direction (a bfloat16 cache under a float16 or float32 model) keeps the range but
+drops mantissa bits (8 vs 11 vs 24): attention reads K/V less precisely than it computes them.
+Not warned about: a float16 cache under a float32 checkpoint (kvserve's CPU default, as
+llama.cpp's), and 8-bit caches (fp8, int8: an explicit, scaled choice).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ def kv_precision_warning(kv_cache_dtype: str, compute_dtype: object,
     if kv is None:
         return None
     trained, compute = _name(trained_dtype), _name(compute_dtype)
-    # Range: against the dtype the weights were trained in (their activations' range), or,
-    # when unknown, against a bfloat16 compute dtype.
-    ref_name = trained if trained in _FLOATS else (compute if compute == "bfloat16" else None)
+    # Range: the seed's case, a bfloat16 model (trained or computing in bfloat16: its
+    # activations use bfloat16's range). A float32 checkpoint over a float16 cache is the
+    # usual CPU default (llama.cpp's too) and is not warned about.
+    ref_name = next((d for d in (trained, compute) if d == "bfloat16"), None)
     if ref_name is not None and kv[0] < _FLOATS[ref_name][0]:
-        role = "was trained" if ref_name == trained else "computes"
+        role = "was trained" if trained == "bfloat16" else "computes"
         return (f"the KV cache is {kv_cache_dtype} but the model {role} in {ref_name}: "
                 f"{kv_cache_dtype} has a narrower range (max 65504), so K/V values that "
                 f"{ref_name} carries may overflow to inf in the cache (the seed's §5.3 rule); "

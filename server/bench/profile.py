@@ -51,10 +51,14 @@ def instrument(core: Any) -> None:
     runner = core.runner
     _wrap(runner.backend, "forward", "kvserve::attention")
     model = runner.model
-    for mod in model.modules():
+    wrapped: list[str] = []
+    for name, mod in model.named_modules():
+        if any(name.startswith(w + ".") for w in wrapped):
+            continue  # inside a marked projection (a fused or quantised one): counted there
         if isinstance(mod, nn.Linear) or type(mod).__name__ in ("QuantLinear", "PackedLinear",
                                                                "QuantConcat"):
             _wrap(mod, "forward", "kvserve::linear")
+            wrapped.append(name)
     _wrap(model, "compute_logits", "kvserve::linear")
     sampler = core.sampler
 

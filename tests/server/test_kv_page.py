@@ -122,6 +122,10 @@ def test_page_events_and_key(kv_server):
         doc = json.loads(next(lines).removeprefix("data: "))
         assert doc["version"] == 1 and doc["tiers"][0]["name"] == "device"
     assert _get(srv, "/kv/events", params={"interval": "0"}).status_code == 400
+    assert _get(srv, "/kv/events", params={"interval": "x"}).status_code == 400
+    schema = httpx.get(f"{srv.url}/openapi.json", timeout=30).json()
+    assert "/kv/state" in schema["paths"] and "/kv/events" in schema["paths"]
+    assert "HTTPValidationError" not in json.dumps(schema)
 
 
 def test_profiler_writes_a_trace(kv_server):

@@ -92,6 +92,7 @@ def test_tracker_keeps_the_longest():
     ("float16", "torch.float32", "torch.bfloat16", "narrower range"),  # the seed's case
     ("float16", "bfloat16", None, "narrower range"),
     ("float16", "float32", "float16", None),
+    ("float16", "float32", "float32", None),  # the CPU default under a float32 checkpoint
     ("bfloat16", "bfloat16", "bfloat16", None),
     ("bfloat16", "float16", None, "mantissa"),
     ("fp8_e4m3", "bfloat16", "bfloat16", None),  # 8-bit caches: an explicit, scaled choice
