@@ -37,8 +37,7 @@ import httpx  # noqa: E402
 
 from server.bench.serve import free_port, machine_info  # noqa: E402
 
-W1 = ["--workload", "random", "--num-requests", "64", "--input-len", "280", "--output-len", "64",
-      "--concurrency", "16"]
+W1 = ["--workload", "random", "--input-len", "280", "--output-len", "64", "--concurrency", "16"]
 
 
 class PageClient:
@@ -69,10 +68,10 @@ class PageClient:
                     self.events += 1
 
 
-def run_w1(url: str, seed: int) -> float:
+def run_w1(url: str, seed: int, num_requests: int = 64) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", url,
-                        *W1, "--seed", str(seed), "--no-yardstick", "--no-progress",
+                        *W1, "--num-requests", str(num_requests), "--seed", str(seed), "--no-yardstick", "--no-progress",
                         "--json", out.name], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -122,6 +121,9 @@ def main() -> int:
                     help="ABBA rounds (default 2: 8 runs; 0: the in-process figure only)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--serve-args", default="", help="extra flags for kvserve serve")
+    ap.add_argument("--num-requests", type=int, default=64,
+                    help="requests per run (default 64: W1; fewer keeps W1's shape and "
+                         "concurrency, for a slow machine)")
     ap.add_argument("--no-direct", action="store_true", help="skip the in-process measurement")
     args = ap.parse_args()
     direct = None
@@ -157,17 +159,17 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        run_w1(url, seed=999)  # warm-up, not counted
+        run_w1(url, seed=999, num_requests=4)  # warm-up, not counted
         seed = 1000
         for r in range(args.rounds):
             for page in ((False, True, True, False) if r % 2 == 0 else (True, False, False, True)):
                 seed += 1
                 if page:
                     with PageClient(url) as client:
-                        tps = run_w1(url, seed)
+                        tps = run_w1(url, seed, args.num_requests)
                     events = client.events
                 else:
-                    tps, events = run_w1(url, seed), 0
+                    tps, events = run_w1(url, seed, args.num_requests), 0
                 runs.append({"page_open": page, "seed": seed, "output_tok_s": tps,
                              "page_events": events})
                 print(f"round {r} page={'open' if page else 'none':4} {tps:8.2f} tok/s"
@@ -182,7 +184,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "tool": "benchmarks/kv_page_cost.py", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": machine_info(), "workload": "W1: " + " ".join(W1), "runs": runs,
+            "machine": machine_info(), "workload": "W1 shape: " + " ".join(W1) + f" --num-requests {args.num_requests}", "runs": runs,
             "ratio_page_over_none": ratio, "direct": direct}, indent=2) + "\n")
     return 0
 

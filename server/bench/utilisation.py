@@ -70,7 +70,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     core = llm.engine
     points = []
     for name in args.workloads:
-        p = measure(core, name, WORKLOADS[name], args.seed)
+        spec = dict(WORKLOADS[name])
+        if args.num_requests:
+            spec["num_requests"] = args.num_requests
+        p = measure(core, name, spec, args.seed)
         points.append(p)
         print(f"{name:>6}: live/reserved paged {100 * p['paged']:5.1f}%, contiguous at "
               f"max_model_len {100 * p['contiguous']:5.1f}% ({p['steps']} steps, "
@@ -127,6 +130,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the context a contiguous scheme reserves per request (default: the "
                         "model's)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per workload (default: W1 64, mixed 32)")
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH")
