@@ -48,6 +48,8 @@ class ServerSettings:
     ``enable_auto_tool_choice`` off refuses ``tool_choice: auto`` (vLLM's flag; on by default).
     ``responses_store_max_items`` / ``responses_store_max_bytes`` bound the Responses API's
     in-memory store (least recently used first out; 0 items: nothing is stored).
+    ``kv_page`` serves the live KV page (``/kv``, ``/kv/state``, ``/kv/events``: server/kv_page/);
+    ``profiler_dir`` enables ``/start_profile`` and ``/stop_profile`` (server/profile_routes.py).
     """
 
     host: str = "127.0.0.1"

@@ -53,8 +53,8 @@ def instrument(core: Any) -> None:
     model = runner.model
     wrapped: list[str] = []
     for name, mod in model.named_modules():
-        if any(name.startswith(w + ".") for w in wrapped):
-            continue  # inside a marked projection (a fused or quantised one): counted there
+        if name in ("lm_head", "tied_head") or any(name.startswith(w + ".") for w in wrapped):
+            continue  # the LM head is counted by compute_logits; nested: counted outside
         if isinstance(mod, nn.Linear) or type(mod).__name__ in ("QuantLinear", "PackedLinear",
                                                                "QuantConcat"):
             _wrap(mod, "forward", "kvserve::linear")

@@ -40,7 +40,7 @@ def add_routes(app: FastAPI, engine: Any) -> None:
     files = {name: _static(name) for name in STATIC}  # read once: the package may move
 
     async def document() -> dict[str, Any]:
-        snapshot = getattr(engine.core, "kv_snapshot", None)
+        snapshot = getattr(getattr(engine, "core", None), "kv_snapshot", None)
         if snapshot is None:
             raise APIError(404, "this engine has no KV snapshot", code="not_found")
         if not engine.is_healthy:
