@@ -35,6 +35,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -188,6 +189,8 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
         self._inbox_seqs = 0  # sum of n over the inbox
+        # Calls to run on the engine thread between steps (call_on_engine_thread).
+        self._tasks: list[tuple[Any, concurrent.futures.Future]] = []
         # What the core holds that is not yet scheduled (upper bounds between snapshots):
         self._waiting = 0  # requests
         self._waiting_seqs = 0  # sequences: what max_waiting_requests bounds
@@ -198,6 +201,8 @@ class AsyncEngine:
         self._draining = False
         # Engine thread only:
         self._active: set[str] = set()
+        # engine.profiling.StepProfiler once /start_profile ran (engine thread only).
+        self.profiler: Any = None
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._done = threading.Event()  # set when the engine loop has returned
@@ -342,6 +347,31 @@ class AsyncEngine:
 
     # ---- called from any thread ------------------------------------------------------------
 
+    def call_on_engine_thread(self, fn: Any) -> concurrent.futures.Future:
+        """Run ``fn()`` on the engine thread between two steps (waking it when idle) and
+        return a Future of its result: how the server reads engine state that is not
+        thread-safe (the KV snapshot) and drives the profiler. ``fn`` must be quick and must
+        not block. Fails the Future with EngineDeadError once the loop has stopped."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._dead is not None or self._done.is_set():
+                fut.set_exception(EngineDeadError("the engine is not running"))
+                return fut
+            self._tasks.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def _run_tasks(self) -> None:
+        with self._cond:
+            tasks, self._tasks = self._tasks, []
+        for fn, fut in tasks:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it, the loop goes on
+                fut.set_exception(exc)
+
     def _abort(self, request_id: str) -> None:
         with self._cond:
             self._streams.pop(request_id, None)
@@ -356,6 +386,7 @@ class AsyncEngine:
         finally:
             self._close_core()  # tensor-parallel workers stop (or are killed) here
             self._done.set()
+            self._fail_tasks()  # any call queued after the loop ended
 
     def _loop(self) -> None:
         has_work = False
@@ -367,9 +398,12 @@ class AsyncEngine:
             interval = getattr(self.core, "health_check_interval", None)
             while True:
                 with self._cond:
-                    if not (self._inbox or self._aborts or self._stop or has_work):
+                    if not (self._inbox or self._aborts or self._stop or has_work
+                            or self._tasks):
                         self._cond.wait(interval)  # None: until notified
                     idle = not (self._inbox or self._aborts or self._stop or has_work)
+                if self._tasks:
+                    self._run_tasks()
                 if idle:
                     if interval is not None:
                         self.core.check_health()  # outside the lock: may wait on a collective
@@ -385,7 +419,11 @@ class AsyncEngine:
                 self._process_aborts(aborts)
                 self._process_adds(new)
                 if self.core.has_unfinished_requests():
-                    outputs = self.core.step()
+                    if self.profiler is not None and self.profiler.active:
+                        with self.profiler.step_range():
+                            outputs = self.core.step()
+                    else:
+                        outputs = self.core.step()
                     self._deliver(outputs)
                 has_work = self.core.has_unfinished_requests()
                 stats = self.core.stats()
@@ -403,6 +441,7 @@ class AsyncEngine:
                 self._inbox_seqs = 0
             for stream in streams:
                 self._send(stream, RequestAbortedError("the engine was stopped"))
+            self._fail_tasks()
         except BaseException as exc:  # noqa: BLE001 - the loop must report, whatever happened
             self._die(exc)
 
@@ -483,3 +522,11 @@ class AsyncEngine:
         for stream in streams:
             self._send(stream, EngineDeadError("the engine stopped on an internal error; see "
                                                "the server log"))
+        self._fail_tasks()
+
+    def _fail_tasks(self) -> None:
+        with self._cond:
+            tasks, self._tasks = self._tasks, []
+        for _, fut in tasks:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError("the engine is not running"))

@@ -35,6 +35,8 @@ from engine.kv_cache.groups import describe_kv_groups
 from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import SwapCostModel
+from engine.kv_cache.precision import kv_precision_warning
+from engine.kv_cache.snapshot import KVGeometry, KVSnapshot, KVSnapshotter
 from engine.kv_cache.streaming import StreamingEviction
 from engine.loading.generation_defaults import generation_defaults
 from engine.loading.loader import (
@@ -117,6 +119,10 @@ class EngineCore:
                                      config.enable_prefix_caching and eviction is None,
                                      num_host_blocks=num_host_blocks, cost=cost)
         self.stream = StreamingEviction(eviction, self.kv) if eviction is not None else None
+        self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
+            self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
+            str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
+            self.max_model_len))
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
                                   vocab_size=self.runner.arch.vocab_size,
@@ -188,6 +194,10 @@ class EngineCore:
                                                  r.kv_bytes_per_token // r.arch.num_layers,
                                                  self.max_model_len))
         logger.info("%s", self.generation_defaults.describe())
+        warning = kv_precision_warning(str(self.config.kv_cache_dtype), r.dtype,
+                                       getattr(self.hf_config, "torch_dtype", None))
+        if warning:
+            logger.warning("KV cache precision: %s", warning)
         if self.stream is not None:
             logger.info("KV eviction (streaming, approximate; prefix caching off): %s",
                         self.stream.spec.describe(self.config.block_size))
@@ -333,6 +343,9 @@ class EngineCore:
                 if self.disk is not None:
                     for seq in req.seqs:
                         self.disk.forget(seq.seq_id)
+                if req.num_cached_tokens:  # the KV page's largest shared prefixes
+                    self.kv_snapshots.prefixes.observe(req.num_cached_tokens, req.request_id,
+                                                       req.prompt_token_ids)
         return outputs
 
     @property
@@ -535,6 +548,11 @@ class EngineCore:
             return stats
         return dataclasses.replace(stats, jump_forward_drafted=jf.drafted,
                                    jump_forward_accepted=jf.accepted)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """A read-only picture of the KV cache (``engine.kv_cache.snapshot``); engine thread
+        only (``AsyncEngine.call_on_engine_thread``), between steps."""
+        return self.kv_snapshots.take(self.scheduler.running)
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()

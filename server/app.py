@@ -1,7 +1,9 @@
 """``build_app(engine, settings)``: the FastAPI application around an :class:`AsyncEngine`.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (server/responses),
-``/v1/models``, ``/v1/models/{id}``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``. The app owns no model code; the
+``/v1/models``, ``/v1/models/{id}``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``,
+the KV page (``/kv``, ``/kv/state``, ``/kv/events``: server/kv_page/, off with ``--no-kv-page``)
+and, with ``--profiler-dir``, ``/start_profile`` / ``/stop_profile`` (server/profile_routes.py). The app owns no model code; the
 engine's own thread runs it, and tokenising runs on worker threads: the event loop only parses,
 validates and frames.
 
@@ -182,6 +184,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
 
     add_responses_routes(app, ctx, ResponseStore(settings.responses_store_max_items,
                                                  settings.responses_store_max_bytes))
+    if settings.kv_page:
+        from server.kv_page.routes import add_routes as add_kv_page_routes
+
+        add_kv_page_routes(app, engine)
+    if settings.profiler_dir:
+        from server.profile_routes import add_routes as add_profile_routes
+
+        add_profile_routes(app, engine, settings.profiler_dir)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

@@ -1,6 +1,9 @@
 """API-key check: ``Authorization: Bearer <key>`` on the API routes when a key is configured.
 
 Health, version and metrics stay open so that load balancers and Prometheus need no secret.
+The KV page's paths (``/kv``, ``/kv/state``, ``/kv/events``) also take the key as ``?key=<key>``:
+a browser cannot send a header when it opens a page or an EventSource (the key then sits in the
+URL: the browser's history keeps it; kvserve's own log lines show the path only).
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ import hmac
 
 # Paths that need the key when one is set (prefix match on "/v1/", exact on the others).
 PROTECTED_PREFIX = "/v1/"
-PROTECTED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
+PROTECTED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/kv", "/kv/state",
+                             "/kv/events", "/start_profile", "/stop_profile"})
+QUERY_KEY_PATHS = frozenset({"/kv", "/kv/state", "/kv/events"})
 
 
 def is_protected(path: str) -> bool:
@@ -30,3 +35,13 @@ def key_matches(authorization: str | None, api_key: str) -> bool:
     token = bearer_token(authorization)
     # compare_digest: the time taken does not reveal how much of the key matched.
     return token is not None and hmac.compare_digest(token.encode(), api_key.encode())
+
+
+def query_key_matches(path: str, query_string: bytes, api_key: str) -> bool:
+    """Whether ``path`` is one of :data:`QUERY_KEY_PATHS` and its query holds ``key=<api_key>``."""
+    if path not in QUERY_KEY_PATHS or not query_string:
+        return False
+    from urllib.parse import parse_qs
+
+    keys = parse_qs(query_string.decode("latin-1")).get("key", [])
+    return any(hmac.compare_digest(k.encode(), api_key.encode()) for k in keys)

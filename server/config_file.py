@@ -48,6 +48,8 @@ class ServerSettings:
     ``enable_auto_tool_choice`` off refuses ``tool_choice: auto`` (vLLM's flag; on by default).
     ``responses_store_max_items`` / ``responses_store_max_bytes`` bound the Responses API's
     in-memory store (least recently used first out; 0 items: nothing is stored).
+    ``kv_page`` serves the live KV page (``/kv``, ``/kv/state``, ``/kv/events``: server/kv_page/);
+    ``profiler_dir`` enables ``/start_profile`` and ``/stop_profile`` (server/profile_routes.py).
     """
 
     host: str = "127.0.0.1"
@@ -67,6 +69,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = True
     responses_store_max_items: int = 1000
     responses_store_max_bytes: int | str = 256 * MIB
+    kv_page: bool = True
+    profiler_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -292,6 +296,13 @@ SERVER_OPTIONS = [
            "Hermes, Qwen2.5, Qwen3, and kvserve's default for templates without tools), "
            "llama3_json (Llama 3.1+ JSON calls) or mistral ([TOOL_CALLS] calls) (default: "
            "chosen from the chat template, logged at start)", choices=TOOL_CALL_PARSERS, nullable=True),
+    Option("kv-page", "kv_page", "server", bool,
+           "serve the live KV-cache page at /kv (with /kv/state and /kv/events; behind "
+           "--api-key when one is set); --no-kv-page turns it off", boolean=True),
+    Option("profiler-dir", "profiler_dir", "server", str,
+           "enable POST /start_profile and /stop_profile, writing torch.profiler traces "
+           "(Chrome/Perfetto JSON) of the engine's steps into this directory (default: off, "
+           "the routes answer 404)", nullable=True),
     Option("enable-auto-tool-choice", "enable_auto_tool_choice", "server", bool,
            "allow tool_choice 'auto' (the model chooses between text and calls; vLLM's flag, "
            "on here by default: --no-enable-auto-tool-choice refuses it)", boolean=True),

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from server.auth import is_protected, key_matches
+from server.auth import is_protected, key_matches, query_key_matches
 from server.errors import APIError, internal_error
 
 logger = logging.getLogger("kvserve.server")
@@ -67,7 +67,8 @@ class RequestContextMiddleware:
 
         try:
             if self.api_key and is_protected(path) and \
-                    not key_matches(_header(headers, b"authorization"), self.api_key):
+                    not key_matches(_header(headers, b"authorization"), self.api_key) and \
+                    not query_key_matches(path, scope.get("query_string", b""), self.api_key):
                 err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
                                     "<key>'.", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})

@@ -124,6 +124,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.on_evict = on_evict
         self.num_free_cached_blocks = 0  # kept up to date so stats stay O(1)
+        self.num_evictions = 0  # cached blocks handed out for other KV, cumulative
 
     @property
     def num_free_blocks(self) -> int:
@@ -216,8 +217,10 @@ class BlockPool:
         block.block_hash = None
         if block.ref_count == 0:
             self.num_free_cached_blocks -= 1
-        if notify and self.on_evict is not None:
-            self.on_evict(block.block_id, block_hash)
+        if notify:
+            self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block_hash)
 
     def check_integrity(self) -> None:
         """Assert the pool's own invariants (O(num_blocks)); see the class docstring."""

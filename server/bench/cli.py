@@ -20,10 +20,14 @@ def register(subparsers: Any) -> None:
         "bench", help="benchmark a server (serve) or the engine in-process (offline)",
         description="Benchmarks you can reproduce: `bench serve` drives any OpenAI-compatible "
                     "endpoint; `bench offline` runs LLM.generate next to HF transformers.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline}")
+    sub = bench.add_subparsers(dest="bench_command",
+                               metavar="{serve,offline,profile,kv-onoff,utilisation}")
     sub.required = True
     _add_serve(sub)
     _add_offline(sub)
+    # The seed's figures (issue 31): each module adds its own parser, imports lazily.
+    for name in ("profile", "kv_onoff", "utilisation"):
+        importlib.import_module(f"server.bench.{name}").add_parser(sub)
 
 
 def _csv_ints(text: str) -> list[int]:
