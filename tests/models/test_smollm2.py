@@ -86,7 +86,9 @@ def test_quantised_on_load_agrees_with_hf(llm, hf_continuations, scheme):
     q = LLM(None, kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=16,
             quantization=scheme)
     assert q.engine.runner.quantized
-    assert q.engine.runner.weight_bytes < llm.engine.runner.weight_bytes / 5
+    # The float engine holds its float32 weights once (batch-invariant serving frees the oneDNN
+    # copies), ~4 bytes a weight; int8 groups of 32 take ~1.1, int4 ~0.6.
+    assert q.engine.runner.weight_bytes < llm.engine.runner.weight_bytes / 4
     hits, total = continuation_hits(q, hf_continuations)
     assert hits / total >= 0.95, f"top-1 agreement {hits}/{total}"
     ids = llm.tokenizer.encode(TEXT)
