@@ -21,12 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.loading.gguf_fields import gguf_field
+
 _27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def gemma_overrides(reader, arch: str) -> dict[str, Any]:
@@ -36,7 +33,7 @@ def gemma_overrides(reader, arch: str) -> dict[str, Any]:
         return {}
 
     def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))

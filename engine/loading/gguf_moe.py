@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.loading.gguf_fields import gguf_field
 from engine.models.gguf_blocks import SUPPORTED, from_gguf_blocks
 from engine.models.quant_formats import Packed
 
@@ -35,25 +36,15 @@ _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight$")
 _HF_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
-    return int(value[0])
-
-
 def moe_config(gguf_path: Path, config):
     """The config of a mixture-of-experts GGUF, fixed as the module docstring says."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
-    experts = _field(reader, f"{arch}.expert_count") or 0
+    arch = gguf_field(reader, "general.architecture")
+    experts = gguf_field(reader, f"{arch}.expert_count") or 0
     if arch == "qwen3moe":
-        inter = _field(reader, f"{arch}.expert_feed_forward_length")
+        inter = gguf_field(reader, f"{arch}.expert_feed_forward_length")
         if inter:
             config.moe_intermediate_size = int(inter)
         return config
@@ -64,7 +55,7 @@ def moe_config(gguf_path: Path, config):
     fields = {k: v for k, v in config.to_dict().items()
               if k not in ("model_type", "architectures", "transformers_version")}
     fields.update(num_local_experts=int(experts),
-                  num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count") or 2))
+                  num_experts_per_tok=int(gguf_field(reader, f"{arch}.expert_used_count") or 2))
     return MixtralConfig(**fields)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.loading import gguf_convert
+from engine.loading.gguf_fields import gguf_field
 from engine.loading.gguf_moe import expert_packs
 from engine.loading.packed_policy import hf_name, is_packable
 from engine.models.gguf_blocks import from_gguf_blocks
@@ -57,9 +58,9 @@ def read_packed(path: Path) -> dict[str, Packed]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
+    arch = gguf_field(reader, "general.architecture")
+    heads = gguf_field(reader, f"{arch}.attention.head_count")
+    kv_heads = gguf_field(reader, f"{arch}.attention.head_count_kv") or heads
     out: dict[str, Packed] = {}
     for tensor in reader.tensors:
         experts = expert_packs(tensor)  # mixture-of-experts: one packed weight per expert
@@ -77,12 +78,3 @@ def read_packed(path: Path) -> dict[str, Packed]:
     logger.info("%s: %d tensors kept packed (%s)", path.name, len(out), arch)
     return out
 
-
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
-    return int(value[0])
