@@ -76,6 +76,21 @@ def _tiny_llama(tied: bool, hidden: int = 64, intermediate: int = 96):
     return model
 
 
+def add_byte_tokenizer(w) -> None:
+    """The tiny models' tokenizer (``engine.loading.tiny``'s byte-level BPE: three specials,
+    256 bytes, three merges) and the ChatML template, into GGUF writer ``w``."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(SPECIALS + _byte_alphabet() + ["he", "ll", "hell"])
+    w.add_token_types([3] * len(SPECIALS) + [1] * (256 + len(MERGES)))
+    w.add_token_merges(MERGES)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp convert_hf_to_gguf.py LlamaModel.permute: interleaved rotary halves per head.
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -138,16 +153,7 @@ def _write_gguf(model, path: Path, quantised: bool = False, kquants: bool = Fals
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(SPECIALS + _byte_alphabet() + ["he", "ll", "hell"])
-    w.add_token_types([3] * len(SPECIALS) + [1] * (256 + len(MERGES)))
-    w.add_token_merges(MERGES)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    add_byte_tokenizer(w)
     for name, tensor in model.state_dict().items():
         t = tensor.numpy().astype(np.float32)
         if name == "model.embed_tokens.weight":

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.models.conftest import CHATML, MERGES, SPECIALS, _byte_alphabet, _llama_cpp_permute
+from tests.models.conftest import MERGES, SPECIALS, _llama_cpp_permute, add_byte_tokenizer
 
 _ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
@@ -79,16 +79,7 @@ def write_moe_gguf(path: Path, model_type: str):
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_count(cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(SPECIALS + _byte_alphabet() + ["he", "ll", "hell"])
-    w.add_token_types([3] * len(SPECIALS) + [1] * (256 + len(MERGES)))
-    w.add_token_merges(MERGES)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    add_byte_tokenizer(w)
 
     def add(name: str, t: np.ndarray, qtype=None, hf: str | None = None,
             rows: slice | None = None) -> None:
