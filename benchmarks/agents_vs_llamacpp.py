@@ -58,12 +58,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving import serving_process, side_by_side  # noqa: E402
-from benchmarks.startup_time import free_port, isa  # noqa: E402
-from server.bench.client import BenchClient, ClientConfig  # noqa: E402
-from server.bench.serve import machine_info, run_point  # noqa: E402
-from server.bench.stats import summarize  # noqa: E402
-from server.bench.workloads import (  # noqa: E402
+from bench.client import BenchClient, ClientConfig  # noqa: E402
+from bench.serve import machine_info, run_point  # noqa: E402
+from bench.stats import summarize  # noqa: E402
+from bench.workloads import (  # noqa: E402
     RequestSpec,
     Session,
     WorkloadConfig,
@@ -71,6 +69,8 @@ from server.bench.workloads import (  # noqa: E402
     derive_seed,
     load_tokenizer,
 )
+from benchmarks.serving import serving_process, side_by_side  # noqa: E402
+from benchmarks.startup_time import free_port, isa  # noqa: E402
 from server.cli import main as kvserve  # noqa: E402
 
 TEMPLATE = ROOT / "benchmarks" / "chatml_tools.jinja"

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.yardstick import _time_linear  # noqa: E402
 from engine.runner.dtype_choice import cpu_has_bf16, resolve_dtype  # noqa: E402
-from server.bench.yardstick import _time_linear  # noqa: E402
 
 SHAPES = [(576, 1728), (576, 3072), (1536, 576)]
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from engine.cpu.kernels import load
-from engine.kv_cache.kv_quant import byte_view, fp8_table, kv_format, quantize_rows
+from engine.kv_storage.formats import byte_view, fp8_table, kv_format, quantize_rows
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from server.bench.serve import free_port, machine_info  # noqa: E402
+from bench.serve import free_port, machine_info  # noqa: E402
 
 W1 = ["--workload", "random", "--input-len", "280", "--output-len", "64", "--concurrency", "16"]
 

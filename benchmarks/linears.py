@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from engine.models.packed_linear import (  # noqa: E402
+from engine.quantization.packed_linear import (  # noqa: E402
     SMALL_ROWS,
     PackedLinear,
     onednn_linear_available,

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine.models.moe import MoeExperts, PackedExperts, route  # noqa: E402
-from engine.models.moe_quant import rtn_experts  # noqa: E402
 from engine.models.moe_spec import MoeSpec  # noqa: E402
+from engine.quantization.moe import rtn_experts  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER = 1024, 32, 4, 512
 

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from engine.loading.embedded import embedded_gguf_path
 from engine.loading.packed_policy import hf_name, is_packable
-from engine.models.gguf_blocks import NAMES, from_gguf_blocks
-from engine.models.quant_formats import PackedQ8
+from engine.quantization.formats import PackedQ8
+from engine.quantization.gguf_blocks import NAMES, from_gguf_blocks
 
 MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0")
 BEFORE = {2, 3, 8, 12, 13, 14}  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: packed before this change
@@ -103,7 +103,7 @@ def widened(p) -> PackedQ8:
 
 
 def kernels_part(path: Path, reps: int) -> None:
-    from engine.models.quant_linear import quant_kernels, vnni_available
+    from engine.quantization.linear import quant_kernels, vnni_available
 
     k = quant_kernels()
     if k is None:

@@ -33,10 +33,10 @@ import torch
 from q4_tiles import isa, timed_runs  # a sibling script (run as benchmarks/q4_layout.py)
 from tqdm import tqdm
 
-from engine.models.quant_blocked import to_blocked
-from engine.models.quant_linear import quant_kernels
-from engine.models.quant_probe_cache import ISA_CAPS
-from engine.models.quant_rtn import quantise
+from engine.quantization.blocked import to_blocked
+from engine.quantization.linear import quant_kernels
+from engine.quantization.probe_cache import ISA_CAPS
+from engine.quantization.rtn import quantise
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -84,7 +84,7 @@ def kernels_part(reps: int) -> list[dict]:
 def engine_part(rounds: int) -> dict:
     from engine import LLM, SamplingParams
     from engine.models.cpu_decode_stack import build_decode_stack
-    from engine.models.quant_linear import QuantLinear
+    from engine.quantization.linear import QuantLinear
 
     llm = LLM(None, kv_cache_dtype="float16", kv_cache_memory="1GiB", max_num_seqs=16)
     model = llm.engine.runner.model

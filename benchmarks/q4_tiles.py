@@ -26,9 +26,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine.models.quant_linear import QuantLinear, quant_kernels
-from engine.models.quant_probe_cache import ISA_CAPS
-from engine.models.quant_rtn import quantise
+from engine.quantization.linear import QuantLinear, quant_kernels
+from engine.quantization.probe_cache import ISA_CAPS
+from engine.quantization.rtn import quantise
 
 SHAPES = [(960, 576, "qkv_proj"), (576, 576, "o_proj"), (3072, 576, "gate_up_proj"),
           (576, 1536, "down_proj")]

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine.models.gguf_blocks import from_gguf_blocks
-from engine.models.packed_linear import PackedLinear, linear_backend
-from engine.models.quant_linear import DENSE_ROWS, QuantLinear, quant_kernels
+from engine.quantization.gguf_blocks import from_gguf_blocks
+from engine.quantization.linear import DENSE_ROWS, QuantLinear, quant_kernels
+from engine.quantization.packed_linear import PackedLinear, linear_backend
 
 SHAPES = [(576, 576, "Q4_1"), (192, 576, "Q4_1"), (1536, 576, "Q4_1"), (576, 1536, "Q4_1"),
           (49152, 576, "Q8_0"),

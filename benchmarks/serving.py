@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from server.bench.serve import free_port  # noqa: E402
+from bench.serve import free_port  # noqa: E402
 from server.cli import main as kvserve  # noqa: E402
 
 

@@ -32,12 +32,12 @@ from engine.kv_cache.disk.build import build_disk_tier
 from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.groups import describe_kv_groups
+from engine.kv_cache.host.blocks import SwapCostModel
 from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.offload import SwapCostModel
-from engine.kv_cache.precision import kv_precision_warning
 from engine.kv_cache.snapshot import KVGeometry, KVSnapshot, KVSnapshotter
 from engine.kv_cache.streaming import StreamingEviction
+from engine.kv_storage.precision import kv_precision_warning
 from engine.loading.generation_defaults import generation_defaults
 from engine.loading.loader import (
     default_generation_eos,
@@ -165,7 +165,7 @@ class EngineCore:
             release_freed_memory()  # loading's freed buffers back to the OS (~1 GB measured)
 
     def _calibrate_kv_scales(self) -> None:
-        from engine.kv_cache.kv_calibration import CALIBRATION_TEXT
+        from engine.kv_storage.calibration import CALIBRATION_TEXT
 
         ids = self.tokenizer.encode(CALIBRATION_TEXT)
         scales = self.runner.calibrate_kv_scales(ids)

@@ -18,7 +18,7 @@ from engine.spec_decode.stats import SpecDecodeStats
 from engine.structured.stats import StructuredStats
 
 if TYPE_CHECKING:
-    from engine.kv_cache.offload import OffloadStats
+    from engine.kv_cache.host.blocks import OffloadStats
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The 8-bit KV pool layouts as the Triton kernels see them (the format itself is defined, and
-implemented for PyTorch, in engine/kv_cache/kv_quant.py; kernels/ does not import engine/).
+implemented for PyTorch, in engine/kv_storage/formats.py; kernels/ does not import engine/).
 
 * kind 0: a float pool, rows of ``head_dim`` elements.
 * kind 1: int8, rows of ``head_dim`` values then the two bytes of the row's float16 scale. The

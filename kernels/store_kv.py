@@ -1,6 +1,6 @@
 """Triton kernel writing a step's new keys/values into their paged-pool slots.
 
-Over an 8-bit pool it quantises as it writes (the format of engine/kv_cache/kv_quant.py):
+Over an 8-bit pool it quantises as it writes (the format of engine/kv_storage/formats.py):
 int8 rows are ``head_dim`` values ``round(x / s)`` (half away from zero, clamped to +-127) then
 the float16 bits of ``s = max(absmax / 127, 2**-14)``, one scale per token and KV head; fp8
 rows are ``x / head_scale`` saturated to the format's largest number.

@@ -280,9 +280,9 @@ def _model_and_config(p: argparse.ArgumentParser) -> None:
 def _register_plugins(sub: Any) -> None:
     """Subcommands living elsewhere (bench, kv-calc); absent modules are skipped."""
     try:
-        from server.bench.cli import register
+        from bench.cli import register
     except ModuleNotFoundError as exc:
-        if exc.name not in ("server.bench", "server.bench.cli"):
+        if exc.name not in ("bench", "bench.cli"):
             raise
         return
     register(sub)

@@ -46,7 +46,8 @@ def default_quant_settings(monkeypatch):
     tokens; on the trained model they are held to 1% of perplexity:
     tests/models/test_smollm2.py)."""
     def apply() -> None:
-        from engine.models import quant_apply, quant_probe
+        from engine.quantization import apply as quant_apply
+        from engine.quantization import probe as quant_probe
 
         defaults = lambda q, rows=(): {}  # noqa: E731
         monkeypatch.setattr(quant_probe, "measure_settings", defaults)

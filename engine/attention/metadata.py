@@ -7,7 +7,7 @@ attention_triton.py; ``engine.attention.backend`` chooses one):
   (gather indices, masks) on ``meta.backend_state``. It must not touch the KV pools.
 * ``forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, kv_scales=None)`` first
   writes the step's new keys/values into their slots (``meta.slot_mapping``; slot -1 is
-  skipped), quantised when the pool is 8-bit (``engine/kv_cache/kv_quant.py``: the format is
+  skipped), quantised when the pool is 8-bit (``engine/kv_storage/formats.py``: the format is
   read from the pool's dtype and row width; ``kv_scales`` are the layer's fp8 per-head K and V
   scales, None meaning 1.0), then returns the
   attention output ``[T, H, D]`` where token ``i`` of sequence ``b`` (tokens ordered sequence by

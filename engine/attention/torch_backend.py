@@ -6,7 +6,7 @@ block list and causal mask. Per layer it stores the new K/V, gathers whole block
 ``block_size × kv_heads × head_dim`` chunks, cheaper than per-token gathers) and runs SDPA with
 grouped-query heads sharing their K/V.
 
-8-bit and 16-bit pools (``engine/kv_cache/kv_quant.py``): the new K/V are converted as they are
+8-bit and 16-bit pools (``engine/kv_storage/formats.py``): the new K/V are converted as they are
 stored and the gathered blocks converted back to the queries' dtype before SDPA; decodes over
 them take the compiled CPU kernel, which widens the rows in registers (an 8-bit row's or
 head's scale folded into its score and its weight; fp8 bytes read through a 256-entry table).
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_cache.kv_quant import (
+from engine.kv_storage.formats import (
     KVFormat,
     byte_view,
     dequantize_rows,

@@ -12,10 +12,10 @@ from engine.kv_cache.hashing import (
     encode_extra_keys,
     hash_block,
 )
+from engine.kv_cache.host.blocks import BlockCopies, HostKVCache, OffloadStats, SwapCostModel
+from engine.kv_cache.host.tier import HostTier
 from engine.kv_cache.hybrid import HybridKVCacheManager, HybridPrefixHit
 from engine.kv_cache.manager import KVCacheManager, KVCacheStats, PrefixHit
-from engine.kv_cache.offload import BlockCopies, HostKVCache, OffloadStats, SwapCostModel
-from engine.kv_cache.tiered import HostTier
 
 __all__ = [
     "ROOT_PARENT",

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from engine.kv_cache.block_pool import BlockPool, EvictCallback
 from engine.kv_cache.groups import KVGroupLayout
 from engine.kv_cache.hashing import BlockHash, extend_block_hashes
+from engine.kv_cache.host.blocks import BlockCopies, OffloadStats, SwapCostModel
+from engine.kv_cache.host.tier import CopyFn, HostTier
 from engine.kv_cache.manager import KVCacheManager, KVCacheStats, PrefixHit
-from engine.kv_cache.offload import BlockCopies, OffloadStats, SwapCostModel
-from engine.kv_cache.tiered import CopyFn, HostTier
 
 _ON_HOST = object()  # find_prefix: a block only the host tier holds
 

@@ -1,5 +1,5 @@
 """KVCacheManager: per-sequence block tables over the device BlockPool, with prefix sharing,
-and the host tier (``engine.kv_cache.tiered.HostTier``) as a component when there is one.
+and the host tier (``engine.kv_cache.host.tier.HostTier``) as a component when there is one.
 
 The scheduler's view of the KV cache, and only the scheduler's: it alone calls allocate, free,
 look-up and commit; the model side receives block tables as plain data in the step plan.
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import BlockPool, EvictCallback, KVBlock
 from engine.kv_cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
-from engine.kv_cache.offload import BlockCopies, OffloadStats, SwapCostModel
+from engine.kv_cache.host.blocks import BlockCopies, OffloadStats, SwapCostModel
+from engine.kv_cache.host.tier import CopyFn, HostTier
 from engine.kv_cache.rollback import truncate_table
-from engine.kv_cache.tiered import CopyFn, HostTier
 
 RELEASED = -1  # a table entry whose block went back to the pool (outside the sliding window)
 

@@ -11,7 +11,7 @@ kept cache, not its place in the text, so the model never sees a position past
 ``d`` tokens from the middle re-rotates every kept key behind them by ``-d`` (RoPE is a
 rotation: ``R(p - d) = R(-d) R(p)``; llama.cpp's K-shift). The scheduler only records that
 (``engine.step_plan.KeyShift``, carried by the step plan); the model runner applies it before the step's
-copies and forward pass (``engine.kv_cache.rope_shift``).
+copies and forward pass (``engine.kv_storage.rope_shift``).
 
 Granularity is the block: ``S`` and ``N`` are rounded UP to whole blocks, eviction takes whole
 blocks, one block at a time in steady state, so every shift is a multiple of ``block_size``.

@@ -15,7 +15,7 @@ innermost first) and the router as ``blk.N.ffn_gate_inp`` ``[E, H]``. Contracts:
   each dequantised by ``gguf``'s own dequantiser.
 * :func:`expert_packs` gives a quantised expert tensor's experts as packed weights, one per
   expert, under HF's per-expert names (``engine.models.moe_model.expert_param_name``), for
-  ``quantization=auto`` (engine.models.moe_quant builds the packed experts from them).
+  ``quantization=auto`` (engine.quantization.moe builds the packed experts from them).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from engine.loading.gguf_fields import gguf_field
-from engine.models.gguf_blocks import SUPPORTED, from_gguf_blocks
-from engine.models.quant_formats import Packed
+from engine.quantization.formats import Packed
+from engine.quantization.gguf_blocks import SUPPORTED, from_gguf_blocks
 
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight$")

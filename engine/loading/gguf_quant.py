@@ -3,7 +3,7 @@
 The rest of loading goes through the converted HF directory (engine.loading.gguf_convert),
 which holds every tensor dequantised. With ``quantization="auto"`` the engine also calls
 :func:`read_packed` and keeps the tensors of a supported block type (Q4_0, Q4_1, Q8_0,
-Q4_K, Q5_K, Q6_K; ``engine.models.gguf_blocks``) packed.
+Q4_K, Q5_K, Q6_K; ``engine.quantization.gguf_blocks``) packed.
 
 Contract of :func:`read_packed`: returns ``{hf_name: Packed}`` for the 2-D tensors of the
 decoder (q/k/v/o, gate/up/down, token embedding, output head) stored in a supported type,
@@ -27,8 +27,8 @@ from engine.loading import gguf_convert
 from engine.loading.gguf_fields import gguf_field
 from engine.loading.gguf_moe import expert_packs
 from engine.loading.packed_policy import hf_name, is_packable
-from engine.models.gguf_blocks import from_gguf_blocks
-from engine.models.quant_formats import Packed
+from engine.quantization.formats import Packed
+from engine.quantization.gguf_blocks import from_gguf_blocks
 
 logger = logging.getLogger("kvserve.loader")
 

@@ -3,7 +3,7 @@ never made.
 
 A tensor is *packable* when it is a decoder linear, the token table or the output head
 (:func:`hf_name` maps its GGUF name), 2-D, and stored in a block type the packed kernels serve
-(``engine.models.gguf_blocks.SUPPORTED``). The float32 copies of a GGUF's packable tensors are
+(``engine.quantization.gguf_blocks.SUPPORTED``). The float32 copies of a GGUF's packable tensors are
 *too big* when they would take more than :data:`PACKED_ONLY_RAM_FRACTION` of the machine's
 memory (an 8B Q4_K_M: ~30 GiB as float32, ~5 GB packed): then the one-time conversion does not
 write them (the loader dequantises them from the GGUF if ``quantization="none"`` asks for them)
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from engine.models.gguf_blocks import SUPPORTED
+from engine.quantization.gguf_blocks import SUPPORTED
 
 PACKED_ONLY_RAM_FRACTION = 0.5
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from engine.models.packed_linear import PackedLinear
-from engine.models.quant_linear import QuantConcat, QuantLinear
+from engine.quantization.linear import QuantConcat, QuantLinear
+from engine.quantization.packed_linear import PackedLinear
 
 logger = logging.getLogger("kvserve.engine")
 

@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from engine.attention.torch_backend import CPU_KERNEL_FLOAT_POOLS
-from engine.kv_cache.kv_quant import INT8_SCALE_FLOOR
+from engine.kv_storage.formats import INT8_SCALE_FLOOR
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
-from engine.models.packed_linear import PackedLinear
-from engine.models.quant_linear import QuantConcat, QuantLinear
+from engine.quantization.linear import QuantConcat, QuantLinear
+from engine.quantization.packed_linear import PackedLinear
 
 NO_LIMIT = 1 << 62
 # The KV pools the C++ stack stores into and decodes over (DecodeStack::set_kv_caches): the

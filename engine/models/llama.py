@@ -18,8 +18,8 @@ from torch import nn
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.models.arch import ModelArch
 from engine.models.layer_ops import TorchLayerOps
-from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import RotaryEmbedding
+from engine.quantization.packed_linear import PackedLinear, pack_linears
 
 if TYPE_CHECKING:
     from engine.distributed.parallel_state import TPGroup
@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self, backend: str) -> int:
         """Move every projection (and a tied logits head) onto packed weights for ``backend``;
-        see ``engine.models.packed_linear``. Returns the number of layers packed."""
+        see ``engine.quantization.packed_linear``. Returns the number of layers packed."""
         n = pack_linears(self, backend)
         if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, backend)

@@ -8,7 +8,7 @@ Contracts:
   order of the chosen experts are HF's), then, with ``normalise``, the kept probabilities
   divided by their sum. Returns float32 weights ``[T, k]`` and expert ids ``[T, k]``.
 * An experts module (:class:`MoeExperts` over float stacked weights, or
-  :class:`PackedExperts` over one packed linear per expert, engine.models.quant_linear) maps
+  :class:`PackedExperts` over one packed linear per expert, engine.quantization.linear) maps
   ``(x [T, H], weights, ids)`` to ``[T, H]`` = sum over a token's experts of
   ``weight * down(silu(gate(x)) * up(x))``, added in ascending expert order as HF does.
 * The **grouped** path (:func:`grouped_moe`, the default) computes only the routed rows: the

@@ -11,10 +11,10 @@ The objective (stated, so that the choice can be checked): one request of
 ``PREFILL_ROWS`` prompt tokens and ``DECODE_STEPS`` generated tokens at one row each, i.e.
 ``t(PREFILL_ROWS rows) + DECODE_STEPS * t(1 row)`` over one layer's projections (QKV, O,
 gate/up, down). Each dtype is timed alternately, best of several runs, twice; the verdict
-(the better best run where the two disagree) is cached per machine (``engine.models.quant_probe_cache``, keyed by the CPU, threads,
+(the better best run where the two disagree) is cached per machine (``engine.quantization.probe_cache``, keyed by the CPU, threads,
 torch and the shapes). Packed-weight checkpoints never get here: their kernels take float32
 activations and their prefill panels' dtype is probed separately
-(``engine.models.quant_probe.probe_panels``).
+(``engine.quantization.probe.probe_panels``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.models import quant_probe_cache as probe_cache
 from engine.models.arch import shape_from_hf_config
+from engine.quantization import probe_cache
 
 logger = logging.getLogger("kvserve.engine")
 

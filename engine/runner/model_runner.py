@@ -10,7 +10,7 @@ prompt positions whose logprobs were asked for, their reduced logprobs (target l
 top-k), computed ``PROMPT_LOGPROB_CHUNK`` rows of logits at a time. The KV pools are allocated
 once, here, at start-up: one ``(K, V)`` pair per layer, each
 ``[num_blocks, block_size, kv_heads, row_width]`` of the ``kv_cache_dtype``'s storage
-(``engine/kv_cache/kv_quant.py``: row_width is head_dim, or head_dim + 2 for int8's scale).
+(``engine/kv_storage/formats.py``: row_width is head_dim, or head_dim + 2 for int8's scale).
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_cache.groups import KVGroupLayout, plan_kv_groups
-from engine.kv_cache.host_copy import HostTierCopier
-from engine.kv_cache.host_pool import allocate_host_pools
-from engine.kv_cache.kv_quant import KVFormat, kv_format, resolve_kv_cache_dtype
-from engine.kv_cache.rope_shift import shift_block_keys
+from engine.kv_cache.host.copier import HostTierCopier
+from engine.kv_cache.host.memory import allocate_host_pools
+from engine.kv_storage.formats import KVFormat, kv_format, resolve_kv_cache_dtype
+from engine.kv_storage.rope_shift import shift_block_keys
 from engine.loading.loader import iter_dir_weights
 from engine.models.arch import ModelArch
 from engine.models.batch_invariant import make_batch_invariant
 from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
-from engine.models.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.models.quant_apply import (
+from engine.models.registry import build_model
+from engine.models.rope import RotaryEmbedding
+from engine.quantization.apply import (
     adopt,
     adopt_packed_only,
     build_quantised,
@@ -47,8 +48,7 @@ from engine.models.quant_apply import (
     read_served_packed,
     serves_packed_gguf,
 )
-from engine.models.registry import build_model
-from engine.models.rope import RotaryEmbedding
+from engine.quantization.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
 from engine.runner.batch import ModelInput
 from engine.runner.cpu_memory import cpu_kv_budget
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
@@ -317,9 +317,9 @@ class ModelRunner:
                                                                           torch.Tensor]]:
         """fp8 pools: one prefill of ``token_ids`` (cut to what one step and the pool hold)
         with every layer's K/V observed, then each layer's per-head scales set from the maxima
-        (``engine.kv_cache.kv_calibration``). Before serving only: it writes the first blocks
+        (``engine.kv_storage.calibration``). Before serving only: it writes the first blocks
         of the pool, which no request owns yet. Returns the scales."""
-        from engine.kv_cache.kv_calibration import KVAbsMax
+        from engine.kv_storage.calibration import KVAbsMax
 
         if self.kv_format.kind != "fp8":
             raise ValueError(f"KV scale calibration is for fp8 pools; this one is "
@@ -368,7 +368,7 @@ class ModelRunner:
             return 0
         # One exact-size host buffer (not one pinned tensor per layer, which PyTorch's caching
         # host allocator rounds up to a power of two each). Unpinned: the copier moves blocks
-        # through pinned staging buffers of its own (engine/kv_cache/host_copy.py).
+        # through pinned staging buffers of its own (engine/kv_cache/host/copier.py).
         pools = allocate_host_pools(self.kv_layout.group_size, self._pool_shape(n),
                                     self.kv_format.storage_dtype, pin=False)
         self._host_pools = pools
@@ -389,12 +389,12 @@ class ModelRunner:
         """One step's block moves (``StepPlan.copies``): ``d2h`` (device block, host block)
         pairs, then ``h2d`` (host block, device block) pairs, for every layer's K and V. On
         CUDA they run on a side stream ordered after the queued work; the compute stream waits
-        only for what this step reads (see ``engine.kv_cache.host_copy.HostTierCopier``)."""
+        only for what this step reads (see ``engine.kv_cache.host.copier.HostTierCopier``)."""
         self._host_copier.copy(d2h, h2d)
 
     def shift_keys(self, shifts: Sequence[KeyShift]) -> None:
         """Streaming eviction's K-shift (``StepPlan.shifts``): re-rotate the K rows of each
-        shift's blocks by ``-delta`` in every layer (``engine.kv_cache.rope_shift``). Runs
+        shift's blocks by ``-delta`` in every layer (``engine.kv_storage.rope_shift``). Runs
         before the step's copies and forward pass."""
         rot = self.model.rotary
         with torch.inference_mode():

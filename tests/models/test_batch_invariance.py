@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.quant_linear import QuantLinear
-from engine.models.quant_rtn import quantise
+from engine.quantization.linear import QuantLinear
+from engine.quantization.rtn import quantise
 
 ROWS = (1, 3, 17, 64, 300)
 OUT_TOKENS = 10
@@ -54,7 +54,7 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(scheme, panels):
 
 
 def test_float_panel_linear_rows_do_not_depend_on_the_batch():
-    from engine.models.packed_linear import (
+    from engine.quantization.packed_linear import (
         PackedLinear,
         onednn_linear_available,
         panel_kernels_available,

@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.loading.tiny import make_tiny_model_dir
 from engine.models.cpu_decode_stack import CpuDecodeStack, build_decode_stack
-from engine.models.quant_linear import BATCH_TILE_ROWS, QuantLinear, quant_kernels, vnni_available
+from engine.quantization.linear import BATCH_TILE_ROWS, QuantLinear, quant_kernels, vnni_available
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 
@@ -133,7 +133,7 @@ def test_stack_serves_blocked_4bit_weights(model_dirs):
 def test_mixed_format_projections(make_llama_gguf, tmp_path, monkeypatch):
     """A Q4_K_M-style GGUF: Q/K/V packed as Q4_K and Q6_K rows (a QuantConcat), down as Q5_K
     (8-bit with mins), a Q6_K token table."""
-    from engine.models.quant_linear import QuantConcat
+    from engine.quantization.linear import QuantConcat
 
     path = tmp_path / "tiny-llama.Q4_K_M.gguf"
     make_llama_gguf(path, tied=True, kquants=True)

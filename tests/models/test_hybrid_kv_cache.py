@@ -172,7 +172,7 @@ def test_speculative_rollback_and_int8_pool(tmp_path):
 
 
 def test_kv_calc_and_stats_count_per_group(qwen2):
-    from engine.kv_cache.kv_calc import format_report, kv_report, report_dict
+    from bench.kv_calc import format_report, kv_report, report_dict
     from engine.models.arch import shape_from_hf_config
 
     types = (["sliding_attention"] * 5 + ["full_attention"]) * 3

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
+from bench.kv_calc import kv_bytes_per_token
 from engine import LLM, SamplingParams
-from engine.kv_cache.kv_calc import kv_bytes_per_token
 from engine.loading.tiny import make_tiny_model_dir
 from tests.models.teacher_forced import top1
 

@@ -22,7 +22,7 @@ TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_output": 
 @pytest.fixture(scope="module")
 def q5_gguf(tmp_path_factory, make_llama_gguf):
     pytest.importorskip("gguf")
-    from engine.models.quant_linear import quant_kernels
+    from engine.quantization.linear import quant_kernels
 
     if quant_kernels() is None:
         pytest.skip("CPU kernels unavailable")
@@ -34,7 +34,7 @@ def q5_gguf(tmp_path_factory, make_llama_gguf):
 
 def test_five_bit_and_iq4_tensors_load_packed_and_agree_with_none(q5_gguf, monkeypatch,
                                                                   default_quant_settings):
-    from engine.models.quant_linear import QuantConcat
+    from engine.quantization.linear import QuantConcat
 
     path, cache = q5_gguf
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.loading.tiny import make_tiny_model_dir
-from engine.models.quant_apply import HEAD_SCHEMES
-from engine.models.quant_linear import QuantEmbedding, QuantLinear, quant_kernels
-from engine.models.quant_rtn import quantise
+from engine.quantization.apply import HEAD_SCHEMES
+from engine.quantization.linear import QuantEmbedding, QuantLinear, quant_kernels
+from engine.quantization.rtn import quantise
 from tests.models.teacher_forced import continuation_hits
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")

@@ -89,7 +89,7 @@ def test_k_quants_load_packed_and_agree_with_none(k_gguf, monkeypatch,
                                                   default_quant_settings):
     """Q4_K / Q5_K / Q6_K tensors (Q/K/V mixed: Q4_K and Q6_K; a Q6_K tied token table) are
     served packed and agree with the dequantised path teacher-forced."""
-    from engine.models.quant_linear import QuantConcat
+    from engine.quantization.linear import QuantConcat
 
     path, cache = k_gguf
     none = _llm(path, cache, monkeypatch, quantization="none")
@@ -156,8 +156,8 @@ def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatc
 
 
 def test_packed_only_reason(monkeypatch):
-    from engine.models.quant_apply import packed_only_reason
-    from engine.models.quant_rtn import quantise
+    from engine.quantization.apply import packed_only_reason
+    from engine.quantization.rtn import quantise
 
     monkeypatch.delenv("KVSERVE_QUANT_PACKED_ONLY", raising=False)
     packed = {"w": quantise(torch.randn(256, 1024), "int4", 32)}  # 1 MiB as float32

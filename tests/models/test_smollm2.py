@@ -106,7 +106,7 @@ def test_packed_kernels_perplexity_within_one_percent(llm, monkeypatch):
     (attention summed in another order), so a 172-token estimate alone swings by ~1%
     (measured +0.03% and +1.15% for two attention paths equal to 1e-7); 455 tokens: +0.07% /
     +0.53%."""
-    from engine.kv_cache.kv_calibration import CALIBRATION_TEXT
+    from engine.kv_storage.calibration import CALIBRATION_TEXT
 
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     packed = LLM(None, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,

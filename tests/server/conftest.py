@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from server.bench.serve import free_port
+from bench.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "e2e-key"

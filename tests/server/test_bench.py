@@ -16,16 +16,16 @@ import httpx
 import numpy as np
 import pytest
 
-from engine.kv_cache.kv_calc import ModelShape, resolve_shape
-from server.bench.client import BenchClient, ClientConfig
-from server.bench.stats import (
+from bench.client import BenchClient, ClientConfig
+from bench.kv_calc import ModelShape, resolve_shape
+from bench.stats import (
     Distribution,
     RequestRecord,
     format_summary,
     percentile,
     summarize,
 )
-from server.bench.workloads import (
+from bench.workloads import (
     PromptMaker,
     WorkloadConfig,
     build_sessions,
@@ -33,7 +33,7 @@ from server.bench.workloads import (
     poisson_arrivals,
     tools_text,
 )
-from server.bench.yardstick import request_flops, run_flops
+from bench.yardstick import request_flops, run_flops
 
 SMALL = ModelShape("t", layers=3, heads=4, kv_heads=2, head_dim=8, hidden=32, intermediate=64,
                    vocab=100)

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import yaml
 
+from bench.serve import free_port
 from engine.async_engine import AsyncEngine
 from server.app import build_app
-from server.bench.serve import free_port
 from tests.server.fakes import FakeCore
 from tests.server.helpers import ServerThread
 

@@ -9,8 +9,8 @@ import argparse
 
 import pytest
 
+from bench import profile, utilisation
 from engine.loading.tiny import make_tiny_model_dir
-from server.bench import profile, utilisation
 
 
 @pytest.fixture(scope="module")

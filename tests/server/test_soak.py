@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.serve import free_port
 from engine.loading.tiny import make_tiny_model_dir
-from server.bench.serve import free_port
 from server.sse import parse_events
 from tests.server.helpers import sample, scrape
 

@@ -40,9 +40,9 @@ def test_matches_reference(kernel, heads, kv_heads, block_size, window):
 @pytest.mark.parametrize("window", [None, 5])
 def test_quantised_pool_matches_reference_on_dequantised(kernel, kind, heads, kv_heads,
                                                          head_dim, window):
-    """Over an 8-bit pool (engine/kv_cache/kv_quant.py) the kernel computes exactly the float
+    """Over an 8-bit pool (engine/kv_storage/formats.py) the kernel computes exactly the float
     reference over that pool dequantised: the scales are folded in, not approximated."""
-    from engine.kv_cache.kv_quant import (
+    from engine.kv_storage.formats import (
         byte_view,
         dequantize_rows,
         fp8_table,

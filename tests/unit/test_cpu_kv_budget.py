@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache.kv_quant import kv_format, resolve_kv_cache_dtype
+from engine.kv_storage.formats import kv_format, resolve_kv_cache_dtype
 from engine.runner import cpu_memory
 from engine.runner.cpu_memory import CPU_KV_CEILING, CPU_KV_FLOOR, CPU_KV_SHARE, cpu_kv_budget
 from engine.runner.model_runner import _zeros

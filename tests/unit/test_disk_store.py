@@ -267,7 +267,7 @@ def test_config_errors_name_the_fix():
 
 
 def test_kv_calc_counts_the_tokens_a_disk_size_holds():
-    from engine.kv_cache.kv_calc import disk_report
+    from bench.kv_calc import disk_report
 
     r = disk_report(1000, "1MiB", 16)
     assert r["bytes_per_block"] == 16 * 1000 + RECORD_HEADER_BYTES

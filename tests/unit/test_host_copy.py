@@ -1,4 +1,4 @@
-"""HostTierCopier (engine/kv_cache/host_copy.py) against the reference ``copy_blocks`` run synchronously:
+"""HostTierCopier (engine/kv_cache/host/copier.py) against the reference ``copy_blocks`` run synchronously:
 both directions, several layers, in the synchronous CPU mode and in the staged mode (forced on
 CPU: deferred write-backs, same-call dependencies, reuse across steps); with CUDA, the real
 side-stream path into pinned host pools."""
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engine.kv_cache.host_copy import HostTierCopier
-from engine.kv_cache.host_pool import allocate_host_pools
+from engine.kv_cache.host.copier import HostTierCopier
+from engine.kv_cache.host.memory import allocate_host_pools
 from kernels import reference as ref
 
 BLOCK = (4, 2, 8)  # block_size, kv_heads, head_dim

@@ -1,4 +1,4 @@
-"""allocate_host_pools (engine/kv_cache/host_pool.py): exact flat size, aligned non-overlapping writable
+"""allocate_host_pools (engine/kv_cache/host/memory.py): exact flat size, aligned non-overlapping writable
 views, lifetime; pinning through a fake cudart on CPU (register once, unregister once, failure
 kept unpinned with a warning) and through the real one when CUDA is present."""
 
@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from engine.kv_cache import host_pool
-from engine.kv_cache.host_pool import ALIGN, allocate_host_pools
+from engine.kv_cache.host import memory as host_pool
+from engine.kv_cache.host.memory import ALIGN, allocate_host_pools
 
 SHAPE = (5, 4, 2, 8)  # blocks, block_size, kv_heads, head_dim
 

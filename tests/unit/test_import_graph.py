@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "server", "kernels")
+PACKAGES = ("engine", "server", "kernels", "bench")
 # Packages whose modules must not import ``server``.
 BELOW_SERVER = ("engine", "kernels")
 

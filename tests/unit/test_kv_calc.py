@@ -1,4 +1,4 @@
-"""KV-cache arithmetic (engine/kv_cache/kv_calc.py) against the textbook numbers, HF configs and the
+"""KV-cache arithmetic (bench/kv_calc.py) against the textbook numbers, HF configs and the
 engine's own pool allocation."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.kv_cache.kv_calc import (
+from bench.kv_calc import (
     ModelShape,
     kv_bytes_per_token,
     kv_report,
@@ -21,7 +21,7 @@ LLAMA_7B_1024_FP16 = 536_870_912  # 2 * 32 * 32 * 128 * 2 * 1024: the textbook 5
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
-    from server.bench.cli import register
+    from bench.cli import register
 
     parser = argparse.ArgumentParser(prog="kvserve")
     register(parser.add_subparsers(dest="command", required=True))

@@ -1,4 +1,4 @@
-"""The 8-bit KV storage formats (engine/kv_cache/kv_quant.py), their byte arithmetic against
+"""The 8-bit KV storage formats (engine/kv_storage/formats.py), their byte arithmetic against
 kv-calc, and the fp8 scale calibration's arithmetic."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.kv_calc import PRESETS, kv_bytes_per_token
 from engine.config import EngineConfig
-from engine.kv_cache.kv_calc import PRESETS, kv_bytes_per_token
-from engine.kv_cache.kv_calibration import KVAbsMax
-from engine.kv_cache.kv_quant import (
+from engine.kv_storage.calibration import KVAbsMax
+from engine.kv_storage.formats import (
     INT8_SCALE_FLOOR,
     byte_view,
     dequantize_rows,

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.precision import kv_precision_warning
 from engine.kv_cache.snapshot import KVGeometry, KVSnapshotter, PrefixTracker, TierState
+from engine.kv_storage.precision import kv_precision_warning
 
 
 @dataclass

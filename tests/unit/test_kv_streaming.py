@@ -10,10 +10,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache.eviction_spec import KVEvictionSpec
-from engine.kv_cache.kv_quant import dequantize_rows, kv_format, quantize_rows
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.rope_shift import shift_block_keys
 from engine.kv_cache.streaming import StreamingEviction
+from engine.kv_storage.formats import dequantize_rows, kv_format, quantize_rows
+from engine.kv_storage.rope_shift import shift_block_keys
 from engine.models.arch import RopeSpec
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.sampling.params import SamplingParams

@@ -10,8 +10,8 @@ import pytest
 
 from engine.kv_cache import KVCacheManager, PrefixHit
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.offload import SwapCostModel
-from engine.kv_cache.tiered import HostTier
+from engine.kv_cache.host.blocks import SwapCostModel
+from engine.kv_cache.host.tier import HostTier
 from engine.models.arch import ModelArch
 from engine.stats import HostTierStats
 from tests.unit.test_offload_harness import Pools

@@ -1,5 +1,5 @@
 """The block types of llama.cpp's common mixes beyond Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K
-(engine/models/gguf_blocks.py): Q5_0 and Q5_1 on the 5-bit form (engine/models/quant_formats.py
+(engine/quantization/gguf_blocks.py): Q5_0 and Q5_1 on the 5-bit form (engine/quantization/formats.py
 PackedQ5, engine/cpu/csrc/quant_gemm_q5.cpp), Q3_K, IQ4_NL and IQ4_XS on the 8-bit form.
 
 Truths: ``gguf.quants`` (its quantiser for Q5_0/Q5_1; for the others, which it cannot quantise,
@@ -21,9 +21,9 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from engine.loading.packed_policy import is_packable  # noqa: E402
-from engine.models.gguf_blocks import SUPPORTED, from_gguf_blocks  # noqa: E402
-from engine.models.quant_formats import PackedQ5, PackedQ8, cat, same_layout  # noqa: E402
-from engine.models.quant_linear import DENSE_ROWS, QuantLinear, quant_kernels  # noqa: E402
+from engine.quantization.formats import PackedQ5, PackedQ8, cat, same_layout  # noqa: E402
+from engine.quantization.gguf_blocks import SUPPORTED, from_gguf_blocks  # noqa: E402
+from engine.quantization.linear import DENSE_ROWS, QuantLinear, quant_kernels  # noqa: E402
 
 Q5_TYPES = [T.Q5_0, T.Q5_1]
 WIDE_TYPES = [T.Q3_K, T.IQ4_NL, T.IQ4_XS]  # widened to 8 bits

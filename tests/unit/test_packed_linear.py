@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.packed_linear import (
+from engine.quantization.packed_linear import (
     PackedLinear,
     linear_backend,
     onednn_linear_available,

@@ -1,4 +1,4 @@
-"""The blocked layout of 4-bit weights (engine/models/quant_blocked.py) and its kernel
+"""The blocked layout of 4-bit weights (engine/quantization/blocked.py) and its kernel
 ``quant_gemm_q4_blocked``: the conversion is exact both ways, the kernel does the tiled
 kernel's math bit for bit (and so the decode kernel's up to float summation order, and the
 reference model of that math), dequantised rows equal the rows layout's, and ``QuantLinear``
@@ -13,16 +13,16 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from engine.models.gguf_blocks import from_gguf_blocks
-from engine.models.quant_blocked import from_blocked, to_blocked
-from engine.models.quant_linear import (
+from engine.quantization.blocked import from_blocked, to_blocked
+from engine.quantization.gguf_blocks import from_gguf_blocks
+from engine.quantization.linear import (
     DENSE_ROWS,
     QuantConcat,
     QuantEmbedding,
     QuantLinear,
     quant_kernels,
 )
-from engine.models.quant_rtn import quantise
+from engine.quantization.rtn import quantise
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 

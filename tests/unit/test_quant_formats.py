@@ -1,5 +1,5 @@
-"""Packed 4-bit / 8-bit weight formats (engine/models/quant_formats.py), the GGUF block types
-mapped onto them (engine/models/gguf_blocks.py: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and their
+"""Packed 4-bit / 8-bit weight formats (engine/quantization/formats.py), the GGUF block types
+mapped onto them (engine/quantization/gguf_blocks.py: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and their
 kernels.
 
 Truths: ``gguf.quants`` (GGUF's own quantiser and dequantiser; for the K-quants, which it cannot
@@ -23,9 +23,9 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from engine.loading.gguf_quant import hf_name, unpermute_rows  # noqa: E402
-from engine.models.gguf_blocks import from_gguf_blocks  # noqa: E402
-from engine.models.quant_formats import PackedQ4, PackedQ8, cat  # noqa: E402
-from engine.models.quant_linear import (  # noqa: E402
+from engine.quantization.formats import PackedQ4, PackedQ8, cat  # noqa: E402
+from engine.quantization.gguf_blocks import from_gguf_blocks  # noqa: E402
+from engine.quantization.linear import (  # noqa: E402
     BATCH_TILE_ROWS,
     DENSE_ROWS,
     QuantEmbedding,

@@ -1,4 +1,4 @@
-"""Quantise-on-load (engine/models/quant_rtn.py) for ``--quantization int4|int8``.
+"""Quantise-on-load (engine/quantization/rtn.py) for ``--quantization int4|int8``.
 
 Truth: the definition of round-to-nearest per group, computed here in float64 from the float
 weight: the packed weight must dequantise to within half a quantisation step of it, reproduce
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.quant_formats import PackedQ4, PackedQ8
-from engine.models.quant_linear import QuantLinear, quant_kernels
-from engine.models.quant_rtn import quantise
+from engine.quantization.formats import PackedQ4, PackedQ8
+from engine.quantization.linear import QuantLinear, quant_kernels
+from engine.quantization.rtn import quantise
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The start-up choice between packed quantised and float linears (engine/models/quant_probe.py
+"""The start-up choice between packed quantised and float linears (engine/quantization/probe.py
 ``choose``) and the per-call routing it sets up (``QuantLinear.keep_float_above``).
 
 The choice must follow the measurements only: the quantised path keeps the row counts it won,
@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import quant_apply, quant_probe
-from engine.models.quant_linear import QuantisedModules
-from engine.models.quant_probe import ProbeResult, Verdict, choose
+from engine.quantization import apply as quant_apply
+from engine.quantization import probe as quant_probe
+from engine.quantization.linear import QuantisedModules
+from engine.quantization.probe import ProbeResult, Verdict, choose
 
 gguf = pytest.importorskip("gguf")
 
@@ -83,8 +84,8 @@ def test_inputs_above_the_crossover_go_to_the_float_module():
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from engine.models.gguf_blocks import from_gguf_blocks
-    from engine.models.quant_linear import QuantLinear, quant_kernels
+    from engine.quantization.gguf_blocks import from_gguf_blocks
+    from engine.quantization.linear import QuantLinear, quant_kernels
 
     if quant_kernels() is None:
         pytest.skip("CPU kernels unavailable")
@@ -317,8 +318,8 @@ def test_q4_layout_follows_its_measurement(monkeypatch, blocked_s, want):
 
 
 def test_the_real_setting_probes_run_and_restore_the_modules():
-    from engine.models.quant_linear import QuantLinear, quant_kernels, vnni_available
-    from engine.models.quant_rtn import quantise
+    from engine.quantization.linear import QuantLinear, quant_kernels, vnni_available
+    from engine.quantization.rtn import quantise
 
     if quant_kernels() is None:
         pytest.skip("CPU kernels unavailable")

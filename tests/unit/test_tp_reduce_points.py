@@ -133,7 +133,7 @@ def test_quantised_shards_are_slices_of_the_quantised_model(tiny_dir, scheme,
     boundaries (partial sums add up to its output). End-to-end tokens may still differ from
     TP=1: the kernels quantise activations to int8 per group, and a 1e-6 change of an input
     (the all-reduce's summation order) can move one activation by an int8 step."""
-    from engine.models.quant_linear import quant_kernels
+    from engine.quantization.linear import quant_kernels
 
     if quant_kernels() is None:
         pytest.skip("the CPU quantised kernels did not build")

@@ -37,7 +37,7 @@ from engine.kv_cache.disk.prefetch import Prefetcher, PrefetchJob
 from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.disk.store import DiskStore
 from engine.kv_cache.hashing import encode_extra_keys, extend_block_hashes
-from engine.kv_cache.offload import SwapCostModel
+from engine.kv_cache.host.blocks import SwapCostModel
 
 logger = logging.getLogger("kvserve.engine")
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]

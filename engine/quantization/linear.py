@@ -1,4 +1,4 @@
-"""Linear layers and embeddings over weights kept packed (``engine.models.quant_formats``).
+"""Linear layers and embeddings over weights kept packed (``engine.quantization.formats``).
 
 ``QuantLinear(packed, bias)`` computes ``y = x @ W.T + b`` for ``W`` in 4-bit, 5-bit or 8-bit
 groups (8-bit: scales per 32 or 16, optional mins). 5-bit weights (GGUF's Q5_0/Q5_1) have one
@@ -25,7 +25,7 @@ settings below leave them alone:
   stays float32) and multiplied densely; compute-bound there, so the dequantisation is a small
   extra.
 * 4-bit weights can be stored blocked instead (``q4_layout`` ``blocked``,
-  engine/models/quant_blocked.py: 8 output columns' groups interleaved) where the start-up probe
+  engine/quantization/blocked.py: 8 output columns' groups interleaved) where the start-up probe
   measured it faster: then ``quant_gemm_q4_blocked`` serves every decode-sized input (the
   tiles' math without their per-call repack: on AVX2 ~1.4x the decode kernel at one row,
   ~1.6x at two, 1.2-1.5x the repacking tiles from three) and the int8 prefill; panels are
@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.quant_blocked import from_blocked, to_blocked
-from engine.models.quant_formats import Packed, PackedQ4, PackedQ5
+from engine.quantization.blocked import from_blocked, to_blocked
+from engine.quantization.formats import Packed, PackedQ4, PackedQ5
 
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
 PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
@@ -63,7 +63,7 @@ KERNELS = ("base", "vnni")  # the decode kernels of either width
 Q4_PREFILL = ("panels", "int8")  # a 4-bit weight's dense path: dequantised panels or int8 tiles
 Q4_BATCH = ("kernel", "tiles")  # a 4-bit weight's decode batches: the decode kernel or int8 tiles
 BATCH_TILE_ROWS = 3  # the smallest batch the tiles may serve (below, the per-call repack costs)
-Q4_LAYOUTS = ("rows", "blocked")  # a 4-bit weight's storage (engine/models/quant_blocked.py)
+Q4_LAYOUTS = ("rows", "blocked")  # a 4-bit weight's storage (engine/quantization/blocked.py)
 
 
 def quant_kernels():
@@ -363,7 +363,7 @@ class QuantisedModules:
     linears: dict[str, QuantLinear | QuantConcat] = field(default_factory=dict)
     embedding: QuantEmbedding | None = None
     # Packed experts of mixture-of-experts layers by path (``layers.N.moe.experts``;
-    # engine.models.moe_quant). Not probed: swapped in whenever the linears are.
+    # engine.quantization.moe). Not probed: swapped in whenever the linears are.
     experts: dict[str, nn.Module] = field(default_factory=dict)
 
     def modules(self) -> list[QuantLinear | QuantConcat]:

@@ -9,7 +9,7 @@ keeps the faster, then times a pass over every replaced linear, float against qu
 of ``PROBE_ROWS`` (decode of 1..64 sequences, and a prefill chunk) (:func:`probe`): the
 quantised path keeps the smallest counts it wins, contiguously from one row (a
 :class:`Verdict`: ``quant``, ``hybrid`` or ``float``). Measurements whose runs disagree (a busy
-machine) are taken again. ``engine.models.quant_apply`` caches and applies the verdict.
+machine) are taken again. ``engine.quantization.apply`` caches and applies the verdict.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.models.quant_linear import BATCH_TILE_ROWS, DENSE_ROWS, QuantisedModules, vnni_available
+from engine.quantization.linear import BATCH_TILE_ROWS, DENSE_ROWS, QuantisedModules, vnni_available
 
 
 @dataclass

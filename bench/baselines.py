@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.kv_cache.kv_calc import ModelShape
+from bench.kv_calc import ModelShape
 
 
 @dataclass

@@ -17,13 +17,13 @@ import sys
 import time
 from typing import Any
 
-from engine.kv_cache.kv_calc import ModelShape, kv_bytes_per_token, resolve_shape
-from server.bench import baselines
-from server.bench.engine_loop import drive_engine
-from server.bench.serve import machine_info, write_outputs
-from server.bench.stats import format_summary, summarize
-from server.bench.workloads import HFTokenizer, WorkloadConfig, build_sessions, derive_seed
-from server.bench.yardstick import (
+from bench import baselines
+from bench.engine_loop import drive_engine
+from bench.kv_calc import ModelShape, kv_bytes_per_token, resolve_shape
+from bench.serve import machine_info, write_outputs
+from bench.stats import format_summary, summarize
+from bench.workloads import HFTokenizer, WorkloadConfig, build_sessions, derive_seed
+from bench.yardstick import (
     best_peak,
     efficiency_report,
     measure_matmul_peak,

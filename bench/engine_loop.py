@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from server.bench.stats import RequestRecord
+from bench.stats import RequestRecord
 
 _ids = itertools.count()
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import KV_CACHE_DTYPES
-from engine.kv_cache.kv_calc import INT8_SCALE_BYTES  # one float16 scale per row
+from kernels.kv_quant_layout import INT8_SCALE_BYTES  # one float16 scale per row
 
 INT8_SCALE_FLOOR = 2.0 ** -14  # smallest normal float16
 

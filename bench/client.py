@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from server.bench.stats import RequestRecord
+from bench.stats import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The blocked layout of a 4-bit weight, and back: ``to_blocked`` / ``from_blocked``.
 
-The rows layout (``engine.models.quant_formats.PackedQ4``: ``qs`` uint8 ``[N, K/2]``, ``d`` and
+The rows layout (``engine.quantization.formats.PackedQ4``: ``qs`` uint8 ``[N, K/2]``, ``d`` and
 ``m`` float32 ``[N, K/32]``) keeps each output column's groups together, as GGUF does; the
 decode kernel ``quant_gemm_q4`` reads one column's group at a time. The blocked layout keeps
 8 columns' groups interleaved so that one 32-byte load holds 8 columns x 4 k

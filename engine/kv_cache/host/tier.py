@@ -15,7 +15,7 @@ Its public interface has the shape of vLLM's offloading manager, in block hashes
   device blocks of the device pool again (named blocks still there are shared, not copied).
 
 All copies are recorded while the scheduler runs and executed once per step before the model
-runs, device->host first (see :mod:`engine.kv_cache.offload` for why that order is safe). Host
+runs, device->host first (see :mod:`engine.kv_cache.host.blocks` for why that order is safe). Host
 references are held by swapped sequences and by pins of the step's pending copies, nothing else.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.offload import BlockCopies, HostKVCache, OffloadStats, SwapCostModel
+from engine.kv_cache.host.blocks import BlockCopies, HostKVCache, OffloadStats, SwapCostModel
 
 CopyFn = Callable[[list[tuple[int, int]], list[tuple[int, int]]], None]
 

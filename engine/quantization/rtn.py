@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.quant_formats import GROUP, Packed, PackedQ4, PackedQ8
+from engine.quantization.formats import GROUP, Packed, PackedQ4, PackedQ8
 
 SCHEMES = ("int4", "int8")
 GROUP_SIZES = (32, 128)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache.kv_quant import KVFormat, byte_view, dequantize_rows, quantize_rows
+from engine.kv_storage.formats import KVFormat, byte_view, dequantize_rows, quantize_rows
 
 
 def rotate_back(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,7 @@ class OffloadStats:
 class HostKVCache:
     """Host block states, the host prefix cache (hash -> host block, LRU) and pending copies.
 
-    Knows nothing of sequences: :class:`engine.kv_cache.tiered.HostTier` keeps the swapped-out
+    Knows nothing of sequences: :class:`engine.kv_cache.host.tier.HostTier` keeps the swapped-out
     sequences' host tables, and the device ``KVCacheManager`` decides what to spill, load or swap.
     """
 

@@ -41,7 +41,7 @@ from contextlib import nullcontext
 
 import torch
 
-from engine.kv_cache.kv_quant import byte_view
+from engine.kv_storage.formats import byte_view
 
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
 

@@ -2,7 +2,7 @@
 
 ``quantization="auto"`` keeps a GGUF checkpoint's own quantised tensors packed where a start-up
 probe measures that faster (float checkpoints stay float); ``"int4"`` / ``"int8"`` quantise
-the float weights on load (``engine.models.quant_rtn``) and always use them, as requested;
+the float weights on load (``engine.quantization.rtn``) and always use them, as requested;
 ``"none"`` never gets here. The steps, called by the model runner:
 
 1. :func:`packed_replacements` (before the float linears are packed) builds the modules:
@@ -16,9 +16,9 @@ the float weights on load (``engine.models.quant_rtn``) and always use them, as 
    :func:`build_rtn` quantises every projection, the token table and an untied head.
 2. :func:`adopt`: for int4/int8, :func:`apply` at once (an explicit request is honoured; only
    the prefill panels' dtype is measured). For auto, :func:`adopt_if_faster` after float
-   packing: ``engine.models.quant_probe.choose`` times the float modules against the quantised
+   packing: ``engine.quantization.probe.choose`` times the float modules against the quantised
    ones on this machine and these shapes (a verdict whose runs agreed is cached per machine and
-   reused: ``engine.models.quant_probe_cache``). The quantised path is used for the row counts
+   reused: ``engine.quantization.probe_cache``). The quantised path is used for the row counts
    where it measured faster, never by a rule: for all of them (``quant``, the float copies are
    dropped), up to a crossover (``hybrid``: the float modules are kept for larger inputs), or
    for none (``float``); its prefill panels in the dtype measured faster.
@@ -36,17 +36,17 @@ from torch import nn
 
 from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.loading.packed_policy import float_copies_too_big
-from engine.models import quant_probe_cache as probe_cache
-from engine.models.moe_quant import packed_experts, rtn_experts
-from engine.models.quant_formats import Packed, cat, same_layout
-from engine.models.quant_linear import (
+from engine.quantization import probe_cache
+from engine.quantization.formats import Packed, cat, same_layout
+from engine.quantization.linear import (
     QuantConcat,
     QuantEmbedding,
     QuantisedModules,
     QuantLinear,
     quant_kernels,
 )
-from engine.models.quant_probe import (
+from engine.quantization.moe import packed_experts, rtn_experts
+from engine.quantization.probe import (
     MAX_PROBE_ATTEMPTS,
     Verdict,
     apply_settings,
@@ -54,7 +54,7 @@ from engine.models.quant_probe import (
     float_modules,
     measure_settings,
 )
-from engine.models.quant_rtn import SCHEMES, quantise
+from engine.quantization.rtn import SCHEMES, quantise
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -296,7 +296,7 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
 
 def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool,
                       cpu_probe: str = "cached") -> tuple[Verdict, str]:
-    """This machine's cached verdict for these modules (``engine.models.quant_probe_cache``;
+    """This machine's cached verdict for these modules (``engine.quantization.probe_cache``;
     not read when ``cpu_probe`` is ``force``), else a fresh :func:`choose`, cached (where runs
     disagreed, decided by their medians); and how it was obtained."""
     key = probe_cache.cache_key(_signature(quantised))

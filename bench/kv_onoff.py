@@ -26,10 +26,10 @@ from typing import Any
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from bench import baselines
+    from bench.serve import machine_info
     from engine.llm import LLM
     from engine.sampling.params import SamplingParams
-    from server.bench import baselines
-    from server.bench.serve import machine_info
 
     overrides: dict[str, Any] = {"enable_prefix_caching": False}
     if args.dtype:

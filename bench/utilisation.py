@@ -59,8 +59,8 @@ def measure(core: Any, name: str, spec: dict[str, Any], seed: int) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.serve import machine_info
     from engine.llm import LLM
-    from server.bench.serve import machine_info
 
     overrides: dict[str, Any] = {"max_num_seqs": 16, "enable_prefix_caching": False,
                                  "kv_cache_memory": args.kv_cache_memory}

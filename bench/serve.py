@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
-from server.bench.client import BenchClient, ClientConfig
-from server.bench.stats import RequestRecord, RunSummary, format_summary, summarize
-from server.bench.workloads import (
+from bench.client import BenchClient, ClientConfig
+from bench.stats import RequestRecord, RunSummary, format_summary, summarize
+from bench.workloads import (
     Session,
     WorkloadConfig,
     build_sessions,
@@ -150,8 +150,8 @@ def _yardstick(args: argparse.Namespace, model: str, log: Any) -> tuple[Any, Any
     """(model shape, matmul peak) for the efficiency line, or (None, None) with a note why."""
     if args.no_yardstick:
         return None, None
-    from engine.kv_cache.kv_calc import resolve_shape
-    from server.bench.yardstick import measure_matmul_peak
+    from bench.kv_calc import resolve_shape
+    from bench.yardstick import measure_matmul_peak
 
     try:
         shape = resolve_shape(args.model_config or model)
@@ -168,7 +168,7 @@ def _yardstick(args: argparse.Namespace, model: str, log: Any) -> tuple[Any, Any
 
 def _remeasure(summaries: list[RunSummary], shape: Any, peak: Any, dtype: str, log: Any) -> Any:
     """Probe the peak again after the load; keep the higher and restate the efficiencies."""
-    from server.bench.yardstick import best_peak, measure_matmul_peak, rescale
+    from bench.yardstick import best_peak, measure_matmul_peak, rescale
 
     best = best_peak(peak, measure_matmul_peak(shape, dtype=dtype))
     if best is not peak:
@@ -190,7 +190,7 @@ def _describe_params(params: dict[str, Any]) -> str:
 
 def add_efficiency(summary: RunSummary, records: list[RequestRecord], shape: Any,
                    peak: Any) -> None:
-    from server.bench.yardstick import efficiency_report, run_flops
+    from bench.yardstick import efficiency_report, run_flops
 
     triples = [((r.prompt_tokens if r.prompt_tokens is not None else r.expected_prompt_tokens),
                 r.output_tokens, r.cached_tokens or 0) for r in records if r.ok]
@@ -294,7 +294,7 @@ def write_outputs(result: dict[str, Any], args: argparse.Namespace) -> None:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     if args.plot:
-        from server.bench.plots import plot_results
+        from bench.plots import plot_results
 
         extra = []
         for path in getattr(args, "compare", []) or []:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.kv_cache.kv_calc import ModelShape
+from bench.kv_calc import ModelShape
 
 
 @dataclass(frozen=True)
@@ -113,13 +113,13 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
     the faster (an engine free to choose its dtype could reach it); emulated bf16 on other CPUs
     measured ~6x slower than fp32 and would only make the probe slow. Every shape is timed through ``F.linear`` and through each packed
     linear the engine can use here (oneDNN, our AVX2 panel kernel; see
-    ``engine.models.packed_linear``) at each row count (CPU: 256 and 2048), and the fastest of
+    ``engine.quantization.packed_linear``) at each row count (CPU: 256 and 2048), and the fastest of
     all counts: a peak that any implementation here reaches. Each probe is the best of
     ``repeats`` timed windows, which discounts noise from other processes on a shared machine.
     """
     import torch
 
-    from engine.models.packed_linear import (
+    from engine.quantization.packed_linear import (
         PackedLinear,
         onednn_linear_available,
         panel_kernels_available,

@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
     _add_offline(sub)
     # The seed's figures (issue 31): each module adds its own parser, imports lazily.
     for name in ("profile", "kv_onoff", "utilisation"):
-        importlib.import_module(f"server.bench.{name}").add_parser(sub)
+        importlib.import_module(f"bench.{name}").add_parser(sub)
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -81,7 +81,7 @@ def _add_kv_calc(subparsers: Any) -> None:
 
 
 def _run_kv_calc(args: argparse.Namespace) -> int:
-    from engine.kv_cache.kv_calc import main_from_args
+    from bench.kv_calc import main_from_args
 
     return main_from_args(args)
 
@@ -192,7 +192,7 @@ def _missing_extra(exc: ModuleNotFoundError) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    return _run_bench("server.bench.serve", ("httpx", "tqdm"), args)
+    return _run_bench("bench.serve", ("httpx", "tqdm"), args)
 
 
 def _add_offline(sub: Any) -> None:
@@ -224,7 +224,7 @@ def _add_offline(sub: Any) -> None:
 
 
 def _run_offline(args: argparse.Namespace) -> int:
-    return _run_bench("server.bench.offline", ("httpx",), args)
+    return _run_bench("bench.offline", ("httpx",), args)
 
 
 def _run_bench(module: str, extras: tuple[str, ...], args: argparse.Namespace) -> int:

@@ -17,9 +17,9 @@ from torch import nn
 
 from engine.models.moe import PackedExperts
 from engine.models.moe_model import expert_param_name
-from engine.models.quant_formats import Packed, cat, same_layout
-from engine.models.quant_linear import QuantConcat, QuantLinear
-from engine.models.quant_rtn import quantise
+from engine.quantization.formats import Packed, cat, same_layout
+from engine.quantization.linear import QuantConcat, QuantLinear
+from engine.quantization.rtn import quantise
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""GGUF's quantised block types decoded onto the packed forms of ``engine.models.quant_formats``.
+"""GGUF's quantised block types decoded onto the packed forms of ``engine.quantization.formats``.
 
 Every mapping is exact (the packed form dequantises to ``gguf.quants.dequantize`` of the same
 blocks, see quant_formats' docstring for the rounding of a min):
@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.models.quant_formats import GROUP, Packed, PackedQ4, PackedQ5, PackedQ8
+from engine.quantization.formats import GROUP, Packed, PackedQ4, PackedQ5, PackedQ8
 
 # GGUF block type ids (gguf.GGMLQuantizationType) -> (elements, bytes) per block.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 11, 12, 13, 14

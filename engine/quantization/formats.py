@@ -1,5 +1,5 @@
-"""Packed weight formats that GGUF's block types map onto exactly (``engine.models.gguf_blocks``
-decodes the blocks; ``engine.models.quant_rtn`` quantises float weights onto the same forms).
+"""Packed weight formats that GGUF's block types map onto exactly (``engine.quantization.gguf_blocks``
+decodes the blocks; ``engine.quantization.rtn`` quantises float weights onto the same forms).
 
 The formats hold a weight ``W [N, K]`` (``K`` a multiple of :data:`GROUP`) in groups of 32
 consecutive input elements of one output row, with float32 scales (GGUF stores fp16; float32
