@@ -17,8 +17,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCAL = {"engine", "server", "kernels", "tests", "benchmarks", "conftest"}
-SCANNED = ("engine", "server", "kernels", "tests", "benchmarks")
+LOCAL = {"engine", "server", "kernels", "bench", "tests", "benchmarks", "conftest"}
+SCANNED = ("engine", "server", "kernels", "bench", "tests", "benchmarks")
 
 
 def _optional(handlers: list[ast.ExceptHandler]) -> bool:
