@@ -44,7 +44,7 @@ ISA_CAPS = ("KVSERVE_CPU_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
 def _kernel_sources() -> str:
     """A hash of the kernels' sources and of the probe itself (what it measures, and how)."""
     h = hashlib.sha256()
-    for path in [*sorted(_CSRC.glob("*")), Path(__file__).with_name("quant_probe.py")]:
+    for path in [*sorted(_CSRC.glob("*")), Path(__file__).with_name("probe.py")]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
