@@ -134,6 +134,7 @@ class EngineCore:
         self.disk = build_disk_tier(config, self) if config.kv_disk_dir is not None else None
         if self.disk is not None:
             self.scheduler.admission_gate = self.disk.ready
+            self.kv_snapshots.extra_tiers.append(self.disk)  # the KV page's third tier
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)

@@ -7,12 +7,17 @@ it never sees a half-done step. It reads public state only (``KVCacheManager.poo
 running tables) of plain Python, ~1 ms for a few thousand blocks.
 
 Contents: the pool's tiers (:class:`TierState`: ``device``, ``host`` when a host tier exists,
-and any further tier the manager exposes as ``kv.disk`` with a ``tier_state()`` method, so a
-disk tier added later appears without changes here), one character per device block
+and every object in ``KVSnapshotter.extra_tiers`` with a ``tier_state()`` method: the disk tier
+when there is one), one character per device block
 (:data:`BLOCK_STATES`), the running sequences with their tables and shared prefixes, the
 largest shared prefixes seen so far (:class:`PrefixTracker`, first tokens as ids: the server
 turns them into text), cumulative counters (evictions, spills, loads) and the geometry for
 the §3.1 arithmetic (:class:`KVGeometry`).
+
+Hybrid KV models (``engine.kv_cache.groups``: layers grouped by attention type over one shared
+pool) have one block table per group and sequence: :attr:`KVSnapshot.groups` names the groups,
+each :class:`SeqKV` lists its blocks per group (``group_block_ids``), and its ``num_blocks``,
+``live_tokens`` and the block states count every group.
 """
 
 from __future__ import annotations
@@ -87,6 +92,18 @@ class SeqKV:
     num_shared_blocks: int  # leading blocks another sequence holds too
     num_cached_tokens: int  # its prefix-cache hit at admission
     swapped: bool = False
+    # hybrid layouts only: per KV group, the first MAX_TABLE_IDS block ids of its table
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+    group_num_blocks: tuple[int, ...] = ()  # blocks held now, per group
+
+
+@dataclass(frozen=True)
+class KVGroupView:
+    """One KV cache group of a hybrid layout: its layers and their window (None: full)."""
+
+    group: int
+    num_layers: int
+    window: int | None
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,7 @@ class KVSnapshot:
     counters: KVCounters
     live_tokens: int = 0  # token slots of device blocks holding computed KV (shared: once)
     prefix_caching: bool = True
+    groups: tuple[KVGroupView, ...] = ()  # hybrid layouts only (one group: empty)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def tier(self, name: str) -> TierState | None:
@@ -194,7 +212,13 @@ class KVSnapshotter:
         self.kv = kv
         self.geometry = geometry
         self.prefixes = PrefixTracker()
+        # further tiers below the host (the disk tier): objects with tier_state() -> TierState
+        self.extra_tiers: list[Any] = []
         self._seq_no = 0
+        layout = getattr(kv, "layout", None)
+        self.groups: tuple[KVGroupView, ...] = tuple(
+            KVGroupView(g, len(spec.layers), spec.window)
+            for g, spec in enumerate(layout.groups)) if layout is not None else ()
 
     def take(self, seqs: Iterable[Any]) -> KVSnapshot:
         """A snapshot; ``seqs`` are the scheduler's running sequences (``engine.request``
@@ -206,15 +230,17 @@ class KVSnapshotter:
         seq_views = []
         filled: dict[int, int] = {}  # device block -> slots holding computed KV
         for seq in seqs:
-            table = kv.block_table(seq.seq_id)
+            tables = kv.group_tables(seq.seq_id) if self.groups else (kv.block_table(seq.seq_id),)
+            table = tables[0]
             swapped = bool(kv.is_swapped(seq.seq_id)) if hasattr(kv, "is_swapped") else False
-            held = [b for b in table if b >= 0]
-            for i, b in enumerate(table):
-                n = min(bs, seq.num_computed_tokens - i * bs)
-                if n <= 0:
-                    break
-                if b >= 0 and filled.get(b, 0) < n:
-                    filled[b] = n
+            held_per_group = tuple(sum(1 for b in t if b >= 0) for t in tables)
+            for t in tables:  # a block belongs to one group; released window blocks are -1
+                for i, b in enumerate(t):
+                    n = min(bs, seq.num_computed_tokens - i * bs)
+                    if n <= 0:
+                        break
+                    if b >= 0 and filled.get(b, 0) < n:
+                        filled[b] = n
             shared = 0
             for b in table:
                 if b < 0 or blocks[b].ref_count < 2:
@@ -227,16 +253,16 @@ class KVSnapshotter:
             seq_views.append(SeqKV(
                 seq_id=seq.seq_id, request_id=seq.request.request_id,
                 num_tokens=len(seq.token_ids), num_computed_tokens=seq.num_computed_tokens,
-                num_blocks=len(held), block_ids=tuple(table[:MAX_TABLE_IDS]),
-                num_shared_blocks=shared, num_cached_tokens=cached_tokens, swapped=swapped))
+                num_blocks=sum(held_per_group), block_ids=tuple(table[:MAX_TABLE_IDS]),
+                num_shared_blocks=shared, num_cached_tokens=cached_tokens, swapped=swapped,
+                group_block_ids=tuple(tuple(t[:MAX_TABLE_IDS]) for t in tables)
+                if self.groups else (),
+                group_num_blocks=held_per_group if self.groups else ()))
         tiers = [pool_tier("device", pool)]
         host = getattr(kv, "host", None)
         if host is not None:
             tiers.append(pool_tier("host", host.pool))
-        for name in ("disk",):  # a later tier: any object with tier_state() -> TierState
-            extra = getattr(kv, name, None)
-            if extra is not None and hasattr(extra, "tier_state"):
-                tiers.append(extra.tier_state())
+        tiers.extend(extra.tier_state() for extra in self.extra_tiers)
         stats = kv.stats()
         off = kv.offload_stats() if hasattr(kv, "offload_stats") else None
         counters = KVCounters(
@@ -250,4 +276,5 @@ class KVSnapshotter:
                           tiers=tuple(tiers), blocks=block_states(pool), seqs=tuple(seq_views),
                           shared_prefixes=self.prefixes.top(),
                           counters=counters, live_tokens=sum(filled.values()),
-                          prefix_caching=bool(getattr(kv, "enable_prefix_caching", True)))
+                          prefix_caching=bool(getattr(kv, "enable_prefix_caching", True)),
+                          groups=self.groups)

@@ -10,7 +10,11 @@ The document (``"version": 1``; every count in blocks unless named ``*_tokens`` 
     blocks: "ffuusc..."          one letter per device block: f free, c cached and evictable,
                                  u in use, s in use and shared (``legend`` spells them out)
     requests: [{seq_id, request_id, num_tokens, num_computed_tokens, num_blocks, block_ids,
-                num_shared_blocks, shared_tokens, num_cached_tokens, swapped}]
+                num_shared_blocks, shared_tokens, num_cached_tokens, swapped,
+                groups: [{group, num_blocks, block_ids}]}]      num_blocks: every group's;
+                                 block_ids: group 0's; ``groups`` empty unless hybrid
+    kv_groups: [{group, num_layers, window}]   hybrid KV layouts (one table per group and
+                                 sequence over the one pool); empty otherwise
     prefix_cache: {queries_tokens, hits_tokens, hit_rate,
                    top: [{num_tokens, num_requests, text}]}      the largest shared prefixes
     counters: {evictions, spills, loads, offloads, host_evictions}   cumulative
@@ -44,7 +48,10 @@ def state_document(snap: KVSnapshot, decode: Callable[[tuple[int, ...]], str]) -
         "num_computed_tokens": s.num_computed_tokens, "num_blocks": s.num_blocks,
         "block_ids": list(s.block_ids), "num_shared_blocks": s.num_shared_blocks,
         "shared_tokens": s.num_shared_blocks * bs, "num_cached_tokens": s.num_cached_tokens,
-        "swapped": s.swapped} for s in snap.seqs]
+        "swapped": s.swapped,
+        "groups": [{"group": g, "num_blocks": n, "block_ids": list(ids)} for g, (n, ids)
+                   in enumerate(zip(s.group_num_blocks, s.group_block_ids, strict=True))],
+    } for s in snap.seqs]
     c = snap.counters
     live = snap.live_tokens
     device = snap.tiers[0]
@@ -59,6 +66,8 @@ def state_document(snap: KVSnapshot, decode: Callable[[tuple[int, ...]], str]) -
         "blocks": snap.blocks,
         "legend": BLOCK_STATES,
         "requests": seqs,
+        "kv_groups": [{"group": k.group, "num_layers": k.num_layers, "window": k.window}
+                      for k in snap.groups],
         "prefix_cache": {
             "queries_tokens": c.prefix_queries, "hits_tokens": c.prefix_hits,
             "hit_rate": round(c.hit_rate, 6),

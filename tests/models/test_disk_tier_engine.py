@@ -72,7 +72,10 @@ def test_restart_serves_disk_blocks_and_equals_hf(tiny, written, tmp_path, host)
     with _llm(path, disk, **kw) as llm:
         warm, warm_cached = _run(llm, prompts)
         stats = llm.stats()
+        tier = llm.engine.kv_snapshot().tier("disk")  # the KV page's third tier
     assert warm == expected
+    assert tier.cached == stats["disk_blocks"] > 0 and tier.used == 0
+    assert tier.free + tier.cached_free + tier.used == tier.num_blocks
     for p, c in zip(prompts, warm_cached):
         assert c >= 0.9 * (len(p) - BS) and c == (len(p) - 1) // BS * BS
     assert stats["disk_hit_blocks"] == sum(c // BS for c in warm_cached)

@@ -7,9 +7,18 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from engine.kv_cache.groups import plan_kv_groups
+from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.snapshot import KVGeometry, KVSnapshotter, PrefixTracker, TierState
+from engine.kv_cache.snapshot import (
+    KVGeometry,
+    KVGroupView,
+    KVSnapshotter,
+    PrefixTracker,
+    TierState,
+)
 from engine.kv_storage.precision import kv_precision_warning
+from server.kv_page.state import state_document
 
 
 @dataclass
@@ -76,6 +85,32 @@ def test_evictions_are_counted():
     kv.free("a")  # two cached blocks, free
     kv.allocate("b", 8)  # needs all four: evicts both
     assert snap.take([]).counters.evictions == 2
+
+
+def test_hybrid_layout_shows_every_group():
+    """One table per KV group: the window group has given back the blocks that slid out;
+    the snapshot and the page's document count and list both groups."""
+    kv = HybridKVCacheManager(32, 4, plan_kv_groups((None, 8, 8, None)), True)
+    snap = KVSnapshotter(kv, GEOM)
+    toks = list(range(30))
+    kv.find_prefix("a", toks)
+    kv.allocate("a", 30)
+    kv.commit("a", toks, 30)
+    kv.release_outside_window("a", 30)
+    s = snap.take([_Seq("a", _Req("ra"), toks, 30)])
+    full, window = (kv.group_tables("a")[g] for g in (0, 1)) if kv.layout.windows[0] is None \
+        else (kv.group_tables("a")[g] for g in (1, 0))
+    assert sum(b >= 0 for b in window) < sum(b >= 0 for b in full) == 8
+    assert {g.window for g in s.groups} == {None, 8} and all(
+        isinstance(g, KVGroupView) and g.num_layers == 2 for g in s.groups)
+    (seq,) = s.seqs
+    assert seq.num_blocks == sum(seq.group_num_blocks) == s.tier("device").used
+    assert seq.group_block_ids == tuple(tuple(t) for t in kv.group_tables("a"))
+    assert s.live_tokens == sum(min(4, 30 - 4 * i) for t in kv.group_tables("a")
+                                for i, b in enumerate(t) if b >= 0)
+    doc = state_document(s, lambda ids: "")
+    assert [g["window"] for g in doc["kv_groups"]] == [g.window for g in s.groups]
+    assert [g["num_blocks"] for g in doc["requests"][0]["groups"]] == list(seq.group_num_blocks)
 
 
 def test_tracker_keeps_the_longest():

@@ -205,6 +205,23 @@ class DiskTier:
     def snapshot(self) -> DiskTierStats:
         return self.store.snapshot()
 
+    def tier_state(self):
+        """The disk as a tier of the KV page (``engine.kv_cache.snapshot.TierState``): its
+        capacity in blocks (``--kv-disk-size`` over one record's bytes), the blocks this server's
+        index can find as cached-and-evictable, the blocks being read ahead into host memory as
+        used, the rest free."""
+        from engine.kv_cache.disk.segment import RECORD_HEADER_BYTES
+        from engine.kv_cache.snapshot import TierState
+
+        s = self.store
+        stored = len(s)
+        loading = min(stored, sum(len(job.hashes) - job.num_loaded
+                                  for job in self._jobs.values()))
+        capacity = max(stored, s.config.size_bytes // (self.block_bytes + RECORD_HEADER_BYTES))
+        cached_free = max(0, stored - loading)
+        return TierState(name="disk", num_blocks=capacity, free=capacity - stored,
+                         cached_free=cached_free, used=stored - cached_free, cached=stored)
+
     def describe(self) -> str:
         s = self.store
         return (f"disk KV tier: {s.dir} | {s.config.size_bytes / 2**30:.2f} GiB | "

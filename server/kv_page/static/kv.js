@@ -93,8 +93,12 @@
                         r.num_shared_blocks ? r.num_shared_blocks + " blocks (" +
                         r.shared_tokens + " tokens)" : "–"));
       tr.appendChild(el("td", {}, r.num_cached_tokens ? r.num_cached_tokens + " tokens" : "–"));
-      const ids = r.block_ids.slice(0, 24).map((b) => b < 0 ? "·" : b).join(" ");
-      tr.appendChild(el("td", {class: "ids"}, ids + (r.block_ids.length > 24 ? " …" : "")));
+      // hybrid KV layouts: one table per group ("g0: …  g1: …"); released window blocks "·"
+      const tables = r.groups && r.groups.length ? r.groups : [{group: null, block_ids: r.block_ids}];
+      const ids = tables.map((g) => (g.group === null ? "" : "g" + g.group + ": ") +
+        g.block_ids.slice(0, 24).map((b) => b < 0 ? "·" : b).join(" ") +
+        (g.block_ids.length > 24 ? " …" : "")).join("  ");
+      tr.appendChild(el("td", {class: "ids"}, ids));
       body.appendChild(tr);
     }
   }
@@ -147,6 +151,9 @@
       doc.block_size + " tokens";
     $("max-len").textContent = a.max_model_len;
     $("max-len-bytes").textContent = fmtBytes(a.bytes_per_max_len_seq);
+    $("kv-groups").textContent = (doc.kv_groups || []).length ? "KV groups (one block table " +
+      "each, one shared pool): " + doc.kv_groups.map((g) => "g" + g.group + " " + g.num_layers +
+      " layers, " + (g.window === null ? "full attention" : "window " + g.window)).join("; ") : "";
     $("live-tokens").textContent = a.live_tokens;
     $("reserved-tokens").textContent = a.reserved_tokens;
     $("live-fraction").textContent = pct(a.live_fraction);
