@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import KV_CACHE_DTYPES
-from kernels.kv_quant_layout import INT8_SCALE_BYTES  # one float16 scale per row
+
+INT8_SCALE_BYTES = 2  # one float16 scale per row (kernels/kv_quant_layout.py: the same)
 
 INT8_SCALE_FLOOR = 2.0 ** -14  # smallest normal float16
 
