@@ -18,8 +18,12 @@ have evicted) and of its last ``--tail`` tokens. The text: CPython's own ``LICEN
 history of the software and licence terms; English prose shipped with every CPython), or
 ``--text-file``.
 
-    python benchmarks/kv_streaming.py     # SmolLM2-135M, 1536 forced tokens, max_model_len 512
-    python benchmarks/kv_streaming.py --tokens 200 --max-model-len 128 --window 64  # smoke
+    kvserve bench streaming     # SmolLM2-135M, 1536 forced tokens, max_model_len 512
+    kvserve bench streaming --tokens 200 --max-model-len 128 --window 64  # smoke
+
+The slow test tests/models/test_streaming_quality.py runs the same measurement (1,024 tokens)
+and holds its rows to StreamingLLM's finding. Heavy imports (torch, the engine) happen inside
+the functions, so that building ``kvserve``'s parser stays fast.
 """
 
 from __future__ import annotations
@@ -30,11 +34,7 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-
-from engine import LLM, SamplingParams
-from engine.sampling.sampler import SamplerOutput
+from typing import Any
 
 DEFAULT_TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 PROMPT_TOKENS = 16  # the text's first tokens are the prompt; the rest is forced
@@ -48,7 +48,11 @@ class ForcingSampler:
         self.targets = targets
         self.logprobs: list[float] = []
 
-    def __call__(self, logits: torch.Tensor, rows) -> SamplerOutput:
+    def __call__(self, logits: Any, rows: Any) -> Any:
+        import torch
+
+        from engine.sampling.sampler import SamplerOutput
+
         if logits.shape[0] != 1:
             raise ValueError("forced decoding runs one sequence")
         target = self.targets[len(self.logprobs)]
@@ -69,9 +73,11 @@ class Row:
     ppl_tail: float = 0.0
 
 
-def forced_decode(llm: LLM, ids: list[int]) -> tuple[list[float], int, float]:
+def forced_decode(llm: Any, ids: list[int]) -> tuple[list[float], int, float]:
     """Decode ``ids`` after its first PROMPT_TOKENS, every token forced; returns (log-probs,
     most live blocks, seconds)."""
+    from engine import SamplingParams
+
     core = llm.engine
     forcing = ForcingSampler(ids[PROMPT_TOKENS:])
     core.sampler, own = forcing, core.sampler
@@ -95,6 +101,8 @@ def measure(model: str | None = None, tokens: int = 1536, max_model_len: int = 5
             sink: int = 4, window: int = 256, tail: int = 512, block_size: int = 16,
             text_file: Path = DEFAULT_TEXT) -> list[Row]:
     """The three engines' rows: off, sink:S,window:N and sink:0,window:N."""
+    from engine import LLM, SamplingParams
+
     full_len = 1 << (tokens + PROMPT_TOKENS).bit_length()
     kv = "256MiB"  # per engine (the default, a share of RAM, three times over is too much)
     engines = {"off": dict(max_model_len=full_len)}
@@ -141,20 +149,24 @@ def format_table(rows: list[Row], tokens: int, max_model_len: int, tail: int) ->
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    ap.add_argument("--tokens", type=int, default=1536)
-    ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--sink", type=int, default=4)
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--tail", type=int, default=512)
-    ap.add_argument("--text-file", type=Path, default=DEFAULT_TEXT)
-    args = ap.parse_args()
+def add_parser(sub: Any) -> None:
+    """``kvserve bench streaming``: the table of docs/performance.md's "Streaming past the
+    context"."""
+    p = sub.add_parser("streaming", help="perplexity past the context with --kv-eviction "
+                                         "(StreamingLLM's measurement)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--tokens", type=int, default=1536)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--tail", type=int, default=512)
+    p.add_argument("--text-file", type=Path, default=DEFAULT_TEXT)
+    p.set_defaults(func=main_from_args)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
     rows = measure(args.model, args.tokens, args.max_model_len, args.sink, args.window,
                    args.tail, text_file=args.text_file)
     print(format_table(rows, args.tokens, args.max_model_len, args.tail))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
