@@ -7,7 +7,7 @@ copy from its input (a code edit, an extraction, a quotation): what prompt looku
 Each round runs every prompt once each way, alternating; TPOT = (last token - first token) /
 (tokens - 1) from the request's timestamps; the medians over rounds are compared. Greedy, so
 both ways must give the same tokens (reported: near-tie flips are possible when the quantised
-linears serve 1 row and the float ones k + 1 rows, see the README). Prints acceptance per draft
+linears serve 1 row and the float ones k + 1 rows, see docs/models.md). Prints acceptance per draft
 position from the engine's spec_decode counters.
 
 The adaptive switch (``disable_by_batch_size``): ``--batch 1,2,4,8`` times B different prompts decoded at once (output tok/s of the whole
