@@ -21,12 +21,13 @@ def register(subparsers: Any) -> None:
         description="Benchmarks you can reproduce: `bench serve` drives any OpenAI-compatible "
                     "endpoint; `bench offline` runs LLM.generate next to HF transformers.")
     sub = bench.add_subparsers(dest="bench_command",
-                               metavar="{serve,offline,profile,kv-onoff,utilisation}")
+                               metavar="{serve,offline,profile,kv-onoff,utilisation,streaming}")
     sub.required = True
     _add_serve(sub)
     _add_offline(sub)
-    # The seed's figures (issue 31): each module adds its own parser, imports lazily.
-    for name in ("profile", "kv_onoff", "utilisation"):
+    # The seed's figures (issue 31) and --kv-eviction's quality: each module adds its own
+    # parser and imports lazily.
+    for name in ("profile", "kv_onoff", "utilisation", "streaming"):
         importlib.import_module(f"bench.{name}").add_parser(sub)
 
 

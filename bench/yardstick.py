@@ -1,4 +1,4 @@
-"""The useful-work yardstick (DESIGN.md): FLOPs a run had to do, and the machine's matmul peak.
+"""The useful-work yardstick (docs/design.md): FLOPs a run had to do, and the matmul peak.
 
 Useful FLOPs of a request with P prompt tokens (C of them served from the prefix cache) and O
 output tokens:
@@ -99,7 +99,7 @@ def _probe_shapes(shape: ModelShape | None) -> list[tuple[int, int]]:
         return [(576, 1536)]
     h, f = shape.hidden, shape.intermediate
     qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    # The engine fuses Q/K/V and gate/up (DESIGN.md), so those are the shapes it actually runs.
+    # The engine fuses Q/K/V and gate/up (docs/design.md), so those are the shapes it actually runs.
     return [(h, qkv), (h, 2 * f), (f, h)]
 
 

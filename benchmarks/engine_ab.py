@@ -5,8 +5,8 @@ noisy shared machine cannot bias (both sides see the same load at the same momen
     python benchmarks/engine_ab.py KVSERVE_CPU_KERNELS=0 KVSERVE_CPU_KERNELS=1 --prompts 16
 
 Each side is given as ``VAR=value`` (an environment switch the engine reads at start-up; see
-README "Performance"). Both engines (embedded model, float32, greedy, ignore_eos) get the same
-random prompts; then step i of A, step i of B, and so on. Prints the summed time of prefill
+docs/envs.md; figures in docs/performance.md). Both engines (embedded model, float32, greedy,
+ignore_eos) get the same random prompts; then step i of A, step i of B, and so on. Prints the summed time of prefill
 steps and of decode-only steps for each side, the B/A speed ratios, and whether the generated
 tokens are identical.
 """

@@ -14,7 +14,7 @@ Per library and schema it measures:
   (xgrammar ``BatchGrammarMatcher``, llguidance ``fill_next_token_bitmask_par``), then
   advancing every matcher by its token. Reported per step and per row.
 
-The engine uses the library that wins here (engine/structured/, README "Structured outputs").
+The engine uses the library that wins here (engine/structured/, docs/structured-outputs.md).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
 64 prompts of 300 tokens, 128 output tokens each (greedy, ignore_eos), through
 ``LLM.generate`` and through HF transformers' static-batch ``generate`` (all 64 in one batch, same
 weights and dtype). Prints output tokens/s of both, the ratio, and kvserve's efficiency: useful
-FLOPs of the run (DESIGN.md's yardstick) / wall time / the matmul peak measured in this process
-at the engine's dtype. Any `kvserve bench offline` flag may be added to override these sizes
+FLOPs of the run (the yardstick of docs/design.md) / wall time / the matmul peak measured in this
+process at the engine's dtype. Any `kvserve bench offline` flag may be added to override these sizes
 (e.g. `--num-prompts 8 --output-len 16` for a quick check, `--baselines hf,recompute`).
 """
 

@@ -1,4 +1,4 @@
-"""The full serving benchmark of the README's "Performance" section, in one command.
+"""The full serving benchmark of docs/performance.md ("The CPU engine"), in one command.
 
     python benchmarks/serving.py --out bench-results/        # CPU, embedded model
 

@@ -7,17 +7,14 @@ copy from its input (a code edit, an extraction, a quotation): what prompt looku
 Each round runs every prompt once each way, alternating; TPOT = (last token - first token) /
 (tokens - 1) from the request's timestamps; the medians over rounds are compared. Greedy, so
 both ways must give the same tokens (reported: near-tie flips are possible when the quantised
-linears serve 1 row and the float ones k + 1 rows, see the README). Prints acceptance per draft
+linears serve 1 row and the float ones k + 1 rows, see docs/models.md). Prints acceptance per draft
 position from the engine's spec_decode counters.
 
-The adaptive switch's measurements: ``--steps 1,2,4,8,16`` times one forward step of B
-sequences with 1 row each against B sequences with k + 1 rows each (min of 5, context 300):
-speculation pays at batch B while a drafting step yields more tokens than that ratio.
-``--batch 1,2,4,8`` times B different prompts decoded at once (output tok/s of the whole
+The adaptive switch (``disable_by_batch_size``): ``--batch 1,2,4,8`` times B different prompts decoded at once (output tok/s of the whole
 ``generate``), speculation forced on vs off (noisier: acceptance varies with the prompts).
 
     PYTHONPATH=. python benchmarks/spec_decode.py [--tokens 128] [--rounds 3] [--k 3]
-        [--steps 1,2,4,8] [--batch 1,2,4,8] [--threads N] [--quantization auto|none]
+        [--batch 1,2,4,8] [--threads N] [--quantization auto|none]
         [--json out.json]
 """
 
@@ -82,7 +79,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--batch", default="", help="comma-separated batch sizes to also time")
-    ap.add_argument("--steps", default="", help="batch sizes for the step-cost ratio")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--json", default=None)
@@ -157,39 +153,9 @@ def main() -> None:
             print(f"  B={b:3d}: plain {rates['plain']:7.1f}  ngram {rates['ngram']:7.1f}  "
                   f"ngram/plain {rates['ngram'] / rates['plain']:4.2f}")
             result["batch"][b] = rates
-    if args.steps:  # last: it writes garbage KV into pool blocks that prompts may have cached
-        result["step_ratio"] = {}
-        print(f"\nforward step, B sequences x {args.k + 1} rows vs x 1 row (min of 5):")
-        for b in (int(x) for x in args.steps.split(",")):
-            plain, spec = _step_ms(llm, b, 1), _step_ms(llm, b, args.k + 1)
-            print(f"  B={b:3d}: 1 row {plain:7.1f} ms  {args.k + 1} rows {spec:7.1f} ms  "
-                  f"ratio {spec / plain:4.2f}")
-            result["step_ratio"][b] = {"ms_1_row": plain, "ms_k1_rows": spec,
-                                       "ratio": spec / plain}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-
-
-def _step_ms(llm: LLM, batch: int, rows: int, context: int = 300) -> float:
-    """One forward step of ``batch`` sequences computing ``rows`` tokens each after
-    ``context`` cached ones (garbage KV in fresh blocks: only the time matters)."""
-    from engine.runner.batch import build_model_input
-    from engine.step_plan import SeqChunk, StepPlan
-
-    bs = llm.config.block_size
-    nb = -(-(context + rows) // bs)
-    plan = StepPlan(tuple(SeqChunk([1] * rows, context, list(range(i * nb, (i + 1) * nb)), True,
-                                   None, rows - 1) for i in range(batch)), bs)
-    inp = build_model_input(plan)
-    runner = llm.engine.runner
-    runner.execute(inp)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        runner.execute(inp)
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def _isa() -> str:

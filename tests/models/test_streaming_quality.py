@@ -1,7 +1,7 @@
 """Streaming eviction on the embedded model (slow): SmolLM2-135M decoding a fixed 1,024-token
-text, every token forced (``benchmarks/kv_streaming.py``, which prints the README's table for
-1,536), with ``--kv-eviction sink:4,window:256`` at ``max_model_len`` 512, i.e. 2x past its
-context.
+text, every token forced (``kvserve bench streaming``, bench/streaming.py, which prints
+docs/performance.md's table for 1,536), with ``--kv-eviction sink:4,window:256`` at
+``max_model_len`` 512, i.e. 2x past its context.
 
 What must hold: the log-probs equal eviction off's until the first eviction (the same
 computation); the sequence never holds more than 1 + 16 + 1 blocks; the perplexity of the
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.kv_streaming import format_table, measure
+from bench.streaming import format_table, measure
 
 pytestmark = pytest.mark.slow
 
 
 def test_sinks_keep_perplexity_past_the_context():
-    # 1,024 forced tokens (2x past the context; the README's table has 1,536): a third of the
+    # 1,024 forced tokens (2x past the context; docs/performance.md's table has 1,536): a third of the
     # decode steps, the same evictions and comparisons.
     rows = measure(tokens=1024, max_model_len=512, sink=4, window=256)
     print("\n" + format_table(rows, 1024, 512, 512))

@@ -1,5 +1,5 @@
 """The import graph of ``engine/``, ``server/`` and ``kernels/`` has no cycles, and neither
-``engine/`` nor ``kernels/`` imports ``server/`` (DESIGN.md: the engine never sees HTTP).
+``engine/`` nor ``kernels/`` imports ``server/`` (docs/design.md: the engine never sees HTTP).
 
 The graph is read from the source with ``ast``, nothing is imported. What counts as an edge:
 
