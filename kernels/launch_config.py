@@ -18,13 +18,14 @@ This module imports neither Triton nor CUDA: it is plain arithmetic.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
-DECODE_ENV = "KVSERVE_DECODE_CONFIG"
-PREFILL_ENV = "KVSERVE_PREFILL_CONFIG"
+from engine import envs
+
+DECODE_ENV = envs.DECODE_CONFIG
+PREFILL_ENV = envs.PREFILL_CONFIG
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def parse_launch_override(text: str, fields: tuple[str, ...], source: str) -> di
 @functools.cache
 def _env_override(env: str, fields: tuple[str, ...]) -> dict[str, int]:
     """The parsed override in ``env``, read once per process (tests call ``cache_clear``)."""
-    return parse_launch_override(os.environ.get(env, ""), fields, env)
+    return parse_launch_override(envs.launch_override(env), fields, env)
 
 
 _DECODE_FIELDS = ("block_n", "num_warps", "num_stages", "programs_per_sm")

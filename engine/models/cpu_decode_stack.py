@@ -21,12 +21,12 @@ final (quantisation adopted, linears packed) and must be rebuilt if a projection
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine import envs
 from engine.attention.torch_backend import CPU_KERNEL_FLOAT_POOLS
 from engine.kv_storage.formats import INT8_SCALE_FLOOR
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
@@ -148,7 +148,7 @@ class CpuDecodeStack:
 
 def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:
     """A stack for ``model`` and "", or None and why not."""
-    if os.environ.get("KVSERVE_DECODE_STACK", "1") == "0":
+    if not envs.decode_stack_enabled():
         return None, "KVSERVE_DECODE_STACK=0"
     if not isinstance(model, LlamaForCausalLM):
         return None, f"{type(model).__name__} model"

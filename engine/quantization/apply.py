@@ -28,12 +28,12 @@ the float weights on load (``engine.quantization.rtn``) and always use them, as 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine import envs
 from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.loading.packed_policy import float_copies_too_big
 from engine.quantization import probe_cache
@@ -185,7 +185,7 @@ def packed_only_reason(packed: dict[str, Packed], ram_bytes: int | None = None) 
     the packed tensors too big for this machine (``engine.loading.packed_policy``: a
     multi-GB GGUF's float model cannot be held next to the packed one, so float is not a
     candidate and is not probed)."""
-    if os.environ.get("KVSERVE_QUANT_PACKED_ONLY", "0") == "1":
+    if envs.quant_packed_only():
         return "KVSERVE_QUANT_PACKED_ONLY=1"
     return float_copies_too_big(sum(4 * p.shape[0] * p.shape[1] for p in packed.values()),
                                 ram_bytes)
@@ -275,7 +275,7 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
     packed weights for every size whatever the probe says (tests). ``cpu_probe``
     (``--cpu-probe``): ``cached`` reuses this machine's verdict, ``force`` measures again, ``off``
     measures nothing: packed weights at every size with each setting's default."""
-    force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
+    force = envs.quant_force()
     if cpu_probe == "off" and not force:
         verdict, how = Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
     else:

@@ -25,11 +25,11 @@ row count, is not used. Without the panel kernel (``onednn`` only) there is no s
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine import envs
 
 _PANEL = 16
 SMALL_ROWS = 128
@@ -71,7 +71,7 @@ def linear_backend(device: torch.device, dtype: torch.dtype,
     """``"hybrid"``, ``"avx2-panels"``, ``"onednn"`` or None (plain ``nn.Linear``) for this
     device and dtype; ``linear_bytes`` (the model's linear weights) bounds the hybrid's copy.
     ``KVSERVE_PACKED_LINEAR`` (0 | onednn | avx2-panels | hybrid) overrides the choice."""
-    choice = os.environ.get("KVSERVE_PACKED_LINEAR", "auto")
+    choice = envs.packed_linear_choice()
     if choice == "0":
         return None
     panels = panel_kernels_available(device, dtype)
