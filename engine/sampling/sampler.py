@@ -30,7 +30,7 @@ import torch
 from engine.outputs import Logprob
 from engine.sampling import penalties
 from engine.sampling.params import SamplingParams
-from engine.sampling.prompt_logprobs import add_top_entries, position_entries, reduce_logits
+from engine.sampling.prompt_logprobs import add_top_entries
 from engine.sampling.row import SamplingRow
 
 
@@ -129,10 +129,6 @@ class Sampler:
         if x is logits or x.dtype != logits.dtype:
             x = x.clone(memory_format=torch.contiguous_format)
         return self._probs(x, list(rows))
-
-    def shared_generator(self, device: torch.device) -> torch.Generator:
-        """The generator unseeded rows draw from on ``device``."""
-        return self._generator(device)
 
     def with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
                       rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -271,24 +267,3 @@ def _min_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     thresh = probs.max(dim=-1, keepdim=True).values * mins.unsqueeze(1)
     sub.masked_fill_(probs < thresh, float("-inf"))
     x.index_copy_(0, idx, sub)
-
-
-@torch.inference_mode()
-def compute_prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], k: int,
-                            token_text: Callable[[int], str] | None = None,
-                            ) -> list[dict[int, Logprob]]:
-    """Logprobs of a prompt's tokens under the model's raw distribution, in one piece (the
-    engine reduces in chunks: ``engine.sampling.prompt_logprobs``).
-
-    ``logits[j]`` (position j of the prompt) predicts ``target_ids[j]`` (prompt token j+1).
-    Returns, per position, the target's ``Logprob`` (with rank) plus the ``k`` most likely
-    tokens. ``token_text`` (optional) fills ``decoded_token``.
-    """
-    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
-        raise ValueError(f"logits must be [len(target_ids)={len(target_ids)}, V]; got "
-                         f"{tuple(logits.shape)}")
-    if not target_ids:
-        return []
-    tgt = torch.tensor(list(target_ids), dtype=torch.long, device=logits.device)
-    reduced = reduce_logits(logits, tgt, k).to("cpu")
-    return position_entries(reduced, 0, len(target_ids), target_ids, k, token_text)
