@@ -160,7 +160,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings,
     server = GracefulServer(uvicorn_config(app, settings), app, engine, settings)
     # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
     # process: frozen, the cyclic collector's scans skip them and look at per-request objects
-    # only (~1.5% of a loaded CPU server's time went to collections; vLLM freezes likewise).
+    # only (docs/performance.md#small-cpu-costs; vLLM freezes likewise).
     gc.collect()
     gc.freeze()
     if engine.is_healthy:  # already driven by its own thread: serve on this one

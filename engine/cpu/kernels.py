@@ -10,8 +10,9 @@
   ``quant_gemm_q4_blocked``, that math over weights stored blocked (no repack), at any row count.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
   one pass each (PyTorch runs each as 3-5 separate passes over the activations).
-* ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (the
-  Python loop costs ~50 us per layer around them); see engine/models/cpu_decode_stack.py.
+* ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (what
+  the Python loop costs around them: docs/performance.md#decode-stack); see
+  engine/models/cpu_decode_stack.py.
 
 They are compiled once per machine with torch's cpp_extension (gcc + ninja) by
 ``engine.cpu.build`` into ``~/.cache/kvserve/cpu-kernels/<name>-<hash of sources and flags>``

@@ -1,7 +1,8 @@
 """A decode step's layer loop in one C++ call (CPU, float32): ``CpuDecodeStack``.
 
-At one sequence, a decode step of the embedded model spends ~1.5 ms of ~8 ms in Python around
-the kernels (module calls, views, the attention backend's bookkeeping: ~50 us per layer).
+At one sequence, a decode step of the embedded model spends a sizeable share of its time in
+Python around the kernels (module calls, views, the attention backend's bookkeeping, per
+layer: docs/performance.md#decode-stack).
 ``DecodeStack`` (engine/cpu/csrc/decode_stack_cpu.cpp) runs the same kernels in the same order
 on the same tensors from C++, so its output is bit-identical to ``LlamaForCausalLM.forward``'s
 layer loop with the fused CPU ops and the torch backend's CPU decode kernel.

@@ -59,7 +59,8 @@ from engine.quantization.rtn import SCHEMES, quantise
 logger = logging.getLogger("kvserve.engine")
 
 # The token table / logits head's scheme per requested scheme (see build_rtn). int4 keeps
-# them at 8 bits: on the embedded model a 4-bit head cost +12.5% perplexity, 8-bit +0.03%.
+# them at 8 bits: a 4-bit head costs far more perplexity than an 8-bit one
+# (docs/performance.md#quality-figures-behind-defaults).
 HEAD_SCHEMES = {"int4": "int8", "int8": "int8"}
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),

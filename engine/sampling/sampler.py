@@ -11,8 +11,8 @@ per row, plus the raw-distribution logprobs the rows asked for. Per step:
    draws its ``u`` from its own generator, so its tokens depend only on its seed, its logits and
    how many tokens it has drawn: the same in any batch. Unseeded rows share the Sampler's
    generator. (An exponential race, ``argmax(probs / Exponential(1))``, gives the same
-   guarantees but needs V random numbers per row: on a CPU that costs ~20x an argmax, while
-   one uniform plus a cumsum costs about one softmax.)
+   guarantees but needs V random numbers per row, far dearer on a CPU than one uniform plus
+   a cumsum: docs/performance.md#greedy-argmax.)
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits as passed in,
 before any processing: vLLM's default), and ``rank = 1 + #tokens with a strictly higher
@@ -61,8 +61,8 @@ def is_greedy(p: SamplingParams) -> bool:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """Per row, the index of the first maximal value (as ``argmax``): ``max(dim=-1).indices``,
-    which returns the same index (both document the first maximum) at ~0.4x the time on a CPU
-    (one row of 49,152 logits, one thread: 45 vs 107 us)."""
+    which returns the same index (both document the first maximum) in less time on a CPU
+    (chosen by measurement: see docs/performance.md#greedy-argmax)."""
     return x.max(dim=-1).indices
 
 
@@ -218,7 +218,8 @@ def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     x.index_copy_(0, idx, sub)
 
 
-# Sorting a 50k vocabulary costs ~50x an argmax on a CPU. The nucleus of a language model
+# Sorting a whole vocabulary costs far more than an argmax on a CPU
+# (docs/performance.md#greedy-argmax). The nucleus of a language model
 # almost always lies within its few hundred most likely tokens, so top-p first looks there
 # and sorts the whole row only when those candidates hold less than top_p of the mass.
 _NUCLEUS_CANDIDATES = 512
