@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+from engine import envs
+
 PARTS = ("attention", "linear", "sampling")
 
 
@@ -109,7 +111,7 @@ def _window(core: Any, until: Any, trace_dir: str | None, tag: str) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    os.environ.setdefault("KVSERVE_DECODE_STACK", "0")
+    envs.set_default(envs.DECODE_STACK, "0")
     import random
 
     from engine.llm import LLM
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "kv_cache_dtype": geometry.kv_cache_dtype,
             "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
                          "output_len": args.output_len},
-            "decode_stack": os.environ.get("KVSERVE_DECODE_STACK"),
+            "decode_stack": envs.get(envs.DECODE_STACK),
             "prefill": prefill, "decode": decode,
             "kv_formula": (f"2 x {geometry.num_layers} layers x {geometry.num_kv_heads} kv heads "
                            f"x {geometry.row_bytes} bytes = {geometry.bytes_per_token} B/token"),

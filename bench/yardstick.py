@@ -111,7 +111,8 @@ def measure_matmul_peak(shape: ModelShape | None = None, dtype: str = "auto",
     ``dtype="auto"`` probes float32 and, where the device runs it natively (CUDA, or a CPU with
     AVX-512 BF16 or AMX: the same test as the engine's ``dtype="auto"``), bfloat16, and keeps
     the faster (an engine free to choose its dtype could reach it); emulated bf16 on other CPUs
-    measured ~6x slower than fp32 and would only make the probe slow. Every shape is timed through ``F.linear`` and through each packed
+    measured far slower than fp32 (docs/performance.md#small-cpu-costs) and would only make
+    the probe slow. Every shape is timed through ``F.linear`` and through each packed
     linear the engine can use here (oneDNN, our AVX2 panel kernel; see
     ``engine.quantization.packed_linear``) at each row count (CPU: 256 and 2048), and the fastest of
     all counts: a peak that any implementation here reaches. Each probe is the best of

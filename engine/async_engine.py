@@ -225,9 +225,9 @@ class AsyncEngine:
         """Make the calling thread the engine's (before :meth:`run`; instead of
         :meth:`start`). ``kvserve serve`` runs the engine on the process's main thread and
         the HTTP server on another: libgomp serves OpenMP parallel regions started from a
-        thread it did not start (a Python ``threading`` thread) ~25 us slower each, and a
-        decode step of the embedded model on 2 threads took 19.5 ms there vs 8.1 ms on the
-        main thread (measured 2026-12-01, AVX-512; a plain C program shows the same)."""
+        thread it did not start (a Python ``threading`` thread) markedly slower, enough to
+        more than double a CPU decode step (chosen by measurement: see
+        docs/performance.md#engine-on-the-main-thread)."""
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             raise RuntimeError("the engine already runs on its own thread")
         self._thread = threading.current_thread()

@@ -3,8 +3,8 @@
 PyTorch runs residual add + RMSNorm as ~9 kernels and SiLU x up as 2, each a full pass over the
 activations; in a CUDA-graph decode step every one of them still costs a few microseconds of
 launch gap and a round trip through memory. Each kernel here is one pass. (A fused RoPE kernel
-was tried and dropped: on the H200 it agreed with PyTorch's bf16 arithmetic on only ~76% of
-elements, off by an ulp, and HF parity in bf16 fell with it.)
+was tried and dropped: it disagreed with PyTorch's bf16 arithmetic by an ulp on many elements,
+and HF parity in bf16 fell with it: docs/performance.md#quality-figures-behind-defaults.)
 
 Numerics follow HF's PyTorch arithmetic operation by operation, including where it rounds to the
 model's dtype: the residual sum is rounded to the dtype before it is normalised; the norm is

@@ -18,13 +18,14 @@ This module imports neither Triton nor CUDA: it is plain arithmetic.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
-DECODE_ENV = "KVSERVE_DECODE_CONFIG"
-PREFILL_ENV = "KVSERVE_PREFILL_CONFIG"
+from engine import envs
+
+DECODE_ENV = envs.DECODE_CONFIG
+PREFILL_ENV = envs.PREFILL_CONFIG
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def parse_launch_override(text: str, fields: tuple[str, ...], source: str) -> di
 @functools.cache
 def _env_override(env: str, fields: tuple[str, ...]) -> dict[str, int]:
     """The parsed override in ``env``, read once per process (tests call ``cache_clear``)."""
-    return parse_launch_override(os.environ.get(env, ""), fields, env)
+    return parse_launch_override(envs.launch_override(env), fields, env)
 
 
 _DECODE_FIELDS = ("block_n", "num_warps", "num_stages", "programs_per_sm")
@@ -99,13 +100,9 @@ _PREFILL_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 def decode_launch_config(head_dim: int, dtype: torch.dtype, is_cuda: bool) -> DecodeLaunchConfig:
     """Launch choices of the decode kernel for a model's head_dim and KV-cache dtype.
 
-    GPU defaults, measured on an H200 (2026-12-01, D=128, bf16, ``benchmarks/gpu_check.sh``
-    sweep): BLOCK_N 64 with 4 warps and 2 stages beat 32, 128/8 warps, 8 warps and 3 stages
-    at batch 64-128 x 4k-16k keys (93-102% of the copy bandwidth). 4 resident programs per
-    SM met every decode target in the full table; 8 (more splits at small batches) looked
-    better in one sweep and missed two targets in the next run (batch 32-64 x 4k keys split
-    2-4 ways: 1.24-1.52x SDPA), so 4 stays. D=64 keeps them until a benchmark says
-    otherwise. The CPU interpreter pays per op, so it gets few, mid-sized tiles.
+    GPU defaults (BLOCK_N 64, 4 warps, 2 stages, 4 resident programs per SM) were chosen by
+    a sweep on an H200 at D=128, bf16 (see docs/performance.md#triton-decode-launch-defaults);
+    D=64 keeps them until a benchmark says otherwise. The CPU interpreter pays per op, so it gets few, mid-sized tiles.
     ``KVSERVE_DECODE_CONFIG`` overrides any of them.
     """
     block_d = 1 << max(0, head_dim - 1).bit_length()

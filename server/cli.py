@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from engine import envs
 from server.config_file import (
     ServerSettings,
     add_engine_arguments,
@@ -43,8 +44,8 @@ def _settings(args: argparse.Namespace):
     if flags.pop("trust_remote_code", False):
         logger.info("--trust-remote-code: nothing to trust; kvserve runs no code from a "
                     "checkpoint (its own model classes read the weights)")
-    if "api_key" not in flags and os.environ.get("KVSERVE_API_KEY"):
-        flags["api_key"] = os.environ["KVSERVE_API_KEY"]
+    if "api_key" not in flags and envs.api_key():
+        flags["api_key"] = envs.api_key()
     return resolve(flags, getattr(args, "config", None))
 
 
@@ -61,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.logs import configure_logging
 
     configure_logging(settings.log_level)
-    torchrun_worker = "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) > 0
+    torchrun_worker = envs.is_torchrun_worker()
     if engine_config.tensor_parallel_size > 1 and (engine_config.node_rank > 0
                                                     or torchrun_worker):
         from engine.distributed.launcher import run_worker_node
@@ -159,7 +160,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings,
     server = GracefulServer(uvicorn_config(app, settings), app, engine, settings)
     # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
     # process: frozen, the cyclic collector's scans skip them and look at per-request objects
-    # only (~1.5% of a loaded CPU server's time went to collections; vLLM freezes likewise).
+    # only (docs/performance.md#small-cpu-costs; vLLM freezes likewise).
     gc.collect()
     gc.freeze()
     if engine.is_healthy:  # already driven by its own thread: serve on this one

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -40,21 +40,6 @@ def dumps(obj: Any) -> str:
 def event(obj: Any) -> str:
     """One SSE event carrying ``obj`` as JSON."""
     return f"data: {dumps(obj)}\n\n"
-
-
-def parse_events(text: str | Iterable[str]) -> list[Any]:
-    """Parse an SSE body back into JSON objects (``"[DONE]"`` stays a string). For tests and
-    clients; tolerant of CRLF line ends and comment lines."""
-    if not isinstance(text, str):
-        text = "".join(text)
-    events = []
-    for block in text.replace("\r\n", "\n").split("\n\n"):
-        data = [line[5:].lstrip(" ") for line in block.split("\n") if line.startswith("data:")]
-        if not data:
-            continue
-        payload = "\n".join(data)
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 class SendTimeoutError(Exception):

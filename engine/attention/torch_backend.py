@@ -315,7 +315,7 @@ def _sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
     Causal when ``mask`` is None (Tq == Tk). K/V heads are repeated for their query-head group
     and the inputs given a batch dimension: on CPU that routes SDPA to its flash kernel, which
-    measured ~4x faster than the 3-D / ``enable_gqa`` call on a 300-token prompt.
+    measured faster than the 3-D / ``enable_gqa`` call (docs/performance.md#small-cpu-costs).
     """
     if softcap is not None:
         out = softcapped_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from engine import envs
 from engine.cache_dir import default_cache_dir
 
 logger = logging.getLogger("kvserve.engine")
@@ -79,7 +80,7 @@ def build_key(sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[
         files |= {p.resolve() for p in Path(d).glob("*.h")}
     for path in sorted(files, key=lambda p: p.name):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (*cflags, "|", *ldflags, "|", os.environ.get("CXX", "c++"), torch.__version__,
+    for part in (*cflags, "|", *ldflags, "|", envs.cxx(), torch.__version__,
                  sys.version.split()[0], cpu_identity()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -145,7 +146,8 @@ def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None
     key = build_key(sources, cflags, ldflags, includes)
     folder = (root or build_root()) / f"{name}-{key}"
     if wait_s is None:
-        wait_s = float(os.environ.get("KVSERVE_KERNEL_BUILD_WAIT", DEFAULT_WAIT_S))
+        env_wait = envs.kernel_build_wait_s()
+        wait_s = DEFAULT_WAIT_S if env_wait is None else env_wait
     if (folder / _DONE).is_file():  # published: no lock, no ninja
         return _load_built(folder, is_python_module)
     with exclusive(folder.with_suffix(".lock"), wait_s):

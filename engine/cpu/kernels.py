@@ -10,8 +10,9 @@
   ``quant_gemm_q4_blocked``, that math over weights stored blocked (no repack), at any row count.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
   one pass each (PyTorch runs each as 3-5 separate passes over the activations).
-* ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (the
-  Python loop costs ~50 us per layer around them); see engine/models/cpu_decode_stack.py.
+* ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (what
+  the Python loop costs around them: docs/performance.md#decode-stack); see
+  engine/models/cpu_decode_stack.py.
 
 They are compiled once per machine with torch's cpp_extension (gcc + ninja) by
 ``engine.cpu.build`` into ``~/.cache/kvserve/cpu-kernels/<name>-<hash of sources and flags>``
@@ -29,8 +30,9 @@ AVX2 paths on an AVX-512 machine (their correctness, not an AVX2 CPU's speed).
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
+
+from engine import envs
 
 logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).parent / "csrc"
@@ -47,13 +49,13 @@ _failed = False
 def load():
     """The compiled module, or None when it cannot be built or is disabled."""
     global _module, _failed
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+    if not envs.cpu_kernels_enabled():
         return None  # read on every call: an engine started with it off stays off
     if _module is not None or _failed:
         return _module
     from engine.cpu.build import BuildWaitTimeout, build
 
-    march = os.environ.get("KVSERVE_CPU_MARCH", "native")
+    march = envs.cpu_march()
     name = _NAME if march == "native" else f"{_NAME}_{march.replace('-', '_')}"
     try:
         _module = build(name, [_CSRC / s for s in _SOURCES], include_dir=_CSRC,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import DistributedSetup
 
@@ -64,7 +65,7 @@ def free_port() -> int:
 def launch_plan(config: EngineConfig, env: dict[str, str] | None = None,
                 device_type: str = "cpu") -> LaunchPlan:
     """Read the rendezvous from ``config`` and the environment (torchrun's variables win)."""
-    env = dict(os.environ if env is None else env)
+    env = dict(envs.torchrun_env() if env is None else env)
     world = config.tensor_parallel_size
     backend = "nccl" if device_type == "cuda" else "gloo"
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun: one process per rank

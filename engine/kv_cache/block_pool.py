@@ -36,11 +36,6 @@ class KVBlock:
     prev: KVBlock | None = field(default=None, repr=False)
     next: KVBlock | None = field(default=None, repr=False)
 
-    @property
-    def in_free_queue(self) -> bool:
-        # Sentinels make every queued block have both neighbours, so one test suffices.
-        return self.prev is not None
-
 
 class FreeBlockQueue:
     """Doubly linked list of free blocks: O(1) popleft, append, appendleft and remove-from-middle.

@@ -4,7 +4,7 @@ What the live page (``/kv``, server/kv_page/) and ``/kv/state`` show, taken ON T
 THREAD (``EngineCore.kv_snapshot``, called through ``AsyncEngine.call_on_engine_thread``), so
 it never sees a half-done step. It reads public state only (``KVCacheManager.pool``,
 ``block_table``, ``host``, ``stats``) and changes nothing: taking one is O(num_blocks + the
-running tables) of plain Python, ~1 ms for a few thousand blocks.
+running tables) of plain Python (docs/performance.md#small-cpu-costs).
 
 Contents: the pool's tiers (:class:`TierState`: ``device``, ``host`` when a host tier exists,
 and every object in ``KVSnapshotter.extra_tiers`` with a ``tier_state()`` method: the disk tier

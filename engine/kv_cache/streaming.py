@@ -62,13 +62,13 @@ class StreamingEviction:
 
     def cache_pos(self, seq_id: str, text_pos: int) -> int:
         """Where text position ``text_pos`` (not inside the gap) sits in the cache."""
-        e = self._evicted.get(seq_id, 0)
+        e = self.num_evicted_tokens(seq_id)
         return text_pos - e if e and text_pos > self.sink_tokens else text_pos
 
     def resume_point(self, seq_id: str, computed: int) -> int:
         """Text tokens computed, with a recomputation that has just redone the sinks jumping
         over the gap (the evicted tokens are not recomputed)."""
-        e = self._evicted.get(seq_id, 0)
+        e = self.num_evicted_tokens(seq_id)
         return computed + e if e and computed == self.sink_tokens else computed
 
     def chunk_limit(self, seq_id: str, computed: int, num_new: int) -> int:
@@ -84,7 +84,7 @@ class StreamingEviction:
         them. ``computed`` is in text positions. Returns the blocks evicted now."""
         if not prompt_done:
             return 0
-        e = self._evicted.get(seq_id, 0)
+        e = self.num_evicted_tokens(seq_id)
         cached = computed - e
         n = cached // self.block_size - self.sink_blocks - self.window_blocks
         if n <= 0:

@@ -3,8 +3,8 @@
 ``kv_cache_dtype`` (vLLM's names) picks the format:
 
 * ``auto``: on a CPU under a float32 model whose dtype was chosen automatically (``dtype``
-  ``auto``), ``float16`` (llama.cpp's default cache: half the bytes, ~0% perplexity change
-  measured on the embedded model); elsewhere, and under an explicit ``dtype float32``, the
+  ``auto``), ``float16`` (llama.cpp's default cache: half the bytes, perplexity unchanged
+  on the embedded model: docs/performance.md#quality-figures-behind-defaults); elsewhere, and under an explicit ``dtype float32``, the
   model's dtype (:func:`resolve_kv_cache_dtype`).
 * ``float32``: float32 rows under a float32 model (the exact path the HF-parity tests pin).
 * ``float16`` / ``bfloat16``: 16-bit floats whatever the model's dtype (llama.cpp's default

@@ -17,11 +17,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine import envs
 from engine.loading import gguf_convert
 
 logger = logging.getLogger("kvserve.loader")
 
-CACHE_VARIABLE = "KVSERVE_CACHE_DIR"
+CACHE_VARIABLE = envs.CACHE_DIR
 _UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT,
                errno.ENOTDIR, errno.EEXIST}
 # Writers that report the OS error only in their message (safetensors' Rust writer).

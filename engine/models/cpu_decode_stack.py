@@ -1,7 +1,8 @@
 """A decode step's layer loop in one C++ call (CPU, float32): ``CpuDecodeStack``.
 
-At one sequence, a decode step of the embedded model spends ~1.5 ms of ~8 ms in Python around
-the kernels (module calls, views, the attention backend's bookkeeping: ~50 us per layer).
+At one sequence, a decode step of the embedded model spends a sizeable share of its time in
+Python around the kernels (module calls, views, the attention backend's bookkeeping, per
+layer: docs/performance.md#decode-stack).
 ``DecodeStack`` (engine/cpu/csrc/decode_stack_cpu.cpp) runs the same kernels in the same order
 on the same tensors from C++, so its output is bit-identical to ``LlamaForCausalLM.forward``'s
 layer loop with the fused CPU ops and the torch backend's CPU decode kernel.
@@ -21,12 +22,12 @@ final (quantisation adopted, linears packed) and must be rebuilt if a projection
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine import envs
 from engine.attention.torch_backend import CPU_KERNEL_FLOAT_POOLS
 from engine.kv_storage.formats import INT8_SCALE_FLOOR
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
@@ -148,7 +149,7 @@ class CpuDecodeStack:
 
 def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:
     """A stack for ``model`` and "", or None and why not."""
-    if os.environ.get("KVSERVE_DECODE_STACK", "1") == "0":
+    if not envs.decode_stack_enabled():
         return None, "KVSERVE_DECODE_STACK=0"
     if not isinstance(model, LlamaForCausalLM):
         return None, f"{type(model).__name__} model"

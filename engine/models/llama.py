@@ -9,7 +9,7 @@ Weights are loaded from HF parameter names (``model.layers.N.self_attn.q_proj.we
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,23 @@ from engine.quantization.packed_linear import PackedLinear, pack_linears
 
 if TYPE_CHECKING:
     from engine.distributed.parallel_state import TPGroup
-    from engine.models.cpu_decode_stack import CpuDecodeStack
 
 _TORCH_OPS = TorchLayerOps()
+
+
+class FastDecodeStack(Protocol):
+    """What the model asks of a whole-layer-loop replacement for a decode step (the C++ one is
+    ``engine.models.cpu_decode_stack.CpuDecodeStack``, attached by the runner; this module
+    does not import it). ``accepts`` is asked after ``backend.prepare``; when it says yes,
+    the call returns the final hidden states ``[T, hidden]`` that the layer loop would."""
+
+    def accepts(self, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                ops: TorchLayerOps) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -141,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head: PackedLinear | None = None  # set by pack_linears when embeddings are tied
         self.ops: TorchLayerOps = _TORCH_OPS  # the runner may swap in the fused CPU ops
         # The C++ decode-step layer loop (engine.models.cpu_decode_stack), set by the runner.
-        self.decode_stack: CpuDecodeStack | None = None
+        self.decode_stack: FastDecodeStack | None = None
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim,
                                       max_positions or arch.max_position_embeddings)
 

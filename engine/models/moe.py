@@ -33,7 +33,6 @@ from torch import nn
 from engine.models.layer_ops import TorchLayerOps
 from engine.models.moe_spec import MoeSpec
 
-PATHS = ("grouped", "dense")
 _TORCH_OPS = TorchLayerOps()
 
 

@@ -32,7 +32,7 @@ def build_model(hf_config: Any, max_positions: int | None = None,
     known = [a for a in archs if a in _ARCHITECTURES]
     if archs and not known:
         raise ValueError(f"unsupported architecture {archs[0]!r}; kvserve runs "
-                         f"{', '.join(sorted(_ARCHITECTURES))}")
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     arch = ModelArch.from_hf_config(hf_config)
     if known:
         cls = _ARCHITECTURES[known[0]]

@@ -32,7 +32,8 @@ def _make_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between_speci
     """The fastest ``ids -> str`` that agrees with ``tokenizer.decode``.
 
     A HF fast tokenizer without clean-up decodes in Rust; calling its backend directly skips
-    ~7 µs of Python wrapping per call. Anything else goes through ``tokenizer.decode``.
+    the Python wrapping of each call (docs/performance.md#small-cpu-costs). Anything else goes
+    through ``tokenizer.decode``.
     """
     backend = getattr(tokenizer, "_tokenizer", None)
     if (backend is not None and hasattr(backend, "decode")

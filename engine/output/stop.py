@@ -70,10 +70,6 @@ class SequenceTextState:
         return self._text[:self._visible]
 
     @property
-    def num_generated(self) -> int:
-        return len(self.token_ids)
-
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -28,12 +28,12 @@ the float weights on load (``engine.quantization.rtn``) and always use them, as 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine import envs
 from engine.loading.gguf_quant import gguf_source, read_packed
 from engine.loading.packed_policy import float_copies_too_big
 from engine.quantization import probe_cache
@@ -59,7 +59,8 @@ from engine.quantization.rtn import SCHEMES, quantise
 logger = logging.getLogger("kvserve.engine")
 
 # The token table / logits head's scheme per requested scheme (see build_rtn). int4 keeps
-# them at 8 bits: on the embedded model a 4-bit head cost +12.5% perplexity, 8-bit +0.03%.
+# them at 8 bits: a 4-bit head costs far more perplexity than an 8-bit one
+# (docs/performance.md#quality-figures-behind-defaults).
 HEAD_SCHEMES = {"int4": "int8", "int8": "int8"}
 _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -185,7 +186,7 @@ def packed_only_reason(packed: dict[str, Packed], ram_bytes: int | None = None) 
     the packed tensors too big for this machine (``engine.loading.packed_policy``: a
     multi-GB GGUF's float model cannot be held next to the packed one, so float is not a
     candidate and is not probed)."""
-    if os.environ.get("KVSERVE_QUANT_PACKED_ONLY", "0") == "1":
+    if envs.quant_packed_only():
         return "KVSERVE_QUANT_PACKED_ONLY=1"
     return float_copies_too_big(sum(4 * p.shape[0] * p.shape[1] for p in packed.values()),
                                 ram_bytes)
@@ -275,7 +276,7 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
     packed weights for every size whatever the probe says (tests). ``cpu_probe``
     (``--cpu-probe``): ``cached`` reuses this machine's verdict, ``force`` measures again, ``off``
     measures nothing: packed weights at every size with each setting's default."""
-    force = os.environ.get("KVSERVE_QUANT_FORCE", "0") == "1"
+    force = envs.quant_force()
     if cpu_probe == "off" and not force:
         verdict, how = Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
     else:

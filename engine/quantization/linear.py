@@ -12,27 +12,26 @@ settings below leave them alone:
   row to int8 per group of 32 and take integer dot products. The result differs from float by the activation's
   rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
   For 4-bit weights, batches from ``BATCH_TILE_ROWS`` rows run ``quant_gemm_q4_tiled`` instead
-  where the start-up probe measured it faster (``q4_batch`` ``tiles``; on AVX2 1.5x at 3 rows,
-  2.3x at 16):
+  where the start-up probe measured it faster (``q4_batch`` ``tiles``):
   the same integer sums, added in float in another order, so a sequence's logits can differ in
   the last bits with the size of the batch it decodes in (as with vLLM's or llama.cpp's kernels).
 * above (prefill), 4-bit weights where the start-up probe measured it faster (``q4_prefill``
-  ``int8``; on AVX2-only CPUs ~1.5-2x float32 panels): ``quant_gemm_q4_tiled``, the decode
+  ``int8``, usual on AVX2-only CPUs): ``quant_gemm_q4_tiled``, the decode
   kernels' integer math laid out for many rows (engine/cpu/csrc/quant_gemm_q4_tiled.cpp).
 * otherwise above: panels of ``PANEL_ROWS`` output rows are dequantised to ``panel_dtype``
-  (float32, or bfloat16 where the start-up probe measured a bf16 matmul faster: on CPUs with
-  AMX/AVX-512 BF16 ~2-4x at 256+ rows; the activations are rounded to bf16 for it, the output
+  (float32, or bfloat16 where the start-up probe measured a bf16 matmul faster, usual on CPUs
+  with AMX/AVX-512 BF16; the activations are rounded to bf16 for it, the output
   stays float32) and multiplied densely; compute-bound there, so the dequantisation is a small
   extra.
 * 4-bit weights can be stored blocked instead (``q4_layout`` ``blocked``,
   engine/quantization/blocked.py: 8 output columns' groups interleaved) where the start-up probe
   measured it faster: then ``quant_gemm_q4_blocked`` serves every decode-sized input (the
-  tiles' math without their per-call repack: on AVX2 ~1.4x the decode kernel at one row,
-  ~1.6x at two, 1.2-1.5x the repacking tiles from three) and the int8 prefill; panels are
+  tiles' math without their per-call repack) and the int8 prefill; panels are
   dequantised from that layout. ``q4_kernel`` and ``q4_batch`` then have no effect.
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
-  go to the fallback instead, so every row count runs on the path measured faster.
+  go to the fallback instead, so every row count runs on the path measured faster (what
+  the probe found on the development machines: docs/performance.md#quantised-linears).
 * batch-invariant (:meth:`QuantLinear.set_batch_invariant`, ``EngineConfig.batch_invariant``):
   one kernel for every row count, whose per-row arithmetic does not depend on the other rows:
   4-bit weights stored blocked and served by ``quant_gemm_q4_blocked`` (its 1-, 2- and 3-row

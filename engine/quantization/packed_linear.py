@@ -5,11 +5,11 @@ on every call, and MKL is tuned for large row counts, while a decode step has on
 as running sequences. Two packed backends, chosen by ``linear_backend(device, dtype)``:
 
 * ``"onednn"`` (float32 or bfloat16, any CPU PyTorch was built with oneDNN for): oneDNN with its
-  own packed layout; 1.2-2.3x ``F.linear`` at this model's shapes.
+  own packed layout; faster than ``F.linear`` at decode row counts.
 * ``"avx2-panels"`` (float32, x86 with AVX2+FMA): our kernel in ``engine/cpu/csrc/small_gemm_cpu.cpp``
-  over 16-column weight panels. On the development CPU it ran 1.1-1.8x oneDNN at 1-128 rows
-  (decode steps; weights streamed from memory as in a real step), but ~7% behind it on
-  2048-row prefill steps, where oneDNN's cache blocking pays.
+  over 16-column weight panels. It beats oneDNN at decode row counts and falls behind it on
+  long prefill steps, where oneDNN's cache blocking pays
+  (docs/performance.md#packed-float-linears).
 * ``"hybrid"`` (the default where both run): both packings, the panel kernel up to
   ``SMALL_ROWS`` rows and oneDNN above. It holds the weights twice, so it is chosen only while
   the model's linear weights are at most ``HYBRID_MAX_BYTES``; beyond, ``"avx2-panels"``.
@@ -25,11 +25,11 @@ row count, is not used. Without the panel kernel (``onednn`` only) there is no s
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine import envs
 
 _PANEL = 16
 SMALL_ROWS = 128
@@ -71,7 +71,7 @@ def linear_backend(device: torch.device, dtype: torch.dtype,
     """``"hybrid"``, ``"avx2-panels"``, ``"onednn"`` or None (plain ``nn.Linear``) for this
     device and dtype; ``linear_bytes`` (the model's linear weights) bounds the hybrid's copy.
     ``KVSERVE_PACKED_LINEAR`` (0 | onednn | avx2-panels | hybrid) overrides the choice."""
-    choice = os.environ.get("KVSERVE_PACKED_LINEAR", "auto")
+    choice = envs.packed_linear_choice()
     if choice == "0":
         return None
     panels = panel_kernels_available(device, dtype)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from engine import envs
 from engine.cache_dir import default_cache_dir
 from engine.cpu.build import cpu_identity
 
@@ -34,11 +34,8 @@ logger = logging.getLogger("kvserve.engine")
 _CSRC = Path(__file__).resolve().parents[1] / "cpu" / "csrc"
 
 
-# What limits the instructions the measured paths use: our kernels' build target and the caps
-# on PyTorch's own (ATen's vectorised ops, oneDNN's matmuls). A verdict measured under one set
-# says nothing about another. (MKL's dense float32 matmuls have a cap of their own.)
-ISA_CAPS = ("KVSERVE_CPU_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-            "MKL_ENABLE_INSTRUCTIONS")
+# A verdict measured under one set of instruction caps says nothing about another (envs.py).
+ISA_CAPS = envs.ISA_CAP_VARIABLES
 
 
 def _kernel_sources() -> str:
@@ -53,7 +50,7 @@ def _kernel_sources() -> str:
 def cache_key(modules_signature: str) -> str:
     """The key of a verdict for modules of ``modules_signature`` on this machine, now."""
     parts = [cpu_identity(), str(torch.get_num_threads()), torch.__version__,
-             _kernel_sources(), *(os.environ.get(v, "") for v in ISA_CAPS), modules_signature]
+             _kernel_sources(), *envs.isa_caps(), modules_signature]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -64,7 +61,7 @@ def _path(key: str) -> Path:
 def load(key: str, mode: str = "cached") -> dict | None:
     """The stored entry (``{"verdict": ..., "measured_at": ...}``), or None (also for ``mode``
     ``force``/``off``, or ``KVSERVE_QUANT_REPROBE=1``)."""
-    if mode != "cached" or os.environ.get("KVSERVE_QUANT_REPROBE", "0") == "1":
+    if mode != "cached" or envs.quant_reprobe():
         return None
     try:
         return json.loads(_path(key).read_text())

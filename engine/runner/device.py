@@ -10,13 +10,14 @@ module-level paths so that tests can fake a driver with monkeypatch.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
+
+from engine import envs
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -88,7 +89,7 @@ def _driver_major(version: str | None) -> int | None:
 
 def _gpus_hidden_by_env() -> str | None:
     """The CUDA_VISIBLE_DEVICES value when it deliberately hides every GPU, else None."""
-    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    value = envs.cuda_visible_devices()
     if value is not None and (value.strip() == "" or value.strip().startswith("-1")):
         return value
     return None

@@ -11,8 +11,8 @@ per row, plus the raw-distribution logprobs the rows asked for. Per step:
    draws its ``u`` from its own generator, so its tokens depend only on its seed, its logits and
    how many tokens it has drawn: the same in any batch. Unseeded rows share the Sampler's
    generator. (An exponential race, ``argmax(probs / Exponential(1))``, gives the same
-   guarantees but needs V random numbers per row: on a CPU that costs ~20x an argmax, while
-   one uniform plus a cumsum costs about one softmax.)
+   guarantees but needs V random numbers per row, far dearer on a CPU than one uniform plus
+   a cumsum: docs/performance.md#greedy-argmax.)
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits as passed in,
 before any processing: vLLM's default), and ``rank = 1 + #tokens with a strictly higher
@@ -30,7 +30,7 @@ import torch
 from engine.outputs import Logprob
 from engine.sampling import penalties
 from engine.sampling.params import SamplingParams
-from engine.sampling.prompt_logprobs import add_top_entries, position_entries, reduce_logits
+from engine.sampling.prompt_logprobs import add_top_entries
 from engine.sampling.row import SamplingRow
 
 
@@ -61,8 +61,8 @@ def is_greedy(p: SamplingParams) -> bool:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """Per row, the index of the first maximal value (as ``argmax``): ``max(dim=-1).indices``,
-    which returns the same index (both document the first maximum) at ~0.4x the time on a CPU
-    (one row of 49,152 logits, one thread: 45 vs 107 us)."""
+    which returns the same index (both document the first maximum) in less time on a CPU
+    (chosen by measurement: see docs/performance.md#greedy-argmax)."""
     return x.max(dim=-1).indices
 
 
@@ -129,10 +129,6 @@ class Sampler:
         if x is logits or x.dtype != logits.dtype:
             x = x.clone(memory_format=torch.contiguous_format)
         return self._probs(x, list(rows))
-
-    def shared_generator(self, device: torch.device) -> torch.Generator:
-        """The generator unseeded rows draw from on ``device``."""
-        return self._generator(device)
 
     def with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
                       rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -222,7 +218,8 @@ def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     x.index_copy_(0, idx, sub)
 
 
-# Sorting a 50k vocabulary costs ~50x an argmax on a CPU. The nucleus of a language model
+# Sorting a whole vocabulary costs far more than an argmax on a CPU
+# (docs/performance.md#greedy-argmax). The nucleus of a language model
 # almost always lies within its few hundred most likely tokens, so top-p first looks there
 # and sorts the whole row only when those candidates hold less than top_p of the mass.
 _NUCLEUS_CANDIDATES = 512
@@ -271,24 +268,3 @@ def _min_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     thresh = probs.max(dim=-1, keepdim=True).values * mins.unsqueeze(1)
     sub.masked_fill_(probs < thresh, float("-inf"))
     x.index_copy_(0, idx, sub)
-
-
-@torch.inference_mode()
-def compute_prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], k: int,
-                            token_text: Callable[[int], str] | None = None,
-                            ) -> list[dict[int, Logprob]]:
-    """Logprobs of a prompt's tokens under the model's raw distribution, in one piece (the
-    engine reduces in chunks: ``engine.sampling.prompt_logprobs``).
-
-    ``logits[j]`` (position j of the prompt) predicts ``target_ids[j]`` (prompt token j+1).
-    Returns, per position, the target's ``Logprob`` (with rank) plus the ``k`` most likely
-    tokens. ``token_text`` (optional) fills ``decoded_token``.
-    """
-    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
-        raise ValueError(f"logits must be [len(target_ids)={len(target_ids)}, V]; got "
-                         f"{tuple(logits.shape)}")
-    if not target_ids:
-        return []
-    tgt = torch.tensor(list(target_ids), dtype=torch.long, device=logits.device)
-    reduced = reduce_logits(logits, tgt, k).to("cpu")
-    return position_entries(reduced, 0, len(target_ids), target_ids, k, token_text)

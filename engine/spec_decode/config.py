@@ -15,7 +15,7 @@ Accepted forms (``EngineConfig(speculative_config=...)``, ``LLM(speculative_conf
 * ``model``: the draft model (draft_model only);
 * ``disable_by_batch_size``: a step speculates only while at most this many sequences decode
   (above it verifying k extra rows per sequence costs more than it saves: the adaptive switch).
-  Missing: :data:`DEFAULT_DISABLE_BY_BATCH_SIZE`, measured on the development CPU (README);
+  Missing: :data:`DEFAULT_DISABLE_BY_BATCH_SIZE` (docs/performance.md#speculation-batch-limit);
   ``null``: never switch off (force speculation at every batch size).
 
 Unknown keys raise ``ValueError`` naming the known ones: a misspelt key must not silently
@@ -32,11 +32,9 @@ from engine.json_config import json_object
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-# Decoding sequences per step above which speculation is switched off. Measured on the 2-core
-# AVX2 development CPU (SmolLM2-135M, quantization=auto, k=3; README, speculative decoding):
-# a step of B sequences x 4 rows cost 1.8x the one-row step at B=1 but 2.0-2.9x at B=2..16
-# (the quantised linears serve up to 4 rows, float ones above), while n-gram drafts on
-# input-grounded prompts yield ~2.8 tokens per drafting step and far fewer elsewhere.
+# Decoding sequences per step above which speculation is switched off: from two sequences
+# on, verifying the drafts' extra rows cost more than n-gram drafts save (chosen by
+# measurement: see docs/performance.md#speculation-batch-limit).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 
 

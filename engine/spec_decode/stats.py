@@ -24,14 +24,6 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    def acceptance_per_pos(self) -> list[float]:
-        """Per draft position, the fraction of drafts whose token there was accepted."""
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_pos]
-
 
 class SpecDecodeCounters:
     """The mutable side (engine thread only)."""

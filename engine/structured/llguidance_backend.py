@@ -1,9 +1,8 @@
 """``GrammarBackend`` on llguidance, for the kinds it shares with xgrammar: JSON schemas,
 ``json_object``, regexes and choices (EBNF grammars and structural tags stay with xgrammar,
 whose syntax they are written in). Which library serves a constraint is measured per
-constraint (engine.structured.routing): llguidance fills a bounded-repetition regex's mask ~20x
-faster than xgrammar on the embedded model's vocabulary, xgrammar a JSON schema's 7-12x
-(benchmarks/grammar_backends.py).
+constraint (engine.structured.routing): llguidance fills a bounded-repetition regex's mask
+much faster than xgrammar, xgrammar a JSON schema's (docs/performance.md#grammar-libraries).
 
 The bitmask is xgrammar's layout (int32 words, bit ``t`` of row ``r`` = token ``t`` allowed), so
 rows of either library share one tensor. JSON uses the same compact separators as the xgrammar

@@ -1,8 +1,8 @@
 """``RoutingBackend``: each constraint served by the grammar library measured faster for it.
 
-No one library wins everywhere: on the embedded model's vocabulary xgrammar fills a JSON
-schema's mask 7-12x faster than llguidance, llguidance a bounded-repetition regex's ~20x faster
-than xgrammar (benchmarks/grammar_backends.py). So with ``backend="auto"`` a constraint of a
+No one library wins everywhere: xgrammar fills a JSON schema's mask faster than llguidance,
+llguidance a bounded-repetition regex's much faster than xgrammar
+(docs/performance.md#grammar-libraries). So with ``backend="auto"`` a constraint of a
 kind both serve (engine.structured.llguidance_backend.KINDS) is compiled by both, and
 ``fill_seconds`` walks both matchers along the same seeded random path of tokens both allow,
 timing each mask fill; the faster median wins. That costs one extra compile and a few fills per

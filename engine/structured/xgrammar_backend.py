@@ -1,6 +1,6 @@
-"""``GrammarBackend`` on xgrammar: for JSON schemas its per-token mask fill is 7-12x
-llguidance's on the embedded model's vocabulary, for bounded-repetition regexes ~10-20x slower
-(benchmarks/grammar_backends.py), so engine.structured.routing measures both per constraint;
+"""``GrammarBackend`` on xgrammar: for JSON schemas its per-token mask fill is faster than
+llguidance's, for bounded-repetition regexes much slower
+(docs/performance.md#grammar-libraries), so engine.structured.routing measures both per constraint;
 EBNF grammars and structural tags are xgrammar's alone.
 
 JSON is constrained to compact separators (``", "`` and ``": "``, no free whitespace): a small
@@ -111,9 +111,8 @@ class XGrammarBackend:
         """Forbidden logits of ``rows`` (the same rows of ``bitmask``) to -inf, in place.
 
         CPU logits: the rows' bits unpacked by numpy and masked row by row, the same result as
-        xgrammar's CPU kernel at about a fifth of its time (SmolLM2's 49,152 logits: 39 vs 208
-        us for one row, 0.31 vs 1.62 ms for 8 rows of 16; AMD EPYC, AVX-512). Other devices:
-        xgrammar's own kernel."""
+        xgrammar's CPU kernel in a fraction of its time
+        (docs/performance.md#grammar-libraries). Other devices: xgrammar's own kernel."""
         if logits.device.type == "cpu" and bitmask.device.type == "cpu":
             apply_bitmask_on_cpu(logits, bitmask, rows, min(logits.shape[-1], self.vocab_size))
             return

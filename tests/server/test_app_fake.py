@@ -11,9 +11,9 @@ import pytest
 from engine.async_engine import AsyncEngine
 from server.app import build_app
 from server.config_file import ServerSettings
-from server.sse import parse_events
 from tests.server.fakes import FakeCore
 from tests.server.helpers import ServerThread
+from tests.sse_events import parse_events
 
 
 @pytest.fixture(scope="module")

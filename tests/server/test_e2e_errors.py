@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from server.sse import parse_events
 from tests.server.helpers import assert_error, sample, scrape
+from tests.sse_events import parse_events
 
 pytestmark = pytest.mark.slow
 

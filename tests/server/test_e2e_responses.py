@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from server.sse import parse_events
 from tests.server.helpers import assert_error
+from tests.sse_events import parse_events
 
 pytestmark = pytest.mark.slow
 MODEL = "smol-e2e"

@@ -21,9 +21,9 @@ from server.app import begin_drain, build_app
 from server.cli import exposure_warning, uvicorn_config
 from server.config_file import ServerSettings
 from server.serving import merge_streams
-from server.sse import parse_events
 from tests.server.fakes import FAIL_PROMPT, FakeCore, FakeTokenizer
 from tests.server.helpers import ServerThread, assert_error
+from tests.sse_events import parse_events
 
 CHAT = [{"role": "user", "content": "hi"}]
 

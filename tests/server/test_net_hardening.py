@@ -18,8 +18,8 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from server.sse import parse_events
 from tests.server.helpers import assert_error, sample, scrape, start_server_process
+from tests.sse_events import parse_events
 
 pytestmark = pytest.mark.slow  # a real model; ~1 minute
 

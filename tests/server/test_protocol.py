@@ -12,8 +12,9 @@ from engine.outputs import Logprob
 from server.errors import format_validation_errors
 from server.logprobs import CompletionLogprobs, chat_logprobs
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.sse import DONE, event, parse_events
+from server.sse import DONE, event
 from tests.server.fakes import FakeTokenizer
+from tests.sse_events import parse_events
 
 
 def _error(model, **body) -> tuple[str, str | None]:

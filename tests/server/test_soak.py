@@ -27,8 +27,8 @@ import pytest
 
 from bench.serve import free_port
 from engine.loading.tiny import make_tiny_model_dir
-from server.sse import parse_events
 from tests.server.helpers import sample, scrape
+from tests.sse_events import parse_events
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

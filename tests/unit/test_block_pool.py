@@ -43,7 +43,11 @@ def test_queue_matches_a_list_model():
     q.remove(blocks[0])  # the head
     model.pop(0)
     assert ids(q) == model == [1, 3]
-    assert not blocks[0].in_free_queue and blocks[1].in_free_queue
+    # A removed block is free to queue again; a queued one is not.
+    with pytest.raises(ValueError, match="already in the free queue"):
+        q.append(blocks[1])
+    q.append(blocks[0])
+    assert ids(q) == [1, 3, 0]
 
 
 def test_queue_rejects_double_insert_and_foreign_remove():

@@ -6,8 +6,10 @@ The graph is read from the source with ``ast``, nothing is imported. What counts
 * every ``import a.b`` and ``from a.b import c`` of one of the three packages, anywhere in a
   file: at module level and also inside functions and methods. A lazy import breaks no import
   at start-up, but it is still a dependency, and a circle that holds only because one side
-  imports late is the tangle this test is here to keep out. The only imports left out are
-  those under ``if TYPE_CHECKING:`` (they never run);
+  imports late is the tangle this test is here to keep out. Imports under
+  ``if TYPE_CHECKING:`` never run, and the layering rules leave them out; the circle test
+  counts them too (a circle held only by a type annotation is still two modules that
+  cannot be read apart);
 * relative imports are resolved against the importing module's package;
 * ``from pkg import name`` is an edge to the submodule ``pkg.name`` when that module exists,
   else to ``pkg`` itself; an import of ``a.b.c`` where ``c`` is no module (a name inside
@@ -61,15 +63,16 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def raw_imports(source: str, module: str, is_package: bool,
+def raw_imports(source: str, module: str, is_package: bool, type_checking: bool = False,
                 ) -> list[tuple[str, list[str], int, bool]]:
     """``(absolute module, imported names, line, lazy)`` for every import statement that can
-    run, with relative imports resolved. ``names`` is empty for ``import x``."""
+    run (and, with ``type_checking``, those under ``if TYPE_CHECKING:`` too), with relative
+    imports resolved. ``names`` is empty for ``import x``."""
     found: list[tuple[str, list[str], int, bool]] = []
     package = module if is_package else module.rpartition(".")[0]
 
     def visit(node: ast.AST, lazy: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 visit(child, lazy)
             return
@@ -103,11 +106,12 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def build_graph(modules: dict[str, Path]) -> list[Edge]:
+def build_graph(modules: dict[str, Path], type_checking: bool = False) -> list[Edge]:
     edges: list[Edge] = []
     for mod, path in modules.items():
         is_package = path.name == "__init__.py"
-        for target, names, line, lazy in raw_imports(path.read_text(), mod, is_package):
+        for target, names, line, lazy in raw_imports(path.read_text(), mod, is_package,
+                                                     type_checking):
             targets = []
             if names:
                 for name in names:
@@ -205,6 +209,19 @@ def test_no_import_cycles():
     assert not comps, "\n\n".join(describe(c, edges, modules) for c in comps)
 
 
+def test_no_import_cycles_even_through_type_checking_imports():
+    """A circle closed only under ``if TYPE_CHECKING:`` (llama <-> cpu_decode_stack was one)
+    is still two modules that cannot be read apart: the model declares the small protocol it
+    needs instead (``llama.FastDecodeStack``)."""
+    modules = find_modules()
+    edges = build_graph(modules, type_checking=True)
+    comps = strongly_connected(list(modules), edges)
+    assert not comps, "\n\n".join(describe(c, edges, modules) for c in comps)
+    pairs = {(e.source, e.target) for e in edges}
+    assert ("engine.models.cpu_decode_stack", "engine.models.llama") in pairs
+    assert ("engine.models.llama", "engine.models.cpu_decode_stack") not in pairs
+
+
 def test_engine_and_kernels_never_import_server():
     modules = find_modules()
     bad = [
@@ -253,6 +270,8 @@ def f():
     assert ("engine", ("fallback",), False) in found
     assert ("kernels.store_kv", ("store_kv",), True) in found
     assert not any(t.startswith("server") for t, _, _ in found)
+    typed = {t for t, *_ in raw_imports(source, "engine.sub.mod", False, type_checking=True)}
+    assert "server.app" in typed
     # In a package's __init__, "." is the package itself.
     pkg = {t for t, *_ in raw_imports("from .llm import LLM", "engine", is_package=True)}
     assert pkg == {"engine.llm"}

@@ -50,7 +50,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         # table yet, and its hash is gone from the map.
         block = self.m.pool.blocks[block_id]
         assert block.block_hash is None and block_hash not in self.m.pool.cached
-        assert not block.in_free_queue and block_id not in self.used()
+        assert all(b is not block for b in self.m.pool.free_queue)
+        assert block_id not in self.used()
         assert self.m.enable_prefix_caching
 
     # ------------------------------------------------------------------ model helpers

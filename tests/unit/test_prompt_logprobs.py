@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling.prompt_logprobs import position_entries, prompt_logprobs_in_chunks
-from engine.sampling.sampler import compute_prompt_logprobs
+from engine.sampling.prompt_logprobs import (
+    position_entries,
+    prompt_logprobs_in_chunks,
+    reduce_logits,
+)
 
 
 def test_chunks_equal_one_piece_and_bound_the_rows():
@@ -25,7 +28,8 @@ def test_chunks_equal_one_piece_and_bound_the_rows():
     got = prompt_logprobs_in_chunks(compute_logits, hidden, rows, targets, k=3, chunk=4)
     assert seen == [4, 4, 3]
     entries = position_entries(got, 0, len(rows), targets.tolist(), 3, token_text=str)
-    want = compute_prompt_logprobs(hidden[rows] @ head.T, targets.tolist(), 3, token_text=str)
+    one_piece = reduce_logits(hidden[rows] @ head.T, targets, 3)
+    want = position_entries(one_piece, 0, len(rows), targets.tolist(), 3, token_text=str)
     assert len(entries) == len(want)
     for e, w in zip(entries, want, strict=True):
         assert e.keys() == w.keys()

@@ -17,9 +17,9 @@ from server.responses.items import chat_messages, read_input
 from server.responses.request import ResponsesRequest
 from server.responses.store import ResponseStore, StoredResponse
 from server.responses.writer import ResponseDraft, ResponseEvents
-from server.sse import parse_events
 from server.tools.formats import HERMES
 from server.tools.request import read_tool_set
+from tests.sse_events import parse_events
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"x": 1}'}
 

@@ -9,8 +9,9 @@ import torch
 
 from engine.sampling import penalties
 from engine.sampling.params import SamplingParams
+from engine.sampling.prompt_logprobs import position_entries, reduce_logits
 from engine.sampling.row import SamplingRow
-from engine.sampling.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from engine.sampling.sampler import Sampler, SamplerOutput
 
 EOS = frozenset({0})
 
@@ -264,11 +265,17 @@ def test_logprobs_are_raw_and_ranks_right():
     assert all(lp.rank == _rank(raw[0], t) for t, lp in entry.items())
 
 
+def prompt_logprobs(x, targets, k, token_text=None):
+    """A whole prompt's entries in one piece, through the engine's reduction."""
+    reduced = reduce_logits(x, torch.tensor(targets, dtype=torch.long), k)
+    return position_entries(reduced, 0, len(targets), targets, k, token_text)
+
+
 def test_prompt_logprobs():
     x = logits(6, 90, seed=3)
     x[4] = x[4].round()
     targets = [5, 17, 0, 89, 44, 44]
-    got = compute_prompt_logprobs(x, targets, k=4, token_text=str)
+    got = prompt_logprobs(x, targets, k=4, token_text=str)
     raw = torch.log_softmax(x, dim=-1)
     assert len(got) == 6
     for j, entry in enumerate(got):
@@ -282,15 +289,13 @@ def test_prompt_logprobs():
             assert entry[t].rank == _rank(raw[j], t)
             assert entry[t].logprob == pytest.approx(raw[j, t].item(), abs=1e-6)
         assert len(entry) == 4 + (tok not in top)
-    assert compute_prompt_logprobs(x, targets, k=0)[1].keys() == {17}
-    assert compute_prompt_logprobs(x[:0], [], k=2) == []
+    assert prompt_logprobs(x, targets, k=0)[1].keys() == {17}
+    assert prompt_logprobs(x[:0], [], k=2) == []
 
 
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.zeros(3, 10), [row()])
-    with pytest.raises(ValueError, match="logits"):
-        compute_prompt_logprobs(torch.zeros(3, 10), [1, 2], k=1)
 
 
 def test_out_of_range_ids_are_ignored_not_fatal():

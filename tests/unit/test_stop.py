@@ -61,7 +61,7 @@ def test_eos_stops_with_no_reason_and_no_text():
     assert info == FinishInfo("stop", None)
     assert (s.text, s.token_ids, s.finish_reason, s.stop_reason) == ("abc", [6, 4, EOS], "stop",
                                                                       None)
-    assert s.num_generated == 3 and s.finished
+    assert len(s.token_ids) == 3 and s.finished
 
 
 def test_ignore_eos_continues():
@@ -146,7 +146,7 @@ def test_min_tokens_defers_eos_stop_tokens_and_stop_strings():
     info, seen = feed(s, [3, EOS, STOP_TOKEN, 2, 3])
     # Tokens 1-3 cannot stop: their "b", EOS ("" skipped) and "<1>" are plain text.
     assert info == FinishInfo("stop", "b")
-    assert s.text == "b<1>a" and s.num_generated == 5
+    assert s.text == "b<1>a" and len(s.token_ids) == 5
 
 
 def test_append_or_finish_after_finish_raises():

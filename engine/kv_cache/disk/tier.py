@@ -66,7 +66,8 @@ class DiskTier:
         self.block_size = kv.block_size
         self._device = [t for kv in device_pools for t in kv]
         # numpy views of the host pools (uint8 [blocks, bytes]): the reader thread's copies
-        # cost ~1 us each this way, against ~5-10 us through torch (60+ per block)
+        # (60+ per block) cost several times less this way than through torch
+        # (docs/performance.md#small-cpu-costs)
         self._host = [_flat_bytes(t).numpy() for kv in host_pools for t in kv]
         self._host_widths = [h.shape[1] for h in self._host]
         self.block_bytes = sum(self._host_widths)

@@ -26,9 +26,8 @@ from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.hashing import BlockHash
 
 # Rough device rates behind the "auto" preemption choice (see SwapCostModel.for_model). They
-# only need the right order of magnitude: the choice is between costs that differ by 10-1000x.
-# CPU: ~2.9 ms per prefill token of SmolLM2-135M (0.27 GFLOP) and ~1 ms per 360 KiB block copy
-# (both directions, all 60 pools) were measured on the 2-core development machine.
+# only need the right order of magnitude: the choice is between costs that differ by orders
+# of magnitude (the CPU rates' origin: docs/performance.md#preemption-cost-model).
 _PREFILL_FLOPS = {"cpu": 1.0e11, "cuda": 1.0e14}
 _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 1.0e10}
 
