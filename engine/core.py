@@ -1,7 +1,8 @@
 """EngineCore: one synchronous engine step = schedule, run the model, sample, update.
 
 The scheduler owns the KV manager and its host tier; what reaches the model runner is the
-scheduler's plain-data ``StepPlan`` (its copies first, then its packed forward pass). Sequences
+scheduler's plain-data ``StepPlan``, in one call (``Runner.execute``: its key shifts and copies
+first, then its forward pass), and what comes back is indexed by the plan's chunks. Sequences
 end through ``Scheduler.finish_seq``, which frees their blocks.
 
 Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
