@@ -1,7 +1,8 @@
 """EngineCore: one synchronous engine step = schedule, run the model, sample, update.
 
 The scheduler owns the KV manager and its host tier; what reaches the model runner is the
-scheduler's plain-data ``StepPlan`` (its copies first, then its packed forward pass). Sequences
+scheduler's plain-data ``StepPlan``, in one call (``Runner.execute``: its key shifts and copies
+first, then its forward pass), and what comes back is indexed by the plan's chunks. Sequences
 end through ``Scheduler.finish_seq``, which frees their blocks.
 
 Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
@@ -55,10 +56,10 @@ from engine.output.detokenizer import token_text_fn, tokenizer_size
 from engine.output.stop import SequenceTextState
 from engine.outputs import RequestOutput
 from engine.request import Request, Sequence
-from engine.runner.batch import build_model_input
 from engine.runner.cpu_memory import release_freed_memory
 from engine.runner.device import set_device_for_thread
 from engine.runner.factory import build_runner
+from engine.runner.protocol import Runner
 from engine.sampling.params import SamplingParams
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput
@@ -68,6 +69,7 @@ from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
+from engine.step_output import StepOutput
 from engine.structured.jump_forward import JumpForward
 from engine.structured.outputs import PendingMask, StructuredOutputs
 from engine.structured.stats import StructuredStats
@@ -87,8 +89,8 @@ class EngineCore:
         self.generation_defaults = generation_defaults(
             self.files.path, config.generation_config, embedded=self.files.source == "embedded")
         self.max_model_len = config.resolve_max_model_len(self.hf_config)
-        # A ModelRunner, or with tensor_parallel_size > 1 rank 0's proxy (workers spawned).
-        self.runner = build_runner(config, self.hf_config, self.files, self.max_model_len)
+        # A ModelRunner, or with tensor_parallel_size > 1 rank 0's (workers spawned).
+        self.runner: Runner = build_runner(config, self.hf_config, self.files, self.max_model_len)
         # "auto" resolved by the runner (16-bit on a CPU): readers see the pool's own dtype
         self.config = config = config.replace(kv_cache_dtype=self.runner.kv_cache_dtype)
         num_blocks = self.runner.allocate_kv_cache()
@@ -179,13 +181,12 @@ class EngineCore:
         r = self.runner
         tokens = r.num_blocks * self.config.block_size
         logger.info(
-            "model %s | dtype %s | device %s | attention %s | linears %s | layer ops %s | "
+            "model %s | dtype %s | device %s | %s | "
             "max_model_len %d | "
             "KV cache (%s): %d "
             "blocks x %d tokens = %d tokens, %d bytes/token, %.2f GiB | max concurrency at "
             "max_model_len: %.2fx", self.model_name, str(r.dtype).removeprefix("torch."),
-            r.device, r.backend.name, r.linear_backend,
-            r.model.ops.name,
+            r.device, r.describe_kernels(),
             self.max_model_len, self.config.kv_cache_dtype, r.num_blocks, self.config.block_size,
             tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30,
             r.kv_layout.max_concurrency(r.num_blocks, self.config.block_size, self.max_model_len)
@@ -319,15 +320,9 @@ class EngineCore:
             self.disk.poll()
         self._admit_compiled(touched)
         out = self.scheduler.schedule()
-        copies = out.plan.copies
-        if out.plan.shifts:  # streaming eviction: before a swap-out copies the blocks
-            self.runner.shift_keys(out.plan.shifts)
-        try:  # spills, load-backs, swaps: before the model runs
-            if copies:
-                self.runner.copy_kv_blocks(copies.d2h, copies.h2d)
-        finally:
-            self.scheduler.complete_copies()
-        if not out.empty:
+        if out.empty:  # the runner moves blocks (key shifts, copies) before any forward pass
+            self._execute(out)
+        else:
             try:
                 self._run(out, touched)
             except _OUT_OF_MEMORY:
@@ -352,22 +347,18 @@ class EngineCore:
     @property
     def health_check_interval(self) -> float | None:
         """Seconds between :meth:`check_health` calls while idle (None: not needed)."""
-        return getattr(self.runner, "health_check_interval", None)
+        return self.runner.health_check_interval
 
     def check_health(self) -> None:
         """Raise when the engine can no longer run a step (a tensor-parallel worker died)."""
-        check = getattr(self.runner, "check_health", None)
-        if check is not None:
-            check()
+        self.runner.check_health()
 
     def close(self) -> None:
         """Release what outlives the object (tensor-parallel workers). Idempotent."""
         self.structured.close()
         if self.disk is not None:
             self.disk.close()
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def bind_thread(self) -> None:
         """Call on the thread that will drive ``step``: kernels launch on the engine's device
@@ -411,6 +402,16 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - isolation is the point
             self._fail_request(req, exc, touched)
 
+    def _execute(self, out: SchedulerOutput) -> StepOutput:
+        """The runner's one call for this step (key shifts, block copies, forward pass); the
+        copies' host blocks are released after it, whatever happens."""
+        try:
+            if out.empty and not (out.plan.copies or out.plan.shifts):
+                return StepOutput()
+            return self.runner.execute(out.plan)
+        finally:
+            self.scheduler.complete_copies()
+
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         now = time.time()
         self.counters["num_steps"] += 1
@@ -419,28 +420,26 @@ class EngineCore:
             m = s.seq.request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        inp = build_model_input(out.plan)
         # Constrained rows' bitmasks: filled during the forward pass or before it (measured).
         pending = self.structured.start_mask([
-            out.scheduled[i].seq.matcher for i in inp.sample_seq_indices
-            if not out.scheduled[i].draft]) if self.structured.in_use else None
-        # A failure here is the engine's, not a request's. The plan is what TP workers get.
-        result = self.runner.execute(inp, out.plan)
+            s.seq.matcher for s, c in zip(out.scheduled, out.plan.seqs, strict=True)
+            if c.sample and not s.draft]) if self.structured.in_use else None
+        result = self._execute(out)  # a failure here is the engine's, not a request's
         self.scheduler.update_after_step(out)
         if self.disk is not None:  # write-through of the blocks committed just now
             self.disk.after_step([s.seq.seq_id for s in out.scheduled])
         if result.prompt_logprobs is not None:
-            for rows in inp.prompt_rows:
+            for rows in result.prompt_rows:
                 req = out.scheduled[rows.seq_index].seq.request
                 self._guarded(req, touched, record_prompt_logprobs, req, rows,
                               result.prompt_logprobs, self.token_text)
                 touched[req.request_id] = req
-        if not inp.sample_seq_indices:
+        if not result.sampled:
             return
         logits = result.sample_logits
-        scheduled = [out.scheduled[i] for i in inp.sample_seq_indices]
+        scheduled = [out.scheduled[i] for i, _ in result.sampled]
         if any(s.draft for s in scheduled):  # rows: 1 per plain sequence, 1 + k speculating
-            plain, spec = split_rows(inp.sample_counts)
+            plain, spec = split_rows([len(rows) for _, rows in result.sampled])
             self._verify_drafts([scheduled[i] for i, _ in spec], logits,
                                 [r for _, r in spec], touched)
             scheduled = [scheduled[i] for i, _ in plain]

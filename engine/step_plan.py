@@ -2,8 +2,9 @@
 
 A :class:`StepPlan` names no ``Sequence``, no scheduler and no KV manager: token ids,
 positions, block tables, which rows sample, which prompt positions need logits, and the block
-copies to run before the forward pass. It is what ``engine.runner.batch.build_model_input`` packs for
-the model runner, and what a remote tensor-parallel worker or a speculative verifier receives.
+copies to run before the forward pass. It is what the model runner's one call takes
+(``engine.runner.protocol.Runner.execute``), and what a remote tensor-parallel worker
+receives.
 
 Contract: a plan is a snapshot taken at the end of ``Scheduler.schedule``. Its block tables
 already cover every token it computes (the scheduler allocated them), its copies must run

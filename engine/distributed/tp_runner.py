@@ -1,10 +1,11 @@
 """Rank 0's model runner under tensor parallelism (``engine.runner.factory`` builds it).
 
-:class:`TensorParallelRunner` looks like a ``ModelRunner`` to ``EngineCore`` (it forwards every
-attribute to rank 0's own runner, whose sizing methods already agree with the other ranks) and
-adds the orders: before rank 0 runs a step or a block copy on its shard, every worker is sent the
-same plain data (the ``StepPlan``, the copy pairs). Workers answer nothing; the logits are
-gathered inside the forward pass, and rank 0 alone samples.
+:class:`TensorParallelRunner` implements the runner seam (``engine.runner.protocol.Runner``)
+over rank 0's own ``ModelRunner``: its start-up and geometry members are rank 0's (whose sizing
+methods already agree with the other ranks), and before rank 0 runs a step on its shard, every
+worker is sent the same plain data (the ``StepPlan``: its block copies, then its forward pass).
+Workers answer nothing; the logits are gathered inside the forward pass, and rank 0 alone
+samples.
 
 Liveness: a spawned worker that has exited is noticed before each step and by
 :meth:`check_health` (the engine loop calls it while idle, which also pings every rank, remote
@@ -20,7 +21,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +29,11 @@ from engine.config import EngineConfig
 from engine.distributed.launcher import LocalWorkers, launch_plan
 from engine.distributed.parallel_state import destroy_group, init_group
 from engine.distributed.worker import pin_to, start_rank
+from engine.step_output import StepOutput
+from engine.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("kvserve.distributed")
 
@@ -39,10 +45,33 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker exited: the engine cannot run another step."""
 
 
+def _rank0(name: str, doc: str) -> property:
+    """A read-only member that is rank 0's runner's own (the same on every rank)."""
+    return property(lambda self: getattr(self._runner, name), doc=doc)
+
+
 class TensorParallelRunner:
+    """Rank 0 of a tensor-parallel group, as one ``Runner``."""
+
     health_check_interval = HEALTH_CHECK_INTERVAL_S
 
-    def __init__(self, runner, workers: LocalWorkers | None,
+    device = _rank0("device", "Rank 0's device.")
+    dtype = _rank0("dtype", "The activations' dtype (every rank's).")
+    arch = _rank0("arch", "The whole model's architecture.")
+    quant_verdict = _rank0("quant_verdict", "Rank 0's quantisation verdict.")
+    quantized = _rank0("quantized", "Whether rank 0 runs packed quantised weights.")
+    linear_backend = _rank0("linear_backend", "How rank 0's float linears multiply.")
+    kv_cache_dtype = _rank0("kv_cache_dtype", "The pools' resolved kv_cache_dtype.")
+    kv_format = _rank0("kv_format", "How one K or V row is stored.")
+    kv_layout = _rank0("kv_layout", "The KV groups.")
+    kv_bytes_per_token = _rank0("kv_bytes_per_token", "One token's K and V on one rank.")
+    kv_page_bytes_per_token = _rank0("kv_page_bytes_per_token",
+                                     "One token of one pool block on one rank.")
+    num_blocks = _rank0("num_blocks", "Blocks in each rank's pool.")
+    kv_caches = _rank0("kv_caches", "Rank 0's device pools.")
+    host_kv_caches = _rank0("host_kv_caches", "Rank 0's host pools.")
+
+    def __init__(self, runner: ModelRunner, workers: LocalWorkers | None,
                  old_affinity: set[int] | None) -> None:
         self._runner = runner
         self.tp = runner.tp
@@ -73,22 +102,37 @@ class TensorParallelRunner:
             raise
         return cls(runner, workers, old)
 
-    def __getattr__(self, name: str) -> Any:  # everything else: rank 0's own runner
-        return getattr(self._runner, name)
+    # ---- start-up: every call pairs with the workers' own (engine.distributed.worker) ----
+
+    def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
+        return self._runner.allocate_kv_cache(num_blocks)
+
+    def calibrate_kv_scales(self, token_ids):
+        return self._runner.calibrate_kv_scales(token_ids)
+
+    def allocate_host_kv_cache(self, num_blocks: int | None = None) -> int:
+        return self._runner.allocate_host_kv_cache(num_blocks)
+
+    def prepare_for_serving(self) -> None:
+        self._runner.prepare_for_serving()
+
+    def wait_host_copies(self) -> None:
+        self._runner.wait_host_copies()
+
+    def kv_pool_bytes(self) -> int:
+        return self._runner.kv_pool_bytes()
+
+    def describe_kernels(self) -> str:
+        return self._runner.describe_kernels()
 
     # ---- orders ------------------------------------------------------------------------------
 
-    def execute(self, inp, plan=None):
-        if plan is None:
-            raise ValueError("a tensor-parallel step needs its StepPlan (the workers' input)")
-        with self._collectives("a step"):
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Send ``plan`` to every worker, then run it on rank 0's shard (block moves and
+        forward pass on each rank; the collectives inside pair up)."""
+        with self._collectives("a step" if plan.seqs else "a block copy"):
             self.tp.send_order(("step", plan))
-            return self._runner.execute(inp)
-
-    def copy_kv_blocks(self, d2h, h2d) -> None:
-        with self._collectives("a block copy"):
-            self.tp.send_order(("copy", tuple(map(tuple, d2h)), tuple(map(tuple, h2d))))
-            self._runner.copy_kv_blocks(d2h, h2d)
+            return self._runner.execute(plan)
 
     def check_health(self) -> None:
         """Raise ``WorkerDiedError`` when a rank is gone or does not answer in time."""

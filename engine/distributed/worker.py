@@ -6,9 +6,9 @@ construction, and the same start-up calls in the same order (``allocate_kv_cache
 ``allocate_host_kv_cache``, ``prepare_for_serving``), so that their collectives pair up.
 After that a worker only obeys orders (``engine.distributed.tp_runner`` sends them):
 
-- ``("step", StepPlan)``: pack the plan (``engine.runner.batch``) and run the same forward pass
-  as rank 0 (logits are gathered on every rank; only rank 0 samples);
-- ``("copy", d2h, h2d)``: the step's block moves, on this rank's pools;
+- ``("step", StepPlan)``: the same ``Runner.execute`` as rank 0: the plan's block moves on
+  this rank's pools, then its forward pass (logits are gathered on every rank; only rank 0
+  samples);
 - ``("ping",)``: one tiny all-reduce (rank 0's liveness check while idle);
 - ``("stop",)``: leave the loop and exit 0.
 
@@ -77,8 +77,6 @@ def start_rank(config: EngineConfig, setup: DistributedSetup, hf_config: Any, fi
 
 def serve_orders(runner) -> None:
     """The worker's side of the start-up, then its order loop (returns on ``stop``)."""
-    from engine.runner.batch import build_model_input
-
     runner.allocate_kv_cache()
     runner.allocate_host_kv_cache()
     runner.prepare_for_serving()
@@ -89,9 +87,7 @@ def serve_orders(runner) -> None:
         order = group.recv_order()
         kind = order[0]
         if kind == "step":
-            runner.execute(build_model_input(order[1]))
-        elif kind == "copy":
-            runner.copy_kv_blocks(order[1], order[2])
+            runner.execute(order[1])
         elif kind == "ping":
             group.ping()
         elif kind == "stop":

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, Sequence
-from engine.runner.batch import PromptLogitRows
 from engine.sampling.prompt_logprobs import PromptLogprobs, position_entries
 from engine.sampling.sampler import SamplerOutput
+from engine.step_output import PromptLogitRows
 
 
 def build_request_output(req: Request) -> RequestOutput:

@@ -1,5 +1,8 @@
 """Flattening one step's plan (``engine.step_plan.StepPlan``) into the model's packed input.
 
+Private to the runner (``engine.runner.protocol``): the core never sees this layout; the
+runner maps its rows back to the plan's chunks in its ``StepOutput``.
+
 Plain data in, plain data out: this module sees neither sequences nor the KV manager. Every
 sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
 Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
@@ -14,18 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.step_output import PromptLogitRows
 from engine.step_plan import StepPlan
-
-
-@dataclass
-class PromptLogitRows:
-    """Rows ``[row_start, row_end)`` of the prompt-logit block belong to ``seq_index`` and
-    predict prompt tokens ``first_target .. first_target + (row_end - row_start) - 1``."""
-
-    seq_index: int
-    row_start: int
-    row_end: int
-    first_target: int
 
 
 @dataclass

@@ -1,14 +1,16 @@
 """Owns the model weights, the KV pools and the attention backend on one device.
 
-Below the scheduler: it receives plain data only — a step's packed ``ModelInput`` (built from
-the scheduler's ``engine.step_plan.StepPlan`` by ``engine.runner.batch``) and the plan's block copy
-orders — and never sees a ``Sequence``, the scheduler or the KV manager. Which blocks a
-sequence owns is decided there; here they are only indices into the pools.
+It implements the runner seam (``engine.runner.protocol.Runner``): it receives the scheduler's
+plain ``engine.step_plan.StepPlan`` and never sees a ``Sequence``, the scheduler or the KV
+manager. Which blocks a sequence owns is decided there; here they are only indices into the
+pools.
 
-``execute`` runs one packed step and returns the logits of the rows that are sampled and, for
-prompt positions whose logprobs were asked for, their reduced logprobs (target logprob, rank,
-top-k), computed ``PROMPT_LOGPROB_CHUNK`` rows of logits at a time. The KV pools are allocated
-once, here, at start-up: one ``(K, V)`` pair per layer, each
+``execute`` runs one step: the plan's key shifts and block copies, then its chunks packed into
+one flat batch (``engine.runner.batch``) and the forward pass. It returns, per chunk that
+samples, its logits rows and, for prompt positions whose logprobs were asked for, their
+reduced logprobs (target logprob, rank, top-k), computed ``PROMPT_LOGPROB_CHUNK`` rows of
+logits at a time (``engine.step_output.StepOutput``). The KV pools are allocated once, here,
+at start-up: one ``(K, V)`` pair per layer, each
 ``[num_blocks, block_size, kv_heads, row_width]`` of the ``kv_cache_dtype``'s storage
 (``engine/kv_storage/formats.py``: row_width is head_dim, or head_dim + 2 for int8's scale).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +34,16 @@ from engine.kv_cache.host.copier import HostTierCopier
 from engine.kv_cache.host.memory import allocate_host_pools
 from engine.kv_storage.formats import KVFormat, kv_format, resolve_kv_cache_dtype
 from engine.kv_storage.rope_shift import shift_block_keys
-from engine.loading.loader import iter_dir_weights
 from engine.models.arch import ModelArch
 from engine.models.batch_invariant import make_batch_invariant
 from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
-from engine.quantization.apply import (
-    adopt,
-    adopt_packed_only,
-    build_quantised,
-    packed_only_reason,
-    packed_replacements,
-    read_served_packed,
-    serves_packed_gguf,
-)
-from engine.quantization.packed_linear import PackedLinear, linear_backend, linear_weight_bytes
-from engine.runner.batch import ModelInput
+from engine.quantization.apply import serves_packed_gguf
+from engine.quantization.packed_linear import PackedLinear
+from engine.quantization.prepare import prepare_weights
+from engine.runner.batch import ModelInput, build_model_input
 from engine.runner.cpu_memory import cpu_kv_budget
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.device import resolve_device, set_device_for_thread
@@ -62,7 +56,8 @@ from engine.sampling.prompt_logprobs import (
     prompt_logprobs_in_chunks,
     reduce_logits,
 )
-from engine.step_plan import KeyShift
+from engine.step_output import StepOutput
+from engine.step_plan import KeyShift, StepPlan
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -96,13 +91,12 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
 
-@dataclass
-class ModelOutput:
-    sample_logits: torch.Tensor  # [S, V] float32
-    prompt_logprobs: PromptLogprobs | None  # host; rows as ModelInput.prompt_indices
-
-
 class ModelRunner:
+    """One device's runner (``engine.runner.protocol.Runner``); also one rank's shard under
+    tensor parallelism, driven there by ``engine.distributed``."""
+
+    health_check_interval: float | None = None  # nothing to check on one device
+
     def __init__(self, config: EngineConfig, hf_config: Any, weights, max_model_len: int,
                  files_dir: Path | None = None, tp: Any = None) -> None:
         """``files_dir``: the model's (converted) directory; with ``quantization="auto"`` the
@@ -126,39 +120,10 @@ class ModelRunner:
                                    cpu_probe=config.cpu_probe)
         self.model = _build_on_device(hf_config, max_model_len, self.device, self.dtype, tp)
         self.arch: ModelArch = self.model.arch
-        # quantization=auto on a GGUF: its packed tensors (None under tensor parallelism: a
-        # GGUF's packed blocks are not split, ranks hold float shards; see README).
-        packed = (read_served_packed(config, self.device, self.dtype, files_dir)
-                  if tp is None else None)
-        packed_only = packed_only_reason(packed) if packed else None
-        self.quant_verdict = None
-        if config.load_format == "dummy":
-            self.model.init_dummy_weights(seed=config.seed)
-        elif packed_only:  # the packed tensors' float parameters are never read nor touched
-            if hasattr(weights, "close"):
-                weights.close()
-            self.model.load_weights(iter_dir_weights(files_dir, skip=packed), skip=packed)
-        else:
-            self.model.load_weights(weights)
-        self.model.eval()
-        if packed_only:
-            self.quant_verdict = adopt_packed_only(
-                self.model, build_quantised(self.model, packed, check=False), packed_only)
-            quantised = None
-        else:
-            # Tensor parallel: int4/int8 quantise this rank's float shards; auto keeps them
-            # float.
-            quantised = (packed_replacements(self.model, config, self.device, self.dtype,
-                                             files_dir, packed)
-                         if tp is None or config.quantization != "auto" else None)
-        if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
-            self.quant_verdict = adopt(self.model, quantised, config)
-        self.linear_backend = linear_backend(self.device, self.dtype,
-                                             linear_weight_bytes(self.model)) or "torch"
-        if self.linear_backend != "torch":
-            self.model.pack_linears(self.linear_backend)
-        if quantised and config.quantization == "auto":
-            self.quant_verdict = adopt(self.model, quantised, config)
+        prepared = prepare_weights(self.model, config, weights, device=self.device,
+                                   dtype=self.dtype, files_dir=files_dir, tp_rank=tp is not None)
+        self.quant_verdict = prepared.verdict
+        self.linear_backend = prepared.linear_backend
         self.backend = get_attention_backend(config.attention_backend, self.device)
         refusal = getattr(self.model, "attention_backend_refusal", lambda _name: None)(
             self.backend.name)
@@ -384,15 +349,15 @@ class ModelRunner:
         if self._host_copier is not None:
             self._host_copier.wait_d2h()
 
-    def copy_kv_blocks(self, d2h: Sequence[tuple[int, int]],
-                       h2d: Sequence[tuple[int, int]]) -> None:
+    def _copy_kv_blocks(self, d2h: Sequence[tuple[int, int]],
+                        h2d: Sequence[tuple[int, int]]) -> None:
         """One step's block moves (``StepPlan.copies``): ``d2h`` (device block, host block)
         pairs, then ``h2d`` (host block, device block) pairs, for every layer's K and V. On
         CUDA they run on a side stream ordered after the queued work; the compute stream waits
         only for what this step reads (see ``engine.kv_cache.host.copier.HostTierCopier``)."""
         self._host_copier.copy(d2h, h2d)
 
-    def shift_keys(self, shifts: Sequence[KeyShift]) -> None:
+    def _shift_keys(self, shifts: Sequence[KeyShift]) -> None:
         """Streaming eviction's K-shift (``StepPlan.shifts``): re-rotate the K rows of each
         shift's blocks by ``-delta`` in every layer (``engine.kv_storage.rope_shift``). Runs
         before the step's copies and forward pass."""
@@ -476,17 +441,35 @@ class ModelRunner:
                               torch.zeros(t, dtype=torch.long, device=self.device), meta)
         torch.cuda.synchronize(self.device)
 
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """One step (``engine.runner.protocol.Runner.execute``): the plan's key shifts and
+        block copies, then its chunks packed (``engine.runner.batch``) and run."""
+        if plan.shifts:  # streaming eviction: before a swap-out copies the blocks
+            self._shift_keys(plan.shifts)
+        if plan.copies:  # spills, load-backs, swaps: before the model runs
+            self._copy_kv_blocks(plan.copies.d2h, plan.copies.h2d)
+        if not plan.seqs:
+            return StepOutput()
+        inp = build_model_input(plan)
+        sample_logits, prompt = self._run_batch(inp)
+        sampled, row = [], 0
+        for i, count in zip(inp.sample_seq_indices, inp.sample_counts, strict=True):
+            sampled.append((i, range(row, row + count)))
+            row += count
+        return StepOutput(tuple(sampled), sample_logits,
+                          tuple(inp.prompt_rows) if prompt is not None else (), prompt)
+
     @torch.inference_mode()
-    def execute(self, inp: ModelInput, plan: Any = None) -> ModelOutput:
-        """Run one step. ``inp`` is host data; pure decode steps replay a CUDA graph when one
-        was captured, everything else runs eagerly after one host->device copy. ``plan``
-        (the ``StepPlan`` ``inp`` was built from) is for a tensor-parallel rank 0, which
-        sends it to the workers; unused here."""
+    def _run_batch(self, inp: ModelInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
+        """The forward pass over one packed batch (host data): the sampled rows' logits
+        ``[S, V]`` and the reduced prompt logprobs (rows as ``inp.prompt_indices``, None when
+        none are asked). Pure decode steps replay a CUDA graph when one was captured,
+        everything else runs eagerly after one host->device copy."""
         if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
             if inp.sample_indices.numel() != hidden.shape[0]:
                 hidden = hidden[inp.sample_indices.to(self.device)]
-            return ModelOutput(self.model.compute_logits(hidden), None)
+            return self.model.compute_logits(hidden), None
         if self._layer_group and not inp.extra_block_tables:
             raise RuntimeError("a hybrid KV cache needs every group's block tables in the plan")
         dev = to_device(inp, self._stager, self._layer_group)
@@ -499,7 +482,19 @@ class ModelRunner:
             prompt = prompt_logprobs_in_chunks(self.model.compute_logits, hidden,
                                                dev.prompt_indices, dev.prompt_targets,
                                                inp.prompt_top_k, chunk=PROMPT_LOGPROB_CHUNK)
-        return ModelOutput(sample_logits, prompt)
+        return sample_logits, prompt
+
+    # ---- liveness (nothing outlives a single-device runner) ------------------------------
+
+    def check_health(self) -> None:
+        """Nothing can die under a single-device runner: never raises."""
+
+    def close(self) -> None:
+        """Nothing to release: the pools go with the object."""
+
+    def describe_kernels(self) -> str:
+        return (f"attention {self.backend.name} | linears {self.linear_backend} | "
+                f"layer ops {self.model.ops.name}")
 
 
 def _build_on_device(hf_config: Any, max_model_len: int, device: torch.device,

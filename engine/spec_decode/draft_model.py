@@ -1,9 +1,10 @@
 """Draft-model proposer: a small model of the same vocabulary proposes its greedy continuation.
 
-It runs its own ``ModelRunner`` (weights and a paged KV pool of as many blocks as the
-target's) and its own ``KVCacheManager`` (no prefix caching), in the engine's thread, inside the
-scheduler's ``propose`` call. Per sequence it remembers the tokens whose K/V its pool holds
-(``_fed``). One ``propose`` call, batched over the sequences asking for drafts:
+It runs its own runner (``engine.runner.protocol.Runner``: a ``ModelRunner`` with weights and
+a paged KV pool of as many blocks as the target's) and its own ``KVCacheManager`` (no prefix
+caching), in the engine's thread, inside the scheduler's ``propose`` call. Per sequence it
+remembers the tokens whose K/V its pool holds (``_fed``). One ``propose`` call, batched over
+the sequences asking for drafts:
 
 1. sync: the context only ever grows by accepted tokens, so the draft's K/V stays valid up to
    the first position where what it fed (its own earlier drafts included) differs from the
@@ -27,8 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.kv_cache.manager import KVCacheManager
-from engine.runner.batch import build_model_input
-from engine.runner.model_runner import ModelRunner
+from engine.runner.protocol import Runner
 from engine.spec_decode.proposer import DraftRequest
 from engine.step_plan import SeqChunk, StepPlan
 
@@ -36,7 +36,7 @@ from engine.step_plan import SeqChunk, StepPlan
 class DraftModelProposer:
     """``Proposer`` over a draft ``runner`` whose KV pool is allocated (``num_blocks``)."""
 
-    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int,
+    def __init__(self, runner: Runner, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, max_step_tokens: int = 2048) -> None:
         self.runner = runner
         self.max_step_tokens = max_step_tokens
@@ -109,6 +109,5 @@ class DraftModelProposer:
     def _step(self, chunks: list[SeqChunk]) -> list[int]:
         """One draft forward over ``chunks`` (decodes first); the argmax of the last row of
         each chunk that samples, in order."""
-        inp = build_model_input(StepPlan(tuple(chunks), self.block_size))
-        out = self.runner.execute(inp).sample_logits
-        return out.argmax(dim=-1).tolist() if inp.sample_seq_indices else []
+        out = self.runner.execute(StepPlan(tuple(chunks), self.block_size))
+        return out.sample_logits.argmax(dim=-1).tolist() if out.sampled else []

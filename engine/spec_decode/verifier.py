@@ -53,8 +53,9 @@ class Verified:
 
 def split_rows(sample_counts: Sequence[int],
                ) -> tuple[list[tuple[int, range]], list[tuple[int, range]]]:
-    """Split a step's sampled logits rows (``ModelInput.sample_counts``: 1 per plain sequence,
-    1 + its draft per speculating one) into ``(entry index, rows)`` pairs: plain, speculating."""
+    """Split a step's sampled logits rows (the row count of each sampling chunk of
+    ``StepOutput.sampled``: 1 per plain sequence, 1 + its draft per speculating one) into
+    ``(entry index, rows)`` pairs: plain, speculating."""
     plain: list[tuple[int, range]] = []
     spec: list[tuple[int, range]] = []
     row = 0

@@ -124,7 +124,7 @@ def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatc
     packed tensors are never read from the converted float checkpoint, the float side is not
     probed, and the engine serves the same modules as a forced-packed start: with the same
     settings (the defaults, both sides) its greedy tokens are identical."""
-    from engine.runner import model_runner
+    from engine.quantization import prepare
 
     path, cache = request.getfixturevalue(fixture)
     default_quant_settings()  # the same settings on both sides
@@ -135,14 +135,14 @@ def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatc
     monkeypatch.delenv("KVSERVE_QUANT_FORCE")
 
     read: list[str] = []
-    real = model_runner.iter_dir_weights
+    real = prepare.iter_dir_weights
 
     def spy(path_, skip=()):
         for name, tensor in real(path_, skip):
             read.append(name)
             yield name, tensor
 
-    monkeypatch.setattr(model_runner, "iter_dir_weights", spy)
+    monkeypatch.setattr(prepare, "iter_dir_weights", spy)
     monkeypatch.setenv("KVSERVE_QUANT_PACKED_ONLY", "1")
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         lean = _llm(path, cache, monkeypatch, quantization="auto")

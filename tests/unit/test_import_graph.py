@@ -275,3 +275,16 @@ def f():
     # In a package's __init__, "." is the package itself.
     pkg = {t for t, *_ in raw_imports("from .llm import LLM", "engine", is_package=True)}
     assert pkg == {"engine.llm"}
+
+
+def test_the_runner_seam_is_one_call():
+    """The runner package sees plain data, never the scheduler; the core reaches the runner
+    through ``Runner.execute(plan)`` and never sees the packed batch (issue 30)."""
+    modules = find_modules()
+    edges = build_graph(modules)
+    bad = [f"{e.source} -> {e.target}   ({modules[e.source].relative_to(ROOT)}:{e.line})"
+           for e in edges
+           if (e.source.startswith("engine.runner") and e.target.startswith("engine.scheduling"))
+           or (e.source == "engine.core" and e.target == "engine.runner.batch")]
+    assert not bad, "the runner seam is crossed:\n" + "\n".join(bad)
+    assert ("engine.core", "engine.runner.protocol") in {(e.source, e.target) for e in edges}

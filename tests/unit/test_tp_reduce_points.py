@@ -17,7 +17,6 @@ from engine.distributed.sharding import rank_shard
 from engine.distributed.weights import shard_tensor
 from engine.loading.loader import iter_weights, load_config, resolve_model
 from engine.loading.tiny import make_tiny_model_dir
-from engine.runner.batch import build_model_input
 from engine.runner.model_runner import ModelRunner
 from engine.step_plan import PromptLogitSpan, SeqChunk, StepPlan
 
@@ -88,7 +87,7 @@ def test_two_rank_forward_adds_up_to_the_whole_model(tiny_dir):
     hf = load_config(files)
     whole = ModelRunner(config, hf, iter_weights(files), 64)
     whole.allocate_kv_cache(num_blocks=8)
-    expected = whole.execute(build_model_input(_plan()))
+    expected = whole.execute(_plan())
 
     group = ThreadGroup(2)
     runners: list[ModelRunner | None] = [None, None]
@@ -102,7 +101,7 @@ def test_two_rank_forward_adds_up_to_the_whole_model(tiny_dir):
         runner.allocate_kv_cache(num_blocks=8)
         runners[r] = runner
         group.barrier.wait()
-        results[r] = runner.execute(build_model_input(_plan()))
+        results[r] = runner.execute(_plan())
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:

@@ -1,0 +1,87 @@
+"""The one entry point the model runner calls to give a freshly built model its weights.
+
+:func:`prepare_weights` loads the checkpoint into the model (or dummy weights), applies
+``config.quantization`` (``engine.quantization.apply``: a GGUF's own packed tensors under
+``auto``, round-to-nearest ``int4``/``int8``) and packs the float linears for this device's
+linear backend (``engine.quantization.packed_linear``), in the one order that is correct:
+
+- ``auto`` on a GGUF whose float copies would not fit (``apply.packed_only_reason``): the
+  packed tensors are never read from the converted float checkpoint; every packed module is
+  swapped in without probing float;
+- ``int4``/``int8``: quantised modules swapped in *before* the float linears are packed (none
+  is packed in vain);
+- ``auto`` otherwise: the float linears packed first, then the probe decides which row counts
+  the packed modules serve (``apply.adopt_if_faster``).
+
+Under tensor parallelism (``tp_rank``) a GGUF's packed blocks are not split: ranks hold float
+shards; ``int4``/``int8`` quantise each rank's shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.loading.loader import iter_dir_weights
+from engine.quantization.apply import (
+    adopt,
+    adopt_packed_only,
+    build_quantised,
+    packed_only_reason,
+    packed_replacements,
+    read_served_packed,
+)
+from engine.quantization.packed_linear import linear_backend, linear_weight_bytes
+from engine.quantization.probe import Verdict
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    """What :func:`prepare_weights` decided. ``verdict``: which row counts run on packed
+    quantised weights (None: no quantised module, e.g. ``quantization="none"``);
+    ``linear_backend``: how the remaining float linears multiply (``"torch"``: plain
+    ``nn.Linear``)."""
+
+    verdict: Verdict | None
+    linear_backend: str
+
+
+def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
+                    dtype: torch.dtype, files_dir: Path | None,
+                    tp_rank: bool = False) -> PreparedWeights:
+    """Load ``weights`` (an iterator of ``(name, tensor)``; closed unread when the packed
+    tensors serve alone) into ``model`` (built on ``device`` in ``dtype``, storage allocated),
+    put it in eval mode, quantise and pack its linears as ``config`` asks. ``files_dir``: the
+    model's (converted) directory, whose GGUF source ``quantization="auto"`` reads.
+    ``tp_rank``: ``model`` is one tensor-parallel rank's shard. ValueError when the requested
+    quantisation cannot run here (``apply.packed_replacements``) or a packed weight does not
+    match its float copy."""
+    packed = read_served_packed(config, device, dtype, files_dir) if not tp_rank else None
+    packed_only = packed_only_reason(packed) if packed else None
+    if config.load_format == "dummy":
+        model.init_dummy_weights(seed=config.seed)
+    elif packed_only:  # the packed tensors' float parameters are never read nor touched
+        if hasattr(weights, "close"):
+            weights.close()
+        model.load_weights(iter_dir_weights(files_dir, skip=packed), skip=packed)
+    else:
+        model.load_weights(weights)
+    model.eval()
+    verdict = None
+    quantised = None
+    if packed_only:
+        verdict = adopt_packed_only(model, build_quantised(model, packed, check=False),
+                                    packed_only)
+    elif not tp_rank or config.quantization != "auto":  # auto keeps a rank's shards float
+        quantised = packed_replacements(model, config, device, dtype, files_dir, packed)
+    if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
+        verdict = adopt(model, quantised, config)
+    backend = linear_backend(device, dtype, linear_weight_bytes(model)) or "torch"
+    if backend != "torch":
+        model.pack_linears(backend)
+    if quantised and config.quantization == "auto":  # the probe compares packed float
+        verdict = adopt(model, quantised, config)
+    return PreparedWeights(verdict, backend)
