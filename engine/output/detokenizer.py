@@ -94,15 +94,17 @@ class IncrementalDetokenizer:
         self._ids, self._prefix_text = self._prompt_context(list(prompt_token_ids))
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        # A prompt whose text ends in U+FFFD: a real U+FFFD character, or one the output's
+        # first bytes complete. Decided at the first decode (``_settle_prompt``).
+        self._unsure_prompt = self._prefix_text.endswith(_REPLACEMENT)
 
     def _prompt_context(self, prompt: list[int]) -> tuple[list[int], str]:
         """The last few prompt tokens and their text, the window starting on a whole character.
 
         A window that starts inside a character decodes to U+FFFD (byte fallback even turns the
         whole byte run into U+FFFD), so it is widened until its text ends cleanly. If the prompt
-        itself ends inside a character, the output's first bytes would complete it and the
-        diff would lose them: then the output is decoded on its own (a stray continuation byte
-        shows as U+FFFD, as ``decode`` of the output gives).
+        itself ends in U+FFFD, that is a real U+FFFD character or a character the output's first
+        bytes complete; ``_settle_prompt`` tells which once output is there.
         """
         if not prompt:
             return [], ""
@@ -111,9 +113,25 @@ class IncrementalDetokenizer:
             text = self._decode(context)
             if not text.endswith(_REPLACEMENT) or width >= len(prompt):
                 break
-        if text.endswith(_REPLACEMENT):
-            return [], ""
         return context, text
+
+    def _settle_prompt(self, new_text: str) -> str:
+        """First decode that adds text (or the flush) after a prompt ending in U+FFFD. The context stays when
+        the output's text after it is the output's own text, up to the leading space that only
+        the context gives (a real U+FFFD character ended the prompt). Otherwise the output's
+        bytes joined or completed a character the prompt ended inside of, and the diff would
+        mangle them: the context is dropped and the output decoded on its own (a stray
+        continuation byte shows as U+FFFD, as ``decode`` of the output gives). Returns the
+        window's new text."""
+        self._unsure_prompt = False
+        alone = self._decode(self._ids[self._read_offset:])
+        prefix = self._prefix_text
+        if new_text.startswith(prefix) and new_text[len(prefix):].lstrip(" ") == alone.lstrip(" "):
+            return new_text
+        del self._ids[:self._read_offset]
+        self._prefix_offset = self._read_offset = 0
+        self._prefix_text = ""
+        return alone
 
     def add_token(self, token_id: int) -> str:
         """Append one generated token; return the newly decoded text (possibly "")."""
@@ -129,8 +147,10 @@ class IncrementalDetokenizer:
             return ""
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        prefix_text = self._prefix_text
         new_text = self._decode(self._ids[self._prefix_offset:])
+        if self._unsure_prompt and (final or new_text != self._prefix_text):
+            new_text = self._settle_prompt(new_text)
+        prefix_text = self._prefix_text
         if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT)):
             # Nothing certain yet: a character is incomplete (keep the window as it is), or the
             # token added no text, e.g. a skipped special (move the read point past it but keep
