@@ -22,10 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine import envs
-
-DECODE_ENV = envs.DECODE_CONFIG
-PREFILL_ENV = envs.PREFILL_CONFIG
+# Read through engine/envs.py (its table documents them), imported when first read so that
+# importing the kernels does not import the engine package.
+DECODE_ENV = "KVSERVE_DECODE_CONFIG"
+PREFILL_ENV = "KVSERVE_PREFILL_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ def parse_launch_override(text: str, fields: tuple[str, ...], source: str) -> di
 @functools.cache
 def _env_override(env: str, fields: tuple[str, ...]) -> dict[str, int]:
     """The parsed override in ``env``, read once per process (tests call ``cache_clear``)."""
+    from engine import envs
+
     return parse_launch_override(envs.launch_override(env), fields, env)
 
 
