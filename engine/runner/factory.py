@@ -1,5 +1,6 @@
-"""The engine core's model runner: one ``ModelRunner`` over the whole model, or with
-``tensor_parallel_size > 1`` rank 0's ``engine.distributed.tp_runner.TensorParallelRunner``
+"""The engine core's model runner (``engine.runner.protocol.Runner``): one ``ModelRunner`` over
+the whole model, or with ``tensor_parallel_size > 1`` rank 0's
+``engine.distributed.tp_runner.TensorParallelRunner``
 (imported only then: a single-device engine never loads torch.distributed)."""
 
 from __future__ import annotations
@@ -7,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.runner.protocol import Runner
 
 
-def build_runner(config: EngineConfig, hf_config: Any, files, max_model_len: int):
+def build_runner(config: EngineConfig, hf_config: Any, files, max_model_len: int) -> Runner:
     """The runner for ``config``; with tensor parallelism its workers are spawned here."""
     if config.tensor_parallel_size == 1:
         from engine.loading.loader import iter_weights

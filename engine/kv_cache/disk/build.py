@@ -17,7 +17,7 @@ def engine_fingerprint(config, core) -> KVFingerprint:
         dtype=str(r.dtype), kv_cache_dtype=str(config.kv_cache_dtype),
         block_size=config.block_size, num_layers=r.arch.num_layers,
         num_kv_heads=r.arch.num_kv_heads, row_bytes=r.kv_format.row_bytes,
-        quantization=(f"{config.quantization}|{getattr(r, 'linear_backend', '')}|"
+        quantization=(f"{config.quantization}|{r.linear_backend}|"
                       f"{config.calculate_kv_scales}"),
         tp_rank=0, tp_size=config.tensor_parallel_size)
 
