@@ -1,8 +1,12 @@
 """EngineCore: one synchronous engine step = schedule, run the model, sample, update.
 
-The scheduler owns the KV manager and its host tier; what reaches the model runner is the
-scheduler's plain-data ``StepPlan`` (its copies first, then its packed forward pass). Sequences
-end through ``Scheduler.finish_seq``, which frees their blocks.
+The scheduler builds and owns the KV manager and its host tier; what reaches the model runner
+is the scheduler's plain-data ``StepPlan`` (its copies first, then its packed forward pass).
+The scheduler seam is two calls a step: ``Scheduler.schedule`` and, once the core has sampled,
+verified drafts and checked stops, ``Scheduler.update_from_output`` with the step's
+``StepResult`` (per sequence: tokens to append, drafts accepted, finish reason), which commits
+the KV, appends, rolls back and frees finished sequences. Between steps a request ends through
+``Scheduler.abort_request`` (API aborts, grammars that failed, outputs that failed to build).
 
 Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
 ``check_request`` (pure) may be called from elsewhere. An accepted request always ends with a
@@ -30,13 +34,9 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache.disk.build import build_disk_tier
 from engine.kv_cache.disk.stats import DiskTierStats
-from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.groups import describe_kv_groups
 from engine.kv_cache.host.blocks import SwapCostModel
-from engine.kv_cache.hybrid import HybridKVCacheManager
-from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.snapshot import KVGeometry, KVSnapshot, KVSnapshotter
-from engine.kv_cache.streaming import StreamingEviction
 from engine.kv_storage.precision import kv_precision_warning
 from engine.loading.generation_defaults import generation_defaults
 from engine.loading.loader import (
@@ -63,7 +63,9 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.scheduling.admission import AdmissionLimits, check_request
+from engine.scheduling.kv_pool import KVPool
 from engine.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.scheduling.step_result import StepResult
 from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
@@ -103,37 +105,31 @@ class EngineCore:
         self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
         cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
                                         self._block_bytes) if num_host_blocks else None)
-        # The scheduler owns the manager (and its host tier): the core keeps a reference for
-        # stats and integrity checks only, and never allocates, frees or looks up through it.
-        windows = self.runner.arch.sliding_windows
-        self.sliding_window = (min(windows) if windows and None not in windows else None)
-        eviction = _eviction_spec(config, self.max_model_len, windows)
-        # Streaming eviction re-rotates kept keys: their blocks no longer match a text hash.
         layout = self.runner.kv_layout
-        if layout.is_hybrid:  # per-group block tables over the shared pool
-            self.kv = HybridKVCacheManager(num_blocks, config.block_size, layout,
-                                           config.enable_prefix_caching,
-                                           num_host_blocks=num_host_blocks, cost=cost)
-        else:
-            self.kv = KVCacheManager(num_blocks, config.block_size,
-                                     config.enable_prefix_caching and eviction is None,
-                                     num_host_blocks=num_host_blocks, cost=cost)
-        self.stream = StreamingEviction(eviction, self.kv) if eviction is not None else None
-        self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
-            self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
-            str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
-            self.max_model_len))
+        pool = KVPool(num_blocks, self.max_model_len, num_host_blocks=num_host_blocks,
+                      swap_cost=cost, windows=tuple(self.runner.arch.sliding_windows),
+                      layout=layout)
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
                                   vocab_size=self.runner.arch.vocab_size,
                                   # hybrid: pages of one group; the draft's hold all layers
                                   num_blocks=num_blocks // layout.num_groups) if spec else None
         self.jump_forward = _jump_forward(config, self.tokenizer)
-        self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window,
-                                   stream=self.stream, jump_forward=self.jump_forward)
+        # The scheduler builds and owns the KV manager (and its host tier) and the eviction
+        # policy: the core keeps read-only references for stats, snapshots and integrity
+        # checks, and never allocates, frees or looks up through them.
+        self.scheduler = Scheduler(config, pool, proposer, jump_forward=self.jump_forward)
+        self.kv = self.scheduler.kv
+        self.stream = self.scheduler.stream
+        eviction = self.scheduler.eviction
+        self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
+            self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
+            str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
+            self.max_model_len))
         self.disk = build_disk_tier(config, self) if config.kv_disk_dir is not None else None
         if self.disk is not None:
             self.scheduler.admission_gate = self.disk.ready
+            self.scheduler.after_commit = self.disk.after_step  # write-through
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -158,6 +154,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_unreported: list[Request] = []
+        # The running step's per-sequence outcome (None between steps): filled by the guarded
+        # per-request work, applied by ``Scheduler.update_from_output`` once per step.
+        self._result: StepResult | None = None
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0,
                          "computed_tokens": 0}
         self._log_startup()
@@ -264,8 +263,7 @@ class EngineCore:
         exc = req.grammar.exception()
         if exc is not None:
             req.error = str(exc)
-            for seq in req.seqs:
-                self.scheduler.finish_seq(seq, "abort")
+            self.scheduler.abort_request(req)
             return
         compiled = req.grammar.result()
         for seq in req.seqs:
@@ -301,8 +299,7 @@ class EngineCore:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            for seq in req.seqs:
-                self.scheduler.finish_seq(seq, "abort")
+            self.scheduler.abort_request(req)
             self._finished_unreported.append(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -326,11 +323,22 @@ class EngineCore:
                 self.runner.copy_kv_blocks(copies.d2h, copies.h2d)
         finally:
             self.scheduler.complete_copies()
-        if not out.empty:
-            try:
-                self._run(out, touched)
-            except _OUT_OF_MEMORY:
-                self._fail_step(out, touched)
+        self._result = result = StepResult()
+        completed = False
+        try:
+            if not out.empty:
+                try:
+                    completed = self._run(out, touched)
+                except _OUT_OF_MEMORY:
+                    self._fail_step(out, touched)
+        finally:
+            self._result = None
+        self.scheduler.update_from_output(out, result)
+        if completed:
+            now = time.time()
+            for req in touched.values():
+                if req.finished and req.metrics.finished_time is None:
+                    req.metrics.finished_time = now
         outputs = []
         for req in touched.values():
             try:
@@ -375,7 +383,8 @@ class EngineCore:
 
     def _fail_step(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         """The device ran out of memory inside this step: its requests end ("abort", told
-        why in the log) and free their blocks; the engine serves the others."""
+        why in the log; their blocks are freed by ``update_from_output``); the engine serves
+        the others."""
         ids = sorted({s.seq.request.request_id for s in out.scheduled})
         logger.error("out of device memory in a step of %d tokens; aborting its %d "
                      "request(s): %s", out.num_batched_tokens, len(ids), ", ".join(ids[:8]))
@@ -386,19 +395,21 @@ class EngineCore:
             if req is None:
                 continue
             req.error = req.error or "out of device memory while running this request"
-            for seq in req.seqs:
-                self.scheduler.finish_seq(seq, "abort")
+            self._result.abort(req)
             touched[rid] = req
 
     def _fail_request(self, req: Request, exc: BaseException,
                       touched: dict[str, Request]) -> None:
         """End ``req`` after an internal error in its own work: finish_reason "abort", ``error``
-        set, blocks freed (once), traceback logged. The engine goes on."""
+        set, blocks freed (once: in a step by ``update_from_output``, after it at once),
+        traceback logged. The engine goes on."""
         logger.error("request %s failed inside the engine step and is aborted: %s: %s",
                      req.request_id, type(exc).__name__, exc, exc_info=exc)
         req.error = req.error or f"internal error: {type(exc).__name__}: {exc}"
-        for seq in req.seqs:
-            self.scheduler.finish_seq(seq, "abort")
+        if self._result is not None:
+            self._result.abort(req)
+        else:
+            self.scheduler.abort_request(req)
         touched[req.request_id] = req
 
     def _guarded(self, req: Request, touched: dict[str, Request], fn, *args) -> None:
@@ -410,7 +421,9 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - isolation is the point
             self._fail_request(req, exc, touched)
 
-    def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
+    def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> bool:
+        """The forward pass and every request's share of its outcome, recorded in
+        ``self._result``. True when it ran to the end (some sequence sampled)."""
         now = time.time()
         self.counters["num_steps"] += 1
         self.counters["computed_tokens"] += out.num_batched_tokens
@@ -425,9 +438,7 @@ class EngineCore:
             if not out.scheduled[i].draft]) if self.structured.in_use else None
         # A failure here is the engine's, not a request's. The plan is what TP workers get.
         result = self.runner.execute(inp, out.plan)
-        self.scheduler.update_after_step(out)
-        if self.disk is not None:  # write-through of the blocks committed just now
-            self.disk.after_step([s.seq.seq_id for s in out.scheduled])
+        self._result.kv_written = True
         if result.prompt_logprobs is not None:
             for rows in inp.prompt_rows:
                 req = out.scheduled[rows.seq_index].seq.request
@@ -435,7 +446,7 @@ class EngineCore:
                               result.prompt_logprobs, self.token_text)
                 touched[req.request_id] = req
         if not inp.sample_seq_indices:
-            return
+            return False
         logits = result.sample_logits
         scheduled = [out.scheduled[i] for i in inp.sample_seq_indices]
         if any(s.draft for s in scheduled):  # rows: 1 per plain sequence, 1 + k speculating
@@ -450,13 +461,11 @@ class EngineCore:
         picks = self._sample(logits, seqs, touched, pending) if seqs else []
         now = time.time()
         for seq, pick in zip(seqs, picks, strict=True):
-            if pick is not None and not seq.finished:
+            if pick is not None and not self._result.is_finished(seq):
                 self._guarded(seq.request, touched, self._append_token, seq, pick[0], pick[1],
                               now)
             touched[seq.request.request_id] = seq.request
-        for req in touched.values():
-            if req.finished and req.metrics.finished_time is None:
-                req.metrics.finished_time = now
+        return True
 
     def _row(self, s: Sequence) -> SamplingRow:
         return SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
@@ -465,9 +474,10 @@ class EngineCore:
 
     def _verify_drafts(self, spec: list[ScheduledSeq], logits: torch.Tensor,
                        row_ranges: list[range], touched: dict[str, Request]) -> None:
-        """Verify each speculating sequence's rows (``engine.spec_decode.verifier``), append
+        """Verify each speculating sequence's rows (``engine.spec_decode.verifier``), take
         the kept tokens one by one (a stop ends the sequence where one-token decoding would)
-        and roll its KV back to them. Per sequence and guarded: a failure ends that request."""
+        and record how many drafts were accepted (``update_from_output`` rolls its KV back to
+        them). Per sequence and guarded: a failure ends that request."""
         now = time.time()
         for s, rows in zip(spec, row_ranges, strict=True):
             touched[s.seq.request.request_id] = s.seq.request
@@ -485,10 +495,10 @@ class EngineCore:
         counters = self.jump_forward if s.forced else self.spec_counters
         counters.observe(len(s.draft), v.num_accepted)
         for j in range(len(v.tokens)):
-            if seq.finished:
+            if self._result.is_finished(seq):
                 return
             self._append_token(seq, sampled, v.row + j, now)
-        self.scheduler.accept_drafts(seq, v.num_accepted)
+        self._result.update(seq).num_accepted_drafts = v.num_accepted
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
                 pending: PendingMask | None = None,
@@ -518,12 +528,13 @@ class EngineCore:
         return picks
 
     def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, now: float) -> None:
-        """Append the sampled token: logprobs, text, stop checks, metrics. Per request."""
+        """Take the sampled token: logprobs, text, stop checks, metrics; the token and any
+        finish are recorded for ``update_from_output``. Per request."""
         token = sampled.token_ids[row]
         if seq.matcher is not None and not seq.matcher.accept(token):
             raise RuntimeError(f"token {token} is not allowed by the request's grammar (every "
                                f"allowed token was masked by another logit processor?)")
-        seq.token_ids.append(token)
+        self._result.update(seq).new_token_ids.append(token)
         self.counters["generation_tokens"] += 1
         record_sample_logprobs(seq, sampled, row, self.token_text)
         m = seq.request.metrics
@@ -532,12 +543,12 @@ class EngineCore:
         m.last_token_time = now
         finish = seq.text_state.append(token)
         if finish is not None:
-            self.scheduler.finish_seq(seq, finish.reason, finish.stop_reason)
+            self._result.finish(seq, finish.reason, finish.stop_reason)
         elif seq.matcher is not None and seq.matcher.is_terminated():
             # The grammar ended (it took a stop token that the text state does not end on,
             # e.g. under ignore_eos): nothing more may follow.
             info = seq.text_state.finish("stop")
-            self.scheduler.finish_seq(seq, info.reason, info.stop_reason)
+            self._result.finish(seq, info.reason, info.stop_reason)
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -599,18 +610,6 @@ def _tokenizer_files(config: EngineConfig, files):
         logger.info("%s has no tokenizer: using the embedded model's", files.path)
         return resolve_model(None)
     return files
-
-
-def _eviction_spec(config: EngineConfig, max_model_len: int, windows) -> KVEvictionSpec | None:
-    """``config.kv_eviction`` parsed and checked against the model (None when off)."""
-    spec = config.eviction_spec()
-    if spec is None:
-        return None
-    if any(w is not None for w in windows):
-        raise ValueError("kv_eviction is for models whose layers see the whole context; this "
-                         "one has sliding-window layers, which already bound their KV")
-    spec.validate(config.block_size, max_model_len)
-    return spec
 
 
 def _jump_forward(config: EngineConfig, tokenizer) -> JumpForward | None:
