@@ -121,6 +121,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, pool, proposer, jump_forward=self.jump_forward)
         self.kv = self.scheduler.kv
         self.stream = self.scheduler.stream
+        self.sliding_window = self.scheduler.sliding_window
         eviction = self.scheduler.eviction
         self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
             self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
@@ -217,11 +218,15 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, validated: bool = False) -> None:
+        """Queue a request. ValueError (user-facing) for one that can never be served, unless
+        ``validated``: the caller ran :meth:`check_request` on these same arguments
+        (``AsyncEngine.submit`` does, on its own thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
-        self.check_request(prompt_token_ids, params, priority=priority)
+        if not validated:
+            self.check_request(prompt_token_ids, params, priority=priority)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = Request(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
