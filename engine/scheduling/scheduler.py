@@ -5,7 +5,7 @@ Policy, whole (one screen):
 1. Running sequences advance first, in admission order: a decode takes one token, a chunked
    prefill takes its next chunk; each takes from the step's token budget
    (``max_num_batched_tokens``). When the KV pool cannot hold a running sequence's new tokens,
-   a victim is preempted (``_pick_victim``): among the running sequences of the lowest priority
+   a victim is preempted (``engine.scheduling.preemption``): among the running sequences of the lowest priority
    class (every sequence is one class under ``scheduling_policy="fcfs"``), the request running
    the MOST SEQUENCES gives back its most recently admitted one; on a tie, the most recently
    admitted sequence goes (vLLM's LIFO rule: the least work lost). Why not plain LIFO: a
@@ -59,6 +59,7 @@ from engine.kv_cache.manager import PrefixHit
 from engine.request import Request, SeqStatus, Sequence
 from engine.scheduling.drafts import forced_drafts, propose_drafts
 from engine.scheduling.kv_pool import KVPool, build_kv
+from engine.scheduling.preemption import pick_victim
 from engine.scheduling.prompt_span import prompt_logit_span
 from engine.scheduling.step_result import StepResult
 from engine.scheduling.waiting_queue import WaitingQueue
@@ -305,29 +306,11 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate(seq.seq_id, num_tokens) is None:
-            victim = self._pick_victim()
+            victim = pick_victim(self.running, self.use_priority)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
-
-    def _pick_victim(self) -> Sequence:
-        """The running sequence to preempt (policy point 1 of the module docstring): lowest
-        priority class first (priority policy only), then the request running the most
-        sequences, then the most recently admitted. O(running)."""
-        cands = self.running
-        if self.use_priority:
-            worst = max(s.request.priority for s in cands)
-            cands = [s for s in cands if s.request.priority == worst]
-        count: dict[str, int] = {}
-        newest: dict[str, Sequence] = {}
-        for s in cands:
-            rid = s.request.request_id
-            count[rid] = count.get(rid, 0) + 1
-            if rid not in newest or s.admit_order > newest[rid].admit_order:
-                newest[rid] = s
-        rid = max(count, key=lambda r: (count[r], newest[r].admit_order))
-        return newest[rid]
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -460,11 +443,7 @@ class Scheduler:
             seq.num_computed_tokens = self.stream.resume_point(seq.seq_id,
                                                                seq.num_computed_tokens)
         if not seq.finished:
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                           seq.request.cache_extra_keys)
-            if self.sliding_window is not None or self.hybrid:
-                self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
-                                               self.sliding_window)
+            self._commit(seq)
         if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
                 and seq.request.request_id in self._parked):
             self._release_parked(seq.request)
@@ -479,6 +458,11 @@ class Scheduler:
             raise RuntimeError(f"{seq.seq_id}: {seq.num_tokens} tokens but "
                                f"{seq.num_computed_tokens} computed after verification")
         self.kv.truncate(seq.seq_id, seq.num_tokens)
+        self._commit(seq)
+
+    def _commit(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly full computed blocks in the prefix cache and give back
+        those wholly behind the sliding window."""
         self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                        seq.request.cache_extra_keys)
         if self.sliding_window is not None or self.hybrid:
