@@ -161,3 +161,17 @@ def test_kv_manager_fits_drafts_and_shares_sibling_prompt_blocks():
     off = KVCacheManager(6, BS, share_siblings=False)
     off.allocate("a", 8)
     assert off.share_sibling_prefix(miss, "a", 8, 9) is miss
+
+
+def test_the_core_builds_no_kv_manager():
+    """The scheduler builds and owns the KV manager and the eviction policy: the engine core
+    imports neither (it reads ``scheduler.kv`` for stats)."""
+    import ast
+    from pathlib import Path
+
+    import engine.core
+
+    tree = ast.parse(Path(engine.core.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"engine.kv_cache.manager", "engine.kv_cache.hybrid",
+                           "engine.kv_cache.streaming", "engine.kv_cache.eviction_spec"}
