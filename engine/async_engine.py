@@ -275,14 +275,18 @@ class AsyncEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None, *, prompt: str | None = None,
-               priority: int = 0) -> RequestStream:
-        """Queue a request for the engine thread; raises before anything is queued."""
+               priority: int = 0, validated: bool = False) -> RequestStream:
+        """Queue a request for the engine thread; raises before anything is queued.
+        ``validated``: the caller has just run :meth:`check_request` on these same arguments
+        (the server does, for every prompt of a request before submitting any): not checked
+        again. Either way the engine thread does not check it a second time."""
         if not self.is_healthy:
             raise EngineDeadError("the engine is not running; see the server log")
         if self._draining:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
         prompt_token_ids = list(prompt_token_ids)
-        self.check_request(prompt_token_ids, params, priority=priority)
+        if not validated:
+            self.check_request(prompt_token_ids, params, priority=priority)
         request_id = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
         with self._cond:
@@ -473,7 +477,7 @@ class AsyncEngine:
             try:
                 self.core.add_request(p.request_id, p.prompt_token_ids, p.params,
                                       prompt=p.prompt, arrival_time=p.arrival_time,
-                                      priority=p.priority)
+                                      priority=p.priority, validated=True)  # by submit
             except Exception as exc:  # a bad request must not stop the engine
                 if not isinstance(exc, ValueError):
                     logger.exception("add_request failed for %s", p.request_id)

@@ -326,36 +326,6 @@ class EngineConfig:
             return self.max_seqs_per_request
         return self.max_num_seqs
 
-    def check_num_seqs(self, num_seqs: int, what: str | None = None) -> None:
-        """Raise ValueError (a 400: retrying cannot help) when one request of ``num_seqs``
-        sequences could never be admitted: above :attr:`seqs_per_request_cap`, or above
-        ``max_waiting_requests`` (the whole waiting queue). ``what`` describes the request in
-        the message (default ``"<num_seqs> sequences (n x prompts)"``). Pure."""
-        what = what or f"{num_seqs} sequences (n x prompts)"
-        cap = self.seqs_per_request_cap
-        if num_seqs > cap:
-            raise ValueError(f"this request asks for {what}, but at most {cap} are allowed per "
-                             f"request (--max-seqs-per-request / max_seqs_per_request, default "
-                             f"--max-num-seqs); lower n or send fewer prompts at once")
-        if num_seqs > self.max_waiting_requests:
-            raise ValueError(f"this request asks for {what}, but the waiting queue holds at "
-                             f"most {self.max_waiting_requests} (--max-waiting-requests / "
-                             f"max_waiting_requests); lower n or send fewer prompts at once")
-
-    def check_logprobs(self, k: int | None, name: str = "logprobs") -> None:
-        """Raise ValueError when ``k`` (sample or prompt logprobs per token) is above
-        ``max_logprobs``. Pure."""
-        if k is not None and k > self.max_logprobs:
-            raise ValueError(f"{name} must be at most {self.max_logprobs}; got {k}")
-
-    def check_priority(self, priority: int) -> None:
-        """Raise ValueError for a non-zero ``priority`` unless ``scheduling_policy`` is
-        ``"priority"``. Pure."""
-        if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} is not allowed: this server schedules first "
-                             f"come, first served (priority scheduling is off; start the server "
-                             f"with --scheduling-policy priority to honour request priorities)")
-
     def eviction_spec(self) -> KVEvictionSpec | None:
         """``kv_eviction`` parsed (None when off); ValueError for a malformed one."""
         return KVEvictionSpec.parse(self.kv_eviction) if self.kv_eviction is not None else None

@@ -1,9 +1,13 @@
 """EngineCore: one synchronous engine step = schedule, run the model, sample, update.
 
-The scheduler owns the KV manager and its host tier; what reaches the model runner is the
-scheduler's plain-data ``StepPlan``, in one call (``Runner.execute``: its key shifts and copies
-first, then its forward pass), and what comes back is indexed by the plan's chunks. Sequences
-end through ``Scheduler.finish_seq``, which frees their blocks.
+The scheduler builds and owns the KV manager and its host tier. A step crosses each seam as
+few times as it can: ``Scheduler.schedule`` gives the plain-data ``StepPlan``; the runner gets it
+in one call (``Runner.execute``: its key shifts and block copies first, then its forward pass)
+and what comes back (``StepOutput``) is indexed by the plan's chunks; once the core has sampled,
+verified drafts and checked stops, ``Scheduler.update_from_output`` takes the step's
+``StepResult`` (per sequence: tokens to append, drafts accepted, finish reason) and commits the
+KV, appends, rolls back and frees finished sequences. Between steps a request ends through
+``Scheduler.abort_request`` (API aborts, grammars that failed, outputs that failed to build).
 
 Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
 ``check_request`` (pure) may be called from elsewhere. An accepted request always ends with a
@@ -31,13 +35,9 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache.disk.build import build_disk_tier
 from engine.kv_cache.disk.stats import DiskTierStats
-from engine.kv_cache.eviction_spec import KVEvictionSpec
 from engine.kv_cache.groups import describe_kv_groups
 from engine.kv_cache.host.blocks import SwapCostModel
-from engine.kv_cache.hybrid import HybridKVCacheManager
-from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.snapshot import KVGeometry, KVSnapshot, KVSnapshotter
-from engine.kv_cache.streaming import StreamingEviction
 from engine.kv_storage.precision import kv_precision_warning
 from engine.loading.generation_defaults import generation_defaults
 from engine.loading.loader import (
@@ -64,7 +64,9 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.scheduling.admission import AdmissionLimits, check_request
+from engine.scheduling.kv_pool import KVPool
 from engine.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.scheduling.step_result import StepResult
 from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
@@ -105,37 +107,32 @@ class EngineCore:
         self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
         cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
                                         self._block_bytes) if num_host_blocks else None)
-        # The scheduler owns the manager (and its host tier): the core keeps a reference for
-        # stats and integrity checks only, and never allocates, frees or looks up through it.
-        windows = self.runner.arch.sliding_windows
-        self.sliding_window = (min(windows) if windows and None not in windows else None)
-        eviction = _eviction_spec(config, self.max_model_len, windows)
-        # Streaming eviction re-rotates kept keys: their blocks no longer match a text hash.
         layout = self.runner.kv_layout
-        if layout.is_hybrid:  # per-group block tables over the shared pool
-            self.kv = HybridKVCacheManager(num_blocks, config.block_size, layout,
-                                           config.enable_prefix_caching,
-                                           num_host_blocks=num_host_blocks, cost=cost)
-        else:
-            self.kv = KVCacheManager(num_blocks, config.block_size,
-                                     config.enable_prefix_caching and eviction is None,
-                                     num_host_blocks=num_host_blocks, cost=cost)
-        self.stream = StreamingEviction(eviction, self.kv) if eviction is not None else None
-        self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
-            self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
-            str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
-            self.max_model_len))
+        pool = KVPool(num_blocks, self.max_model_len, num_host_blocks=num_host_blocks,
+                      swap_cost=cost, windows=tuple(self.runner.arch.sliding_windows),
+                      layout=layout)
         spec = config.speculative_config
         proposer = build_proposer(config, max_model_len=self.max_model_len,
                                   vocab_size=self.runner.arch.vocab_size,
                                   # hybrid: pages of one group; the draft's hold all layers
                                   num_blocks=num_blocks // layout.num_groups) if spec else None
         self.jump_forward = _jump_forward(config, self.tokenizer)
-        self.scheduler = Scheduler(config, self.kv, proposer, sliding_window=self.sliding_window,
-                                   stream=self.stream, jump_forward=self.jump_forward)
+        # The scheduler builds and owns the KV manager (and its host tier) and the eviction
+        # policy: the core keeps read-only references for stats, snapshots and integrity
+        # checks, and never allocates, frees or looks up through them.
+        self.scheduler = Scheduler(config, pool, proposer, jump_forward=self.jump_forward)
+        self.kv = self.scheduler.kv
+        self.stream = self.scheduler.stream
+        self.sliding_window = self.scheduler.sliding_window
+        eviction = self.scheduler.eviction
+        self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
+            self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
+            str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
+            self.max_model_len))
         self.disk = build_disk_tier(config, self) if config.kv_disk_dir is not None else None
         if self.disk is not None:
             self.scheduler.admission_gate = self.disk.ready
+            self.scheduler.after_commit = self.disk.after_step  # write-through
             self.kv_snapshots.extra_tiers.append(self.disk)  # the KV page's third tier
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
@@ -161,6 +158,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_unreported: list[Request] = []
+        # The running step's per-sequence outcome (None between steps): filled by the guarded
+        # per-request work, applied by ``Scheduler.update_from_output`` once per step.
+        self._result: StepResult | None = None
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0,
                          "computed_tokens": 0}
         self._log_startup()
@@ -220,11 +220,15 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, validated: bool = False) -> None:
+        """Queue a request. ValueError (user-facing) for one that can never be served, unless
+        ``validated``: the caller ran :meth:`check_request` on these same arguments
+        (``AsyncEngine.submit`` does, on its own thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
-        self.check_request(prompt_token_ids, params, priority=priority)
+        if not validated:
+            self.check_request(prompt_token_ids, params, priority=priority)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = Request(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
@@ -266,8 +270,7 @@ class EngineCore:
         exc = req.grammar.exception()
         if exc is not None:
             req.error = str(exc)
-            for seq in req.seqs:
-                self.scheduler.finish_seq(seq, "abort")
+            self.scheduler.abort_request(req)
             return
         compiled = req.grammar.result()
         for seq in req.seqs:
@@ -303,8 +306,7 @@ class EngineCore:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            for seq in req.seqs:
-                self.scheduler.finish_seq(seq, "abort")
+            self.scheduler.abort_request(req)
             self._finished_unreported.append(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -320,13 +322,24 @@ class EngineCore:
             self.disk.poll()
         self._admit_compiled(touched)
         out = self.scheduler.schedule()
-        if out.empty:  # the runner moves blocks (key shifts, copies) before any forward pass
-            self._execute(out)
-        else:
-            try:
-                self._run(out, touched)
-            except _OUT_OF_MEMORY:
-                self._fail_step(out, touched)
+        self._result = result = StepResult()
+        completed = False
+        try:
+            if out.empty:  # the runner moves blocks (key shifts, copies) before any forward pass
+                self._execute(out)
+            else:
+                try:
+                    completed = self._run(out, touched)
+                except _OUT_OF_MEMORY:
+                    self._fail_step(out, touched)
+        finally:
+            self._result = None
+        self.scheduler.update_from_output(out, result)
+        if completed:
+            now = time.time()
+            for req in touched.values():
+                if req.finished and req.metrics.finished_time is None:
+                    req.metrics.finished_time = now
         outputs = []
         for req in touched.values():
             try:
@@ -367,7 +380,8 @@ class EngineCore:
 
     def _fail_step(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         """The device ran out of memory inside this step: its requests end ("abort", told
-        why in the log) and free their blocks; the engine serves the others."""
+        why in the log; their blocks are freed by ``update_from_output``); the engine serves
+        the others."""
         ids = sorted({s.seq.request.request_id for s in out.scheduled})
         logger.error("out of device memory in a step of %d tokens; aborting its %d "
                      "request(s): %s", out.num_batched_tokens, len(ids), ", ".join(ids[:8]))
@@ -378,19 +392,21 @@ class EngineCore:
             if req is None:
                 continue
             req.error = req.error or "out of device memory while running this request"
-            for seq in req.seqs:
-                self.scheduler.finish_seq(seq, "abort")
+            self._result.abort(req)
             touched[rid] = req
 
     def _fail_request(self, req: Request, exc: BaseException,
                       touched: dict[str, Request]) -> None:
         """End ``req`` after an internal error in its own work: finish_reason "abort", ``error``
-        set, blocks freed (once), traceback logged. The engine goes on."""
+        set, blocks freed (once: in a step by ``update_from_output``, after it at once),
+        traceback logged. The engine goes on."""
         logger.error("request %s failed inside the engine step and is aborted: %s: %s",
                      req.request_id, type(exc).__name__, exc, exc_info=exc)
         req.error = req.error or f"internal error: {type(exc).__name__}: {exc}"
-        for seq in req.seqs:
-            self.scheduler.finish_seq(seq, "abort")
+        if self._result is not None:
+            self._result.abort(req)
+        else:
+            self.scheduler.abort_request(req)
         touched[req.request_id] = req
 
     def _guarded(self, req: Request, touched: dict[str, Request], fn, *args) -> None:
@@ -412,7 +428,9 @@ class EngineCore:
         finally:
             self.scheduler.complete_copies()
 
-    def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
+    def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> bool:
+        """The forward pass and every request's share of its outcome, recorded in
+        ``self._result``. True when it ran to the end (some sequence sampled)."""
         now = time.time()
         self.counters["num_steps"] += 1
         self.counters["computed_tokens"] += out.num_batched_tokens
@@ -425,9 +443,7 @@ class EngineCore:
             s.seq.matcher for s, c in zip(out.scheduled, out.plan.seqs, strict=True)
             if c.sample and not s.draft]) if self.structured.in_use else None
         result = self._execute(out)  # a failure here is the engine's, not a request's
-        self.scheduler.update_after_step(out)
-        if self.disk is not None:  # write-through of the blocks committed just now
-            self.disk.after_step([s.seq.seq_id for s in out.scheduled])
+        self._result.kv_written = True
         if result.prompt_logprobs is not None:
             for rows in result.prompt_rows:
                 req = out.scheduled[rows.seq_index].seq.request
@@ -435,7 +451,7 @@ class EngineCore:
                               result.prompt_logprobs, self.token_text)
                 touched[req.request_id] = req
         if not result.sampled:
-            return
+            return False
         logits = result.sample_logits
         scheduled = [out.scheduled[i] for i, _ in result.sampled]
         if any(s.draft for s in scheduled):  # rows: 1 per plain sequence, 1 + k speculating
@@ -450,13 +466,11 @@ class EngineCore:
         picks = self._sample(logits, seqs, touched, pending) if seqs else []
         now = time.time()
         for seq, pick in zip(seqs, picks, strict=True):
-            if pick is not None and not seq.finished:
+            if pick is not None and not self._result.is_finished(seq):
                 self._guarded(seq.request, touched, self._append_token, seq, pick[0], pick[1],
                               now)
             touched[seq.request.request_id] = seq.request
-        for req in touched.values():
-            if req.finished and req.metrics.finished_time is None:
-                req.metrics.finished_time = now
+        return True
 
     def _row(self, s: Sequence) -> SamplingRow:
         return SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
@@ -465,9 +479,10 @@ class EngineCore:
 
     def _verify_drafts(self, spec: list[ScheduledSeq], logits: torch.Tensor,
                        row_ranges: list[range], touched: dict[str, Request]) -> None:
-        """Verify each speculating sequence's rows (``engine.spec_decode.verifier``), append
+        """Verify each speculating sequence's rows (``engine.spec_decode.verifier``), take
         the kept tokens one by one (a stop ends the sequence where one-token decoding would)
-        and roll its KV back to them. Per sequence and guarded: a failure ends that request."""
+        and record how many drafts were accepted (``update_from_output`` rolls its KV back to
+        them). Per sequence and guarded: a failure ends that request."""
         now = time.time()
         for s, rows in zip(spec, row_ranges, strict=True):
             touched[s.seq.request.request_id] = s.seq.request
@@ -485,10 +500,10 @@ class EngineCore:
         counters = self.jump_forward if s.forced else self.spec_counters
         counters.observe(len(s.draft), v.num_accepted)
         for j in range(len(v.tokens)):
-            if seq.finished:
+            if self._result.is_finished(seq):
                 return
             self._append_token(seq, sampled, v.row + j, now)
-        self.scheduler.accept_drafts(seq, v.num_accepted)
+        self._result.update(seq).num_accepted_drafts = v.num_accepted
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
                 pending: PendingMask | None = None,
@@ -518,12 +533,13 @@ class EngineCore:
         return picks
 
     def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, now: float) -> None:
-        """Append the sampled token: logprobs, text, stop checks, metrics. Per request."""
+        """Take the sampled token: logprobs, text, stop checks, metrics; the token and any
+        finish are recorded for ``update_from_output``. Per request."""
         token = sampled.token_ids[row]
         if seq.matcher is not None and not seq.matcher.accept(token):
             raise RuntimeError(f"token {token} is not allowed by the request's grammar (every "
                                f"allowed token was masked by another logit processor?)")
-        seq.token_ids.append(token)
+        self._result.update(seq).new_token_ids.append(token)
         self.counters["generation_tokens"] += 1
         record_sample_logprobs(seq, sampled, row, self.token_text)
         m = seq.request.metrics
@@ -532,12 +548,12 @@ class EngineCore:
         m.last_token_time = now
         finish = seq.text_state.append(token)
         if finish is not None:
-            self.scheduler.finish_seq(seq, finish.reason, finish.stop_reason)
+            self._result.finish(seq, finish.reason, finish.stop_reason)
         elif seq.matcher is not None and seq.matcher.is_terminated():
             # The grammar ended (it took a stop token that the text state does not end on,
             # e.g. under ignore_eos): nothing more may follow.
             info = seq.text_state.finish("stop")
-            self.scheduler.finish_seq(seq, info.reason, info.stop_reason)
+            self._result.finish(seq, info.reason, info.stop_reason)
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -599,18 +615,6 @@ def _tokenizer_files(config: EngineConfig, files):
         logger.info("%s has no tokenizer: using the embedded model's", files.path)
         return resolve_model(None)
     return files
-
-
-def _eviction_spec(config: EngineConfig, max_model_len: int, windows) -> KVEvictionSpec | None:
-    """``config.kv_eviction`` parsed and checked against the model (None when off)."""
-    spec = config.eviction_spec()
-    if spec is None:
-        return None
-    if any(w is not None for w in windows):
-        raise ValueError("kv_eviction is for models whose layers see the whole context; this "
-                         "one has sliding-window layers, which already bound their KV")
-    spec.validate(config.block_size, max_model_len)
-    return spec
 
 
 def _jump_forward(config: EngineConfig, tokenizer) -> JumpForward | None:

@@ -35,6 +35,7 @@ from engine.async_engine import (
 )
 from engine.outputs import RequestOutput
 from engine.sampling.params import SamplingParams
+from engine.scheduling.admission import FieldValueError, check_limits, check_priority
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
 from server.prompt_bound import PromptBound
@@ -89,25 +90,14 @@ class ServingContext:
                      logprobs: int | None = None, logprobs_param: str = "logprobs") -> None:
         """400 for a request that no retry can serve: more logprobs than ``max_logprobs``,
         more sequences (``num_prompts x n``) than one request may have or than the whole
-        waiting queue holds, or a non-zero ``priority`` under fcfs scheduling. The engine
-        config's checks, named after the request's fields. Cheap: called before any prompt is
-        tokenised."""
-        config = self.engine.config
+        waiting queue holds, or a non-zero ``priority`` under fcfs scheduling
+        (``engine.scheduling.admission.check_limits``), named after the request's fields.
+        Cheap: called before any prompt is tokenised."""
         try:
-            config.check_logprobs(logprobs, logprobs_param)
-        except ValueError as exc:
-            raise bad_request(str(exc), param=logprobs_param) from None
-        seqs = num_prompts * n
-        what = (f"{num_prompts} prompts x n={n} = {seqs} sequences" if num_prompts > 1
-                else f"n={n} sequences")
-        try:
-            config.check_num_seqs(seqs, what)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="prompt" if num_prompts > 1 else "n") from None
-        try:
-            config.check_priority(priority)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="priority") from None
+            check_limits(self.engine.config, num_prompts=num_prompts, n=n, priority=priority,
+                         logprobs=logprobs, logprobs_param=logprobs_param)
+        except FieldValueError as exc:
+            raise bad_request(str(exc), param=exc.field) from None
 
 
 class RequestFailedError(RuntimeError):
@@ -154,7 +144,8 @@ def engine_error(exc: BaseException, ctx: ServingContext, request_id: str) -> AP
 
 def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
                params: SamplingParams, base_id: str, priority: int = 0) -> list[RequestStream]:
-    """Validate every prompt, then submit them all; on any failure nothing stays submitted."""
+    """Validate every prompt (``engine.check_request``, once: ``submit`` does not repeat it),
+    then submit them all; on any failure nothing stays submitted."""
     engine = ctx.engine
     for i, (_, ids) in enumerate(prompts):
         try:
@@ -163,11 +154,12 @@ def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
             field = getattr(exc, "field", None)  # a sampling field's fault, not the prompt's
             where = f"prompt {i}: " if len(prompts) > 1 and field is None else ""
             raise bad_request(f"{where}{exc}", param=field or "prompt") from None
+    check_priority(engine.config, priority)  # a plain ValueError, as from submit itself
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):
             streams.append(engine.submit(ids, params, f"{base_id}-{i}", prompt=text,
-                                         priority=priority))
+                                         priority=priority, validated=True))  # just above
     except BaseException:
         for s in streams:
             s.abort()

@@ -214,6 +214,16 @@ class HybridKVCacheManager:
     def can_allocate(self, seq_id: str, num_tokens: int, prefix=None) -> bool:
         return self.num_blocks_needed(seq_id, num_tokens, prefix) <= self.pool.num_free_blocks
 
+    # the same room check over every group's blocks (num_blocks_needed sums the groups)
+    fit_draft = KVCacheManager.fit_draft
+
+    @staticmethod
+    def share_sibling_prefix(hit: HybridPrefixHit, sibling_id: str, sibling_computed: int,
+                             num_prompt_tokens: int) -> HybridPrefixHit:
+        """``hit``: samples of a request share no blocks in a hybrid cache (a sliding-window
+        group's blocks are released as a sibling decodes)."""
+        return hit
+
     def allocate(self, seq_id: str, num_tokens: int, prefix=None) -> list[int] | None:
         """Every group's table covers ``num_tokens`` tokens; None (nothing changed) when the
         pool is short. Returns the new block ids of all groups."""

@@ -116,6 +116,9 @@ class KVCacheManager:
     ``on_evict(block_id, block_hash)`` is called when a free-cached block is reused and loses its
     hash, before the block is handed to its new owner (after the host tier's spill, if any).
 
+    ``share_siblings``: samples 2..n of a request may start on sample 1's full prompt blocks
+    (:meth:`share_sibling_prefix`), also with prefix caching off.
+
     ``num_host_blocks > 0`` adds the host tier (``self.host``; None without one); ``cost``
     drives :meth:`swap_is_cheaper`. ``check_integrity`` then covers the host pool too.
 
@@ -135,12 +138,14 @@ class KVCacheManager:
         pool: BlockPool | None = None,
         host: HostTier | None = None,
         hash_salt: bytes = b"",
+        share_siblings: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.share_siblings = share_siblings  # off under streaming eviction
         self._user_on_evict = on_evict
         self._salt = hash_salt
         if pool is not None:  # a group of the hybrid manager: pool and host tier are shared
@@ -260,6 +265,36 @@ class KVCacheManager:
 
     def can_allocate(self, seq_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         return self.num_blocks_needed(seq_id, num_tokens, prefix) <= self.pool.num_free_blocks
+
+    def fit_draft(self, seq_id: str, num_tokens: int, draft: list[int], budget: int,
+                  reserve_blocks: int) -> list[int]:
+        """Room for a speculative draft: ``draft`` (tokens after the ``num_tokens`` that
+        ``seq_id`` holds) cut to the step's remaining ``budget`` (the sequence's own token
+        included), and dropped when its extra blocks would leave fewer than ``reserve_blocks``
+        free: a draft never makes the pool preempt anyone. Changes nothing."""
+        draft = draft[:max(0, budget - 1)]
+        if not draft:
+            return []
+        need = self.num_blocks_needed(seq_id, num_tokens + len(draft))
+        if need and self.num_free_blocks - need < reserve_blocks:
+            return []
+        return draft
+
+    def share_sibling_prefix(self, hit: PrefixHit, sibling_id: str, sibling_computed: int,
+                             num_prompt_tokens: int) -> PrefixHit:
+        """Sibling prefix sharing (samples 2..n of one request): ``hit``, or the full prompt
+        blocks of the running sibling ``sibling_id`` (``sibling_computed`` tokens computed)
+        when they cover more; works with prefix caching off. Never the prompt's last token
+        (always a sequence's own) nor a block given back outside the window. Changes nothing;
+        ``allocate(prefix=...)`` takes the blocks."""
+        if not self.share_siblings:
+            return hit
+        bs = self.block_size
+        n_blocks = min((num_prompt_tokens - 1) // bs, sibling_computed // bs)
+        table = self.block_table(sibling_id)[:n_blocks]
+        if n_blocks * bs > hit.num_tokens and RELEASED not in table:
+            return PrefixHit(block_ids=table, num_tokens=n_blocks * bs)
+        return hit
 
     def allocate(
         self, seq_id: str, num_tokens: int, prefix: PrefixHit | None = None

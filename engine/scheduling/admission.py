@@ -1,7 +1,13 @@
-"""Admission: can a request ever be served? Pure checks, raising ``ValueError`` with a message
-a user can act on (the server's 400; :class:`FieldValueError` when the fault is in a request
-field other than the prompt, naming it). What is only momentarily impossible (a full waiting
-queue) is not decided here: that is ``AsyncEngine.submit``'s ``QueueFullError`` (503).
+"""Admission: can a request ever be served? The one place requests are validated. Pure checks,
+raising ``ValueError`` with a message a user can act on (the server's 400;
+:class:`FieldValueError` when the fault is in a request field other than the prompt, naming
+it). What is only momentarily impossible (a full waiting queue) is not decided here: that is
+``AsyncEngine.submit``'s ``QueueFullError`` (503).
+
+Who calls what: :func:`check_request` runs once per request, before it is queued
+(``EngineCore.add_request``, or ``AsyncEngine.submit`` on the caller's thread, which tells the
+core so); the server first runs :func:`check_limits` on the request's fields alone, before any
+prompt is tokenised (a cheap early 400 for the same sequence, logprobs and priority limits).
 """
 
 from __future__ import annotations
@@ -42,11 +48,11 @@ class AdmissionLimits:
 def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_ids: list[int],
                   params: SamplingParams, priority: int = 0) -> None:
     """Raise ValueError if this request can never be served: priority under fcfs, too many
-    samples (``config.check_num_seqs``), an empty prompt, a token id the tokenizer does not
+    samples (:func:`check_num_seqs`), an empty prompt, a token id the tokenizer does not
     know (prompt, ``logit_bias``, ``stop_token_ids``), beyond the context length, more KV
     than the pool holds, more logprobs than ``max_logprobs``."""
-    config.check_priority(priority)
-    config.check_num_seqs(params.n)
+    check_priority(config, priority)
+    check_num_seqs(config, params.n)
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty: give at least one token")
@@ -63,8 +69,8 @@ def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_id
         raise ValueError(f"the prompt ({n} tokens) leaves no room to generate within the "
                          f"maximum context length of {max_len} tokens")
     _check_fits_pool(limits, n, max_tokens, params.n)
-    config.check_logprobs(params.logprobs)
-    config.check_logprobs(params.prompt_logprobs, "prompt_logprobs")
+    check_logprobs(config, params.logprobs)
+    check_logprobs(config, params.prompt_logprobs, "prompt_logprobs")
     if params.logit_bias:
         bound = limits.token_id_bound
         bad = next((t for t in params.logit_bias if not 0 <= t < bound), None)
@@ -72,6 +78,63 @@ def check_request(config: EngineConfig, limits: AdmissionLimits, prompt_token_id
             raise FieldValueError("logit_bias", f"logit_bias names token {bad}, outside the "
                                   f"vocabulary (0..{bound - 1})")
     _check_ids(limits, "stop_token_ids", params.stop_token_ids)
+
+
+def check_limits(config: EngineConfig, *, num_prompts: int, n: int, priority: int,
+                 logprobs: int | None = None, logprobs_param: str = "logprobs") -> None:
+    """Raise :class:`FieldValueError` (naming the field: ``logprobs_param``, ``n``, ``prompt``
+    for a batch of prompts, ``priority``) for request fields no retry can serve: more logprobs
+    than ``max_logprobs``, more sequences (``num_prompts x n``) than one request may have or
+    than the whole waiting queue holds, a non-zero ``priority`` under fcfs. Cheap: for the
+    server, before any prompt is tokenised."""
+    try:
+        check_logprobs(config, logprobs, logprobs_param)
+    except ValueError as exc:
+        raise FieldValueError(logprobs_param, str(exc)) from None
+    seqs = num_prompts * n
+    what = (f"{num_prompts} prompts x n={n} = {seqs} sequences" if num_prompts > 1
+            else f"n={n} sequences")
+    try:
+        check_num_seqs(config, seqs, what)
+    except ValueError as exc:
+        raise FieldValueError("prompt" if num_prompts > 1 else "n", str(exc)) from None
+    try:
+        check_priority(config, priority)
+    except ValueError as exc:
+        raise FieldValueError("priority", str(exc)) from None
+
+
+def check_num_seqs(config: EngineConfig, num_seqs: int, what: str | None = None) -> None:
+    """Raise ValueError (a 400: retrying cannot help) when one request of ``num_seqs``
+    sequences could never be admitted: above ``config.seqs_per_request_cap``, or above
+    ``max_waiting_requests`` (the whole waiting queue). ``what`` describes the request in
+    the message (default ``"<num_seqs> sequences (n x prompts)"``)."""
+    what = what or f"{num_seqs} sequences (n x prompts)"
+    cap = config.seqs_per_request_cap
+    if num_seqs > cap:
+        raise ValueError(f"this request asks for {what}, but at most {cap} are allowed per "
+                         f"request (--max-seqs-per-request / max_seqs_per_request, default "
+                         f"--max-num-seqs); lower n or send fewer prompts at once")
+    if num_seqs > config.max_waiting_requests:
+        raise ValueError(f"this request asks for {what}, but the waiting queue holds at "
+                         f"most {config.max_waiting_requests} (--max-waiting-requests / "
+                         f"max_waiting_requests); lower n or send fewer prompts at once")
+
+
+def check_logprobs(config: EngineConfig, k: int | None, name: str = "logprobs") -> None:
+    """Raise ValueError when ``k`` (sample or prompt logprobs per token) is above
+    ``max_logprobs``."""
+    if k is not None and k > config.max_logprobs:
+        raise ValueError(f"{name} must be at most {config.max_logprobs}; got {k}")
+
+
+def check_priority(config: EngineConfig, priority: int) -> None:
+    """Raise ValueError for a non-zero ``priority`` unless ``scheduling_policy`` is
+    ``"priority"``."""
+    if priority != 0 and config.scheduling_policy != "priority":
+        raise ValueError(f"priority {priority} is not allowed: this server schedules first "
+                         f"come, first served (priority scheduling is off; start the server "
+                         f"with --scheduling-policy priority to honour request priorities)")
 
 
 def _check_ids(limits: AdmissionLimits, where: str, ids: list[int]) -> None:

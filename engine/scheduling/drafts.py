@@ -11,7 +11,7 @@ Policy (``Scheduler.schedule`` calls these; the proposer is ``engine.spec_decode
 * a draft never runs past ``max_tokens`` (the step's own token is always produced, so at most
   ``max_tokens - generated - 1`` drafts), nor past the step's token budget, and never makes the
   pool preempt anyone: it is cut to nothing unless its extra blocks leave one free block per
-  running sequence;
+  running sequence (the KV manager's ``fit_draft``);
 * a constrained sequence's draft is cut to the prefix its grammar allows
   (``engine.structured.drafts``);
 * jump-forward: a constrained sequence with no draft from the proposer (or no proposer) gets
@@ -22,7 +22,6 @@ Policy (``Scheduler.schedule`` calls these; the proposer is ``engine.spec_decode
 
 from __future__ import annotations
 
-from engine.kv_cache.manager import KVCacheManager
 from engine.request import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, Proposer
@@ -82,16 +81,3 @@ def forced_drafts(running: list[Sequence], jump: JumpForward,
         if draft:
             out[seq.seq_id] = draft
     return out
-
-
-def fit_draft(kv: KVCacheManager, seq: Sequence, draft: list[int], budget: int,
-              reserve_blocks: int) -> list[int]:
-    """``draft`` cut to the step's remaining ``budget`` (the sequence's own token included)
-    and dropped when its extra blocks would leave fewer than ``reserve_blocks`` free."""
-    draft = draft[:max(0, budget - 1)]
-    if not draft:
-        return []
-    need = kv.num_blocks_needed(seq.seq_id, seq.num_tokens + len(draft))
-    if need and kv.num_free_blocks - need < reserve_blocks:
-        return []
-    return draft

@@ -5,7 +5,7 @@ Policy, whole (one screen):
 1. Running sequences advance first, in admission order: a decode takes one token, a chunked
    prefill takes its next chunk; each takes from the step's token budget
    (``max_num_batched_tokens``). When the KV pool cannot hold a running sequence's new tokens,
-   a victim is preempted (``_pick_victim``): among the running sequences of the lowest priority
+   a victim is preempted (``engine.scheduling.preemption``): among the running sequences of the lowest priority
    class (every sequence is one class under ``scheduling_policy="fcfs"``), the request running
    the MOST SEQUENCES gives back its most recently admitted one; on a tie, the most recently
    admitted sequence goes (vLLM's LIFO rule: the least work lost). Why not plain LIFO: a
@@ -27,8 +27,8 @@ Policy, whole (one screen):
 3. Speculative decoding (``speculative_config``; ``engine.scheduling.drafts``): before the
    running sequences advance, decoding ones get drafts from the proposer (unless the batch is
    above the adaptive switch); a sequence with a draft takes ``1 + len(draft)`` tokens of the
-   budget. After the step the core appends the tokens verification kept and calls
-   ``accept_drafts``, which rolls the KV back to them. Constrained sequences with no such draft
+   budget. After the step the core reports the tokens verification kept and
+   ``update_from_output`` rolls the KV back to them. Constrained sequences with no such draft
    get their grammar's forced tokens as one (jump-forward, ``ScheduledSeq.forced``).
 4. Streaming eviction (``--kv-eviction``; ``engine.kv_cache.streaming``): before a running
    sequence's chunk its middle blocks past sinks + window are evicted (the plan carries the
@@ -36,12 +36,17 @@ Policy, whole (one screen):
    ``Sequence`` text positions. Prefix caching and sibling sharing are off under it.
 
 The waiting queue is a heap (``engine.scheduling.waiting_queue``): O(log n) per insert and admission.
-The scheduler owns the waiting and running sets and the KV manager with its host tier: every
-allocate, free, look-up and commit goes through it. The engine core calls ``schedule``, runs
-the copies of ``SchedulerOutput.plan`` and calls ``complete_copies``, runs the plan's forward
-pass, then calls ``update_after_step``; ``finish_seq`` ends a sequence and frees its blocks.
-What leaves the scheduler for the model side is ``SchedulerOutput.plan``
-(``engine.step_plan.StepPlan``): plain data, no ``Sequence`` and no KV manager.
+The scheduler owns the waiting and running sets and the KV manager with its host tier (built
+from the runner's pool geometry, ``engine.scheduling.kv_pool``): every allocate, free, look-up
+and commit goes through it. The seam with the engine core is two calls a step: ``schedule``
+returns a ``SchedulerOutput`` (the core runs the copies of its ``plan`` and calls
+``complete_copies``, then runs the forward pass, samples and checks stops), and
+``update_from_output(out, result)`` applies the core's per-sequence decisions
+(``engine.scheduling.step_result``): it commits the chunks' K/V, appends the tokens, rolls
+rejected drafts back and frees finished sequences exactly once. Between steps a request ends
+only through ``abort_request``. What leaves the scheduler for the model side is
+``SchedulerOutput.plan`` (``engine.step_plan.StepPlan``): plain data, no ``Sequence`` and no
+KV manager.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache.manager import RELEASED, KVCacheManager, PrefixHit
-from engine.kv_cache.streaming import StreamingEviction
+from engine.kv_cache.manager import PrefixHit
 from engine.request import Request, SeqStatus, Sequence
-from engine.scheduling.drafts import fit_draft, forced_drafts, propose_drafts
+from engine.scheduling.drafts import forced_drafts, propose_drafts
+from engine.scheduling.kv_pool import KVPool, build_kv
+from engine.scheduling.preemption import pick_victim
 from engine.scheduling.prompt_span import prompt_logit_span
+from engine.scheduling.step_result import StepResult
 from engine.scheduling.waiting_queue import WaitingQueue
 from engine.spec_decode.proposer import Proposer
 from engine.step_plan import BlockCopyOrders, SeqChunk, StepPlan
@@ -95,29 +102,32 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager,
-                 proposer: Proposer | None = None, sliding_window: int | None = None,
-                 stream: StreamingEviction | None = None,
+    def __init__(self, config: EngineConfig, pool: KVPool,
+                 proposer: Proposer | None = None,
                  jump_forward: JumpForward | None = None) -> None:
-        """``proposer`` drafts tokens when ``config.speculative_config`` is set.
-        ``sliding_window``: the window every layer of the model attends through, if all
-        have one; a running sequence's blocks wholly behind it are given back each step.
-        ``stream`` (``--kv-eviction``): before each chunk a running sequence's middle blocks
-        beyond sinks + window are evicted; the KV manager and the plan then count cache
-        positions (``stream.cache_pos``), the ``Sequence`` text positions. ``jump_forward``
-        drafts constrained sequences' forced tokens (not with ``stream``: a draft's rollback
-        does not cross evicted blocks)."""
+        """Builds the KV manager over ``pool`` (``engine.scheduling.kv_pool.build_kv``):
+        ``self.kv``, which others may read (stats, snapshots) but never change. With a
+        sliding window on every layer, a running sequence's blocks wholly behind it are
+        given back each step. With ``config.kv_eviction`` (``self.stream``) a running
+        sequence's middle blocks beyond sinks + window are evicted before each chunk; the KV
+        manager and the plan then count cache positions (``stream.cache_pos``), the
+        ``Sequence`` text positions. ``proposer`` drafts tokens when
+        ``config.speculative_config`` is set. ``jump_forward`` drafts constrained sequences'
+        forced tokens (not under eviction: a draft's rollback does not cross evicted
+        blocks). ValueError for an eviction setting the model cannot take."""
         self.config = config
         self.spec = config.speculative_config if proposer is not None else None
         self.proposer = proposer
-        self.kv = kv  # owned: nothing outside the scheduler allocates, frees or looks up
-        self.sliding_window = sliding_window
+        setup = build_kv(config, pool)
+        self.kv = setup.kv  # owned: nothing outside the scheduler allocates, frees or looks up
+        self.stream = setup.stream
+        self.eviction = setup.eviction  # the parsed --kv-eviction setting, None when off
+        self.sliding_window = pool.sliding_window
         # A hybrid KV cache (engine.kv_cache.hybrid): per-group tables, per-group windows.
-        self.hybrid = hasattr(kv, "group_tables")
-        self.stream = stream
-        self.jump_forward = jump_forward if stream is None else None
+        self.hybrid = pool.is_hybrid
+        self.jump_forward = jump_forward if self.stream is None else None
         # The host tier, when there is one (swap_space > 0): swap preemption and swap-in.
-        self.has_host_tier = kv.host is not None
+        self.has_host_tier = self.kv.host is not None
         self.use_priority = config.scheduling_policy == "priority"
         self.waiting = WaitingQueue(self.use_priority)
         self.running: list[Sequence] = []  # admission order
@@ -131,6 +141,10 @@ class Scheduler:
         # A hook (the disk KV tier's): ``gate(seq, busy)`` False keeps ``seq`` waiting this
         # step (its KV blocks are still on their way); ``busy``: other sequences run.
         self.admission_gate: Callable[[Sequence, bool], bool] | None = None
+        # A hook (the disk KV tier's write-through): called by ``update_from_output`` with
+        # the scheduled sequences' ids once their chunks' blocks are committed, before any of
+        # them is rolled back or freed.
+        self.after_commit: Callable[[list[str]], object] | None = None
 
     # ---- queue management --------------------------------------------------------------
 
@@ -156,7 +170,15 @@ class Scheduler:
                 if not seq.finished:
                     self._enqueue(seq)
 
-    def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+    def abort_request(self, request: Request) -> None:
+        """End every sequence of ``request`` ("abort") and free its blocks; sequences already
+        finished are left as they are. For ends outside a step's ``update_from_output``: an
+        abort from the API, a grammar that did not compile, an output that could not be
+        built."""
+        for seq in request.seqs:
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Take ``seq`` out of the queues and free its blocks (exactly once)."""
         if seq.finished:
             return
@@ -212,7 +234,8 @@ class Scheduler:
             num_new = min(self._remaining(seq, seq.num_computed_tokens), budget)
             draft = drafts.get(seq.seq_id)
             if draft:
-                draft = fit_draft(self.kv, seq, draft, budget, len(self.running))
+                draft = self.kv.fit_draft(seq.seq_id, seq.num_tokens, draft, budget,
+                                          len(self.running))
                 num_new += len(draft)
             if not self._allocate_or_preempt(seq, self._cached(seq) + num_new, out):
                 continue
@@ -283,29 +306,11 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate(seq.seq_id, num_tokens) is None:
-            victim = self._pick_victim()
+            victim = pick_victim(self.running, self.use_priority)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
-
-    def _pick_victim(self) -> Sequence:
-        """The running sequence to preempt (policy point 1 of the module docstring): lowest
-        priority class first (priority policy only), then the request running the most
-        sequences, then the most recently admitted. O(running)."""
-        cands = self.running
-        if self.use_priority:
-            worst = max(s.request.priority for s in cands)
-            cands = [s for s in cands if s.request.priority == worst]
-        count: dict[str, int] = {}
-        newest: dict[str, Sequence] = {}
-        for s in cands:
-            rid = s.request.request_id
-            count[rid] = count.get(rid, 0) + 1
-            if rid not in newest or s.admit_order > newest[rid].admit_order:
-                newest[rid] = s
-        rid = max(count, key=lambda r: (count[r], newest[r].admit_order))
-        return newest[rid]
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -396,50 +401,68 @@ class Scheduler:
         hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys,
                                   record_stats=False)
         first = request.seqs[0]
-        if (seq.index > 0 and first.status is SeqStatus.RUNNING and self.stream is None
-                and not self.hybrid):
-            # Share the first sample's full prompt blocks (also with prefix caching off).
-            bs = self.kv.block_size
-            n_blocks = min((seq.num_prompt_tokens - 1) // bs, first.num_computed_tokens // bs)
-            table = self.kv.block_table(first.seq_id)[:n_blocks]
-            if n_blocks * bs > hit.num_tokens and RELEASED not in table:
-                hit = PrefixHit(block_ids=list(table), num_tokens=n_blocks * bs)
+        if seq.index > 0 and first.status is SeqStatus.RUNNING:
+            hit = self.kv.share_sibling_prefix(hit, first.seq_id, first.num_computed_tokens,
+                                               seq.num_prompt_tokens)
         return hit
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` of every scheduled sequence and register its newly
-        full blocks in the prefix cache. A speculating sequence advances by its known token
-        only: its drafts count once accepted (``accept_drafts``)."""
-        for s in out.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens - len(s.draft)
-            if self.stream is not None:  # a recomputation that redid the sinks: skip the gap
-                seq.num_computed_tokens = self.stream.resume_point(seq.seq_id,
-                                                                   seq.num_computed_tokens)
-            if not seq.finished:
-                self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                               seq.request.cache_extra_keys)
-                if self.sliding_window is not None or self.hybrid:
-                    self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens,
-                                                   self.sliding_window)
-            if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
-                    and seq.request.request_id in self._parked):
-                self._release_parked(seq.request)
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[Sequence]:
+        """Apply one step's outcome; returns the sequences it finished. In this order:
 
+        1. when ``result.kv_written``: every scheduled sequence advances ``num_computed_tokens``
+           by its chunk (a speculating one by its known token only), its newly full blocks go
+           to the prefix cache and blocks behind the sliding window are given back; then the
+           ``after_commit`` hook runs;
+        2. per update, in the order the core decided them: its tokens are appended; a
+           speculating sequence that goes on keeps its accepted drafts' K/V and the rest is
+           rolled back (``KVCacheManager.truncate``); a finished one leaves the queues and
+           its blocks are freed, exactly once (a sequence finished before is left alone)."""
+        if result.kv_written:
+            for s in out.scheduled:
+                self._commit_chunk(s.seq, s.num_new_tokens - len(s.draft))
+            if self.after_commit is not None:
+                self.after_commit([s.seq.seq_id for s in out.scheduled])
+        finished = []
+        for u in result.updates.values():
+            seq = u.seq
+            if seq.finished:
+                continue
+            seq.token_ids.extend(u.new_token_ids)
+            if u.finished:
+                self._finish(seq, u.finish_reason, u.stop_reason)
+                finished.append(seq)
+            elif u.num_accepted_drafts is not None:
+                self._accept_drafts(seq, u.num_accepted_drafts)
+        return finished
 
-    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+    def _commit_chunk(self, seq: Sequence, num_computed: int) -> None:
+        """``seq``'s chunk of ``num_computed`` tokens ran: count it and commit its newly full
+        blocks (a speculating sequence counts its drafts once accepted)."""
+        seq.num_computed_tokens += num_computed
+        if self.stream is not None:  # a recomputation that redid the sinks: skip the gap
+            seq.num_computed_tokens = self.stream.resume_point(seq.seq_id,
+                                                               seq.num_computed_tokens)
+        if not seq.finished:
+            self._commit(seq)
+        if (seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                and seq.request.request_id in self._parked):
+            self._release_parked(seq.request)
+
+    def _accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """After verification: the first ``num_accepted`` draft tokens of ``seq``'s step and
         one token of the target's own have been appended to ``seq.token_ids``. Their K/V (all
         but the last token's) count as computed; the rest of what the step wrote is rolled
-        back (``KVCacheManager.truncate``) and newly full blocks are committed. No-op for a
-        finished sequence (its blocks are already freed)."""
-        if seq.finished:
-            return
+        back (``KVCacheManager.truncate``) and newly full blocks are committed."""
         seq.num_computed_tokens += num_accepted
         if seq.num_tokens != seq.num_computed_tokens + 1:
             raise RuntimeError(f"{seq.seq_id}: {seq.num_tokens} tokens but "
                                f"{seq.num_computed_tokens} computed after verification")
         self.kv.truncate(seq.seq_id, seq.num_tokens)
+        self._commit(seq)
+
+    def _commit(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly full computed blocks in the prefix cache and give back
+        those wholly behind the sliding window."""
         self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                        seq.request.cache_extra_keys)
         if self.sliding_window is not None or self.hybrid:

@@ -18,7 +18,7 @@ the sequences asking for drafts:
 Greedy drafts are deterministic functions of the context, so the verifier's point-mass rule
 keeps the output exactly the target's, sampling included (accepting d with probability p(d)).
 A sequence whose draft blocks cannot be allocated gets no draft this step. ``release`` frees a
-finished sequence's draft state (the scheduler calls it from ``finish_seq``).
+finished sequence's draft state (the scheduler calls it when a sequence finishes).
 """
 
 from __future__ import annotations

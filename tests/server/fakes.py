@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.loading.generation_defaults import GenerationDefaults
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling.params import SamplingParams
+from engine.scheduling.admission import check_num_seqs, check_priority
 from engine.stats import EngineStats
 
 VOCAB = 0x250
@@ -95,8 +96,8 @@ class FakeCore:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                       priority: int = 0) -> None:
-        self.config.check_priority(priority)
-        self.config.check_num_seqs(params.n)
+        check_priority(self.config, priority)
+        check_num_seqs(self.config, params.n)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -110,8 +111,9 @@ class FakeCore:
                              f"prompt, {max_tokens} for the completion).")
 
     def add_request(self, request_id, prompt_token_ids, params, *, prompt=None,
-                    arrival_time=None, priority=0) -> None:
-        self.check_request(prompt_token_ids, params)
+                    arrival_time=None, priority=0, validated=False) -> None:
+        if not validated:
+            self.check_request(prompt_token_ids, params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = _Req(request_id, list(prompt_token_ids), params,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
+from engine.scheduling.admission import check_num_seqs, check_priority
 
 
 def test_seqs_per_request_cap_defaults_to_max_num_seqs():
@@ -17,19 +18,19 @@ def test_seqs_per_request_cap_defaults_to_max_num_seqs():
 
 def test_check_num_seqs_refuses_what_could_never_be_admitted():
     c = EngineConfig(max_num_seqs=16, max_waiting_requests=10)
-    c.check_num_seqs(10)
+    check_num_seqs(c, 10)
     with pytest.raises(ValueError, match="asks for 11 sequences.*max_waiting_requests"):
-        c.check_num_seqs(11)
+        check_num_seqs(c, 11)
     with pytest.raises(ValueError, match="asks for 17 sequences.*at most 16.*max_seqs_per_req"):
-        EngineConfig(max_num_seqs=16).check_num_seqs(17)
+        check_num_seqs(EngineConfig(max_num_seqs=16), 17)
 
 
 def test_scheduling_policy():
     assert EngineConfig().scheduling_policy == "fcfs"
-    EngineConfig().check_priority(0)
+    check_priority(EngineConfig(), 0)
     with pytest.raises(ValueError, match="--scheduling-policy priority"):
-        EngineConfig().check_priority(-1)
-    EngineConfig(scheduling_policy="priority").check_priority(-1)
+        check_priority(EngineConfig(), -1)
+    check_priority(EngineConfig(scheduling_policy="priority"), -1)
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         EngineConfig(scheduling_policy="lifo")
 
@@ -68,3 +69,20 @@ def test_quantization_choices_and_group_size():
     for kwargs, fragment in refused:
         with pytest.raises(ValueError, match=fragment):
             EngineConfig(**kwargs)
+
+
+def test_check_limits_names_the_field_at_fault():
+    from engine.scheduling.admission import FieldValueError, check_limits
+
+    c = EngineConfig(max_num_seqs=4, max_logprobs=5)
+    check_limits(c, num_prompts=2, n=2, priority=0, logprobs=5)
+    cases = [(dict(num_prompts=1, n=1, priority=0, logprobs=6), "logprobs", "at most 5"),
+             (dict(num_prompts=1, n=1, priority=0, logprobs=6, logprobs_param="top_logprobs"),
+              "top_logprobs", "top_logprobs must be at most 5"),
+             (dict(num_prompts=1, n=5, priority=0), "n", "n=5 sequences"),
+             (dict(num_prompts=3, n=2, priority=0), "prompt", "3 prompts x n=2 = 6 sequences"),
+             (dict(num_prompts=1, n=1, priority=3), "priority", "priority 3 is not allowed")]
+    for kwargs, field, message in cases:
+        with pytest.raises(FieldValueError, match=message) as exc:
+            check_limits(c, **kwargs)
+        assert exc.value.field == field

@@ -186,12 +186,14 @@ def test_scheduler_plans_cache_positions_and_recomputes_around_the_gap():
     then recomputes the sink block (text 0..3, cache 0..3), jumps the gap at once, and
     recomputes the kept tail at cache positions 4.. with the tail's own token ids."""
     from engine.request import Request, Sequence
+    from engine.scheduling.kv_pool import KVPool
     from engine.scheduling.scheduler import Scheduler, SchedulerOutput
+    from engine.scheduling.step_result import StepResult
 
-    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
-    stream = StreamingEviction(KVEvictionSpec(sink=4, window=8), kv)
-    sched = Scheduler(EngineConfig(block_size=4, enable_prefix_caching=False), kv,
-                      stream=stream)
+    sched = Scheduler(EngineConfig(block_size=4, enable_prefix_caching=False,
+                                   kv_eviction="sink:4,window:8"), KVPool(64, max_model_len=1024))
+    kv, stream = sched.kv, sched.stream
+    assert stream.spec == KVEvictionSpec(sink=4, window=8) and not kv.enable_prefix_caching
     prompt = list(range(10, 16))
     req = Request(request_id="r", prompt=None, prompt_token_ids=prompt,
                   params=SamplingParams(max_tokens=100))
@@ -206,8 +208,9 @@ def test_scheduler_plans_cache_positions_and_recomputes_around_the_gap():
         shifts += out.plan.shifts
         assert chunk.start == seq.num_computed_tokens - stream.num_evicted_tokens("r")
         assert chunk.seq_len <= 16 and kv.num_live_blocks("r") <= 4
-        sched.update_after_step(out)
-        seq.token_ids.append(100 + i)
+        result = StepResult(kv_written=True)
+        result.update(seq).new_token_ids.append(100 + i)
+        sched.update_from_output(out, result)
         kv.check_integrity()
     evicted = stream.num_evicted_tokens("r")
     assert evicted > 0 and sum(s.delta for s in shifts) == evicted
@@ -216,11 +219,13 @@ def test_scheduler_plans_cache_positions_and_recomputes_around_the_gap():
     out = sched.schedule()
     [chunk] = out.plan.seqs
     assert (chunk.start, chunk.token_ids, chunk.sample) == (0, seq.token_ids[:4], False)
-    sched.update_after_step(out)
+    sched.update_from_output(out, StepResult(kv_written=True))
     assert seq.num_computed_tokens == 4 + evicted  # jumped at once
     out = sched.schedule()
     [chunk] = out.plan.seqs
     assert chunk.start == 4 and chunk.token_ids == seq.token_ids[4 + evicted:] and chunk.sample
     assert kv.num_live_blocks("r") <= 4
-    sched.finish_seq(seq, "stop")
+    stop = StepResult()
+    stop.finish(seq, "stop")
+    assert sched.update_from_output(SchedulerOutput(), stop) == [seq]
     assert kv.num_free_blocks == 64 and stream.num_evicted_tokens("r") == 0

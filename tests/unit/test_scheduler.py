@@ -1,8 +1,8 @@
 """Scheduler policy on a real KV manager, without a model: the waiting queue's order and cost,
 samples 2..n parked while sample 1 computes the prompt, fair preemption, scheduling policy.
 
-A step is emulated as the engine core runs it: ``schedule``, ``update_after_step``, then one
-token appended to every sequence that sampled.
+A step is emulated as the engine core runs it: ``schedule``, then ``update_from_output`` with
+one token for every sequence that sampled.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
 from engine.request import Request, SeqStatus, Sequence
 from engine.sampling.params import SamplingParams
+from engine.scheduling.kv_pool import KVPool
 from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.step_result import StepResult
 from engine.scheduling.waiting_queue import WaitingQueue
 
 BS = 4
@@ -33,15 +34,16 @@ def make_request(rid: str, prompt_len: int, n: int = 1, arrival: int = 0, priori
 
 def make_scheduler(num_blocks: int = 64, **cfg) -> Scheduler:
     config = EngineConfig(block_size=BS, **cfg)
-    return Scheduler(config, KVCacheManager(num_blocks, BS, enable_prefix_caching=True))
+    return Scheduler(config, KVPool(num_blocks, max_model_len=4096))
 
 
 def step(s: Scheduler):
     out = s.schedule()
-    s.update_after_step(out)
+    result = StepResult(kv_written=True)
     for sc in out.scheduled:
         if sc.sample and not sc.seq.finished:
-            sc.seq.token_ids.append(7)
+            result.update(sc.seq).new_token_ids.append(7)
+    s.update_from_output(out, result)
     s.kv.check_integrity()
     return out
 
@@ -131,8 +133,7 @@ def test_aborting_parked_samples_frees_everything():
     big = make_request("big", 40, n=4)
     s.add_request(big)
     step(s)
-    for seq in big.seqs:
-        s.finish_seq(seq, "abort")
+    s.abort_request(big)
     assert s.num_waiting_seqs + len(s.running) == 0 and s.num_waiting_seqs == 0 and not s.waiting
     assert s.kv.stats().num_used_blocks == 0
     s.kv.check_integrity()

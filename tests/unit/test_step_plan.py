@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
 from engine.request import Request, Sequence
 from engine.runner.batch import build_model_input
 from engine.sampling.params import SamplingParams
+from engine.scheduling.kv_pool import KVPool
 from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.step_result import StepResult
 from engine.step_plan import BlockCopyOrders, PromptLogitSpan, SeqChunk, StepPlan
 
 BS = 4
@@ -53,7 +54,7 @@ def test_copy_orders_are_falsy_when_empty():
 
 def test_scheduler_plan_matches_its_state():
     s = Scheduler(EngineConfig(block_size=BS, max_num_batched_tokens=64),
-                  KVCacheManager(32, BS))
+                  KVPool(32, max_model_len=4096))
     for rid, n in (("a", 9), ("b", 3)):
         prompt = list(range(100, 100 + n))
         req = Request(request_id=rid, prompt=None, prompt_token_ids=prompt,
@@ -70,7 +71,8 @@ def test_scheduler_plan_matches_its_state():
             assert chunk.block_table == s.kv.block_table(sc.seq.seq_id)
             assert len(chunk.block_table) * BS >= chunk.seq_len
         s.complete_copies()
-        s.update_after_step(out)
+        result = StepResult(kv_written=True)
         for sc in out.scheduled:
             if sc.sample:
-                sc.seq.token_ids.append(1)
+                result.update(sc.seq).new_token_ids.append(1)
+        s.update_from_output(out, result)
