@@ -165,7 +165,7 @@ class EngineCore:
                          "computed_tokens": 0}
         self._log_startup()
         if self.runner.device.type == "cpu":
-            release_freed_memory()  # loading's freed buffers back to the OS (~1 GB measured)
+            release_freed_memory()  # loading's freed buffers back to the OS
 
     def _calibrate_kv_scales(self) -> None:
         from engine.kv_storage.calibration import CALIBRATION_TEXT

@@ -33,7 +33,7 @@ class PromptLogitSpan:
 class SeqChunk:
     """One scheduled sequence's share of the step. Read-only by contract (its lists are the
     plan's own copies); not frozen because one is built per sequence per step and a frozen
-    dataclass costs ~1 us more to construct.
+    dataclass costs more to construct (docs/performance.md#small-cpu-costs).
 
     It computes ``token_ids`` at positions ``start .. start + len(token_ids) - 1``; the keys
     of positions ``0 .. start - 1`` are already in the pool. ``block_table`` lists the
@@ -54,11 +54,6 @@ class SeqChunk:
     prompt_logits: PromptLogitSpan | None = None
     num_draft: int = 0
     extra_tables: tuple[list[int], ...] = ()
-
-    @property
-    def num_sample_rows(self) -> int:
-        """Rows of this chunk whose logits are sampled (0 when ``sample`` is False)."""
-        return self.num_draft + 1 if self.sample else 0
 
     @property
     def num_new_tokens(self) -> int:

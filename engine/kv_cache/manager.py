@@ -84,12 +84,6 @@ class KVCacheStats:
     usage: float  # used / total
     num_free_cached_blocks: int = 0  # evictable blocks still holding a hash
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
-
 
 @dataclass
 class _SeqState:
@@ -208,8 +202,8 @@ class KVCacheManager:
         then raises ``ValueError``). Adds ``len(token_ids)`` to the query counter and the hit's
         tokens to the hit counter unless ``record_stats`` is False (use that when retrying the
         admission of a request already counted). With prefix caching disabled: the empty hit,
-        no stats change. Cost: every full block before the last token is hashed once (SHA-256,
-        about 1.5 us a block) and remembered for ``commit``; a repeated lookup for the same
+        no stats change. Cost: every full block before the last token is hashed once (SHA-256;
+        docs/performance.md#small-cpu-costs) and remembered for ``commit``; a repeated lookup for the same
         ``seq_id`` only does the dict lookups. With a host tier the device hit is continued by
         blocks the host holds (``PrefixHit.host_hashes``).
         """

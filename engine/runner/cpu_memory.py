@@ -66,8 +66,8 @@ def release_freed_memory() -> bool:
     """Hand the heap memory freed during loading back to the OS (glibc's ``malloc_trim``).
 
     Loading builds float copies, conversion buffers and probe inputs that are freed before
-    serving, but glibc keeps freed heap pages mapped: the embedded model's server measured
-    1.76 GB resident after start-up, 0.69 GB after this call. True when it ran (glibc only)."""
+    serving, but glibc keeps freed heap pages mapped (the resident memory this gives back:
+    docs/performance.md#small-cpu-costs). True when it ran (glibc only)."""
     import ctypes
     import ctypes.util
     import gc

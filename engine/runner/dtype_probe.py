@@ -1,11 +1,10 @@
 """``dtype="auto"`` on the CPU: float32 or bfloat16, chosen by timing this model's own linear
 shapes on this machine, never by a CPU-flag rule.
 
-Why measure: on a CPU with AMX / AVX-512 BF16, bf16 matmuls run ~5x float32 at 256 rows but
-~0.5x at one row (measured 2026-12-01 with ``benchmarks/dtype_matmul.py``: 1 row 34.5 vs 16.3
-GFLOP/s, 256 rows 271 vs 1574); on an AVX2-only CPU bf16 is emulated and slower everywhere. So
-which dtype serves faster depends on the machine and on the row counts, and a flag test can
-pick a slower one.
+Why measure: on a CPU with AMX / AVX-512 BF16, bf16 matmuls beat float32 at many rows but lose
+at one row, and on an AVX2-only CPU bf16 is emulated and slower everywhere (figures:
+docs/performance.md#dtype-auto-on-the-cpu). So which dtype serves faster depends on the machine
+and on the row counts, and a flag test can pick a slower one.
 
 The objective (stated, so that the choice can be checked): one request of
 ``PREFILL_ROWS`` prompt tokens and ``DECODE_STEPS`` generated tokens at one row each, i.e.

@@ -191,10 +191,6 @@ class ModelRunner:
     # ---- KV pool -------------------------------------------------------------------------
 
     @property
-    def dtype_bytes(self) -> int:
-        return torch.finfo(self.dtype).bits // 8
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """What one token's K and V take in the pools, scales included (all layers)."""
         return 2 * self.arch.num_layers * self.arch.num_kv_heads * self.kv_format.row_bytes
@@ -399,7 +395,7 @@ class ModelRunner:
                                      head_dim=self.arch.head_dim, dtype=self.dtype)
 
         # Inside graphs the fused Triton layer ops win (one pass each, launches are free);
-        # in eager steps PyTorch's launch faster (measured on an H200: README, GPU).
+        # in eager steps PyTorch's launch faster (docs/performance.md, the H200 figures).
         ops = graph_layer_ops(self.device, self.dtype)
 
         def forward(input_ids, positions, meta):

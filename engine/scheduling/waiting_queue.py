@@ -93,6 +93,3 @@ class WaitingQueue:
     def num_requests(self) -> int:
         """How many distinct requests have a sequence in the queue (O(1))."""
         return len(self._per_request)
-
-    def request_ids(self) -> set[str]:
-        return set(self._per_request)
