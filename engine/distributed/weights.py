@@ -47,7 +47,7 @@ def iter_shard_weights(files: ModelFiles, shard: RankShard) -> Iterator[tuple[st
                 yield name, shard_tensor(name, tensor, shard)
             del state
     # A big GGUF's packed tensors left in the file by its conversion: dequantised one at a
-    # time, then sliced (packed blocks are not split across ranks; see README).
+    # time, then sliced (packed blocks are not split across ranks; see docs/tensor-parallel.md).
     for name, tensor in gguf_convert.iter_gguf_tensors(files.path,
                                                        gguf_convert.in_gguf_names(files.path)):
         yield name, shard_tensor(name, tensor, shard)

@@ -21,7 +21,7 @@ C++ decode stack is built (it reads the routes):
 
 What it does not cover: plain ``nn.Linear`` (MKL; only without the CPU kernels), a oneDNN-only
 packed linear, GPUs and the Triton backend. The cost is measured by
-benchmarks/batch_invariance.py (README: "Batch-invariant greedy output").
+benchmarks/batch_invariance.py (docs/cpu-and-gpu.md, "Batch-invariant greedy output").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ proposed as a draft per sequence and step, verified like a speculative draft so 
 not change (engine.structured.jump_forward); 0 turns it off. ``jump_forward_max_seqs``: only in
 steps where at most this many sequences decode (at larger batches a step is bound by arithmetic
 and the extra rows cost more than the steps saved); null: at any batch size. Defaults measured
-with benchmarks/jump_forward.py (README, structured outputs).
+with benchmarks/jump_forward.py (docs/structured-outputs.md, "Jump-forward drafts").
 """
 
 from __future__ import annotations

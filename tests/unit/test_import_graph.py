@@ -232,6 +232,16 @@ def test_engine_and_kernels_never_import_server():
     assert not bad, "engine/ and kernels/ must not import server/:\n" + "\n".join(bad)
 
 
+def test_only_the_cli_imports_the_bench_package():
+    """``bench/`` (the benchmark client) sits above the server: ``kvserve bench`` reaches it
+    through ``server/cli.py``; nothing in engine/, kernels/ or the rest of server/ imports it."""
+    modules = find_modules()
+    bad = [e for e in build_graph(modules)
+           if e.target.split(".")[0] == "bench" and e.source.split(".")[0] != "bench"
+           and e.source != "server.cli"]
+    assert not bad, "\n".join(f"{e.source}:{e.line} imports {e.target}" for e in bad)
+
+
 def test_the_walker_sees_the_real_graph():
     """Guards the two tests above against passing because they read nothing."""
     modules = find_modules()

@@ -1,5 +1,5 @@
 """Code that defers a measurement to the docs ("docs/performance.md#<section>") names a
-section that exists (docs/perf-notes.md holds them until it is folded into performance.md)."""
+section that exists."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("docs/performance.md", "docs/perf-notes.md")
+DOCS = ("docs/performance.md",)
 
 
 def _anchor(heading: str) -> str:

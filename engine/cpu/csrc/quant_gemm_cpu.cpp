@@ -321,7 +321,7 @@ at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor qs, at::Tensor d,
   return y;
 }
 
-// The alternative design, kept for benchmarks/quant_linear.py's comparison: no activation
+// The alternative design (its comparison, benchmarks/quant_linear.py, is deleted: git has it): no activation
 // quantisation; each q4 group is unpacked to 4 x 8 floats in registers (d*q + m) and FMA'd with
 // the float activations of up to 4 rows. Exact up to float32 summation order.
 at::Tensor quant_gemm_q4_fma(at::Tensor x, at::Tensor qs, at::Tensor d,
