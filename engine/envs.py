@@ -57,8 +57,8 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(CACHE_DIR, "~/.cache/kvserve",
            "where kvserve keeps what it builds once per machine: converted GGUF files, the "
-           "compiled CPU kernels, the quantisation probe's verdicts (the `cache-dir` option "
-           "wins over it)"),
+           "compiled CPU kernels, the quantisation probe's verdicts (a `cache_dir` argument "
+           "of the Python loader, `resolve_model`, wins over it)"),
     EnvVar(API_KEY, "unset",
            "the API key when no `--api-key`/`api-key` option is given: requests to /v1/* "
            "must carry `Authorization: Bearer KEY`"),

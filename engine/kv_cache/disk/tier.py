@@ -34,10 +34,12 @@ import numpy as np
 import torch
 
 from engine.kv_cache.disk.prefetch import Prefetcher, PrefetchJob
+from engine.kv_cache.disk.segment import RECORD_HEADER_BYTES
 from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.disk.store import DiskStore
 from engine.kv_cache.hashing import encode_extra_keys, extend_block_hashes
 from engine.kv_cache.host.blocks import SwapCostModel
+from engine.kv_cache.snapshot import TierState
 
 logger = logging.getLogger("kvserve.engine")
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -206,14 +208,11 @@ class DiskTier:
     def snapshot(self) -> DiskTierStats:
         return self.store.snapshot()
 
-    def tier_state(self):
+    def tier_state(self) -> TierState:
         """The disk as a tier of the KV page (``engine.kv_cache.snapshot.TierState``): its
         capacity in blocks (``--kv-disk-size`` over one record's bytes), the blocks this server's
         index can find as cached-and-evictable, the blocks being read ahead into host memory as
         used, the rest free."""
-        from engine.kv_cache.disk.segment import RECORD_HEADER_BYTES
-        from engine.kv_cache.snapshot import TierState
-
         s = self.store
         stored = len(s)
         loading = min(stored, sum(len(job.hashes) - job.num_loaded
