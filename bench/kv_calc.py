@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.kv_storage.formats import int4_row_width
 from engine.loading.embedded import EMBEDDED_MODEL_NAME, embedded_gguf_path, is_embedded_name
 from engine.models.arch import ModelShape, shape_from_hf_config
 
@@ -28,7 +29,7 @@ __all__ = ["ModelShape", "shape_from_hf_config"]  # re-exported: kv-calc's publi
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
                "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1, "float8_e4m3fn": 1,
-               "float8_e5m2": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+               "float8_e5m2": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5}
 INT8_SCALE_BYTES = 2  # an int8 KV row carries its float16 scale (kernels/kv_quant_layout.py)
 
 # Public shapes of well-known models (from their config.json files).
@@ -51,24 +52,28 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> float:
+    """Bytes of one K or V element (0.5 for int4), scales not counted."""
     key = str(dtype).lower().removeprefix("torch.")
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown KV dtype {dtype!r}; use one of float32, float16, bfloat16, "
-                         f"fp8, int8")
+                         f"fp8, int8, int4")
     return DTYPE_BYTES[key]
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str | int = "float16",
                        kv_heads: int | None = None) -> int:
     """2 · layers · kv_heads · row bytes (``kv_heads`` overrides the model's). A row is
-    head_dim · dtype bytes, plus the float16 scale of each row for ``"int8"`` (the pool's real
-    layout, so this is what a pool of that dtype allocates per token)."""
+    head_dim · dtype bytes, plus the float16 scale of each row for ``"int8"`` and of each group
+    of 32 for ``"int4"`` (the pool's real layout, so this is what a pool of that dtype allocates
+    per token)."""
     nbytes = dtype if isinstance(dtype, int) else dtype_bytes(dtype)
     kvh = shape.kv_heads if kv_heads is None else kv_heads
-    row = shape.head_dim * nbytes
-    if isinstance(dtype, str) and dtype.lower() == "int8":
-        row += INT8_SCALE_BYTES
+    name = dtype.lower() if isinstance(dtype, str) else ""
+    if name == "int4":
+        row = int4_row_width(shape.head_dim)
+    else:
+        row = int(shape.head_dim * nbytes) + (INT8_SCALE_BYTES if name == "int8" else 0)
     return 2 * shape.layers * kvh * row
 
 
@@ -218,7 +223,9 @@ def format_report(r: KVReport) -> str:
         f"tokens: batch {r.batch} x seq-len {r.seq_len} = {r.tokens:,}",
         "formula: 2 (K,V) x layers x kv_heads x head_dim x dtype bytes x tokens"
         + (f" (int8: head_dim + {INT8_SCALE_BYTES} scale bytes per row)"
-           if r.dtype.lower() == "int8" else ""),
+           if r.dtype.lower() == "int8" else "")
+        + (" (int4: head_dim / 2 + 2 scale bytes per group of 32)"
+           if r.dtype.lower() == "int4" else ""),
         "",
         f"{'':24}{'per token':>16}{'per layer/token':>18}{'per layer (all)':>18}{'total':>16}",
         row(f"{gqa}, {s.kv_heads} KV heads", r.per_token),

@@ -27,7 +27,7 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 QUANTIZATION_GROUP_SIZES = (32, 128)
 # The KV pool formats (engine/kv_storage/formats.py); here so that this module needs no torch.
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2")
 # Other spellings users bring: vLLM's "fp8" is e4m3.
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -77,7 +77,8 @@ class EngineConfig:
     ("auto"), at float32 ("float32", the exact pool of a float32 model), in 16 bits ("float16",
     llama.cpp's default cache, or "bfloat16": half a float32 model's bytes) or 8-bit ("int8": a
     float16 scale per token and KV head; "fp8_e4m3"/"fp8_e5m2": a per-layer, per-head scale, 1.0 unless
-    ``calculate_kv_scales`` calibrates it at start-up); see ``engine/kv_storage/formats.py``.
+    ``calculate_kv_scales`` calibrates it at start-up) or 4-bit ("int4": a float16 scale per
+    group of 32 of each token's KV head, two values a byte); see ``engine/kv_storage/formats.py``.
     ``kv_eviction="sink:S,window:N"`` streams past the context (StreamingLLM): the first S and
     the last N tokens' KV are kept, block-aligned, positions re-used; approximate. It turns
     prefix caching off; see ``engine/kv_cache/streaming.py``.

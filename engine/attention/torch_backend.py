@@ -43,6 +43,7 @@ from engine.kv_storage.formats import (
     format_of,
     fp8_table,
     gather_blocks,
+    int4_rotate,
     quantize_rows,
 )
 
@@ -88,7 +89,10 @@ class TorchAttentionBackend:
         if q.device.type != "cpu" or q.dtype != torch.float32 or \
                 (fmt.kind == "float" and fmt.storage_dtype not in CPU_KERNEL_FLOAT_POOLS):
             return None
-        return self._cpu_kernels()
+        kernels = self._cpu_kernels()
+        if fmt.kind == "int4" and not hasattr(kernels, "paged_decode_cpu_int4"):
+            return None
+        return kernels
 
     def _cpu_kernels(self):
         """The compiled CPU kernels (engine/cpu/kernels.py), or None; loaded once."""
@@ -235,6 +239,8 @@ def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup,
         return kernel.paged_decode_cpu(q, k_cache, v_cache, *args)
     if fmt.kind == "int8":
         return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args)
+    if fmt.kind == "int4":  # rows hold K·R and V·R: rotate the query in, the output back
+        return int4_rotate(kernel.paged_decode_cpu_int4(int4_rotate(q), k_cache, v_cache, *args))
     kvh = k_cache.shape[2]
     ones = torch.ones(kvh)
     return kernel.paged_decode_cpu_fp8(
