@@ -18,7 +18,7 @@ from engine.loading.tiny import make_tiny_model_dir
 from tests.models.teacher_forced import top1
 
 BS = 4
-KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+KINDS = ["int8", "int4", "fp8_e4m3", "fp8_e5m2"]
 HALF = ["float16", "bfloat16"]
 
 
@@ -90,7 +90,7 @@ def test_16bit_pool_halves_float32_and_decodes_on_the_kernel(tiny, kind, monkeyp
     assert calls and set(calls) == {h.kv_caches[0][0].dtype}
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", *HALF])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8_e4m3", *HALF])
 def test_teacher_forced_agreement_with_the_exact_cache(tiny, kind):
     """Chunks of 4 tokens: every chunk after the first attends over the 8-bit cache."""
     ids_list = [p + p[::-1] for p in _prompts()]
@@ -101,7 +101,7 @@ def test_teacher_forced_agreement_with_the_exact_cache(tiny, kind):
     assert _agreement(quant, ids_list, reference) >= 0.95
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "float16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8_e4m3", "float16"])
 def test_swap_preemption_and_host_tier_move_quantised_blocks_exactly(tiny, kind):
     """A pool small enough to preempt (swap mode, host tier on) gives the same greedy tokens
     as a pool that never preempts: blocks and their scales travel bit-exactly."""
@@ -117,14 +117,34 @@ def test_swap_preemption_and_host_tier_move_quantised_blocks_exactly(tiny, kind)
     assert got == expected
 
 
-def test_prefix_hits_read_the_quantised_blocks(tiny):
-    llm = _llm(tiny, kv_cache_dtype="int8")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_recompute_preemption_over_a_quantised_pool_finishes_and_frees(tiny, kind):
+    """Recompute preemption over a quantised pool: every request finishes with its tokens,
+    every block comes back, and greedy output matches the roomy pool's (the recomputed
+    prompt is prefilled in chunks that attend over the quantised cache, as decode does)."""
+    prompts = _prompts(8, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    roomy = _llm(tiny, kv_cache_dtype=kind, max_num_batched_tokens=4, max_model_len=128)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    block_bytes = roomy.engine.runner.kv_bytes_per_token * BS
+    tight = _llm(tiny, kv_cache_dtype=kind, kv_cache_memory=24 * block_bytes,
+                 max_num_batched_tokens=4, max_model_len=128, preemption_mode="recompute")
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    s = tight.stats()
+    assert s["num_preemptions_recompute"] > 0 and s["num_blocks_used"] == 0
+    assert [len(g) for g in got] == [24] * len(prompts)
+    assert got == expected
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_prefix_hits_read_the_quantised_blocks(tiny, kind):
+    llm = _llm(tiny, kv_cache_dtype=kind)
     shared = list(range(40, 72))  # 8 full blocks
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     first = llm.generate([shared + [1, 2]], params)[0]
     second = llm.generate([shared + [1, 2]], params)[0]
     assert second.num_cached_tokens >= 32
-    # The hit attends over the int8 prefix where the first prompt attended over exact K/V:
+    # The hit attends over the quantised prefix where the first prompt attended over exact K/V:
     # near-identical, and on this model identical.
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
 
@@ -151,4 +171,4 @@ def test_cli_flags_reach_the_engine_config():
     cfg, _ = _settings(args)
     assert cfg.kv_cache_dtype == "fp8_e5m2" and cfg.calculate_kv_scales
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int2"])

@@ -192,10 +192,11 @@ def test_adaptive_switch_turns_drafts_off_for_large_batches(model_dir):
     assert llm.stats()["spec_decode_num_drafts"] > 0
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
-def test_greedy_is_identical_over_an_8bit_kv_cache(model_dir, kv_dtype):
-    """Verification rows read the 8-bit pool through the same decode kernel as one-token
-    steps, and rejected drafts' rows (and their scales) are rewritten before they are read."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8_e4m3"])
+def test_greedy_is_identical_over_a_quantised_kv_cache(model_dir, kv_dtype):
+    """Verification rows read the 8-bit or 4-bit pool through the same decode kernel as
+    one-token steps, and rejected drafts' rows (and their scales) are rewritten before they
+    are read."""
     prompts = _prompts(4, seed=17)
     params = _greedy(max_tokens=30)
     plain = _llm(model_dir, spec=False, kv_cache_dtype=kv_dtype)

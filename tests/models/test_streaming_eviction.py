@@ -172,7 +172,7 @@ def test_recompute_preemption_of_an_evicted_sequence(llama):
     assert llm.stats()["num_blocks_used"] == 0
 
 
-def test_n2_and_int8_pool(llama):
+def test_n2_and_quantised_pools(llama):
     path, hf = llama
     new = 80
     expected = hf_streaming_greedy(hf, PROMPT, new)
@@ -181,13 +181,15 @@ def test_n2_and_int8_pool(llama):
     # int8 (this random model's greedy path already parts from float32's after 5 tokens
     # without eviction, so the comparison is int8 with eviction vs int8 without; the
     # re-rotation of int8 rows is checked against the float truth in tests/unit).
-    llm = _llm(path, kv_cache_dtype="int8")
-    tokens, live = _run_tracking(llm.engine, "q", PROMPT, new)
-    assert len(tokens) == new
-    assert max(live) <= BOUND and llm.stats()["num_blocks_evicted_stream"] > 0
-    off = _llm(path, kv_cache_dtype="int8", kv_eviction=None, max_model_len=None)
-    same = BOUND * BS - len(PROMPT) + 1
-    assert tokens[:same] == off.generate([PROMPT], _greedy(same))[0].outputs[0].token_ids
+    # int4 likewise: its rows are rotated back, re-rotated by RoPE and requantised.
+    for kind in ("int8", "int4"):
+        llm = _llm(path, kv_cache_dtype=kind)
+        tokens, live = _run_tracking(llm.engine, "q", PROMPT, new)
+        assert len(tokens) == new
+        assert max(live) <= BOUND and llm.stats()["num_blocks_evicted_stream"] > 0
+        off = _llm(path, kv_cache_dtype=kind, kv_eviction=None, max_model_len=None)
+        same = BOUND * BS - len(PROMPT) + 1
+        assert tokens[:same] == off.generate([PROMPT], _greedy(same))[0].outputs[0].token_ids
 
 
 def test_startup_checks(llama, tmp_path):

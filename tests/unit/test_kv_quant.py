@@ -95,7 +95,7 @@ def test_formats_read_back_from_the_pool():
     with pytest.raises(ValueError, match="head_dim \\+ 2"):
         format_of(torch.zeros(1, 1, 1, 64, dtype=torch.int8), 64)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        kv_format("int4", torch.float32, 64)
+        kv_format("int2", torch.float32, 64)
 
 
 def test_fp8_pools_gather_and_scatter_through_bytes():
