@@ -66,8 +66,9 @@ def _add_kv_calc(subparsers: Any) -> None:
                    help="tokens per sequence (default: the model's context length, else 4096)")
     p.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
     p.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default="float16",
-                   help="KV cache dtype: float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, int8 "
-                        "(int8 rows carry a 2-byte scale: head_dim + 2 bytes; default float16)")
+                   help="KV cache dtype: float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, int8, "
+                        "int4 (int8 rows carry a 2-byte scale: head_dim + 2 bytes; int4 rows "
+                        "head_dim / 2 + 2 per group of 32; default float16)")
     p.add_argument("--layers", type=int, default=None, help="override: number of layers")
     p.add_argument("--heads", type=int, default=None, help="override: attention (query) heads")
     p.add_argument("--kv-heads", type=int, default=None, help="override: key/value heads")

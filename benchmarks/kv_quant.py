@@ -1,7 +1,8 @@
 """KV cache dtypes side by side on the embedded model: bytes, capacity, accuracy and decode speed.
 
-For each ``--kv-cache-dtype`` (auto = the model's float32, float16, bfloat16, int8, fp8_e4m3
-and fp8_e5m2 with ``calculate_kv_scales``, and fp8_e4m3 at scale 1.0), in one process, with the weights exact
+For each ``--kv-cache-dtype`` (auto = the model's float32, float16, bfloat16, int8, int4,
+fp8_e4m3 and fp8_e5m2 with ``calculate_kv_scales``, and fp8_e4m3 at scale 1.0; ``--variants``
+picks some, ``auto`` always first), in one process, with the weights exact
 (``quantization="none"``) so that only the KV cache differs:
 
 * bytes per token (scales included), KV blocks in a fixed ``--kv-memory``, and the maximum
@@ -16,7 +17,7 @@ and fp8_e5m2 with ``calculate_kv_scales``, and fp8_e4m3 at scale 1.0), in one pr
 Prints a table, writes ``--json`` and, with ``--plot``, a PNG of bytes per token and maximum
 concurrency per dtype.
 
-    PYTHONPATH=. python benchmarks/kv_quant.py [--contexts 512 2048] [--batch 8]
+    PYTHONPATH=. python benchmarks/kv_quant.py [--contexts 512 2048] [--batch 8] [--variants ...]
         [--json docs/perf/kv-quant.json] [--plot docs/perf/kv-quant.png]
 """
 
@@ -40,6 +41,7 @@ VARIANTS = [  # (label, kv_cache_dtype, calculate_kv_scales)
     ("float16", "float16", False),
     ("bfloat16", "bfloat16", False),
     ("int8", "int8", False),
+    ("int4", "int4", False),
     ("fp8_e4m3", "fp8_e4m3", True),
     ("fp8_e5m2", "fp8_e5m2", True),
     ("fp8_e4m3 scale 1", "fp8_e4m3", False),
@@ -89,11 +91,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="decode steps timed per context")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="labels to run (default: all): " + ", ".join(v[0] for v in VARIANTS))
     args = ap.parse_args()
+    variants = [v for v in VARIANTS if args.variants is None or v[0] == "auto"
+                or v[0] in args.variants]
 
     results: dict[str, dict] = {}
     reference = None
-    for label, kind, calibrate in tqdm(VARIANTS, desc="KV dtypes"):
+    for label, kind, calibrate in tqdm(variants, desc="KV dtypes"):
         llm = LLM(None, dtype="float32", quantization="none", kv_cache_memory=args.kv_memory,
                   max_model_len=args.max_model_len, max_num_batched_tokens=16,
                   kv_cache_dtype=kind, calculate_kv_scales=calibrate)

@@ -197,8 +197,9 @@ ENGINE_OPTIONS = [
            "KV cache storage: auto (float16 on a CPU, else the model's dtype), float32 (the "
            "exact pool of a float32 model), float16 or bfloat16 (16-bit "
            "whatever the model's dtype; llama.cpp's default f16 cache), int8 (a float16 scale "
-           "per token and head), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the "
-           "bytes per token of 16-bit; fp8 (vLLM's spelling) is fp8_e4m3",
+           "per token and head), int4 (a float16 scale per group of 32, after a Hadamard "
+           "rotation), fp8_e4m3 or fp8_e5m2 (a per-head scale); 8-bit halves the bytes per "
+           "token of 16-bit, int4 takes 0.28x; fp8 (vLLM's spelling) is fp8_e4m3",
            choices=KV_CACHE_DTYPES),
     Option("kv-eviction", "kv_eviction", "engine", str,
            "stream past the context (StreamingLLM attention sinks), e.g. sink:4,window:1024: "

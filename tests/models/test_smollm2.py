@@ -96,10 +96,13 @@ def test_quantised_on_load_agrees_with_hf(llm, hf_continuations, scheme):
     assert abs(approx / exact - 1) <= 0.03, f"perplexity {approx:.3f} vs exact {exact:.3f}"
 
 
-def test_packed_kernels_perplexity_within_one_percent(llm, monkeypatch):
-    """The packed kernels' one approximation (int8 activations per group of 32) costs at most 1%
-    of perplexity against the exact path. Prefill in chunks of 16 rows so that every row goes
-    through the packed kernels, as decode does (larger chunks dequantise panels: exact).
+def test_default_pairing_packed_weights_and_float16_kv_within_one_percent(llm, monkeypatch):
+    """The server's default pairing on a CPU (issue 32 item 3): the GGUF's 4-bit weights kept
+    packed (their one approximation: int8 activations per group of 32) and a float16 KV
+    cache, against the exact path (float32 everywhere): perplexity within 1% and top-1
+    agreement >= 96% (measured: see docs/performance.md#weights-and-kv-together). Prefill in
+    chunks of 16 rows so that every row goes through the packed kernels and reads the float16
+    cache, as decode does (larger chunks dequantise panels: exact).
 
     On 455 tokens (this text and the KV calibration text): the int8 rounding of activations
     makes each position's log-prob wander (~0.1 nat) with float-rounding-level changes upstream
@@ -110,21 +113,26 @@ def test_packed_kernels_perplexity_within_one_percent(llm, monkeypatch):
 
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
     packed = LLM(None, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
-                 max_num_batched_tokens=16, quantization="auto")
+                 max_num_batched_tokens=16, quantization="auto", kv_cache_dtype="float16")
     assert packed.engine.runner.quantized
     ids = llm.tokenizer.encode(TEXT + "\n\n" + CALIBRATION_TEXT)
-    exact, approx = perplexity(llm, ids), perplexity(packed, ids)
+    ref, got = forced(llm, ids), forced(packed, ids)
+    agreement = sum((a == 1) == (b == 1) for (a, _), (b, _) in zip(ref, got)) / len(ref)
+    exact, approx = perplexity_of(ref), perplexity_of(got)
     assert abs(approx / exact - 1) <= 0.01, f"perplexity {approx:.3f} vs exact {exact:.3f}"
+    assert agreement >= 0.96, f"top-1 agreement {agreement:.1%}"
 
 
-@pytest.mark.parametrize("kind,max_delta", [("int8", 0.01), ("fp8_e4m3", 0.02),
-                                            ("float16", 0.002), ("bfloat16", 0.005)])
-def test_quantised_kv_cache_agreement_and_perplexity(llm, kind, max_delta):
-    """8-bit and 16-bit KV against the exact (float32) cache on the real model (issue 13's
-    targets): teacher-forced top-1 agreement >= 98% and perplexity within 1% (int8) / 2% (fp8,
-    calibrated) / 0.2% (float16) / 0.5% (bfloat16; measured: -0.00% and -0.01%). Prefill in
-    chunks of 16 so that every chunk after the first attends over the narrow cache, as decode
-    does (a whole prompt attends over its own exact K/V)."""
+@pytest.mark.parametrize("kind,min_agreement,max_delta", [
+    ("int8", 0.98, 0.01), ("fp8_e4m3", 0.98, 0.02), ("float16", 0.98, 0.002),
+    ("bfloat16", 0.98, 0.005), ("int4", 0.93, 0.06)])
+def test_quantised_kv_cache_agreement_and_perplexity(llm, kind, min_agreement, max_delta):
+    """8-bit, 4-bit and 16-bit KV against the exact (float32) cache on the real model (issue
+    13's targets): teacher-forced top-1 agreement >= 98% and perplexity within 1% (int8) / 2%
+    (fp8, calibrated) / 0.2% (float16) / 0.5% (bfloat16; measured: -0.00% and -0.01%); int4
+    (issue 32; measured on these 210 tokens: 95.2% and +4.40%) >= 93% and within 6%. Prefill
+    in chunks of 16 so that every chunk after the first attends over the narrow cache, as
+    decode does (a whole prompt attends over its own exact K/V)."""
     exact = LLM(None, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
                 max_num_batched_tokens=16, quantization="none")
     quant = LLM(None, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
@@ -135,5 +143,5 @@ def test_quantised_kv_cache_agreement_and_perplexity(llm, kind, max_delta):
         ids += llm.tokenizer.encode(" " + prompt)
     ref, got = forced(exact, ids), forced(quant, ids)  # one prefill each: ranks and log-probs
     agreement = sum((a == 1) == (b == 1) for (a, _), (b, _) in zip(ref, got)) / len(ref)
-    assert agreement >= 0.98, f"{kind}: top-1 agreement {agreement:.1%}"
+    assert agreement >= min_agreement, f"{kind}: top-1 agreement {agreement:.1%}"
     assert abs(perplexity_of(got) / perplexity_of(ref) - 1) <= max_delta
