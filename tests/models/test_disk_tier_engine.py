@@ -1,6 +1,6 @@
 """The disk KV tier end to end on a tiny random model: after a restart a prompt's blocks come
 back from disk (counted in cached_tokens) and greedy outputs equal HF transformers' own; with
-the host tier off (staging only), with int8 KV; a corrupted, truncated or manifest-less
+the host tier off (staging only), with int8 or int4 KV; a corrupted, truncated or manifest-less
 directory, another model's directory and two engines on one directory all answer correctly."""
 
 from __future__ import annotations
@@ -82,15 +82,17 @@ def test_restart_serves_disk_blocks_and_equals_hf(tiny, written, tmp_path, host)
     assert stats["disk_checksum_failures"] == 0
 
 
-def test_restart_with_int8_kv_in_a_float_dir(tiny, written, tmp_path):
-    """int8 KV in a directory a float32 engine wrote: its blocks are never read; after its
-    own restart it serves its own blocks and answers as its cold run did."""
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_restart_with_quantised_kv_in_a_float_dir(tiny, written, tmp_path, kind):
+    """int8 or int4 KV in a directory a float32 engine wrote: its blocks are never read; after
+    its own restart it serves its own blocks (their packed bytes and scales, unchanged) and
+    answers as its cold run did."""
     path, prompts, _ = tiny
     disk = _copy(written, tmp_path)
-    with _llm(path, disk, kv_cache_dtype="int8") as llm:
+    with _llm(path, disk, kv_cache_dtype=kind) as llm:
         cold, cold_cached = _run(llm, prompts)
         assert llm.stats()["disk_blocks_at_start"] == 0 and cold_cached == [0] * len(prompts)
-    with _llm(path, disk, kv_cache_dtype="int8") as llm:
+    with _llm(path, disk, kv_cache_dtype=kind) as llm:
         warm, warm_cached = _run(llm, prompts)
     assert warm == cold and min(warm_cached) > 0
 
