@@ -50,8 +50,7 @@ def pack_int4_rows(x_ptr, stride_h, cache_ptr, rows, heads, head_dim,
     scale = (tl.where(neg, -amax, amax) * -0.125).to(tl.float16)  # [H, G]
     sf = scale.to(tl.float32)
     zero = sf == 0.0
-    inv = tl.where(zero, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32),
-                                             tl.where(zero, 1.0, sf)))[:, :, None]
+    inv = tl.where(zero, 0.0, tl.math.div_rn(1.0, tl.where(zero, 1.0, sf)))[:, :, None]
     q_lo = tl.clamp(tl.floor((lo * inv + 8.0) + 0.5), 0.0, 15.0).to(tl.int32)
     q_hi = tl.clamp(tl.floor((hi * inv + 8.0) + 0.5), 0.0, 15.0).to(tl.int32)
     packed = (q_lo | (q_hi << 4)).to(tl.uint8)

@@ -111,8 +111,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``q_len``) spares a device->host sync when the caller knows it. ``out`` may be given
     (``[T, H, D]``, last dim contiguous); it is returned. A query whose dtype differs from the
     cache's is cast to the cache's dtype for the dot products; ``out`` keeps the query's dtype.
-    8-bit pools (kernels/kv_quant_layout.py) are dequantised in registers and the dots run in
-    the query's dtype; ``kv_scales`` are an fp8 pool's per-head K/V scales (None: 1.0).
+    8-bit and int4 pools (kernels/kv_quant_layout.py) are dequantised in registers and the dots
+    run in the query's dtype; ``kv_scales`` are an fp8 pool's per-head K/V scales (None: 1.0).
+    An int4 pool holds rotated rows: the query must be rotated too, and the output comes out
+    rotated (engine/attention/triton_backend.py does both).
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = query.shape

@@ -192,9 +192,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Changing ``num_splits``, the window or the block-table width between calls reuses the
     compiled kernels (only ``num_splits == 1`` vs more, and the merge's power-of-two bucket
     of ``num_splits``, are separate variants).
-    The result does not depend on ``num_splits`` beyond float rounding. 8-bit pools
+    The result does not depend on ``num_splits`` beyond float rounding. 8-bit and int4 pools
     (kernels/kv_quant_layout.py) are dequantised in registers; ``kv_scales`` are an fp8 pool's
-    per-head K/V scales (None: 1.0).
+    per-head K/V scales (None: 1.0). An int4 pool holds rotated rows: the query must be
+    rotated too, and the output comes out rotated (engine/attention/triton_backend.py).
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = query.shape

@@ -61,8 +61,8 @@ def _store_kv_kernel(
         elif KV_QUANT == 2:  # fp8 with a per-head scale
             ks = tl.load(k_scale_ptr + h, mask=h < num_kv_heads, other=1.0)
             vs = tl.load(v_scale_ptr + h, mask=h < num_kv_heads, other=1.0)
-            k = tl.clamp(k.to(tl.float32) / ks[:, None], -fp8_max, fp8_max)
-            v = tl.clamp(v.to(tl.float32) / vs[:, None], -fp8_max, fp8_max)
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), ks[:, None]), -fp8_max, fp8_max)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), vs[:, None]), -fp8_max, fp8_max)
         tl.store(k_cache_ptr + k_rows[:, None] + d[None, :],
                  k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + v_rows[:, None] + d[None, :],
@@ -72,11 +72,13 @@ def _store_kv_kernel(
 @triton.jit
 def _quantize_int8(x, scale_ptr, rows, head_dim, row_mask):
     """``x`` ``[H, D]`` fp32 (masked lanes 0) -> int8-valued fp32; stores each row's float16
-    scale at fp16 index ``(rows + head_dim) // 2`` (just after the row's values)."""
-    s = tl.maximum(tl.max(tl.abs(x), 1) / 127.0, 6.103515625e-05)  # 2**-14
+    scale at fp16 index ``(rows + head_dim) // 2`` (just after the row's values). Divisions
+    here and for fp8 are ``div_rn`` (rounded to nearest, as PyTorch's): a plain float32 ``/``
+    is ``div.full.f32`` on NVIDIA GPUs (within 2 ulp), enough to cross a rounding boundary."""
+    s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), 127.0), 6.103515625e-05)  # 2**-14
     s16 = s.to(tl.float16)
     tl.store(scale_ptr + (rows + head_dim) // 2, s16, mask=row_mask)
-    y = x / s16.to(tl.float32)[:, None]
+    y = tl.math.div_rn(x, s16.to(tl.float32)[:, None])
     y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
     return tl.clamp(y, -127.0, 127.0)
 

@@ -38,7 +38,7 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
     ``m_i = -inf``; the ``m_safe`` guard avoids inf - inf. (One helper per tile rather than two
     also halves the Triton interpreter's per-call patching cost in the CPU tests.)
 
-    8-bit pools (kernels/kv_quant_layout.py), dequantised in registers: ``KV_QUANT == 1``
+    Quantised pools (kernels/kv_quant_layout.py), dequantised in registers: ``KV_QUANT == 1``
     (int8) reads each key's and value's float16 row scale through ``k_scale_ptr`` /
     ``v_scale_ptr`` (the pools' float16 views) and applies it to that key's score column and
     that value's softmax weight; ``KV_QUANT == 2`` (fp8) multiplies the scores and the weighted
@@ -133,7 +133,7 @@ def dot_options(cache: torch.Tensor,
                 query_dtype: torch.dtype | None = None) -> tuple[bool, str | None]:
     """(DOT_F32, PREC) for a cache. fp32 asks for IEEE dots (no silent TF32 on GPU). The CPU
     interpreter multiplies bf16 bit patterns as integers, so bf16 is upcast there. Over an
-    8-bit pool the dots run in the queries' dtype (``query_dtype``)."""
+    8-bit or int4 pool the dots run in the queries' dtype (``query_dtype``)."""
     dtype = query_dtype if kv_quant_kind(cache) and query_dtype is not None else cache.dtype
     dot_f32 = dtype == torch.bfloat16 and not cache.is_cuda
     prec = "ieee" if dtype == torch.float32 else None
