@@ -75,10 +75,11 @@ def test_decode_over_an_int4_pool(num_splits):
         torch.testing.assert_close(out, expect, atol=5e-5, rtol=5e-5)
 
 
-@pytest.mark.parametrize("head_dim", [32, 40])
-def test_prefill_over_an_int4_pool(head_dim):
+# Blocks of 8 (a key tile spans pages) and of 32 (a key tile inside one page).
+@pytest.mark.parametrize("head_dim,block_size", [(64, 8), (40, 32)])
+def test_prefill_over_an_int4_pool(head_dim, block_size):
     # Chunks after cached context (block boundaries crossed), a whole prompt, and a window.
-    case = make_paged_case([20, 9], [5, 9], 6, 2, head_dim, 8, seed=3)
+    case = make_paged_case([20, 9], [5, 9], 6, 2, head_dim, block_size, seed=3)
     kq, vq, k_deq, v_deq = _pools(case, head_dim)
     for window in (None, 6):
         out = paged_attention(case.query, kq, vq, case.block_tables, case.cu_seqlens_q,
