@@ -128,7 +128,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         if kv_scales is None:
             kv_scales = unit_scales(num_kv_heads, key.device)
         k_scale, v_scale = kv_scales
-    group = int4_group(head_dim) if quant == 3 else 2  # GROUP is used by int4 pools only
+    group, block_g, block_half = 2, 1, 1  # read by int4 pools only
+    if quant == 3:
+        group = int4_group(head_dim)
+        block_g = triton.next_power_of_2(head_dim // group)
+        block_half = triton.next_power_of_2(group // 2)
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -139,9 +143,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        KV_QUANT=quant, GROUP=group,
-        BLOCK_G=triton.next_power_of_2(head_dim // group),
-        BLOCK_HALF=triton.next_power_of_2(group // 2),
+        KV_QUANT=quant, GROUP=group, BLOCK_G=block_g, BLOCK_HALF=block_half,
         # Each rounding on its own, as PyTorch does (int4: no FMA; kernels/int4_rows.py).
         enable_fp_fusion=False,
     )
