@@ -1,5 +1,6 @@
-"""The 8-bit KV pool layouts as the Triton kernels see them (the format itself is defined, and
-implemented for PyTorch, in engine/kv_storage/formats.py; kernels/ does not import engine/).
+"""The quantised KV pool layouts as the Triton kernels see them (the formats themselves are
+defined, and implemented for PyTorch, in engine/kv_storage/formats.py; kernels/ does not import
+engine/).
 
 * kind 0: a float pool, rows of ``head_dim`` elements.
 * kind 1: int8, rows of ``head_dim`` values then the two bytes of the row's float16 scale. The
@@ -8,6 +9,17 @@ implemented for PyTorch, in engine/kv_storage/formats.py; kernels/ does not impo
   index ``(r + head_dim) // 2``.
 * kind 2: fp8 (e4m3fn or e5m2), rows of ``head_dim`` values and one float32 scale per KV head
   held outside the pool (the attention layer's ``kv_scales``).
+* kind 3: int4, a uint8 pool. A row is ``head_dim / 2`` bytes of 4-bit codes then one float16
+  scale per group of :func:`int4_group` elements (``head_dim / 2 + 2 * groups`` bytes,
+  :func:`kv_row_width`). Group ``j``'s codes are bytes ``j * g/2 .. (j+1) * g/2 - 1``; byte
+  ``i`` of them holds element ``j*g + i`` in its low nibble and ``j*g + i + g/2`` in its high
+  one (llama.cpp's ``q4_0`` order). Group ``j``'s scale is the little-endian float16 at bytes
+  ``head_dim/2 + 2j`` and ``+ 1`` (read and written byte by byte, so no row alignment is
+  assumed); an element is ``scale * (code - 8)``. The values are the rows ROTATED by the
+  per-group Walsh-Hadamard matrix: the kernels never rotate, the attention backend hands them
+  rotated keys, values and queries and rotates the output back
+  (engine/attention/triton_backend.py). The jit helpers that pack and unpack these rows are
+  in kernels/int4_rows.py.
 """
 
 from __future__ import annotations
@@ -17,15 +29,35 @@ import functools
 import torch
 
 INT8_SCALE_BYTES = 2
+INT4_GROUP = 32  # engine/kv_storage/formats.py: the same
 
 
 def kv_quant_kind(cache: torch.Tensor) -> int:
-    """0 (float), 1 (int8 with row scales) or 2 (fp8) for a pool tensor."""
+    """0 (float), 1 (int8 with row scales), 2 (fp8) or 3 (int4, uint8 bytes) for a pool."""
     if cache.dtype == torch.int8:
         return 1
+    if cache.dtype == torch.uint8:
+        return 3
     if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
         return 2
     return 0
+
+
+def int4_group(head_dim: int) -> int:
+    """Elements per int4 scale: 32, or the whole row when ``head_dim`` is not a multiple of 32
+    (``head_dim`` must be even)."""
+    if head_dim % 2:
+        raise ValueError(f"an int4 KV pool needs an even head_dim; got {head_dim}")
+    return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
+
+
+def kv_row_width(kind: int, head_dim: int) -> int:
+    """Elements of the pool's dtype per (token, KV head) row for a pool of ``kind``."""
+    if kind == 1:
+        return head_dim + INT8_SCALE_BYTES
+    if kind == 3:
+        return head_dim // 2 + 2 * (head_dim // int4_group(head_dim))
+    return head_dim
 
 
 def byte_view(pool: torch.Tensor) -> torch.Tensor:

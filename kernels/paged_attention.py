@@ -36,7 +36,7 @@ def _paged_attention_kernel(
     head_dim, k_scale_ptr, v_scale_ptr,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SINGLE_PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr, GROUP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -88,7 +88,7 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, mask, j_valid, start, hi, k_cache_ptr, v_cache_ptr, bt_row,
             head_off, d, d_valid, stride_blk, stride_slot, scale_log2,
             k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
-            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT)
+            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT, GROUP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -111,8 +111,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``q_len``) spares a device->host sync when the caller knows it. ``out`` may be given
     (``[T, H, D]``, last dim contiguous); it is returned. A query whose dtype differs from the
     cache's is cast to the cache's dtype for the dot products; ``out`` keeps the query's dtype.
-    8-bit pools (kernels/kv_quant_layout.py) are dequantised in registers and the dots run in
-    the query's dtype; ``kv_scales`` are an fp8 pool's per-head K/V scales (None: 1.0).
+    8-bit and int4 pools (kernels/kv_quant_layout.py) are dequantised in registers and the dots
+    run in the query's dtype; ``kv_scales`` are an fp8 pool's per-head K/V scales (None: 1.0).
+    An int4 pool holds rotated rows: the query must be rotated too, and the output comes out
+    rotated (engine/attention/triton_backend.py does both).
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = query.shape
@@ -137,7 +139,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block_m, block_n = cfg.block_m, cfg.block_n
     block_size = k_cache.shape[1]
     dot_f32, prec = dot_options(k_cache, query.dtype)
-    kv_quant, k_scale, v_scale = quant_args(k_cache, v_cache, kv_scales)
+    kv_quant, k_scale, v_scale, kv_group = quant_args(k_cache, v_cache, kv_scales, head_dim)
     grid = (batch, k_cache.shape[2], triton.cdiv(rows, block_m))
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
@@ -147,7 +149,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         head_dim, k_scale, v_scale,
         G=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         SINGLE_PAGE=block_n <= block_size, USE_WINDOW=sliding_window is not None,
-        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant,
+        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant, GROUP=kv_group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -50,7 +50,7 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SINGLE_PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
     ONE_PASS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-    KV_QUANT: tl.constexpr,
+    KV_QUANT: tl.constexpr, GROUP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -95,7 +95,7 @@ def _decode_kernel(
             acc, m_i, l_i, q, mask, j_valid, start, end_key, k_cache_ptr, v_cache_ptr, bt_row,
             head_off, d, d_valid, stride_blk, stride_slot, scale_log2,
             k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
-            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT)
+            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT, GROUP)
 
     if ONE_PASS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0: no keys, output zeros
@@ -192,9 +192,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Changing ``num_splits``, the window or the block-table width between calls reuses the
     compiled kernels (only ``num_splits == 1`` vs more, and the merge's power-of-two bucket
     of ``num_splits``, are separate variants).
-    The result does not depend on ``num_splits`` beyond float rounding. 8-bit pools
+    The result does not depend on ``num_splits`` beyond float rounding. 8-bit and int4 pools
     (kernels/kv_quant_layout.py) are dequantised in registers; ``kv_scales`` are an fp8 pool's
-    per-head K/V scales (None: 1.0).
+    per-head K/V scales (None: 1.0). An int4 pool holds rotated rows: the query must be
+    rotated too, and the output comes out rotated (engine/attention/triton_backend.py).
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = query.shape
@@ -233,7 +234,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32,
                               device=query.device)
     dot_f32, prec = dot_options(k_cache, query.dtype)
-    kv_quant, k_scale, v_scale = quant_args(k_cache, v_cache, kv_scales)
+    kv_quant, k_scale, v_scale, kv_group = quant_args(k_cache, v_cache, kv_scales, head_dim)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens,
         scale * LOG2E, sliding_window or 0, num_splits,
@@ -243,7 +244,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, BLOCK_D=block_d, SINGLE_PAGE=block_n <= block_size,
         USE_WINDOW=sliding_window is not None, ONE_PASS=one_pass,
-        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant,
+        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant, GROUP=kv_group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not one_pass:

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant_layout import INT8_SCALE_BYTES, kv_quant_kind, unit_scales
+from kernels.int4_rows import load_int4
+from kernels.kv_quant_layout import int4_group, kv_quant_kind, kv_row_width, unit_scales
 
 LOG2E = 1.4426950408889634
 
@@ -23,7 +24,8 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
                    stride_blk, stride_slot, scale_log2,
                    k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PAGE: tl.constexpr,
-                   DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr):
+                   DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr,
+                   GROUP: tl.constexpr):
     """Load keys/values ``start .. start+BLOCK_N-1`` of one sequence and KV head and fold them
     into the running online softmax (``acc`` ``[M, D]``, max ``m_i``, sum ``l_i``, fp32) of the
     query rows ``q`` ``[M, D]``. ``mask`` ``[M, N]`` says which row sees which key;
@@ -36,12 +38,15 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
     ``m_i = -inf``; the ``m_safe`` guard avoids inf - inf. (One helper per tile rather than two
     also halves the Triton interpreter's per-call patching cost in the CPU tests.)
 
-    8-bit pools (kernels/kv_quant_layout.py), dequantised in registers: ``KV_QUANT == 1``
+    Quantised pools (kernels/kv_quant_layout.py), dequantised in registers: ``KV_QUANT == 1``
     (int8) reads each key's and value's float16 row scale through ``k_scale_ptr`` /
     ``v_scale_ptr`` (the pools' float16 views) and applies it to that key's score column and
     that value's softmax weight; ``KV_QUANT == 2`` (fp8) multiplies the scores and the weighted
     sum by the head's ``k_head_scale`` / ``v_head_scale``. The values themselves convert exactly
-    to the queries' dtype for the dots.
+    to the queries' dtype for the dots. ``KV_QUANT == 3`` (int4, scales per ``GROUP`` elements
+    inside the row) dequantises each element in float32 (kernels/int4_rows.py) and converts it
+    to the queries' dtype (exact for float32 queries; the one rounding a 16-bit model's
+    PyTorch path also makes).
     """
     offs = tl.arange(0, BLOCK_N)
     if SINGLE_PAGE:
@@ -52,10 +57,16 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
         blk = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j < n_limit, other=0).to(tl.int64)
         rows = blk * stride_blk + (j % BLOCK_SIZE).to(tl.int64) * stride_slot
     rows += head_off
-    k = tl.load(k_cache_ptr + rows[None, :] + d[:, None],
-                mask=j_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-    v = tl.load(v_cache_ptr + rows[:, None] + d[None, :],
-                mask=j_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
+    if KV_QUANT == 3:
+        k = load_int4(k_cache_ptr, rows[None, :], d[:, None],
+                      j_valid[None, :] & d_valid[:, None], head_dim, GROUP)  # [D, N]
+        v = load_int4(v_cache_ptr, rows[:, None], d[None, :],
+                      j_valid[:, None] & d_valid[None, :], head_dim, GROUP)  # [N, D]
+    else:
+        k = tl.load(k_cache_ptr + rows[None, :] + d[:, None],
+                    mask=j_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :],
+                    mask=j_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
 
     if KV_QUANT != 0:
         k = k.to(q.dtype)
@@ -91,7 +102,8 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
 def check_kv_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor) -> int:
     """Validate shapes shared by both attention kernels; return the GQA group size. Pools
-    are ``[blocks, block_size, kv_heads, W]``: W is head_dim, or head_dim + 2 for int8."""
+    are ``[blocks, block_size, kv_heads, W]``: W is head_dim, head_dim + 2 for int8, or
+    head_dim / 2 + 2 * groups for int4 (kernels/kv_quant_layout.py)."""
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim]; got {tuple(query.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -103,7 +115,7 @@ def check_kv_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    width = head_dim + INT8_SCALE_BYTES if kv_quant_kind(k_cache) == 1 else head_dim
+    width = kv_row_width(kv_quant_kind(k_cache), head_dim)
     if k_cache.shape[3] != width:
         raise ValueError(f"query head_dim {head_dim} needs cache rows of {width}; got "
                          f"{k_cache.shape[3]}")
@@ -121,7 +133,7 @@ def dot_options(cache: torch.Tensor,
                 query_dtype: torch.dtype | None = None) -> tuple[bool, str | None]:
     """(DOT_F32, PREC) for a cache. fp32 asks for IEEE dots (no silent TF32 on GPU). The CPU
     interpreter multiplies bf16 bit patterns as integers, so bf16 is upcast there. Over an
-    8-bit pool the dots run in the queries' dtype (``query_dtype``)."""
+    8-bit or int4 pool the dots run in the queries' dtype (``query_dtype``)."""
     dtype = query_dtype if kv_quant_kind(cache) and query_dtype is not None else cache.dtype
     dot_f32 = dtype == torch.bfloat16 and not cache.is_cuda
     prec = "ieee" if dtype == torch.float32 else None
@@ -129,15 +141,17 @@ def dot_options(cache: torch.Tensor,
 
 
 def quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor,
-               kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
-    """``(KV_QUANT, k_scale_ptr, v_scale_ptr)`` for the kernels (fp8 kernels load their head's
-    scales from the pointers):
-    the int8 pools' float16 views, or the fp8 per-head scale tensors (1.0 when None)."""
+               kv_scales: tuple[torch.Tensor, torch.Tensor] | None, head_dim: int) -> tuple:
+    """``(KV_QUANT, k_scale_ptr, v_scale_ptr, GROUP)`` for the kernels (fp8 kernels load their
+    head's scales from the pointers): the int8 pools' float16 views, or the fp8 per-head scale
+    tensors (1.0 when None); int4 pools keep their scales inside their rows (the pools
+    themselves are passed) and ``GROUP`` is their elements per scale (2 for the other pools,
+    which do not read it: one fixed value, so no extra compiled variant)."""
     kind = kv_quant_kind(k_cache)
     if kind == 1:
-        return kind, k_cache.view(torch.float16), v_cache.view(torch.float16)
+        return kind, k_cache.view(torch.float16), v_cache.view(torch.float16), 2
     if kind == 2:
         ks, vs = kv_scales if kv_scales is not None else \
             unit_scales(k_cache.shape[2], k_cache.device)
-        return kind, ks, vs
-    return kind, k_cache, v_cache
+        return kind, ks, vs, 2
+    return kind, k_cache, v_cache, int4_group(head_dim) if kind == 3 else 2

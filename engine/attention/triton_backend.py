@@ -5,6 +5,12 @@ go through ``paged_decode_attention`` (GQA-grouped loads, split-K over long cont
 remaining prefills / chunks through ``paged_attention``. ``prepare`` derives, once per step,
 the per-group views and host-side maxima so that no layer needs a device->host sync.
 
+An int4 pool (engine/kv_storage/formats.py) holds ``k @ R`` and ``v @ R`` (``R`` the per-group
+Walsh-Hadamard rotation, symmetric and its own inverse), which the kernels read as plain
+4-bit rows: this backend rotates the keys and values before ``store_kv`` (in float32, as
+``quantize_rows`` does, so the pool's bytes are the PyTorch backend's), attends with the rotated
+queries and rotates the output back (``q.k = (qR).(kR)``, ``sum w (vR) = (sum w v) R``).
+
 On a CPU the kernels only run under ``TRITON_INTERPRET=1`` (slow; used by the tests).
 """
 
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_storage.formats import int4_rotate
+from kernels.kv_quant_layout import kv_quant_kind
 from kernels.paged_attention import paged_attention
 from kernels.paged_decode import paged_decode_attention
 from kernels.store_kv import store_kv
@@ -73,9 +81,12 @@ class TritonAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None,
                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Store this step's K/V (quantised into an 8-bit pool), then attend; returns a fresh
-        contiguous ``[T, H, D]``."""
+        """Store this step's K/V (quantised into an 8-bit or int4 pool), then attend; returns a
+        fresh contiguous ``[T, H, D]``."""
         state: _TritonStepState = meta.backend_state["triton"]
+        int4 = kv_quant_kind(k_cache) == 3
+        if int4:  # the pool and the kernels live in the rotated basis (module docstring)
+            k, v, q = int4_rotate(k.float()), int4_rotate(v.float()), int4_rotate(q)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if state.decode is not None:
@@ -90,4 +101,4 @@ class TritonAttentionBackend:
                 q[pre.token_start:], k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q,
                 pre.seq_lens, scale, sliding_window, max_query_len=pre.max_query_len,
                 out=out[pre.token_start:], kv_scales=kv_scales)
-        return out
+        return int4_rotate(out) if int4 else out

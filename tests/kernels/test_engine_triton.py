@@ -1,7 +1,7 @@
 """The whole engine on the Triton backend (interpreted on CPU) gives the same greedy tokens as
 on the PyTorch backend: tiny random Llama and Mistral (sliding window), concurrent prompts of
-different lengths so that decodes, whole prompts and prefill chunks share steps; also over int8
-and fp8 KV pools."""
+different lengths so that decodes, whole prompts and prefill chunks share steps; also over int8,
+int4 and fp8 KV pools."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ PROMPTS = [[7, 3, 250, 11, 42], list(range(40, 61)), [99], list(range(200, 213))
      {"block_size": 4, "max_num_batched_tokens": 16}),
     # 8-bit pools: the Triton store/attention read the format the torch path writes.
     ("llama", {}, {"block_size": 8, "kv_cache_dtype": "int8", "max_num_batched_tokens": 16}),
+    # int4: the backend rotates K/V/Q into the pool's basis and the output back.
+    ("llama", {}, {"block_size": 8, "kv_cache_dtype": "int4", "max_num_batched_tokens": 16}),
     pytest.param("llama", {}, {"block_size": 8, "kv_cache_dtype": "fp8_e4m3"},
                  marks=pytest.mark.skipif(
                      DEVICE.type == "cpu", reason="the Triton interpreter's float -> fp8 cast "

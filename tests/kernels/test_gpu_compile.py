@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED_VARIANTS = 12
+EXPECTED_VARIANTS = 16
 
 
 def _compile_all() -> None:  # runs in the subprocess
@@ -118,6 +118,14 @@ def _compile_all() -> None:  # runs in the subprocess
     pa.paged_attention(q, kc, vc, bt, cu, sl, 0.1, max_query_len=3)
     pd.paged_decode_attention(q[:2], kc, vc, bt, sl, 0.1, num_splits=3)
     sk(q[:, :8], q[:, :8], kc, vc, torch.zeros(5, dtype=torch.int64))
+
+    model[0] = "int4 fp16 D=96 G=4"  # uint8 rows: 3 groups of nibbles + scales, masked tail
+    q, _, _, bt, sl = case(torch.float16, 8, 4, 96, 16)
+    kc = torch.zeros(8, 16, 8, 96 // 2 + 2 * 3, dtype=torch.uint8)
+    vc = kc.clone()
+    pa.paged_attention(q, kc, vc, bt, cu, sl, 0.1, max_query_len=3)
+    pd.paged_decode_attention(q[:2], kc, vc, bt, sl, 0.1, num_splits=4)
+    sk(q[:, :8].float(), q[:, :8].float(), kc, vc, torch.zeros(5, dtype=torch.int64))
 
     total = 0
     for fn in jit_fns:
