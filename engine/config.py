@@ -201,9 +201,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")
-        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
-            raise ValueError("calculate_kv_scales calibrates fp8 KV scales: it needs "
-                             f"kv_cache_dtype fp8_e4m3 or fp8_e5m2; got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and not (self.kv_cache_dtype.startswith("fp8")
+                                             or self.kv_cache_dtype == "int4"):
+            raise ValueError("calculate_kv_scales calibrates fp8 KV scales or int4 key smoothing: "
+                             "it needs kv_cache_dtype fp8_e4m3, fp8_e5m2 or int4; got "
+                             f"{self.kv_cache_dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
         if self.max_waiting_requests < 1:

@@ -173,6 +173,10 @@ class EngineCore:
         ids = self.tokenizer.encode(CALIBRATION_TEXT)
         scales = self.runner.calibrate_kv_scales(ids)
         ks = torch.stack([k for k, _ in scales])
+        if scales[0][1] is None:  # int4: per-channel key smoothing, values as they are
+            logger.info("KV scales calibrated on %d tokens: int4 key smoothing %.3g..%.3g "
+                        "(per layer, head and channel)", len(ids), ks.min(), ks.max())
+            return
         vs = torch.stack([v for _, v in scales])
         logger.info("KV scales calibrated on %d tokens: K %.3g..%.3g, V %.3g..%.3g "
                     "(per layer and head)", len(ids), ks.min(), ks.max(), vs.min(), vs.max())

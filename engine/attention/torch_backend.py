@@ -239,8 +239,14 @@ def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup,
         return kernel.paged_decode_cpu(q, k_cache, v_cache, *args)
     if fmt.kind == "int8":
         return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args)
-    if fmt.kind == "int4":  # rows hold K·R and V·R: rotate the query in, the output back
-        return int4_rotate(kernel.paged_decode_cpu_int4(int4_rotate(q), k_cache, v_cache, *args))
+    if fmt.kind == "int4":  # rows hold (K/s)·R and V·R: fold s and R into the query, R back
+        group = q.shape[1] // k_cache.shape[2]
+        if k_scale is not None:  # calibrated per-channel key smoothing [KVH, D]
+            q = q * k_scale.repeat_interleave(group, dim=0)
+        out = int4_rotate(kernel.paged_decode_cpu_int4(int4_rotate(q), k_cache, v_cache, *args))
+        if v_scale is not None:
+            out = out * v_scale.repeat_interleave(group, dim=0)
+        return out
     kvh = k_cache.shape[2]
     ones = torch.ones(kvh)
     return kernel.paged_decode_cpu_fp8(

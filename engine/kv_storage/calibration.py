@@ -1,5 +1,16 @@
-"""fp8 KV scale calibration (``calculate_kv_scales``): per layer and KV head, the scale that
-maps the largest |K| (and |V|) seen on a built-in text onto the fp8 format's largest number.
+"""KV scale calibration (``calculate_kv_scales``) on a built-in text, for the two formats whose
+error a calibration measurably lowers (docs/performance.md#weights-and-kv-together):
+
+* fp8: per layer and KV head, the scale that maps the largest |K| (and |V|) seen onto the fp8
+  format's largest number;
+* int4: per layer, KV head and channel, a smoothing of the keys,
+  ``s_c = sqrt(max |K_c| / max |Q_c|)`` (SmoothQuant's migration with alpha 1/2, the query
+  standing where its weights stand): the pool stores ``K / s`` (rotated, in groups of 32 with
+  their own scales) and attention multiplies the query by ``s``, so ``q.k`` is unchanged while
+  the error of a logit, ``sum_c q_c s_c e_c``, is balanced between channels. Smoothing by
+  ``sqrt(max |K_c|)`` alone halved the key error but raised the perplexity on an unseen text
+  (it moves the error onto the channels where the queries are large). Values are left as they
+  are (smoothing them measured no gain).
 
 With scale 1.0 an fp8 pool saturates keys above the format's maximum (e4m3: 448) and keeps
 small ones in its subnormal range, where its 3 mantissa bits thin out; a calibrated scale puts
@@ -46,7 +57,8 @@ class KVAbsMax:
         self.k = torch.zeros(num_layers, num_kv_heads, device=device)
         self.v = torch.zeros(num_layers, num_kv_heads, device=device)
 
-    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 q: torch.Tensor | None = None) -> None:
         """``k``/``v``: ``[T, KVH, D]``, the layer's new keys and values of this step."""
         torch.maximum(self.k[layer], k.detach().abs().float().amax(dim=(0, 2)), out=self.k[layer])
         torch.maximum(self.v[layer], v.detach().abs().float().amax(dim=(0, 2)), out=self.v[layer])
@@ -56,3 +68,32 @@ class KVAbsMax:
         ks = (self.k / fp8_max).clamp_(min=_MIN_SCALE)
         vs = (self.v / fp8_max).clamp_(min=_MIN_SCALE)
         return [(ks[i].contiguous(), vs[i].contiguous()) for i in range(ks.shape[0])]
+
+
+class KVChannelAbsMax:
+    """Collects, per layer, the per-KV-head, per-channel max |K| of everything it observes."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device) -> None:
+        self.k = torch.zeros(num_layers, num_kv_heads, head_dim, device=device)
+        self.q = torch.zeros(num_layers, num_kv_heads, head_dim, device=device)
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 q: torch.Tensor | None = None) -> None:
+        """``k``/``v``: ``[T, KVH, D]``, the layer's new keys and values of this step; ``q``
+        ``[T, H, D]`` its queries (each KV head's group of query heads pooled)."""
+        torch.maximum(self.k[layer], k.detach().abs().float().amax(dim=0), out=self.k[layer])
+        if q is not None:
+            qa = q.detach().abs().float().amax(dim=0)  # [H, D]
+            qa = qa.view(k.shape[1], -1, qa.shape[-1]).amax(dim=1)
+            torch.maximum(self.q[layer], qa, out=self.q[layer])
+
+    def smoothing(self) -> list[tuple[torch.Tensor, None]]:
+        """Per layer ``(k_smoothing, None)``: ``[KVH, D]`` float32 ``sqrt(max|K_c| / max|Q_c|)``
+        (the query heads of the KV head pooled), floored at 1e-3 of the head's largest so no
+        channel divides by 0, divided by its mean over the head (the 4-bit groups carry their
+        own scales, so only the ratios between channels matter)."""
+        s = (self.k / self.q.clamp(min=_MIN_SCALE)).sqrt()
+        s = torch.maximum(s, s.amax(dim=-1, keepdim=True) * 1e-3).clamp_(min=_MIN_SCALE)
+        s = s / s.mean(dim=-1, keepdim=True)
+        return [(s[i].contiguous(), None) for i in range(s.shape[0])]

@@ -173,7 +173,9 @@ def quantize_rows(x: torch.Tensor, fmt: KVFormat,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., KVH, D]`` -> pool rows ``[..., KVH, row_width]`` of ``fmt.storage_dtype``.
 
-    ``scale`` (fp8 only): ``[KVH]`` float32, the per-head scale (None: 1.0)."""
+    ``scale``: fp8: ``[KVH]`` float32, the per-head scale; int4: ``[KVH, D]`` float32, the
+    calibrated per-channel smoothing of keys (``x / scale`` is what is rotated and stored;
+    engine/kv_storage/calibration.py); None: 1.0."""
     if fmt.kind == "float":
         return x.to(fmt.storage_dtype)
     xf = x.float()
@@ -184,6 +186,8 @@ def quantize_rows(x: torch.Tensor, fmt: KVFormat,
         q = (y.abs() + 0.5).floor_().mul_(y.sign()).clamp_(-127, 127).to(torch.int8)
         return torch.cat([q, s16.view(torch.int8)], dim=-1)
     if fmt.kind == "int4":
+        if scale is not None:
+            xf = xf / scale.float()
         return _quantize_int4(int4_rotate(xf), fmt.head_dim)
     if scale is not None:
         xf = xf / scale.float().unsqueeze(-1)
@@ -193,7 +197,8 @@ def quantize_rows(x: torch.Tensor, fmt: KVFormat,
 def dequantize_rows(rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
                     scale: torch.Tensor | None = None) -> torch.Tensor:
     """Pool rows ``[..., KVH, row_width]`` -> ``[..., KVH, D]`` of ``dtype`` (see
-    :func:`quantize_rows`; ``scale`` is the fp8 per-head scale, None meaning 1.0)."""
+    :func:`quantize_rows`; ``scale`` is the fp8 per-head scale or the int4 per-channel one,
+    None meaning 1.0)."""
     if fmt.kind == "float":
         return rows.to(dtype)
     d = fmt.head_dim
@@ -201,7 +206,8 @@ def dequantize_rows(rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
         s = row_scales(rows, fmt)
         return (rows[..., :d].to(torch.float32) * s.unsqueeze(-1)).to(dtype)
     if fmt.kind == "int4":
-        return int4_rotate(dequantize_int4_plain(rows, d)).to(dtype)
+        out = int4_rotate(dequantize_int4_plain(rows, d))
+        return (out if scale is None else out * scale.float()).to(dtype)
     out = rows.to(torch.float32)
     if scale is not None:
         out = out * scale.float().unsqueeze(-1)

@@ -90,7 +90,7 @@ class GemmaDecoderLayer(DecoderLayer):
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rotary(q.contiguous(), cos, sin), ops.rotary(k.contiguous(), cos, sin)
         if self.kv_observer is not None:
-            self.kv_observer(self.layer_idx, k, v)
+            self.kv_observer(self.layer_idx, k, v, q)
         extra = {} if self.softcap is None else {"softcap": self.softcap}
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                self.sliding_window, self.kv_scales, **extra)

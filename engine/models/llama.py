@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
                             .view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.kv_observer is not None:
-            self.kv_observer(self.layer_idx, k, v)
+            self.kv_observer(self.layer_idx, k, v, q)
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                self.sliding_window, self.kv_scales)
         o = self.o_proj(attn.reshape(t, self.q_size))

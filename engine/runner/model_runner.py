@@ -276,21 +276,25 @@ class ModelRunner:
 
     def calibrate_kv_scales(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor,
                                                                           torch.Tensor]]:
-        """fp8 pools: one prefill of ``token_ids`` (cut to what one step and the pool hold)
-        with every layer's K/V observed, then each layer's per-head scales set from the maxima
-        (``engine.kv_storage.calibration``). Before serving only: it writes the first blocks
+        """fp8 and int4 pools: one prefill of ``token_ids`` (cut to what one step and the pool
+        hold) with every layer's K/V observed, then each layer's ``kv_scales`` set from the
+        maxima (``engine.kv_storage.calibration``: fp8 per-head scales; int4 per-channel key
+        smoothing, the value entry None). Before serving only: it writes the first blocks
         of the pool, which no request owns yet. Returns the scales."""
-        from engine.kv_storage.calibration import KVAbsMax
+        from engine.kv_storage.calibration import KVAbsMax, KVChannelAbsMax
 
-        if self.kv_format.kind != "fp8":
-            raise ValueError(f"KV scale calibration is for fp8 pools; this one is "
-                             f"{self.kv_format.kind}")
+        kind = self.kv_format.kind
+        if kind not in ("fp8", "int4"):
+            raise ValueError(f"KV scale calibration is for fp8 and int4 pools; this one is "
+                             f"{kind}")
         bs = self.config.block_size
         n = min(len(token_ids), self.config.max_num_batched_tokens, self.max_model_len,
                 self.num_blocks * bs)
         if n < 1:
             raise ValueError("KV scale calibration needs at least one token")
-        observer = KVAbsMax(self.arch.num_layers, self.arch.num_kv_heads, self.device)
+        observer = KVAbsMax(self.arch.num_layers, self.arch.num_kv_heads, self.device) \
+            if kind == "fp8" else KVChannelAbsMax(self.arch.num_layers, self.arch.num_kv_heads,
+                                                  self.arch.head_dim, self.device)
         layers = list(self.model.layers)
         for layer in layers:
             layer.kv_observer, layer.kv_scales = observer, None
@@ -302,7 +306,8 @@ class ModelRunner:
         finally:
             for layer in layers:
                 layer.kv_observer = None
-        scales = observer.scales(self.kv_format.fp8_max)
+        scales = observer.scales(self.kv_format.fp8_max) if kind == "fp8" else \
+            observer.smoothing()
         for layer, kv_scales in zip(layers, scales):
             layer.kv_scales = kv_scales
         return scales
