@@ -100,10 +100,11 @@ void run_generic(const Task& t) {
 using kvserve::hsum8;
 using kvserve::kAhead;
 
-// 8 nibbles (the low 8 bytes of x, each 0..15) minus 8, as floats, times s.
+// 8 nibbles (the low 8 bytes of x, each 0..15) as (nibble - 8) * s: one FMA n * s + (-8 s),
+// rounded once from the exact (n - 8) * s (-8 s is exact), so the same float as the reference.
 inline __m256 nibbles8(__m128i x, __m256 s) {
-  const __m128i centred = _mm_sub_epi8(x, _mm_set1_epi8(8));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(centred)), s);
+  const __m256 n = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
+  return _mm256_fmadd_ps(n, s, _mm256_mul_ps(s, _mm256_set1_ps(-8.0f)));
 }
 
 // The 16 low (high = false) or high nibbles of the 16 bytes at p.
