@@ -240,7 +240,9 @@ def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup,
     if fmt.kind == "int8":
         return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args)
     if fmt.kind == "int4":  # rows hold K·R and V·R: rotate the query in, the output back
-        return int4_rotate(kernel.paged_decode_cpu_int4(int4_rotate(q), k_cache, v_cache, *args))
+        # (the compiled rotation: bit-identical to int4_rotate, without its ~10 torch ops)
+        rotate = getattr(kernel, "int4_rotate_cpu", int4_rotate)
+        return rotate(kernel.paged_decode_cpu_int4(rotate(q), k_cache, v_cache, *args))
     kvh = k_cache.shape[2]
     ones = torch.ones(kvh)
     return kernel.paged_decode_cpu_fp8(
