@@ -2,8 +2,8 @@
 
 One decode step of attention (one query token per sequence) at ``--context`` tokens per
 sequence, SmolLM2's shape by default (9 query heads, 3 KV heads, head_dim 64), block size 16,
-block tables shuffled as a long-running pool's are, cycling over ``--layers`` pools so that
-rows come from memory as in a real step (one pool per layer), not from a warm cache. Times
+block tables shuffled as a long-running pool's are, each call reading the next of ``--layers``
+pools of its dtype, so that rows are not in a warm cache (one pool per layer, as in a real step). Times
 ``paged_decode_cpu`` over float16 rows and ``paged_decode_cpu_int4``: the kernel alone; with
 the query rotated in and the output back by the C++ rotation (as the C++ decode stack does);
 and by ``formats.int4_rotate`` (as the torch backend does). Runs are interleaved, the median of
@@ -62,10 +62,14 @@ def time_batch(kernels, args, batch: int) -> dict[str, float]:
         rot(kernels.paged_decode_cpu_int4(rot(q), *int4[layer], tables, lens, scale, 0))
 
     times: dict[str, list[float]] = {name: [] for name in NAMES}
+    calls = {"float16": 0, "int4": 0}  # each call reads the next pool of its dtype
     for rep in range(args.reps + 10):  # the first 10: warm-up
         for name in NAMES:
+            dtype = "float16" if name == "float16" else "int4"
+            layer = calls[dtype] % args.layers
+            calls[dtype] += 1
             t0 = time.perf_counter()
-            run(name, rep % args.layers)
+            run(name, layer)
             if rep >= 10:
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}

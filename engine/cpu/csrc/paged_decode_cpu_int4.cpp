@@ -12,7 +12,8 @@
 // multiple of 32 the task unpacks rows in registers: K rows 8 at a time into an L1 buffer of
 // floats (a scale per group cannot be folded into the score as int8's one scale per row is),
 // V rows 16 elements (half a group: the low or the high nibbles of its 16 bytes) at a time in
-// the weighted sum. Any other head_dim, or a build without AVX2, takes the portable loop.
+// the weighted sum; an AVX-512 build unpacks 16 lanes per instruction instead of 8. Any other
+// head_dim, or a build without AVX2, takes the portable loop.
 #include "torch_lite.h"
 
 #include <c10/util/Half.h>
@@ -113,6 +114,7 @@ inline __m128i nibbles16(const uint8_t* p, bool high) {
   return _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(15));
 }
 
+#ifndef __AVX512F__
 // A row of D (a multiple of 32) elements as floats into out.
 inline void dequant_row32(const uint8_t* row, int64_t D, float* out) {
   for (int64_t gi = 0; gi < D / 32; gi++) {
@@ -154,6 +156,44 @@ void pv_chunk(const uint8_t* const* vrows, const float* vscales, int64_t groups,
     _mm256_storeu_ps(out + g * D + c + 8, _mm256_mul_ps(a[g][1], s));
   }
 }
+#else
+// The same two functions on 16 lanes: fewer instructions per row (the 8-lane versions measured
+// ~10% slower on AVX-512 (Zen 4), benchmarks/kv_int4_decode_kernel.py, int4 over float16 time
+// 0.66 -> 0.59 at batch 1 and 0.64 -> 0.57 at batch 8, pools cold; one thread, machine loaded).
+// 16 nibbles (bytes each 0..15) as (nibble - 8) * s.
+inline __m512 nibbles16f(__m128i x, __m512 s) {
+  const __m512 n = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+  return _mm512_fmadd_ps(n, s, _mm512_mul_ps(s, _mm512_set1_ps(-8.0f)));
+}
+
+inline void dequant_row32(const uint8_t* row, int64_t D, float* out) {
+  for (int64_t gi = 0; gi < D / 32; gi++) {
+    const __m512 s = _mm512_set1_ps(group_scale(row, D, gi));
+    _mm512_storeu_ps(out + gi * 32, nibbles16f(nibbles16(row + gi * 16, false), s));
+    _mm512_storeu_ps(out + gi * 32 + 16, nibbles16f(nibbles16(row + gi * 16, true), s));
+  }
+}
+
+template <int GC>
+void pv_chunk(const uint8_t* const* vrows, const float* vscales, int64_t groups, int64_t n,
+              const float* w, int64_t wstride, const float* inv, int64_t c, float* out,
+              int64_t D) {
+  const int64_t gi = c / 32;
+  const bool high = c % 32 != 0;
+  __m512 a[GC];
+  for (int g = 0; g < GC; g++) a[g] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i++) {
+    if (i + kAhead < n)
+      _mm_prefetch(reinterpret_cast<const char*>(vrows[i + kAhead] + gi * 16), _MM_HINT_T0);
+    const __m512 v = nibbles16f(nibbles16(vrows[i] + gi * 16, high),
+                                _mm512_set1_ps(vscales[i * groups + gi]));
+    for (int g = 0; g < GC; g++)
+      a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * wstride + i]), v, a[g]);
+  }
+  for (int g = 0; g < GC; g++)
+    _mm512_storeu_ps(out + g * D + c, _mm512_mul_ps(a[g], _mm512_set1_ps(inv[g])));
+}
+#endif  // __AVX512F__
 
 void run_avx2(const Task& t) {
   const int64_t n = t.len - t.start, npad = (n + 7) / 8 * 8, G = t.G, D = t.D;
