@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from engine import envs
 from engine.cpu.kernels import load
 from engine.kv_storage.formats import int4_rotate, kv_format, quantize_rows
 
@@ -89,7 +90,7 @@ def main() -> None:
     assert kernels is not None, "CPU kernels unavailable"
     print(f"context {args.context}, heads {args.heads}/{args.kv_heads}, head_dim "
           f"{args.head_dim}, {args.layers} pools cycled, threads {torch.get_num_threads()}, "
-          f"kernels' ISA {kernels.quant_gemm_isa()}")
+          f"kernels built for -march={envs.cpu_march()}")
     print("batch " + " ".join(f"{n + ' us':>17}" for n in NAMES)
           + "   int4 / float16 (kernel, +rot C++, +rot torch)")
     for b in args.batch:
