@@ -240,10 +240,12 @@ def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup,
     if fmt.kind == "int8":
         return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args)
     if fmt.kind == "int4":  # rows hold (K/s)·R and V·R: fold s and R into the query, R back
+        # (the compiled rotation: bit-identical to int4_rotate, without its ~10 torch ops)
+        rotate = getattr(kernel, "int4_rotate_cpu", int4_rotate)
         group = q.shape[1] // k_cache.shape[2]
         if k_scale is not None:  # calibrated per-channel key smoothing [KVH, D]
             q = q * k_scale.repeat_interleave(group, dim=0)
-        out = int4_rotate(kernel.paged_decode_cpu_int4(int4_rotate(q), k_cache, v_cache, *args))
+        out = rotate(kernel.paged_decode_cpu_int4(rotate(q), k_cache, v_cache, *args))
         if v_scale is not None:
             out = out * v_scale.repeat_interleave(group, dim=0)
         return out

@@ -3,6 +3,9 @@
 * ``paged_decode_cpu``: decode attention reading K/V once, straight from the block pool through
   the block table. Decode attention on a CPU is bound by that read; the PyTorch route gathers
   the blocks into a padded copy and runs SDPA over it, touching the data three times.
+  ``paged_decode_cpu_int8`` / ``_fp8`` / ``_int4``: the same over 8-bit and 4-bit pools, rows
+  unpacked in registers (int4: the rows as stored, rotated; ``int4_rotate_cpu`` and
+  ``int4_quantize_rows_cpu`` are formats.py's rotation and int4 rows, bit for bit).
 * ``quant_gemm_q4`` / ``quant_gemm_q8``: linears over weights kept in 4-bit / 8-bit groups of 32
   (GGUF Q4_0, Q4_1, Q4_K / Q8_0, Q5_K, Q6_K, and int4/int8 quantised on load), int8 dot
   products over a once-quantised activation row; ``quant_gemm_q4_tiled``, the same math laid
@@ -40,7 +43,8 @@ _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_
             "quant_gemm_cpu.cpp", "quant_gemm_q4_tiled.cpp", "quant_gemm_q4_blocked.cpp",
             "quant_gemm_vnni.cpp",
             "quant_gemm_vnni_q8.cpp", "quant_dequant_cpu.cpp", "quant_gemm_q5.cpp",
-            "kv_store_cpu.cpp", "decode_stack_cpu.cpp"]
+            "kv_store_cpu.cpp", "decode_stack_cpu.cpp", "paged_decode_cpu_int4.cpp",
+            "int4_rows_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
 _module = None
 _failed = False

@@ -12,7 +12,7 @@ fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of
 files), a panel ``PackedLinear`` or a plain ``nn.Linear``), else None and the reason. ``accepts`` then decides per step: every row of
 the step a decode row of the torch backend's decode group (no prefill), no more rows than the
 linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
-other kernels), float32, float16, bfloat16 or int8 KV pools (not fp8), no KV observer or fp8
+other kernels), float32, float16, bfloat16, int8 or int4 KV pools (not fp8), no KV observer or fp8
 scales. Anything else runs the Python
 loop. ``KVSERVE_DECODE_STACK=0`` turns it off (for A/B runs).
 
@@ -37,8 +37,8 @@ from engine.quantization.packed_linear import PackedLinear
 
 NO_LIMIT = 1 << 62
 # The KV pools the C++ stack stores into and decodes over (DecodeStack::set_kv_caches): the
-# CPU decode kernel's float pools and int8 (not fp8).
-STACK_POOL_DTYPES = (*CPU_KERNEL_FLOAT_POOLS, torch.int8)
+# CPU decode kernel's float pools, int8 and int4 (uint8 rows; not fp8).
+STACK_POOL_DTYPES = (*CPU_KERNEL_FLOAT_POOLS, torch.int8, torch.uint8)
 # StackLinear kinds (decode_stack_cpu.h)
 _FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI, _Q4_BLOCKED, _Q5 = 0, 1, 2, 3, 4, 5, 6, 8
 

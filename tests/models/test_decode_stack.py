@@ -155,14 +155,17 @@ def test_plain_linears(model_dirs, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,kv_cache_dtype", [("llama", "int8"), ("qwen3", "int8"),
-                                                ("llama", "float16"), ("qwen3", "bfloat16")])
+                                                ("llama", "float16"), ("qwen3", "bfloat16"),
+                                                ("llama", "int4"), ("qwen3", "int4")])
 def test_narrow_pools(model_dirs, kind, kv_cache_dtype):
-    """Rows converted to an int8 / float16 / bfloat16 pool's bytes exactly as
-    kv_quant.quantize_rows does, read by that pool's decode kernel: pools and hidden states
-    equal to the Python loop's."""
+    """Rows converted to an int8 / float16 / bfloat16 / int4 pool's bytes exactly as
+    formats.quantize_rows does, read by that pool's decode kernel (int4: the query rotated in,
+    the output back; head_dim 16 (llama) takes the portable loop, 32 (qwen3) the vector path):
+    pools and hidden states equal to the Python loop's."""
     llm = LLM(str(model_dirs[kind]), kv_cache_memory="16MiB", quantization="int4",
               kv_cache_dtype=kv_cache_dtype)
-    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    pool_dtype = torch.uint8 if kv_cache_dtype == "int4" else getattr(torch, kv_cache_dtype)
+    assert llm.engine.runner.kv_caches[0][0].dtype == pool_dtype
     counts = _checked(llm)
     llm.generate(PROMPTS, PARAMS)
     assert counts["stack"] >= PARAMS.max_tokens - 1

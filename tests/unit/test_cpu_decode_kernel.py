@@ -107,3 +107,59 @@ def test_pools_of_two_dtypes_or_an_unknown_dtype_are_refused(kernel):
         kernel.paged_decode_cpu(q, k, k.float(), *args)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
         kernel.paged_decode_cpu(q, k.double(), k.double(), *args)
+
+
+def _int4_case(heads, kv_heads, head_dim, window, seed):
+    """A shuffled int4 pool over ragged lengths across block boundaries, and its query."""
+    from engine.kv_storage.formats import kv_format, quantize_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 16, 24
+    seq_lens = torch.tensor([1, 16, 17, 40, 9], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[:15].view(5, 3).to(torch.int32)
+    fmt = kv_format("int4", torch.float32, head_dim)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen) * 3
+    k[..., 5] *= 20  # an outlier channel, as real keys have
+    v = torch.randn(shape, generator=gen)
+    q = torch.randn(5, heads, head_dim, generator=gen)
+    return fmt, quantize_rows(k, fmt), quantize_rows(v, fmt), q, tables, seq_lens
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the vector path, and the portable loop
+@pytest.mark.parametrize("window", [None, 5])
+def test_int4_pool_matches_reference_on_plain_dequantised(kernel, heads, kv_heads, head_dim,
+                                                          window):
+    """Over an int4 pool the kernel computes the float reference over the rows as stored
+    (``dequantize_int4_plain``: the rotated values; the kernel itself rotates nothing)."""
+    from engine.kv_storage.formats import dequantize_int4_plain
+
+    fmt, kq, vq, q, tables, seq_lens = _int4_case(heads, kv_heads, head_dim, window,
+                                                  heads + head_dim + (window or 0))
+    ref = paged_decode_attention(q, dequantize_int4_plain(kq, head_dim),
+                                 dequantize_int4_plain(vq, head_dim), tables, seq_lens, 0.125,
+                                 sliding_window=window)
+    got = kernel.paged_decode_cpu_int4(q, kq, vq, tables, seq_lens, 0.125, window or 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_pool_whole_contract_rotates_back(kernel):
+    """The backend's use (torch_backend._cpu_decode): the query rotated in and the output
+    rotated back give attention over the pool dequantised to the original basis."""
+    from engine.kv_storage.formats import dequantize_rows, int4_rotate
+
+    fmt, kq, vq, q, tables, seq_lens = _int4_case(9, 3, 64, None, 11)
+    ref = paged_decode_attention(q, dequantize_rows(kq, fmt, torch.float32),
+                                 dequantize_rows(vq, fmt, torch.float32), tables, seq_lens, 0.125)
+    got = int4_rotate(kernel.paged_decode_cpu_int4(int4_rotate(q), kq, vq, tables, seq_lens,
+                                                   0.125, 0))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_pool_of_the_wrong_width_is_refused(kernel):
+    rows = torch.zeros(2, 4, 1, 40, dtype=torch.uint8)  # head_dim 64 needs 36 bytes
+    q = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="pool rows of 40 bytes"):
+        kernel.paged_decode_cpu_int4(q, rows, rows, torch.zeros(1, 1, dtype=torch.int32),
+                                     torch.ones(1, dtype=torch.int32), 0.125, 0)

@@ -17,6 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention over an int8 pool (rows: int8 x D, float16 scale)", nogil());
   m.def("paged_decode_cpu_fp8", &paged_decode_cpu_fp8,
         "paged decode attention over an fp8 pool (uint8 view, byte table, per-head scales)", nogil());
+  m.def("paged_decode_cpu_int4", &paged_decode_cpu_int4,
+        "paged decode attention over an int4 pool (q4_0 nibbles, float16 scale per group; no rotation)",
+        nogil());
+  m.def("int4_rotate_cpu", &int4_rotate_cpu, "formats.int4_rotate, bit for bit (float32)", nogil());
+  m.def("int4_quantize_rows_cpu", &int4_quantize_rows_cpu,
+        "formats.quantize_rows for an int4 pool, bit for bit (uint8 rows)", nogil());
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU, fp32)", nogil());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (CPU, fp32)", nogil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [gate | up] (CPU, fp32)", nogil());

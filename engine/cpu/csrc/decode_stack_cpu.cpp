@@ -13,7 +13,8 @@
 // Per layer, as DecoderLayer.forward:
 //   h = rms_norm(x) (first layer, residual = x) or add_rms_norm_(x, residual)
 //   qkv = L_qkv(h); RoPE in place on the Q and K heads (after per-head RMSNorm where the model
-//   has q_norm/k_norm); K/V rows stored into the pool slots; attn = paged decode over the pool;
+//   has q_norm/k_norm); K/V rows stored into the pool slots; attn = paged decode over the pool
+//   (an int4 pool: rows of the rotated K/V, the query rotated in and the output back);
 //   x = L_down(silu_mul(L_gate_up(add_rms_norm_(L_o(attn), residual))))
 // and after the last layer the final norm: add_rms_norm_(x, residual).
 #include "torch_lite.h"
@@ -120,9 +121,9 @@ void DecodeStack::set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tenso
   TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size() && !k.empty(),
               "DecodeStack: one K and one V pool per layer");
   const auto dtype = k[0].scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf ||
-                  dtype == at::kBFloat16 || dtype == at::kChar,
-              "DecodeStack: float32, float16, bfloat16 or int8 KV pools only");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
+                  dtype == at::kChar || dtype == at::kByte,
+              "DecodeStack: float32, float16, bfloat16, int8 or int4 (uint8) KV pools only");
   for (size_t i = 0; i < k.size(); i++) {
     TORCH_CHECK(k[i].scalar_type() == dtype && v[i].scalar_type() == dtype,
                 "DecodeStack: every pool of one dtype");
@@ -130,6 +131,7 @@ void DecodeStack::set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tenso
   k_caches_ = std::move(k);
   v_caches_ = std::move(v);
   int8_ = dtype == at::kChar;
+  int4_ = dtype == at::kByte;
   pool_dtype_ = dtype;
   int8_floor_ = int8_scale_floor;
 }
@@ -173,6 +175,12 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                    kvserve_stack::int8_rows(v, int8_floor_), k_caches_[i], v_caches_[i], slots);
       attn = paged_decode_cpu_int8(q, k_caches_[i], v_caches_[i], block_tables, seq_lens,
                                    L.scale, L.window);
+    } else if (int4_) {  // as the torch backend: rows of K R and V R; q rotated in, out back
+      store_kv_cpu(int4_quantize_rows_cpu(k), int4_quantize_rows_cpu(v), k_caches_[i],
+                   v_caches_[i], slots);
+      attn = int4_rotate_cpu(paged_decode_cpu_int4(int4_rotate_cpu(q), k_caches_[i],
+                                                   v_caches_[i], block_tables, seq_lens,
+                                                   L.scale, L.window));
     } else {  // float rows, rounded to a 16-bit pool's dtype as quantize_rows does (.to)
       store_kv_cpu(k.to(pool_dtype_), v.to(pool_dtype_), k_caches_[i], v_caches_[i], slots);
       attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,

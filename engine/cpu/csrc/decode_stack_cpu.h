@@ -53,8 +53,8 @@ class DecodeStack {
  public:
   void add_layer(kvserve_stack::StackLayer layer);
   // The KV pools, one K and one V per layer, kept until set again: float32, float16 or
-  // bfloat16 rows, or int8 rows of head_dim values and a float16 scale (int8_scale_floor: the
-  // smallest scale stored).
+  // bfloat16 rows, int8 rows of head_dim values and a float16 scale (int8_scale_floor: the
+  // smallest scale stored), or int4 (uint8) rows (engine/kv_storage/formats.py).
   void set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                      double int8_scale_floor);
   // Final hidden states [T, hidden] of decode rows x [T, hidden] (the embedding output, which
@@ -68,6 +68,7 @@ class DecodeStack {
   std::vector<kvserve_stack::StackLayer> layers_;
   std::vector<at::Tensor> k_caches_, v_caches_;
   bool int8_ = false;
+  bool int4_ = false;
   at::ScalarType pool_dtype_ = at::kFloat;
   double int8_floor_ = 0.0;
 };

@@ -16,6 +16,12 @@ at::Tensor paged_decode_cpu_fp8(at::Tensor q, at::Tensor k_cache, at::Tensor v_c
                                    at::Tensor block_tables, at::Tensor seq_lens,
                                    double scale, int64_t window, at::Tensor lut,
                                    at::Tensor k_scales, at::Tensor v_scales);
+at::Tensor paged_decode_cpu_int4(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                 at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                 int64_t window);
+// int4 rows (int4_rows_cpu.cpp): formats.int4_rotate and quantize_rows(int4), bit for bit.
+at::Tensor int4_rotate_cpu(at::Tensor x);
+at::Tensor int4_quantize_rows_cpu(at::Tensor x);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
                             double eps);

@@ -21,7 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "vec_math.h"
+#include "paged_decode_common.h"
 
 namespace {
 
@@ -93,10 +93,9 @@ void run_generic(const Task<T>& t) {
 }
 
 #ifdef KVSERVE_AVX2
-using kvserve::exp256;
-
-constexpr int64_t kAhead = 32;  // rows prefetched this far ahead of use
-constexpr int64_t kLine = 64;   // bytes per cache line
+using kvserve::hsum8;
+using kvserve::kAhead;
+using kvserve::kLine;
 
 // 8 consecutive elements of a row as floats.
 inline __m256 load8(const float* p, const float*) { return _mm256_loadu_ps(p); }
@@ -119,15 +118,6 @@ inline __m256 load8(const int8_t* p, const float*) {
 inline __m256 load8(const uint8_t* p, const float* lut) {  // fp8 bytes: a table gather
   const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_i32gather_ps(lut, idx, 4);
-}
-
-// Lane i of the result is the horizontal sum of a[i].
-inline __m256 hsum8(const __m256* a) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
 // out[g] += sum_i w[g][i] * v_i[c .. c+16) for GC query heads at once: 2*GC accumulators in
@@ -211,27 +201,7 @@ void run_avx2(const Task<T>& t) {
   // Softmax numerators in place; the 1/sum is applied to the output instead of every weight.
   for (int64_t g = 0; g < G; g++) {
     float* sg = scores.data() + g * npad;
-    for (int64_t i = n; i < npad; i++) sg[i] = -INFINITY;
-    __m256 vm = _mm256_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < npad; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + i));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vm);
-    const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-    __m256 vsum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < npad; i += 8) {
-      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
-      if (i + 8 > n) {  // zero the padded lanes exactly
-        const __m256 idx = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(i)),
-                                         _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
-        e = _mm256_and_ps(e, _mm256_cmp_ps(idx, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ));
-      }
-      _mm256_storeu_ps(sg + i, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    _mm256_storeu_ps(lanes, vsum);
-    float sum = 0.0f;
-    for (float l : lanes) sum += l;
-    inv[g] = 1.0f / sum;
+    inv[g] = kvserve::softmax_numerators(sg, n, npad);
     if (kScaled)  // a V row's scale rides on its weight (after the sum, which it must not touch)
       for (int64_t i = 0; i < n; i++) sg[i] *= vscale_rows[i];
   }
