@@ -6,7 +6,8 @@ On the embedded model (SmolLM2-135M-Instruct, whose GGUF holds Q4_1 weights), ea
   (the Q4_1 tensors kept packed, ``quantization="auto"`` with the probe forced on, so the
   packed kernels' int8 activations are in the error too);
 * KV cache: float32 (the reference), float16, bfloat16, int8, int4, fp8_e4m3 at scale 1.0 and
-  fp8_e4m3 with ``calculate_kv_scales`` (per-head scales from the built-in calibration text);
+  fp8_e4m3 with ``calculate_kv_scales`` (per-head scales from the built-in calibration text),
+  int4 with ``calculate_kv_scales`` (per-channel key smoothing from the same text);
 
 is measured teacher-forced against float weights + a float32 cache: top-1 agreement and the
 perplexity delta, on text the calibration never saw (tests/models/teacher_forced.py's TEXT,
@@ -45,6 +46,7 @@ KV = [  # (label, kv_cache_dtype, calculate_kv_scales)
     ("bfloat16", "bfloat16", False),
     ("int8", "int8", False),
     ("int4", "int4", False),
+    ("int4 calibrated", "int4", True),
     ("fp8_e4m3 scale 1", "fp8_e4m3", False),
     ("fp8_e4m3 calibrated", "fp8_e4m3", True),
 ]
@@ -76,7 +78,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--license-tokens", type=int, default=790)
+    ap.add_argument("--kv", nargs="*", default=None,
+                    help="KV labels to run (default all; float32, the reference, always)")
     args = ap.parse_args()
+    kv = [k for k in KV if args.kv is None or k[0] == "float32" or k[0] in args.kv]
     os.environ["KVSERVE_QUANT_FORCE"] = "1"  # keep the 4-bit weights packed whatever the probe
     tok = LLM(None, dtype="float32", quantization="none", kv_cache_memory="16MiB",
               max_model_len=1024).tokenizer
@@ -87,7 +92,7 @@ def main() -> None:
     t0 = time.time()
     runs = {}
     for weights in tqdm(WEIGHTS, desc="weights"):
-        for label, kind, calibrate in tqdm(KV, desc="KV dtypes", leave=False):
+        for label, kind, calibrate in tqdm(kv, desc="KV dtypes", leave=False):
             runs[(weights, label)] = measure(weights, kind, calibrate, ids)
     ref = runs[("float", "float32")]
     ref_top1 = [rank == 1 for rank, _ in ref]
@@ -105,7 +110,7 @@ def main() -> None:
           "stacked (sum of the two alone) |")
     print("|---|---:|---:|---:|---:|---:|")
     w_alone = results["4-bit / float32"]["perplexity_delta"]
-    for label, *_ in KV:
+    for label, *_ in kv:
         f, q = results[f"float / {label}"], results[f"4-bit / {label}"]
         print(f"| {label} | {f['top1_agreement']:.1%} | {f['perplexity_delta']:+.2%} "
               f"| {q['top1_agreement']:.1%} | {q['perplexity_delta']:+.2%} "

@@ -10,6 +10,8 @@ Walsh-Hadamard rotation, symmetric and its own inverse), which the kernels read 
 4-bit rows: this backend rotates the keys and values before ``store_kv`` (in float32, as
 ``quantize_rows`` does, so the pool's bytes are the PyTorch backend's), attends with the rotated
 queries and rotates the output back (``q.k = (qR).(kR)``, ``sum w (vR) = (sum w v) R``).
+Under ``calculate_kv_scales`` the layer's ``kv_scales`` are an int4 pool's per-channel key
+smoothing ``s`` (engine/kv_storage/calibration.py): ``k / s`` is stored and ``q * s`` attends.
 
 On a CPU the kernels only run under ``TRITON_INTERPRET=1`` (slow; used by the tests).
 """
@@ -85,8 +87,19 @@ class TritonAttentionBackend:
         fresh contiguous ``[T, H, D]``."""
         state: _TritonStepState = meta.backend_state["triton"]
         int4 = kv_quant_kind(k_cache) == 3
+        v_smooth = None
         if int4:  # the pool and the kernels live in the rotated basis (module docstring)
-            k, v, q = int4_rotate(k.float()), int4_rotate(v.float()), int4_rotate(q)
+            k, v = k.float(), v.float()
+            if kv_scales is not None:  # calibrated per-channel smoothing [KVH, D] (keys only)
+                k_smooth, v_smooth = kv_scales
+                group = q.shape[1] // k.shape[1]
+                k = k / k_smooth
+                q = q * k_smooth.repeat_interleave(group, dim=0).to(q.dtype)
+                if v_smooth is not None:
+                    v = v / v_smooth
+                    v_smooth = v_smooth.repeat_interleave(group, dim=0).to(q.dtype)
+            k, v, q = int4_rotate(k), int4_rotate(v), int4_rotate(q)
+            kv_scales = None  # int4 rows carry their own scales
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if state.decode is not None:
@@ -101,4 +114,7 @@ class TritonAttentionBackend:
                 q[pre.token_start:], k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q,
                 pre.seq_lens, scale, sliding_window, max_query_len=pre.max_query_len,
                 out=out[pre.token_start:], kv_scales=kv_scales)
-        return int4_rotate(out) if int4 else out
+        if not int4:
+            return out
+        out = int4_rotate(out)
+        return out if v_smooth is None else out * v_smooth

@@ -33,7 +33,7 @@
   ``sum w (vR) = (sum w v) R``, so the compiled kernels read the stored rows as plain
   ``q4_0`` with a rotated query and rotate their output back (the backends do both; on the
   embedded model the rotation took teacher-forced agreement from 95.3% to 97.0% and the
-  perplexity cost from +7.5% to +4.1%: docs/performance.md#int4-kv-cache).
+  perplexity cost from +7.5% to +4.1% on 493 tokens: docs/performance.md#int4-kv-cache).
   :func:`dequantize_rows` returns ``x`` (rotated back); :func:`dequantize_int4_plain` the
   ``y`` the kernels see.
 * ``fp8_e4m3`` / ``fp8_e5m2``: one float8 byte per element and a per-layer, per-KV-head float32

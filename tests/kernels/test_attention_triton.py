@@ -67,24 +67,29 @@ def test_backend_matches_reference(seq_lens, q_lens, num_decodes, pad, window):
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
 
 
-def test_backend_over_an_int4_pool_works_in_the_rotated_basis():
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_backend_over_an_int4_pool_works_in_the_rotated_basis(smoothed):
     """An int4 pool holds ``quantize_rows``' bytes (K and V rotated before the store, as the
     PyTorch backend stores them), and the output is attention over the pool's
-    ``dequantize_rows`` (queries rotated in, output rotated back)."""
+    ``dequantize_rows`` (queries rotated in, output rotated back); with a calibrated key
+    smoothing ``s`` the pool holds ``K / s`` and the queries are multiplied by ``s``."""
     meta, q, k, v, pools = _step([17, 1, 40, 9], [1, 1, 12, 9], 2)
+    s = (torch.rand(KVH, D, generator=torch.Generator().manual_seed(5)) + 0.5) if smoothed \
+        else None
     fmt = kv_format("int4", torch.float32, D)
     k_cache, v_cache = (quantize_rows(p * 2, fmt) for p in pools)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     backend = TritonAttentionBackend()
     backend.prepare(meta)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, None)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, None,
+                          kv_scales=None if s is None else (s, None))
 
     keep = meta.slot_mapping
-    k_ref.view(-1, KVH, fmt.row_width)[keep] = quantize_rows(k, fmt)
+    k_ref.view(-1, KVH, fmt.row_width)[keep] = quantize_rows(k, fmt, s)
     v_ref.view(-1, KVH, fmt.row_width)[keep] = quantize_rows(v, fmt)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     expect = ref.paged_attention(
-        q, dequantize_rows(k_ref, fmt, torch.float32), dequantize_rows(v_ref, fmt, torch.float32),
+        q, dequantize_rows(k_ref, fmt, torch.float32, s), dequantize_rows(v_ref, fmt, torch.float32),
         meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, 0.125, None)
     torch.testing.assert_close(out, expect, atol=5e-5, rtol=5e-5)
 

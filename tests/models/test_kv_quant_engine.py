@@ -163,6 +163,24 @@ def test_fp8_calibration_sets_per_head_scales(tiny, caplog):
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_int4_calibration_smooths_keys_per_channel(tiny, caplog):
+    """int4 + calculate_kv_scales: per layer a [KVH, D] key smoothing (mean 1 per head), no
+    value entry; the engine still agrees with the exact cache (chunks attend over the pool,
+    through the compiled decode kernel with the query multiplied by the smoothing)."""
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        llm = _llm(tiny, kv_cache_dtype="int4", calculate_kv_scales=True,
+                   max_num_batched_tokens=4, max_model_len=128)
+    assert "int4 key smoothing" in caplog.text
+    for layer in llm.engine.runner.model.layers:
+        ks, vs = layer.kv_scales
+        assert ks.shape == (2, 32) and vs is None and (ks > 0).all()
+        torch.testing.assert_close(ks.mean(dim=-1), torch.ones(2))
+    ids_list = [p + p[::-1] for p in _prompts()]
+    exact = _llm(tiny, max_num_batched_tokens=4, max_model_len=128)
+    reference = [top1(exact, ids) for ids in ids_list]
+    assert _agreement(llm, ids_list, reference) >= 0.95
+
+
 def test_cli_flags_reach_the_engine_config():
     from server.cli import _settings, build_parser
 

@@ -130,7 +130,8 @@ def test_quantised_kv_cache_agreement_and_perplexity(llm, kind, min_agreement, m
     """8-bit, 4-bit and 16-bit KV against the exact (float32) cache on the real model (issue
     13's targets): teacher-forced top-1 agreement >= 98% and perplexity within 1% (int8) / 2%
     (fp8, calibrated) / 0.2% (float16) / 0.5% (bfloat16; measured: -0.00% and -0.01%); int4
-    (issue 32; measured on these 210 tokens: 95.2% and +4.40%) >= 93% and within 6%. Prefill
+    (issue 32; measured on these 210 tokens: 95.2-97.1% and +2.4-4.4% across runs that differ
+    only in float rounding) >= 93% and within 6%. Prefill
     in chunks of 16 so that every chunk after the first attends over the narrow cache, as
     decode does (a whole prompt attends over its own exact K/V)."""
     exact = LLM(None, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
