@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import time
 
 from tqdm import tqdm
 
 from bench.streaming import DEFAULT_TEXT
+from benchmarks.kv_quant import isa
 from engine import LLM
 from tests.models.teacher_forced import TEXT, forced, perplexity_of
 from tests.models.test_smollm2 import PROMPTS
@@ -51,18 +50,6 @@ KV = [  # (label, kv_cache_dtype, calculate_kv_scales)
     ("fp8_e4m3 calibrated", "fp8_e4m3", True),
 ]
 WEIGHTS = {"float": "none", "4-bit": "auto"}
-
-
-def isa() -> str:
-    try:
-        flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.machine()
-    if "avx512_bf16" in flags:
-        return "AVX-512 BF16"
-    if "avx512f" in flags:
-        return "AVX-512"
-    return "AVX2" if "avx2" in flags else platform.machine()
 
 
 def measure(weights: str, kind: str, calibrate: bool, ids: list[int]) -> list[tuple[int, float]]:

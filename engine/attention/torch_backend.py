@@ -43,7 +43,6 @@ from engine.kv_storage.formats import (
     format_of,
     fp8_table,
     gather_blocks,
-    int4_rotate,
     quantize_rows,
 )
 
@@ -89,10 +88,7 @@ class TorchAttentionBackend:
         if q.device.type != "cpu" or q.dtype != torch.float32 or \
                 (fmt.kind == "float" and fmt.storage_dtype not in CPU_KERNEL_FLOAT_POOLS):
             return None
-        kernels = self._cpu_kernels()
-        if fmt.kind == "int4" and not hasattr(kernels, "paged_decode_cpu_int4"):
-            return None
-        return kernels
+        return self._cpu_kernels()
 
     def _cpu_kernels(self):
         """The compiled CPU kernels (engine/cpu/kernels.py), or None; loaded once."""
@@ -241,7 +237,7 @@ def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup,
         return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args)
     if fmt.kind == "int4":  # rows hold (K/s)·R and V·R: fold s and R into the query, R back
         # (the compiled rotation: bit-identical to int4_rotate, without its ~10 torch ops)
-        rotate = getattr(kernel, "int4_rotate_cpu", int4_rotate)
+        rotate = kernel.int4_rotate_cpu
         group = q.shape[1] // k_cache.shape[2]
         if k_scale is not None:  # calibrated per-channel key smoothing [KVH, D]
             q = q * k_scale.repeat_interleave(group, dim=0)
