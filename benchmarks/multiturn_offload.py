@@ -155,7 +155,10 @@ def main(argv=None) -> int:
         n_gen = len(disk["replies"]) * args.max_tokens
         d = disk["stats"]
         print(f"\ndisk tier: {d['disk_hit_tokens']} prompt tokens read back, "
-              f"{d['disk_written_blocks']} blocks written, {d['disk_dropped_writes']} dropped")
+              f"{d['disk_written_blocks']} blocks written, {d['disk_dropped_writes']} dropped; "
+              f"TTFT p50 {_pct(disk['ttft'], 0.5):.3f} s (host alone {_pct(on['ttft'], 0.5):.3f}), "
+              f"cached tokens / req {statistics.mean(disk['cached']):.1f} "
+              f"(host alone {statistics.mean(on['cached']):.1f})")
         print(f"throughput (requests/s): host tier alone {len(on['replies']) / on['wall']:.3f}, "
               f"host + disk {len(disk['replies']) / disk['wall']:.3f}: "
               f"{on['wall'] / disk['wall']:.2f}x ({n_gen} tokens generated each)")

@@ -256,7 +256,7 @@ class EngineCore:
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         if self.disk is not None and not req.wants_prompt_logprobs:
             # Looked up on arrival: its disk blocks load into host memory while it waits.
-            self.disk.on_arrival(req.seqs[0].seq_id, prompt_token_ids, req.cache_extra_keys)
+            self.disk.on_arrival(req.seqs[0], prompt_token_ids, req.cache_extra_keys)
         if params.structured is not None:
             req.grammar = self.structured.submit(params.structured)
             if not req.grammar.done():

@@ -74,6 +74,11 @@ def fp8_dtype(name: str) -> torch.dtype:
     return dt
 
 
+# Bump a kind's version whenever its bytes change meaning (element order, scale placement,
+# rotation, rounding): the disk tier keys its files by it (engine.kv_cache.disk.fingerprint).
+ROW_LAYOUT_VERSIONS = {"float": 1, "int8": 1, "fp8": 1, "int4": 1}
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """The storage of one pool: ``kind`` is "float", "int8", "int4" or "fp8"."""
@@ -94,6 +99,12 @@ class KVFormat:
     @property
     def row_bytes(self) -> int:
         return self.row_width * self.storage_dtype.itemsize
+
+    @property
+    def layout(self) -> str:
+        """The row layout's name and version (``ROW_LAYOUT_VERSIONS``): what the disk tier's
+        fingerprint records, so that bytes written under another layout are never read."""
+        return f"{self.kind}-v{ROW_LAYOUT_VERSIONS[self.kind]}"
 
     @property
     def quantized(self) -> bool:

@@ -13,6 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.kv_cache.disk import store as store_mod
 from engine.kv_cache.disk.segment import HEADER_BYTES, RECORD_HEADER_BYTES
+from engine.kv_storage import formats
 from engine.loading.hf_reference import hf_greedy, load_hf
 from engine.loading.tiny import make_tiny_model_dir
 
@@ -97,6 +98,19 @@ def test_restart_with_quantised_kv_in_a_float_dir(tiny, written, tmp_path, kind)
     assert warm == cold and min(warm_cached) > 0
 
 
+def test_a_row_layout_bump_hides_the_old_blocks(tiny, written, tmp_path, monkeypatch):
+    """Bytes written under one version of a KV row layout are never read under the next
+    (``formats.ROW_LAYOUT_VERSIONS``: a changed int4 group order or rotation must bump it)."""
+    path, prompts, expected = tiny
+    monkeypatch.setitem(formats.ROW_LAYOUT_VERSIONS, "float",
+                        formats.ROW_LAYOUT_VERSIONS["float"] + 1)
+    with _llm(path, _copy(written, tmp_path)) as llm:
+        outs, cached = _run(llm, prompts)
+        stats = llm.stats()
+    assert outs == expected
+    assert cached == [0] * len(prompts) and stats["disk_blocks_at_start"] == 0
+
+
 def _flip_every_record(seg):
     data = bytearray(seg.read_bytes())
     off = HEADER_BYTES
@@ -145,3 +159,27 @@ def test_two_engines_on_one_dir(tiny, tmp_path, monkeypatch):
         a.engine.disk.store.flush()
         outs, cached = _run(b, prompts)  # b finds what a wrote after b started
         assert outs == expected and cached[0] > 0
+
+
+def test_prefixes_evicted_while_queued_come_back_from_disk(tiny, tmp_path):
+    """The multi-turn case: many requests arrive at once whose prefixes the device and a small
+    host tier held on arrival, then evict while the first ones run. At the admission gate each
+    is looked up again and read from disk (its read blocks held until it is admitted), so
+    every one reports its whole prefix cached, with the tier-less greedy output."""
+    path, _, _ = tiny
+    rng = random.Random(11)
+    prompts = [[rng.randrange(0, 256) for _ in range(60)] for _ in range(6)]
+    # 512 bytes a token: a device pool of 24 blocks, a host tier of 20 (16 blocks a prompt)
+    kw = dict(kv_cache_memory=24 * BS * 512, swap_space=20 * BS * 512 / 2**30)
+    with _llm(path, tmp_path, **kw) as llm:
+        first, _ = _run(llm, prompts)
+        llm.engine.disk.store.flush()
+        # the tiny model recomputes faster than the nominal disk rate: always wait for reads
+        llm.engine.disk.cost = None
+        again = [p + [7, 8, 9, 10, 11] for p in prompts]
+        outs, cached = _run(llm, again)
+        stats = llm.stats()
+    with LLM(str(path), dtype="float32", block_size=BS, **kw) as plain:
+        assert outs == _run(plain, again)[0]
+    assert stats["disk_hit_blocks"] > 0
+    assert cached == [len(p) for p in prompts], cached  # every block of the first prompts

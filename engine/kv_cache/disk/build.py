@@ -19,7 +19,7 @@ def engine_fingerprint(config, core) -> KVFingerprint:
         num_kv_heads=r.arch.num_kv_heads, row_bytes=r.kv_format.row_bytes,
         quantization=(f"{config.quantization}|{r.linear_backend}|"
                       f"{config.calculate_kv_scales}"),
-        tp_rank=0, tp_size=config.tensor_parallel_size)
+        kv_layout=r.kv_format.layout, tp_rank=0, tp_size=config.tensor_parallel_size)
 
 
 def build_disk_tier(config, core) -> DiskTier:

@@ -4,9 +4,10 @@ in another sub-directory, and every segment header repeats the fingerprint).
 
 Covered: the weights' identity (resolved path, and name, size and mtime of every file of the
 model), load format and seed (dummy weights), dtype, KV dtype and pool layout (block size,
-layers, KV heads, row width), the model config (RoPE settings, head layout, windows), the
-quantisation mode and linear backend (they change the computed values), KV scale calibration,
-tensor-parallel rank and size, and this format's version.
+layers, KV heads, row width), the KV row layout's version (int4's group order and rotation,
+for one: ``engine.kv_storage.formats.ROW_LAYOUT_VERSIONS``), the model config (RoPE settings,
+head layout, windows), the quantisation mode and linear backend (they change the computed
+values), KV scale calibration, tensor-parallel rank and size, and this format's version.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class KVFingerprint:
     num_kv_heads: int
     row_bytes: int
     quantization: str
+    kv_layout: str = ""  # the row layout and its version (KVFormat.layout)
     tp_rank: int = 0
     tp_size: int = 1
     format_version: int = FORMAT_VERSION

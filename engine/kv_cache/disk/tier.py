@@ -7,9 +7,16 @@ The flow, by the engine thread unless said otherwise:
   the disk holds gets host blocks (at most half of the free host blocks, one reference each) and
   a read job for the reader thread: the load overlaps other requests' steps while the request
   waits in the queue.
+* **At the gate** the prompt is looked up again (at most ``_GATE_LOOKUPS`` times): blocks the
+  device or host held on arrival may have been evicted by the requests that ran meanwhile, and
+  blocks the staging area could not take then (many arrivals at once, a small host tier) may
+  fit now; this read may take every free host block but its own host hits, and the blocks
+  held for the requests behind it are released for it first.
 * **Arrived** (``poll``, at the start of every step and from the gate): each finished job's
-  verified blocks are named in the host prefix cache and released (free-cached, head of the
-  chain most recently used), its unread blocks released unnamed. The scheduler's ordinary
+  verified blocks are named in the host prefix cache and kept referenced while the request
+  waits (the device's spills, which evict free host blocks, cannot take them), then released
+  (free-cached, head of the chain most recently used) at the first step after it left the
+  queue; its unread blocks are released unnamed at once. The scheduler's ordinary
   prefix look-up then finds them in the host tier and loads them back to the device:
   ``cached_tokens`` counts them like host hits.
 * **Admission gate** (``ready``, ``Scheduler.admission_gate``): a request whose blocks are
@@ -40,11 +47,13 @@ from engine.kv_cache.disk.store import DiskStore
 from engine.kv_cache.hashing import encode_extra_keys, extend_block_hashes
 from engine.kv_cache.host.blocks import SwapCostModel
 from engine.kv_cache.snapshot import TierState
+from engine.request import SeqStatus
 
 logger = logging.getLogger("kvserve.engine")
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
 _DISK_BYTES_PER_S = 5.0e8  # nominal read rate behind the wait-or-recompute choice
 _GATE_WAIT_S = 10.0  # the most the engine waits for a request's reads when idle
+_GATE_LOOKUPS = 3  # look-ups at the gate per request (a bound on re-reading evicted blocks)
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -81,40 +90,79 @@ class DiskTier:
         self._jobs: dict[str, PrefetchJob] = {}
         self._written: dict[str, int] = {}  # seq id -> table entries already considered
         self._recent: set[bytes] = set()  # queued for writing lately (not yet in the index)
+        # seq id -> [its prompt's block hashes, gate look-ups left] (until it ends)
+        self._prompts: dict[str, list] = {}
+        # seq id -> host blocks its finished reads filled: referenced (so that spills cannot
+        # evict them) until it leaves the waiting queue
+        self._held: dict[str, list] = {}
         self._prefetcher = Prefetcher(store.read, self._write_host_block)
         self.stats = store.stats
         kv.host.external_holders = self.holders
 
     # ---- arrival and prefetch -----------------------------------------------------------
-    def on_arrival(self, seq_id: str, token_ids: Sequence[int], extra_keys: tuple) -> int:
+    def on_arrival(self, seq, token_ids: Sequence[int], extra_keys: tuple) -> int:
         """Start loading the disk blocks of this prompt that neither the device nor the host
-        holds; returns how many blocks were queued for reading."""
+        holds (at most half of the free host blocks: the others' share); returns how many
+        blocks were queued for reading. The prompt's hashes are kept for the admission gate,
+        which looks again (``ready``)."""
         kv = self.kv
-        host = kv.host
+        seq_id = seq.seq_id
         if not kv.enable_prefix_caching or seq_id in self._jobs:
             return 0
         bs = self.block_size
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         hashes: list[bytes] = []
         extend_block_hashes(hashes, token_ids, bs, max_blocks, encode_extra_keys(extra_keys))
+        self._prompts[seq_id] = [hashes, _GATE_LOOKUPS, seq]
+        return self._stage(seq_id, hashes, at_gate=False)[0]
+
+    def _stage(self, seq_id: str, hashes: list[bytes], at_gate: bool,
+               busy: bool = True) -> tuple[int, int]:
+        """Look ``hashes`` up device -> host -> disk and queue a read of the disk run after
+        the device and host hits into host blocks; returns (blocks queued, blocks the disk has
+        there). On arrival it
+        takes at most half of the free host blocks and counts the misses; at the gate, every
+        free host block but as many as its own host hits."""
+        kv = self.kv
+        host = kv.host
         cached = kv.pool.cached
-        i = 0
-        while i < max_blocks and (hashes[i] in cached or host.lookup(hashes[i:i + 1])):
+        i = in_host = 0
+        while i < len(hashes):
+            if hashes[i] not in cached:
+                if not host.lookup(hashes[i:i + 1]):
+                    break
+                in_host += 1
             i += 1
-        if i == max_blocks:
-            return 0
-        n = self.store.lookup(hashes[i:])
-        self.stats.miss_blocks += max_blocks - i - n
-        n = min(n, host.pool.num_free_blocks // 2)
+        if i == len(hashes):
+            return 0, 0
+        found = self.store.lookup(hashes[i:])
+        if not at_gate:
+            self.stats.miss_blocks += len(hashes) - i - found
+        free = host.pool.num_free_blocks
+        # at the gate, spare its own host hits that are free (those its reads filled are
+        # held, off the free queue) from the allocation's LRU eviction
+        own_free = max(0, in_host - len(self._held.get(seq_id, ())))
+        if at_gate and free - own_free < found:
+            # the head of the queue goes first: requests behind it give up their read blocks
+            # (still cached: their own gate finds them, or reads them again); with nothing
+            # else to run, their reads in flight are waited for (local reads: milliseconds)
+            if not busy:
+                for job in list(self._jobs.values()):
+                    job.done.wait(_GATE_WAIT_S)
+                self.poll()
+            for other in [s for s in self._held if s != seq_id]:
+                self._release(other)
+            free = host.pool.num_free_blocks
+        n = min(found, free - own_free if at_gate else free // 2)
         if n <= 0:
-            return 0
+            return 0, found
         if self._settle_host is not None:
             self._settle_host()
         blocks = host.pool.get_new_blocks(n)  # one reference each, held by the job
         job = PrefetchJob(seq_id, hashes[i:i + n], blocks)
         self._jobs[seq_id] = job
         self._prefetcher.submit(job)
-        return n
+        return n, found
 
     def _write_host_block(self, host_block: int, payload: bytes) -> None:
         """Reader thread: the payload's bytes into the host block it reserved."""
@@ -125,47 +173,82 @@ class DiskTier:
             off += width
 
     def poll(self) -> None:
-        """Hand finished reads to the host prefix cache (see the module docstring)."""
+        """Hand finished reads to the host prefix cache (see the module docstring); release
+        the blocks held for requests that left the queue."""
         pool = self.kv.host.pool
         for job in self._prefetcher.take_done():
             if self._jobs.get(job.seq_id) is job:
                 del self._jobs[job.seq_id]
+            held = self._held.setdefault(job.seq_id, [])
+            unused = []
             for j, (h, hb) in enumerate(zip(job.hashes, job.host_blocks)):
                 if j < job.num_loaded and pool.register(hb, h):
                     self.stats.hit_blocks += 1
                     self.stats.hit_tokens += self.block_size
                     self.stats.prefetched_blocks += 1
-            for hb in reversed(job.host_blocks):
+                    held.append(hb)
+                else:
+                    unused.append(hb)
+            for hb in reversed(unused):
                 pool.free(hb)
+        for seq_id in [s for s, blocks in self._held.items()
+                       if not self._still_waiting(s) or not blocks]:
+            self._release(seq_id)
+
+    def _still_waiting(self, seq_id: str) -> bool:
+        prompt = self._prompts.get(seq_id)
+        return prompt is not None and prompt[2].status is SeqStatus.WAITING
+
+    def _release(self, seq_id: str) -> None:
+        """Drop the references held on ``seq_id``'s read blocks: they stay in the host cache
+        as free-cached blocks, the head of its chain most recently used."""
+        pool = self.kv.host.pool
+        for hb in reversed(self._held.pop(seq_id, [])):
+            pool.free(hb)
 
     def ready(self, seq, busy: bool) -> bool:
         """The admission gate: may ``seq`` be admitted now? (module docstring)"""
-        job = self._jobs.get(seq.seq_id)
-        if job is None:
-            return True
-        if job.done.is_set():
-            self.poll()
-            return True
-        pending = len(job.hashes) - job.num_loaded
-        if self.cost is not None and pending * self.block_bytes / _DISK_BYTES_PER_S > \
-                pending * self.block_size * self.cost.seconds_per_token:
-            return True  # recomputing is cheaper than waiting for the disk
-        if busy:
-            return False
-        job.done.wait(_GATE_WAIT_S)
-        self.poll()
-        return True
+        while True:
+            job = self._jobs.get(seq.seq_id)
+            if job is not None and job.done.is_set():
+                self.poll()  # its blocks are in the host cache now; look for the rest
+                job = None
+            if job is None:
+                # Look again: blocks the device or host held on arrival may have been evicted
+                # since (other requests ran), and the staging area may have room now.
+                prompt = self._prompts.get(seq.seq_id)
+                if prompt is None or prompt[1] <= 0:
+                    return True
+                prompt[1] -= 1
+                queued, found = self._stage(seq.seq_id, prompt[0], at_gate=True, busy=busy)
+                if not queued:
+                    # the disk has blocks but no host block is free: while others run, wait
+                    # a step (blocks held for requests admitted this step are released next)
+                    return not (found and busy and prompt[1] > 0)
+                job = self._jobs[seq.seq_id]
+            pending = len(job.hashes) - job.num_loaded
+            if self.cost is not None and pending * self.block_bytes / _DISK_BYTES_PER_S > \
+                    pending * self.block_size * self.cost.seconds_per_token:
+                return True  # recomputing is cheaper than waiting for the disk
+            if busy:
+                return False
+            # nothing else to run: wait for the reads, then look for the rest
+            if not job.done.wait(_GATE_WAIT_S):
+                return True
 
     def holders(self) -> dict[int, int]:
-        """Host block id -> references held by reads in flight (for integrity checks)."""
+        """Host block id -> references held by reads in flight and by read blocks kept for
+        waiting requests (for integrity checks)."""
         out: dict[int, int] = {}
-        for job in self._jobs.values():
-            for hb in job.host_blocks:
-                out[hb.block_id] = out.get(hb.block_id, 0) + 1
+        blocks = [hb for job in self._jobs.values() for hb in job.host_blocks]
+        for hb in blocks + [hb for held in self._held.values() for hb in held]:
+            out[hb.block_id] = out.get(hb.block_id, 0) + 1
         return out
 
     def forget(self, seq_id: str) -> None:
         self._written.pop(seq_id, None)
+        self._prompts.pop(seq_id, None)
+        self._release(seq_id)
 
     # ---- write-through --------------------------------------------------------------------
     def after_step(self, seq_ids: Sequence[str]) -> int:
