@@ -58,12 +58,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also run host tier + disk tier (--kv-disk-dir in a temporary "
                          "directory) and print its throughput against the host tier alone")
     ap.add_argument("--kv-disk-size", default="4GiB")
+    ap.add_argument("--kv-disk-write-policy", default="write-through",
+                    choices=["write-through", "on-evict"])
     return ap.parse_args(argv)
 
 
 def _run(args, model, vocab_hi: int, swap_space: float, device_tokens: int, label: str,
          disk: str | None = None):
-    extra = {"kv_disk_dir": disk, "kv_disk_size": args.kv_disk_size} if disk else {}
+    extra = {"kv_disk_dir": disk, "kv_disk_size": args.kv_disk_size,
+             "kv_disk_write_policy": args.kv_disk_write_policy} if disk else {}
     llm = LLM(model, dtype=args.dtype, block_size=args.block_size, swap_space=swap_space,
               kv_cache_memory=device_tokens * _bytes_per_token(model, args), seed=args.seed,
               preemption_mode=args.preemption_mode if swap_space else "recompute", **extra)

@@ -160,6 +160,9 @@ class EngineConfig:
     # both or neither (None: off).
     kv_disk_dir: str | None = None
     kv_disk_size: int | str | None = None
+    # When blocks reach the disk: "write-through" (at commit) or "on-evict" (when they leave
+    # host memory, and the rest at a clean shutdown); engine/kv_cache/disk/config.py.
+    kv_disk_write_policy: str = "write-through"
 
     def __post_init__(self) -> None:
         self._normalise_names()
@@ -252,7 +255,8 @@ class EngineConfig:
             return None
         from engine.kv_cache.disk.config import DiskTierConfig, parse_size
 
-        return DiskTierConfig.for_size(str(self.kv_disk_dir), parse_size(self.kv_disk_size))
+        return DiskTierConfig.for_size(str(self.kv_disk_dir), parse_size(self.kv_disk_size),
+                                       self.kv_disk_write_policy)
 
     def _normalise_names(self) -> None:
         names = self.served_model_name

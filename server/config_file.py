@@ -27,6 +27,7 @@ from engine.config import (
     kv_cache_dtype_name,
     parse_bytes,
 )
+from engine.kv_cache.disk.config import WRITE_POLICIES as DISK_WRITE_POLICIES
 from server.tools.formats import PARSER_NAMES as TOOL_CALL_PARSERS
 
 MIB = 2**20
@@ -214,6 +215,10 @@ ENGINE_OPTIONS = [
     Option("kv-disk-size", "kv_disk_size", "engine", _size,
            "the disk KV tier's size, e.g. 20GiB (LRU eviction keeps DIR under it)",
            nullable=True),
+    Option("kv-disk-write-policy", "kv_disk_write_policy", "engine", str,
+           "when blocks reach the disk tier: write-through (as a request commits them; a "
+           "crash loses at most the queue) or on-evict (as they leave host memory, and the "
+           "rest at a clean shutdown: fewer bytes written)", choices=DISK_WRITE_POLICIES),
     Option("calculate-kv-scales", "calculate_kv_scales", "engine", bool,
            "fp8 KV: calibrate per-layer, per-head scales on a built-in text at start-up "
            "(else 1.0)", boolean=True),

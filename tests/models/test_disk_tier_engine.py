@@ -161,7 +161,8 @@ def test_two_engines_on_one_dir(tiny, tmp_path, monkeypatch):
         assert outs == expected and cached[0] > 0
 
 
-def test_prefixes_evicted_while_queued_come_back_from_disk(tiny, tmp_path):
+@pytest.mark.parametrize("policy", ["write-through", "on-evict"])
+def test_prefixes_evicted_while_queued_come_back_from_disk(tiny, tmp_path, policy):
     """The multi-turn case: many requests arrive at once whose prefixes the device and a small
     host tier held on arrival, then evict while the first ones run. At the admission gate each
     is looked up again and read from disk (its read blocks held until it is admitted), so
@@ -171,9 +172,13 @@ def test_prefixes_evicted_while_queued_come_back_from_disk(tiny, tmp_path):
     prompts = [[rng.randrange(0, 256) for _ in range(60)] for _ in range(6)]
     # 512 bytes a token: a device pool of 24 blocks, a host tier of 20 (16 blocks a prompt)
     kw = dict(kv_cache_memory=24 * BS * 512, swap_space=20 * BS * 512 / 2**30)
-    with _llm(path, tmp_path, **kw) as llm:
+    with _llm(path, tmp_path, kv_disk_write_policy=policy, **kw) as llm:
         first, _ = _run(llm, prompts)
         llm.engine.disk.store.flush()
+        if policy == "on-evict":  # written as they left memory, not at commit
+            cache = llm.engine.kv.host.cache
+            written = llm.stats()["disk_written_blocks"]
+            assert 0 < written <= cache.host_evictions + cache.spills_dropped
         # the tiny model recomputes faster than the nominal disk rate: always wait for reads
         llm.engine.disk.cost = None
         again = [p + [7, 8, 9, 10, 11] for p in prompts]
@@ -183,3 +188,19 @@ def test_prefixes_evicted_while_queued_come_back_from_disk(tiny, tmp_path):
         assert outs == _run(plain, again)[0]
     assert stats["disk_hit_blocks"] > 0
     assert cached == [len(p) for p in prompts], cached  # every block of the first prompts
+
+
+def test_on_evict_writes_back_memory_at_shutdown(tiny, tmp_path):
+    """``on-evict`` with pools that evict nothing: no block reaches the disk while serving,
+    all of them at a clean shutdown, and a restart serves them."""
+    path, prompts, expected = tiny
+    kw = dict(kv_disk_write_policy="on-evict", swap_space=2**20 / 2**30)
+    with _llm(path, tmp_path, **kw) as llm:
+        assert _run(llm, prompts)[0] == expected
+        llm.engine.disk.store.flush()
+        assert llm.stats()["disk_written_blocks"] == 0
+    with _llm(path, tmp_path, **kw) as llm:
+        warm, cached = _run(llm, prompts)
+        assert llm.stats()["disk_blocks_at_start"] > 0
+    assert warm == expected
+    assert cached == [(len(p) - 1) // BS * BS for p in prompts]

@@ -27,18 +27,26 @@ def parse_size(value: int | float | str) -> int:
     return n
 
 
+WRITE_POLICIES = ("write-through", "on-evict")
+
+
 @dataclass(frozen=True)
 class DiskTierConfig:
     """``directory``: where the segments live (created if missing; must be writable).
     ``size_bytes``: the most bytes of segments kept for this fingerprint (LRU eviction).
     ``segment_bytes``: a segment file is closed and a new one started past this size.
     ``queue_blocks``: blocks the writer may have queued; more are dropped, never waited for.
+    ``write_policy``: ``write-through`` writes the blocks a request has just committed (a crash
+    loses at most the queue); ``on-evict`` writes a block when it leaves host memory, and the
+    blocks still cached in memory at a clean shutdown (fewer bytes written; a crash loses
+    what memory held).
     """
 
     directory: str
     size_bytes: int
     segment_bytes: int = 4 * 1024**2
     queue_blocks: int = 256
+    write_policy: str = "write-through"
 
     def __post_init__(self) -> None:
         if not self.directory:
@@ -49,11 +57,15 @@ class DiskTierConfig:
             raise ValueError(f"kv_disk_size {self.size_bytes} bytes is below two segments "
                              f"({2 * self.segment_bytes} bytes); give more, "
                              f"e.g. --kv-disk-size 20GiB")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"kv_disk_write_policy must be one of {', '.join(WRITE_POLICIES)}; "
+                             f"got {self.write_policy!r}")
         if self.queue_blocks < 1:
             raise ValueError(f"the disk writer queue needs >= 1 block; got {self.queue_blocks}")
 
     @classmethod
-    def for_size(cls, directory: str, size_bytes: int) -> DiskTierConfig:
+    def for_size(cls, directory: str, size_bytes: int,
+                 write_policy: str = "write-through") -> DiskTierConfig:
         """Segments of 4 MiB, smaller for a tier under 32 MiB (a tier holds >= 8)."""
         seg = min(4 * 1024**2, max(4096, size_bytes // 8))
-        return cls(directory, size_bytes, segment_bytes=seg)
+        return cls(directory, size_bytes, segment_bytes=seg, write_policy=write_policy)

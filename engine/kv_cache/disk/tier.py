@@ -24,9 +24,13 @@ The flow, by the engine thread unless said otherwise:
   the queue; with nothing else to run the engine thread waits for its reads (bounded). If the
   cost model says recomputing its tokens is cheaper than reading them, it is admitted at once
   (blocks that arrive later still go to the host cache).
-* **Write-through** (``after_step``, after every step's commit): blocks a sequence has just
-  committed are copied out of the device pools and queued for the writer thread (dropped when
-  the queue is full; a hash the disk already holds is skipped).
+* **Writes**, by ``--kv-disk-write-policy``. ``write-through`` (``after_step``, after every
+  step's commit): blocks a sequence has just committed are copied out of the device pools and
+  queued for the writer thread. ``on-evict`` (``_on_host_evict``, the host pool's eviction
+  hook): a named host block about to be reused is queued from host memory, and so is a
+  device block whose spill to the host was dropped (no host block free); at a clean
+  shutdown every named block still in host or device memory is written back. Either way a
+  full queue drops the block, and a hash the disk already holds is skipped.
 
 Block bytes on disk: the K then V block of layer 0, then layer 1, ... as stored in the pools
 (scales included for int8), ``block_bytes`` in all.
@@ -98,6 +102,11 @@ class DiskTier:
         self._prefetcher = Prefetcher(store.read, self._write_host_block)
         self.stats = store.stats
         kv.host.external_holders = self.holders
+        self._closed = False
+        self.on_evict_policy = store.config.write_policy == "on-evict"
+        if self.on_evict_policy:
+            kv.host.cache.evict_listener = self._on_host_evict
+            kv.host.cache.drop_listener = self._on_spill_dropped
 
     # ---- arrival and prefetch -----------------------------------------------------------
     def on_arrival(self, seq, token_ids: Sequence[int], extra_keys: tuple) -> int:
@@ -252,8 +261,11 @@ class DiskTier:
 
     # ---- write-through --------------------------------------------------------------------
     def after_step(self, seq_ids: Sequence[str]) -> int:
-        """Queue the blocks ``seq_ids`` committed since the last call; returns how many."""
+        """Queue the blocks ``seq_ids`` committed since the last call (``write-through``;
+        nothing under ``on-evict``); returns how many."""
         kv = self.kv
+        if self.on_evict_policy:
+            return 0
         todo: list[tuple[int, bytes]] = []
         blocks = kv.pool.blocks
         for seq_id in seq_ids:
@@ -268,26 +280,73 @@ class DiskTier:
                 if b < 0:
                     continue
                 h = blocks[b].block_hash
-                if h is None or h in self.store or h in self._recent:
+                if h is None or self._on_disk(h):
                     continue
                 todo.append((b, h))
             self._written[seq_id] = n
-        if not todo or self.stats.disk_full:
-            return 0
+        return self._submit_device(todo)
+
+    def _on_disk(self, h: bytes) -> bool:
+        """Held by the store, or queued for it lately."""
+        return h in self.store or h in self._recent
+
+    def _submit(self, h: bytes, payload: bytes) -> bool:
         if len(self._recent) > 65536:
             self._recent.clear()
+        if self.store.submit(h, payload):
+            self._recent.add(h)
+            return True
+        return False
+
+    def _submit_device(self, todo: list[tuple[int, bytes]]) -> int:
+        """Queue device blocks ``(block id, hash)``; returns how many were queued."""
+        if not todo or self.stats.disk_full:
+            return 0
         ids = torch.tensor([b for b, _ in todo], dtype=torch.int64,
                            device=self._device[0].device)
         gathered = torch.cat([_flat_bytes(t.index_select(0, ids)) for t in self._device],
                              dim=1).cpu().numpy()
+        return sum(self._submit(h, row.tobytes()) for row, (_, h) in zip(gathered, todo))
+
+    def _host_payload(self, host_block: int) -> bytes:
+        return b"".join(h[host_block].tobytes() for h in self._host)
+
+    # ---- on-evict ---------------------------------------------------------------------------
+    def _on_host_evict(self, host_block: int, block_hash: bytes) -> None:
+        """``on-evict``: a named host block is about to be reused: its bytes go to the disk
+        (dropped when the writer's queue is full, as every write)."""
+        if self.stats.disk_full or self._on_disk(block_hash):
+            return
+        if self._settle_host is not None:
+            self._settle_host()  # a spill into this block may still be in flight
+        self._submit(block_hash, self._host_payload(host_block))
+
+    def _on_spill_dropped(self, device_block: int, block_hash: bytes) -> None:
+        """``on-evict``: a named device block leaves memory without a host copy (every host
+        block in use): its bytes go to the disk straight from the device pools."""
+        if not self.stats.disk_full and not self._on_disk(block_hash):
+            self._submit_device([(device_block, block_hash)])
+
+    def _write_back_memory(self) -> int:
+        """``on-evict`` at a clean shutdown: every named block of the host and device pools
+        that the disk lacks, the writer drained between batches so that none is dropped for
+        a full queue. Returns the blocks queued."""
+        if self._settle_host is not None:
+            self._settle_host()
+        batch = max(1, self.store.config.queue_blocks // 2)
         queued = 0
-        for row, (_, h) in zip(gathered, todo):
-            if self.store.submit(h, row.tobytes()):
-                self._recent.add(h)
-                queued += 1
+        host = [(b.block_id, h) for h, b in list(self.kv.host.pool.cached.items())
+                if not self._on_disk(h)]
+        for k in range(0, len(host), batch):
+            queued += sum(self._submit(h, self._host_payload(b)) for b, h in host[k:k + batch])
+            self.store.flush()
+        device = [(b.block_id, h) for h, b in list(self.kv.pool.cached.items())
+                  if not self._on_disk(h)]
+        for k in range(0, len(device), batch):
+            queued += self._submit_device(device[k:k + batch])
+            self.store.flush()
         return queued
 
-    # ---- lifecycle --------------------------------------------------------------------------
     def snapshot(self) -> DiskTierStats:
         return self.store.snapshot()
 
@@ -312,6 +371,14 @@ class DiskTier:
                 f"{self.block_bytes} bytes/block")
 
     def close(self) -> None:
-        """Stop the threads; queued writes are written first. Idempotent."""
+        """Stop the threads; under ``on-evict`` the blocks in memory are written first, then
+        the queued writes. Idempotent."""
+        if self.on_evict_policy and not self._closed:
+            try:
+                n = self._write_back_memory()
+                logger.info("kv disk tier: %d blocks written back from memory at shutdown", n)
+            except Exception:  # noqa: BLE001 - a failed write-back must not block the shutdown
+                logger.exception("kv disk tier: writing the memory's blocks back failed")
+        self._closed = True
         self._prefetcher.close()
         self.store.close()

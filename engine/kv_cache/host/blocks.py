@@ -20,6 +20,7 @@ copies, or overwritten while a copy still has to read it, within one step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
@@ -120,9 +121,17 @@ class HostKVCache:
         self.spills = 0
         self.spills_skipped = 0
         self.spills_dropped = 0
+        # Told of every named host block about to be reused, its bytes still intact (the disk
+        # tier's on-evict writes).
+        self.evict_listener: Callable[[int, BlockHash], None] | None = None
+        # Told of every device block whose spill is dropped (no host block free), its bytes
+        # still intact: (device block id, hash).
+        self.drop_listener: Callable[[int, BlockHash], None] | None = None
 
     def _on_host_evict(self, block_id: int, block_hash: BlockHash) -> None:
         self.host_evictions += 1
+        if self.evict_listener is not None:
+            self.evict_listener(block_id, block_hash)
 
     # ---- lookups and references ------------------------------------------------------
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
@@ -188,6 +197,8 @@ class HostKVCache:
             return
         if self.pool.num_free_blocks == 0:
             self.spills_dropped += 1
+            if self.drop_listener is not None:
+                self.drop_listener(device_block, block_hash)
             return
         block = self.new_pinned_block()  # the pin keeps it until the copy has run
         self.pool.register(block, block_hash)
