@@ -129,9 +129,10 @@ class DiskTier:
                busy: bool = True) -> tuple[int, int]:
         """Look ``hashes`` up device -> host -> disk and queue a read of the disk run after
         the device and host hits into host blocks; returns (blocks queued, blocks the disk has
-        there). On arrival it
-        takes at most half of the free host blocks and counts the misses; at the gate, every
-        free host block but as many as its own host hits."""
+        there). On arrival it takes at most half of the free host blocks and counts the
+        misses; at the gate, every free host block but its own free host hits (after the
+        requests behind it gave up theirs; with nothing else to run, once their reads in
+        flight have landed)."""
         kv = self.kv
         host = kv.host
         cached = kv.pool.cached
