@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.kv_cache.disk.config import WRITE_POLICIES  # noqa: E402
 from engine.loading.loader import load_config, resolve_model  # noqa: E402
 from engine.models.arch import ModelArch  # noqa: E402
 from engine.runner.device import resolve_device  # noqa: E402
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "directory) and print its throughput against the host tier alone")
     ap.add_argument("--kv-disk-size", default="4GiB")
     ap.add_argument("--kv-disk-write-policy", default="write-through",
-                    choices=["write-through", "on-evict"])
+                    choices=WRITE_POLICIES)
     return ap.parse_args(argv)
 
 

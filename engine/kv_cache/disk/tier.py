@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,12 +53,22 @@ from engine.kv_cache.hashing import encode_extra_keys, extend_block_hashes
 from engine.kv_cache.host.blocks import SwapCostModel
 from engine.kv_cache.snapshot import TierState
 from engine.request import SeqStatus
+from engine.request import Sequence as Seq
 
 logger = logging.getLogger("kvserve.engine")
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
 _DISK_BYTES_PER_S = 5.0e8  # nominal read rate behind the wait-or-recompute choice
 _GATE_WAIT_S = 10.0  # the most the engine waits for a request's reads when idle
 _GATE_LOOKUPS = 3  # look-ups at the gate per request (a bound on re-reading evicted blocks)
+
+
+@dataclass
+class _Prompt:
+    """A request's prompt as the admission gate looks it up again."""
+
+    seq: Seq  # its status says whether it still waits
+    hashes: list[bytes]  # its full blocks' chained hashes
+    lookups_left: int = _GATE_LOOKUPS
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -94,8 +105,7 @@ class DiskTier:
         self._jobs: dict[str, PrefetchJob] = {}
         self._written: dict[str, int] = {}  # seq id -> table entries already considered
         self._recent: set[bytes] = set()  # queued for writing lately (not yet in the index)
-        # seq id -> [its prompt's block hashes, gate look-ups left] (until it ends)
-        self._prompts: dict[str, list] = {}
+        self._prompts: dict[str, _Prompt] = {}  # seq id -> its prompt (until it ends)
         # seq id -> host blocks its finished reads filled: referenced (so that spills cannot
         # evict them) until it leaves the waiting queue
         self._held: dict[str, list] = {}
@@ -122,7 +132,7 @@ class DiskTier:
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         hashes: list[bytes] = []
         extend_block_hashes(hashes, token_ids, bs, max_blocks, encode_extra_keys(extra_keys))
-        self._prompts[seq_id] = [hashes, _GATE_LOOKUPS, seq]
+        self._prompts[seq_id] = _Prompt(seq, hashes)
         return self._stage(seq_id, hashes, at_gate=False)[0]
 
     def _stage(self, seq_id: str, hashes: list[bytes], at_gate: bool,
@@ -189,25 +199,25 @@ class DiskTier:
         for job in self._prefetcher.take_done():
             if self._jobs.get(job.seq_id) is job:
                 del self._jobs[job.seq_id]
-            held = self._held.setdefault(job.seq_id, [])
-            unused = []
+            kept, unused = [], []
             for j, (h, hb) in enumerate(zip(job.hashes, job.host_blocks)):
                 if j < job.num_loaded and pool.register(hb, h):
                     self.stats.hit_blocks += 1
                     self.stats.hit_tokens += self.block_size
                     self.stats.prefetched_blocks += 1
-                    held.append(hb)
+                    kept.append(hb)
                 else:
                     unused.append(hb)
             for hb in reversed(unused):
                 pool.free(hb)
-        for seq_id in [s for s, blocks in self._held.items()
-                       if not self._still_waiting(s) or not blocks]:
+            if kept:
+                self._held.setdefault(job.seq_id, []).extend(kept)
+        for seq_id in [s for s in self._held if not self._still_waiting(s)]:
             self._release(seq_id)
 
     def _still_waiting(self, seq_id: str) -> bool:
         prompt = self._prompts.get(seq_id)
-        return prompt is not None and prompt[2].status is SeqStatus.WAITING
+        return prompt is not None and prompt.seq.status is SeqStatus.WAITING
 
     def _release(self, seq_id: str) -> None:
         """Drop the references held on ``seq_id``'s read blocks: they stay in the host cache
@@ -227,14 +237,14 @@ class DiskTier:
                 # Look again: blocks the device or host held on arrival may have been evicted
                 # since (other requests ran), and the staging area may have room now.
                 prompt = self._prompts.get(seq.seq_id)
-                if prompt is None or prompt[1] <= 0:
+                if prompt is None or prompt.lookups_left <= 0:
                     return True
-                prompt[1] -= 1
-                queued, found = self._stage(seq.seq_id, prompt[0], at_gate=True, busy=busy)
+                prompt.lookups_left -= 1
+                queued, found = self._stage(seq.seq_id, prompt.hashes, at_gate=True, busy=busy)
                 if not queued:
                     # the disk has blocks but no host block is free: while others run, wait
                     # a step (blocks held for requests admitted this step are released next)
-                    return not (found and busy and prompt[1] > 0)
+                    return not (found and busy and prompt.lookups_left > 0)
                 job = self._jobs[seq.seq_id]
             pending = len(job.hashes) - job.num_loaded
             if self.cost is not None and pending * self.block_bytes / _DISK_BYTES_PER_S > \
@@ -260,7 +270,7 @@ class DiskTier:
         self._prompts.pop(seq_id, None)
         self._release(seq_id)
 
-    # ---- write-through --------------------------------------------------------------------
+    # ---- writes -----------------------------------------------------------------------------
     def after_step(self, seq_ids: Sequence[str]) -> int:
         """Queue the blocks ``seq_ids`` committed since the last call (``write-through``;
         nothing under ``on-evict``); returns how many."""
