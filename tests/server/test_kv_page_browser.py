@@ -37,7 +37,10 @@ COUNTS_JS = """(() => {
 
 
 def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event,
-            errors: list) -> None:
+            stop: threading.Event, errors: list) -> None:
+    """Stream a completion; set ``started`` at its first event, and disconnect (the server frees
+    its blocks) as soon as ``stop`` is set, so the request runs for as long as the page check
+    needs it however fast or slow the machine is."""
     try:
         with httpx.stream("POST", f"{url}/v1/completions", timeout=300,
                           headers={"Authorization": f"Bearer {API_KEY}"},
@@ -47,6 +50,8 @@ def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event,
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     started.set()
+                if stop.is_set():
+                    break
     except Exception as exc:  # noqa: BLE001 - reported by the test
         errors.append(exc)
     finally:
@@ -84,15 +89,17 @@ async def _drive(binary: str, url: str, shots: Path) -> None:
         await page.wait_for("Number(document.body.dataset.seqNo) > 0", 120)
         assert await page.eval("document.getElementById('conn').textContent") == "live"
 
-        # Two requests sharing a long prefix, the second admitted while the first runs.
+        # Two requests sharing a long prefix, the second admitted while the first runs. Both
+        # ask for more tokens than the check can need and disconnect once it has passed: with
+        # short fixed lengths the first could finish on a slow machine before the page saw both.
         errors: list = []
-        first, second = threading.Event(), threading.Event()
-        threads = [threading.Thread(target=_stream, args=(url, SHARED + "Question one?", 48,
-                                                          first, errors))]
+        first, second, stop = threading.Event(), threading.Event(), threading.Event()
+        threads = [threading.Thread(target=_stream, args=(url, SHARED + "Question one?", 900,
+                                                          first, stop, errors))]
         threads[0].start()
         assert first.wait(300)
         threads.append(threading.Thread(target=_stream, args=(url, SHARED + "Question two?",
-                                                              24, second, errors)))
+                                                              800, second, stop, errors)))
         threads[1].start()
         try:
             # Both rows on the page, one of them showing a shared prefix.
@@ -106,6 +113,7 @@ async def _drive(binary: str, url: str, shots: Path) -> None:
             assert shown["used"] > 0 and shown["s"] > 0
             assert shown["u"] + shown["s"] == shown["used"]
         finally:
+            stop.set()
             for t in threads:
                 t.join(300)
         assert not errors, errors
