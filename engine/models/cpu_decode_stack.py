@@ -9,12 +9,15 @@ layer loop with the fused CPU ops and the torch backend's CPU decode kernel.
 
 ``build_decode_stack(model)`` returns one when the model can use it (no tensor parallelism, the
 fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of them (Q4_K_M
-files), a panel ``PackedLinear`` or a plain ``nn.Linear``), else None and the reason. ``accepts`` then decides per step: every row of
-the step a decode row of the torch backend's decode group (no prefill), no more rows than the
+files), a panel ``PackedLinear`` or a plain ``nn.Linear``; Llama-style layers or Gemma 3's
+(sandwich norms, GeGLU, a local RoPE table), not soft-capped attention (Gemma 2) nor experts),
+else None and the reason. ``accepts`` then decides per step: every row of the step a decode
+row of the torch backend's decode group in every KV group (no prefill), no more rows than the
 linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
-other kernels), float32, float16, bfloat16, int8 or int4 KV pools (not fp8), no KV observer or fp8
-scales. Anything else runs the Python
-loop. ``KVSERVE_DECODE_STACK=0`` turns it off (for A/B runs).
+other kernels), float32, float16, bfloat16, int8 or int4 KV pools (not fp8), no KV observer or
+fp8 scales. A hybrid KV cache (``meta.layer_metas``) gives the stack each group's slots and
+tables and each layer its group. Anything else runs the Python loop.
+``KVSERVE_DECODE_STACK=0`` turns it off (for A/B runs).
 
 The stack holds references to the modules' weight tensors: it is built after the weights are
 final (quantisation adopted, linears packed) and must be rebuilt if a projection is replaced.
@@ -102,32 +105,25 @@ class CpuDecodeStack:
                     raise ValueError(f"layer {layer.layer_idx} {name}: {lin}")
                 specs[name] = lin.spec
                 self.max_rows = min(self.max_rows, lin.max_rows)
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if layer.q_norm is not None:
-                norms += [layer.q_norm, layer.k_norm]
-            if len({n.eps for n in norms}) != 1:
-                raise ValueError(f"layer {layer.layer_idx}: norms with different epsilons")
-            self._stack.add_layer(kernels.StackLayer(
-                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                layer.input_layernorm.eps, specs["qkv_proj"], specs["o_proj"],
-                specs["gate_up_proj"], specs["down_proj"], layer.num_heads, layer.num_kv_heads,
-                layer.head_dim, layer.sliding_window or 0, layer.scale,
-                None if layer.q_norm is None else layer.q_norm.weight.detach(),
-                None if layer.k_norm is None else layer.k_norm.weight.detach()))
+            self._stack.add_layer(_layer(kernels, layer, specs))
+        self._groups: list[int] | None = None  # the layers' KV groups as last set
         self._bound_caches: list | None = None
         self._bound_k0: torch.Tensor | None = None
         self.calls = 0  # steps run here
 
     def accepts(self, x: torch.Tensor, meta, backend, kv_caches, ops: TorchLayerOps) -> bool:
-        """Whether this step can run here (module docstring); call after ``backend.prepare``."""
-        if (ops is not self._ops or getattr(backend, "name", None) != "torch"
-                or meta.layer_metas is not None):  # hybrid KV cache: per-group tables
+        """Whether this step can run here (module docstring); call after ``backend.prepare``
+        (of every KV group's metadata)."""
+        if ops is not self._ops or getattr(backend, "name", None) != "torch":
             return False
-        state = meta.backend_state
-        group = state.get("decode")
         t = x.shape[0]
-        if state.get("prefills") or group is None or group.num_rows != t or t > self.max_rows:
+        if t > self.max_rows:
             return False
+        for m in _group_metas(meta)[0]:
+            state = m.backend_state
+            group = state.get("decode")
+            if state.get("prefills") or group is None or group.num_rows != t:
+                return False
         if (not kv_caches or kv_caches[0][0].dtype not in STACK_POOL_DTYPES
                 or x.dtype != torch.float32):
             return False
@@ -135,16 +131,70 @@ class CpuDecodeStack:
                    for layer in self._layers)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` (what the model's forward returns)."""
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
+                 local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` (what the model's forward returns).
+        ``local_rope``: the (cos, sin) of Gemma 3's local layers."""
         if kv_caches is not self._bound_caches or kv_caches[0][0] is not self._bound_k0:
             self._stack.set_kv_caches([k for k, _ in kv_caches], [v for _, v in kv_caches],
                                       INT8_SCALE_FLOOR)
             self._bound_caches, self._bound_k0 = kv_caches, kv_caches[0][0]
-        group = meta.backend_state["decode"]
+        metas, groups = _group_metas(meta)
+        if groups != self._groups:
+            self._stack.set_layer_groups(groups or [0] * len(self._layers))
+            self._groups = groups
+        decode = [m.backend_state["decode"] for m in metas]
+        coss, sins = [cos], [sin]
+        if local_rope is not None:
+            coss.append(local_rope[0])
+            sins.append(local_rope[1])
         self.calls += 1
-        return self._stack.forward(x, cos, sin, meta.slot_mapping, group.tables_i32,
-                                   group.lens_i32, self._final.weight.detach(), self._final.eps)
+        return self._stack.forward(x, coss, sins, [m.slot_mapping for m in metas],
+                                   [g.tables_i32 for g in decode], [g.lens_i32 for g in decode],
+                                   self._final.weight.detach(), self._final.eps)
+
+
+def _group_metas(meta) -> tuple[list, list[int] | None]:
+    """The step's KV groups' metadata (group 0's first) and each layer's group index (None:
+    one group)."""
+    if meta.layer_metas is None:
+        return [meta], None
+    index: dict[int, int] = {}
+    metas = []
+    groups = []
+    for m in meta.layer_metas:
+        g = index.get(id(m))
+        if g is None:
+            g = index[id(m)] = len(metas)
+            metas.append(m)
+        groups.append(g)
+    return metas, groups
+
+
+def _layer(kernels, layer: nn.Module, specs: dict) -> object:
+    """The C++ ``StackLayer`` of a Llama-style or Gemma decoder layer (module docstring)."""
+    sandwich = getattr(layer, "pre_feedforward_layernorm", None) is not None
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if layer.q_norm is not None:
+        norms += [layer.q_norm, layer.k_norm]
+    if sandwich:
+        if getattr(layer, "softcap", None) is not None:
+            raise ValueError(f"layer {layer.layer_idx}: soft-capped attention")
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if len({n.eps for n in norms}) != 1:
+        raise ValueError(f"layer {layer.layer_idx}: norms with different epsilons")
+
+    def weight(norm) -> torch.Tensor | None:
+        return None if norm is None else norm.weight.detach()
+
+    return kernels.StackLayer(
+        weight(layer.input_layernorm), weight(layer.post_attention_layernorm),
+        layer.input_layernorm.eps, specs["qkv_proj"], specs["o_proj"], specs["gate_up_proj"],
+        specs["down_proj"], layer.num_heads, layer.num_kv_heads, layer.head_dim,
+        layer.sliding_window or 0, layer.scale, weight(layer.q_norm), weight(layer.k_norm),
+        pre_ff_norm=weight(getattr(layer, "pre_feedforward_layernorm", None)),
+        post_ff_norm=weight(getattr(layer, "post_feedforward_layernorm", None)),
+        act=1 if sandwich else 0, rope=1 if getattr(layer, "local_rope", False) else 0)
 
 
 def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:

@@ -16,8 +16,9 @@ What differs from :mod:`engine.models.llama` (HF ``modeling_gemma2`` / ``modelin
 - Queries scaled by ``query_pre_attn_scalar ** -0.5``.
 - Gemma 2: attention logits soft-capped (``cap * tanh(s / cap)`` before the mask) and final
   logits too. Only the torch attention backend soft-caps (:meth:`GemmaForCausalLM.
-  attention_backend_refusal` tells the runner to use it); the C++ decode stack runs none of
-  these layers (:attr:`GemmaForCausalLM.decode_stack_refusal`).
+  attention_backend_refusal` tells the runner to use it), and the C++ decode stack does not
+  (:attr:`GemmaForCausalLM.decode_stack_refusal`); Gemma 3's layers run in it
+  (engine/models/cpu_decode_stack.py), bit-identical to :meth:`GemmaDecoderLayer.forward`.
 
 Weights load from HF names, also a ``Gemma3ForConditionalGeneration`` checkpoint's text part
 (``model.language_model.*`` / ``language_model.model.*``); its vision tower, if present, is
@@ -111,12 +112,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     @property
     def decode_stack_refusal(self) -> str:
-        """Why the C++ decode stack does not run this model (the runner logs it)."""
-        why = "Gemma layers (sandwich norms, GeGLU) are not in the C++ stack"
+        """Why the C++ decode stack does not run this model ("": it can; the runner logs it)."""
         if self.arch.attn_softcap is not None:
-            why += ("; soft-capped attention takes the torch backend's explicit softmax, not "
-                    "the compiled CPU decode kernel")
-        return why
+            return ("soft-capped attention (Gemma 2) takes the torch backend's explicit "
+                    "softmax, not the compiled CPU decode kernel")
+        return ""
 
     def __init__(self, arch: ModelArch, max_positions: int | None = None,
                  tp: TPGroup | None = None) -> None:
@@ -155,6 +155,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
             local = self._local_cos_sin(positions, x.dtype, meta.max_seq_len - 1)
         backend.prepare(meta)
         ops = ops or self.ops
+        stack = self.decode_stack
+        if stack is not None and stack.accepts(x, meta, backend, kv_caches, ops):
+            return stack(x, *rope, kv_caches, meta, local_rope=local)
         residual = None
         # A hybrid KV cache gives each layer its group's tables and slots (for_layer).
         metas = meta.layer_metas or [meta] * len(self.layers)

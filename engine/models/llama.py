@@ -38,8 +38,9 @@ class FastDecodeStack(Protocol):
                 ops: TorchLayerOps) -> bool: ...
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: AttentionMetadata) -> torch.Tensor: ...
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):

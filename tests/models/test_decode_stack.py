@@ -40,7 +40,17 @@ def _checked(llm: LLM) -> dict[str, int]:
     forward = model.forward
 
     def checked(input_ids, positions, kv_caches, meta, backend, ops=None):
-        copies = [(k.clone(), v.clone()) for k, v in kv_caches]
+        # One copy per pool: a hybrid KV cache's groups share pools (layers of different
+        # groups hold the same tensor), so the copies must share them the same way.
+        clones: dict = {}
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            key = (t.data_ptr(), t.shape, t.dtype)
+            if key not in clones:
+                clones[key] = t.clone()
+            return clones[key]
+
+        copies = [(copy(k), copy(v)) for k, v in kv_caches]
         model.decode_stack = None
         ref = forward(input_ids, positions, copies, meta, backend, ops)
         model.decode_stack = stack
@@ -189,3 +199,30 @@ def test_off_switch_and_reasons(model_dirs, monkeypatch):
     model.layers[1].o_proj = torch.nn.Linear(64, 64).to(torch.bfloat16)
     stack, why = build_decode_stack(model)
     assert stack is None and why == "layer 1 o_proj: torch.bfloat16 linear"
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_gemma3_hybrid_kv(tmp_path, quantization, kv_cache_dtype):
+    """Gemma 3 (sandwich norms, GeGLU, QK-norm, query_pre_attn_scalar, a local RoPE table for
+    the window layers) over a hybrid KV cache (window and full groups, each with its own slots
+    and block tables), prompts longer than the window so window blocks are freed mid-run:
+    every decode step in the stack, hidden states and every group's pools equal to the
+    Python loop's."""
+    path = make_tiny_model_dir(tmp_path / "gemma3", "gemma3_text")
+    llm = LLM(str(path), kv_cache_memory="16MiB", block_size=4, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
+    assert build_decode_stack(llm.engine.runner.model)[1] == ""
+    counts = _checked(llm)
+    prompts = [p * 2 for p in PROMPTS]  # 26-60 tokens against a window of 8
+    outs = llm.generate(prompts, PARAMS)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
+    llm.engine.kv.check_integrity()
+
+
+def test_gemma2_softcap_keeps_the_python_loop(tmp_path):
+    path = make_tiny_model_dir(tmp_path / "gemma2", "gemma2")
+    llm = LLM(str(path), kv_cache_memory="16MiB", quantization="int4")
+    stack, why = build_decode_stack(llm.engine.runner.model)
+    assert stack is None and "soft-capped" in why

@@ -67,18 +67,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
                        double scale, std::optional<torch::Tensor> q_norm,
-                       std::optional<torch::Tensor> k_norm) {
+                       std::optional<torch::Tensor> k_norm,
+                       std::optional<torch::Tensor> pre_ff_norm,
+                       std::optional<torch::Tensor> post_ff_norm, int64_t act, int64_t rope) {
              return StackLayer{input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads,
-                               num_kv_heads, head_dim, window, scale, q_norm, k_norm};
+                               num_kv_heads, head_dim, window, scale, q_norm, k_norm,
+                               pre_ff_norm, post_ff_norm, act, rope};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("window"), py::arg("scale"),
-           py::arg("q_norm"), py::arg("k_norm"));
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("pre_ff_norm") = py::none(),
+           py::arg("post_ff_norm") = py::none(), py::arg("act") = 0, py::arg("rope") = 0);
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's layer stack in one call")
       .def(py::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_kv_caches", &DecodeStack::set_kv_caches)
+      .def("set_layer_groups", &DecodeStack::set_layer_groups)
       .def("forward", &DecodeStack::forward, nogil())
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -17,7 +17,13 @@
 //   (an int4 pool: rows of the rotated K/V, the query rotated in and the output back);
 //   x = L_down(silu_mul(L_gate_up(add_rms_norm_(L_o(attn), residual))))
 // and after the last layer the final norm: add_rms_norm_(x, residual).
+// A Gemma layer (engine/models/gemma.py GemmaDecoderLayer.forward) ends instead with
+//   h = add_rms_norm_(rms_norm(L_o(attn)), residual); x = rms_norm(L_down(gelu_tanh_mul(..)))
+// its norms' (1 + w) scales stored as such at load; a hybrid KV cache gives each layer its
+// group's slots and block tables, and Gemma 3's local layers their own RoPE table.
 #include "torch_lite.h"
+
+#include <ATen/ops/gelu.h>
 
 #include <optional>
 #include <vector>
@@ -102,6 +108,14 @@ at::Tensor int8_rows(const at::Tensor& x, double floor) {
   return at::cat({q, s16.view(at::kChar)}, -1);
 }
 
+// The MLP's activation over [gate | up], as the Python paths: FusedCpuOps.silu_mul, or
+// gemma.gelu_tanh_mul (the same ATen ops on the same views, so the same bits).
+at::Tensor activation(const at::Tensor& gate_up, int64_t act) {
+  if (act == 0) return silu_mul(gate_up);
+  const auto halves = gate_up.chunk(2, -1);
+  return at::gelu(halves[0], "tanh") * halves[1];
+}
+
 }  // namespace
 
 }  // namespace kvserve_stack
@@ -113,7 +127,18 @@ void DecodeStack::add_layer(StackLayer layer) {
               "DecodeStack: heads must be a multiple of KV heads");
   TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
               "DecodeStack: q_norm and k_norm come together");
+  TORCH_CHECK(layer.pre_ff_norm.has_value() == layer.post_ff_norm.has_value(),
+              "DecodeStack: pre_ff_norm and post_ff_norm come together");
+  TORCH_CHECK(layer.act == 0 || layer.act == 1, "DecodeStack: act 0 (SiLU) or 1 (GeGLU)");
+  TORCH_CHECK(layer.rope >= 0, "DecodeStack: a RoPE table index");
   layers_.push_back(std::move(layer));
+  groups_.push_back(0);
+}
+
+void DecodeStack::set_layer_groups(std::vector<int64_t> groups) {
+  TORCH_CHECK(groups.size() == layers_.size(), "DecodeStack: one KV group per layer");
+  for (const int64_t g : groups) TORCH_CHECK(g >= 0, "DecodeStack: a KV group index");
+  groups_ = std::move(groups);
 }
 
 void DecodeStack::set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
@@ -136,16 +161,28 @@ void DecodeStack::set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tenso
   int8_floor_ = int8_scale_floor;
 }
 
-at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                                   at::Tensor slots, at::Tensor block_tables,
-                                   at::Tensor seq_lens, at::Tensor final_norm,
-                                   double final_eps) {
+at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables,
+                                std::vector<at::Tensor> sin_tables,
+                                std::vector<at::Tensor> group_slots,
+                                std::vector<at::Tensor> group_tables,
+                                std::vector<at::Tensor> group_lens, at::Tensor final_norm,
+                                double final_eps) {
   TORCH_CHECK(!layers_.empty() && k_caches_.size() == layers_.size(),
               "DecodeStack: layers and KV pools must be set before forward");
+  TORCH_CHECK(cos_tables.size() == sin_tables.size() && group_slots.size() == group_tables.size() &&
+                  group_slots.size() == group_lens.size(),
+              "DecodeStack: cos/sin tables in pairs; slots, tables and lengths per group");
   const int64_t t = x.size(0);
   at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); i++) {
     const StackLayer& L = layers_[i];
+    const auto g = static_cast<size_t>(groups_[i]);
+    const auto r = static_cast<size_t>(L.rope);
+    TORCH_CHECK(g < group_slots.size() && r < cos_tables.size(),
+                "DecodeStack: layer ", i, " needs KV group ", g, " and RoPE table ", r);
+    const at::Tensor &cos = cos_tables[r], &sin = sin_tables[r];
+    const at::Tensor &slots = group_slots[g], &block_tables = group_tables[g],
+                     &seq_lens = group_lens[g];
     const int64_t H = L.num_heads, KVH = L.num_kv_heads, D = L.head_dim;
     const int64_t q_size = H * D, kv_size = KVH * D;
     at::Tensor h;
@@ -187,8 +224,14 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                               L.window);
     }
     const at::Tensor o = L.o(attn.reshape({t, q_size}));
-    h = add_rms_norm_(o, residual, L.post_norm, L.eps);
-    x = L.down(silu_mul(L.gate_up(h)));
+    if (L.pre_ff_norm.has_value()) {  // Gemma's sandwich
+      h = add_rms_norm_(rms_norm(o, L.post_norm, L.eps), residual, *L.pre_ff_norm, L.eps);
+      x = rms_norm(L.down(kvserve_stack::activation(L.gate_up(h), L.act)), *L.post_ff_norm,
+                   L.eps);
+    } else {
+      h = add_rms_norm_(o, residual, L.post_norm, L.eps);
+      x = L.down(kvserve_stack::activation(L.gate_up(h), L.act));
+    }
   }
   return add_rms_norm_(x, residual, final_norm, final_eps);
 }

@@ -38,6 +38,9 @@ struct StackLinear {
   std::vector<StackLinear> parts;
 };
 
+// A Llama-style layer, or a Gemma one (sandwich norms: pre_ff_norm and post_ff_norm set;
+// post_norm then normalises the attention output). act: 0 SiLU x up, 1 GeGLU (gelu_tanh x up).
+// rope: which of forward's cos/sin tables the layer rotates with (Gemma 3's local layers: 1).
 struct StackLayer {
   at::Tensor input_norm, post_norm;
   double eps;
@@ -45,6 +48,9 @@ struct StackLayer {
   int64_t num_heads, num_kv_heads, head_dim, window;
   double scale;
   std::optional<at::Tensor> q_norm, k_norm;
+  std::optional<at::Tensor> pre_ff_norm, post_ff_norm;
+  int64_t act = 0;
+  int64_t rope = 0;
 };
 
 }  // namespace kvserve_stack
@@ -57,15 +63,20 @@ class DecodeStack {
   // smallest scale stored), or int4 (uint8) rows (engine/kv_storage/formats.py).
   void set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                      double int8_scale_floor);
+  // Which KV group each layer attends with (a hybrid KV cache: index into forward's slots,
+  // block_tables and seq_lens); every layer group 0 until set.
+  void set_layer_groups(std::vector<int64_t> groups);
   // Final hidden states [T, hidden] of decode rows x [T, hidden] (the embedding output, which
-  // becomes the residual stream and is overwritten, as in the Python path).
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                        at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
-                        at::Tensor final_norm, double final_eps);
+  // becomes the residual stream and is overwritten, as in the Python path). cos/sin: the RoPE
+  // tables (StackLayer::rope indexes them); slots/block_tables/seq_lens: one per KV group.
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                     std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
+                     std::vector<at::Tensor> seq_lens, at::Tensor final_norm, double final_eps);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   std::vector<kvserve_stack::StackLayer> layers_;
+  std::vector<int64_t> groups_;  // per layer
   std::vector<at::Tensor> k_caches_, v_caches_;
   bool int8_ = false;
   bool int4_ = false;
