@@ -144,6 +144,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--openai-only", action="store_true",
                    help="send only OpenAI's own fields (no ignore_eos, no stream_options) and "
                         "count output tokens from the stream")
+    p.add_argument("--prompt-token-ids", action="store_true",
+                   help="send completions prompts as token-id arrays (the tokenizer's ids), so "
+                        "that servers whose tokenisers differ get the same prompt tokens")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--ttft-at", choices=["token", "first-chunk"], default="token",
                    help="token (default): TTFT at the first chunk carrying a token (its text, "

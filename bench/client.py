@@ -43,6 +43,9 @@ class ClientConfig:
     timeout: float = 600.0
     temperature: float = 0.0
     ttft_first_chunk: bool = False  # TTFT at the stream's first chunk, not its first token
+    # Completions prompts sent as their token ids (OpenAI's token-array prompt), so that two
+    # servers whose tokenisers differ are given the very same prompt tokens.
+    prompt_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):

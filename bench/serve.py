@@ -105,6 +105,8 @@ async def run_point(client: BenchClient, sessions: list[Session], arrivals: list
                     messages.append({"role": "assistant", "content": rec.text})
                 else:
                     prompt = turn.prompt.text
+                    if client.cfg.prompt_token_ids:
+                        prompt = turn.prompt.token_ids
                     rec = await client.complete(prompt, turn.max_tokens, turn.prompt.num_tokens)
             finally:
                 if sem is not None:
@@ -206,6 +208,10 @@ async def _run_all(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)
     tokenizer = load_tokenizer(args.tokenizer)
+    ids = getattr(args, "prompt_token_ids", False)
+    if ids and (tokenizer is None or args.endpoint == "chat"):
+        raise ValueError("--prompt-token-ids needs a tokenizer (not --tokenizer none) and the "
+                         "completions endpoint")
     probe = ClientConfig(args.base_url, args.model or "", args.api_key, args.openai_only,
                          args.timeout)
     async with BenchClient(probe) as c:
@@ -213,7 +219,8 @@ async def _run_all(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     if not model:
         raise ValueError("the server lists no model; give --model")
     cfg = ClientConfig(args.base_url, model, args.api_key, args.openai_only, args.timeout,
-                       ttft_first_chunk=getattr(args, "ttft_at", "token") == "first-chunk")
+                       ttft_first_chunk=getattr(args, "ttft_at", "token") == "first-chunk",
+                       prompt_token_ids=ids)
     label = args.label or f"{model} @ {args.base_url}"
     shape, peak = _yardstick(args, model, log)
     summaries: list[RunSummary] = []
@@ -246,7 +253,7 @@ async def _run_all(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     return {"tool": "kvserve bench serve", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": machine_info(), "base_url": args.base_url, "model": model,
             "openai_only": args.openai_only, "label": label, "seed": args.seed,
-            "ttft_at": getattr(args, "ttft_at", "token"),
+            "ttft_at": getattr(args, "ttft_at", "token"), "prompt_token_ids": ids,
             "matmul_peak": None if peak is None else vars(peak) | {"shape": list(peak.shape)},
             "runs": [s.to_dict() for s in summaries]}
 

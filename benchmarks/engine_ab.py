@@ -3,10 +3,11 @@ noisy shared machine cannot bias (both sides see the same load at the same momen
 
     python benchmarks/engine_ab.py KVSERVE_PACKED_LINEAR=onednn KVSERVE_PACKED_LINEAR=hybrid
     python benchmarks/engine_ab.py KVSERVE_CPU_KERNELS=0 KVSERVE_CPU_KERNELS=1 --prompts 16
+    python benchmarks/engine_ab.py KVSERVE_DECODE_STACK=0 KVSERVE_DECODE_STACK=1 --model F.gguf
 
 Each side is given as ``VAR=value`` (an environment switch the engine reads at start-up; see
-docs/envs.md; figures in docs/performance.md). Both engines (embedded model, float32, greedy,
-ignore_eos) get the same random prompts; then step i of A, step i of B, and so on. Prints the summed time of prefill
+docs/envs.md; figures in docs/performance.md). Both engines (embedded model or ``--model``,
+float32, greedy, ignore_eos) get the same random prompts; then step i of A, step i of B, and so on. Prints the summed time of prefill
 steps and of decode-only steps for each side, the B/A speed ratios, and whether the generated
 tokens are identical.
 """
@@ -29,14 +30,14 @@ from engine.llm import LLM  # noqa: E402
 from engine.sampling.params import SamplingParams  # noqa: E402
 
 
-def _engine(setting: str, kv_memory: str):
+def _engine(setting: str, kv_memory: str, model: str | None):
     var, _, value = setting.partition("=")
     if not var or not _:
         raise SystemExit(f"settings look like VAR=value; got {setting!r}")
     old = os.environ.get(var)
     os.environ[var] = value
     try:
-        return LLM(dtype="float32", kv_cache_memory=kv_memory).engine
+        return LLM(model, dtype="float32", kv_cache_memory=kv_memory).engine
     finally:  # the switch is read at start-up; restore it for the other side
         if old is None:
             os.environ.pop(var)
@@ -52,8 +53,9 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=24)
     ap.add_argument("--kv-cache-memory", default="1GiB", help="per engine")
+    ap.add_argument("--model", default=None, help="HF directory or GGUF (default: embedded)")
     args = ap.parse_args()
-    engines = {s: _engine(s, args.kv_cache_memory) for s in (args.a, args.b)}
+    engines = {s: _engine(s, args.kv_cache_memory, args.model) for s in (args.a, args.b)}
     rng = random.Random(0)
     vocab = next(iter(engines.values())).tokenizer.vocab_size
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)]

@@ -14,10 +14,13 @@
 # 1. Builds llama-server once from the llama.cpp sources vendored in the llama-cpp-python sdist
 #    on PyPI (cmake + ninja, about 10 minutes on 2 cores), cached outside the repository in
 #    ${KVSERVE_LLAMACPP_DIR:-~/.cache/kvserve/llamacpp}. Nothing is built inside the repository.
-# 2. Serves the embedded model's GGUF (SmolLM2-135M-Instruct Q4_1) with both servers, each with
-#    16 slots / sequences and all cores, one after the other (never both at once), both with a
-#    16-bit KV cache: llama-server's default (f16), kvserve's --kv-cache-dtype float16
-#    (KVSERVE_BENCH_KV_DTYPE overrides it, e.g. auto for the model's float32).
+# 2. Serves the embedded model's GGUF (SmolLM2-135M-Instruct Q4_1), or KVSERVE_BENCH_GGUF's
+#    (e.g. benchmarks/gemma3_gguf.py's Gemma 3 270M-shaped file; prompts are then sent as
+#    token ids, --prompt-token-ids, as two servers' tokenisers of such a file may differ),
+#    with both servers, each with 16 slots / sequences and all cores, one after the other
+#    (never both at once), both with a 16-bit KV cache: llama-server's default (f16),
+#    kvserve's --kv-cache-dtype float16 (KVSERVE_BENCH_KV_DTYPE overrides it, e.g. auto for
+#    the model's float32).
 # 3. Runs `kvserve bench serve --openai-only` (the same client, OpenAI fields only, tokens
 #    counted from the stream) against each: single stream (8 requests, 128 prompt tokens, 128
 #    out, concurrency 1), W1 (64 requests, 280 prompt tokens, 64 out, concurrency 16), W2 (32
@@ -60,7 +63,15 @@ if [ ! -x "$SERVER_BIN" ]; then
         "${GGML_ISA[@]}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
     cmake --build "$SRC/$BUILD" --target llama-server -j "$THREADS"
 fi
-GGUF=$(python -c "from engine.loading.embedded import embedded_gguf_path; print(embedded_gguf_path())")
+GGUF=${KVSERVE_BENCH_GGUF:-}
+KV_MODEL=()
+IDS=()
+if [ -n "$GGUF" ]; then
+    KV_MODEL=(--model "$GGUF")
+    IDS=(--prompt-token-ids)
+else
+    GGUF=$(python -c "from engine.loading.embedded import embedded_gguf_path; print(embedded_gguf_path())")
+fi
 echo "llama-server: $SERVER_BIN"
 echo "GGUF: $GGUF ($ISA, $THREADS threads)"
 
@@ -76,7 +87,7 @@ wait_health() {
 
 bench() {  # bench NAME PORT
     local name=$1 port=$2 url="http://127.0.0.1:$2"
-    local common=(--base-url "$url" --openai-only --no-yardstick --warmup 1)
+    local common=(--base-url "$url" --openai-only --no-yardstick --warmup 1 "${IDS[@]}")
     kvserve bench serve "${common[@]}" --workload random --num-requests 8 --input-len 128 \
         --output-len 128 --concurrency 1 --label "$name single" --json "$OUT/$name-single.json"
     kvserve bench serve "${common[@]}" --workload random --num-requests 64 --input-len 280 \
@@ -115,7 +126,7 @@ kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""
 KV_DTYPE=${KVSERVE_BENCH_KV_DTYPE:-float16}
 echo "kvserve --kv-cache-dtype $KV_DTYPE (llama-server: its default f16 KV cache)" \
     | tee -a "$OUT/notes.txt"
-kvserve serve --host 127.0.0.1 --port "$PORT_KV" --max-num-seqs 16 --kv-cache-dtype "$KV_DTYPE" \
+kvserve serve "${KV_MODEL[@]}" --host 127.0.0.1 --port "$PORT_KV" --max-num-seqs 16 --kv-cache-dtype "$KV_DTYPE" \
     > "$OUT/kvserve.log" 2>&1 &
 PID=$!
 wait_health "$PORT_KV"

@@ -12,10 +12,11 @@ costs 2 bytes more per group and saves a conversion per group in the kernel):
   Q4_K is ``d = d_super * sc``, ``m = -dmin * min`` per sub-block of 32 (products of an fp16
   and a 6-bit integer: exact in float32).
 * :class:`PackedQ8`: ``qs`` int8 ``[N, K]``, ``d`` float32 ``[N, K/S]`` with the scale group
-  ``S`` 32 or 16, optional ``m`` float32 ``[N, K/32]`` (only with ``S = 32``);
-  ``w = d[k // S] * q (+ m[k // 32])``. Q8_0 is ``S = 32`` without ``m``; Q5_K is ``S = 32``
+  ``S`` 32 or 16, optional ``m`` float32 shaped like ``d`` (a min per scale group);
+  ``w = d[k // S] * q (+ m[k // S])``. Q8_0 is ``S = 32`` without ``m``; Q5_K is ``S = 32``
   with ``m`` (``q`` in 0..31, the 5-bit value); Q6_K is ``S = 16`` without ``m`` (``q`` in
-  -32..31, its 16-element sub-blocks keep their own scale ``d * sc``).
+  -32..31, its 16-element sub-blocks keep their own scale ``d * sc``); Q2_K is ``S = 16`` with
+  ``m`` (``q`` in 0..3, ``d * sc`` and ``-dmin * min`` per 16).
 
 * :class:`PackedQ5`: ``qs`` uint8 ``[N, K/32 * 20]``, ``d`` and ``m`` float32 ``[N, K/32]``;
   ``w = d * q + m`` with ``q`` in 0..31. Each group of 32 is 20 bytes: 16 bytes of low nibbles
@@ -71,8 +72,8 @@ class PackedQ4:
 
 @dataclass
 class PackedQ8:
-    """8-bit values, a scale per ``scale_group`` (16 or 32) of them and an optional min per 32:
-    ``w = d * q (+ m)``. Construction checks the shapes (ValueError)."""
+    """8-bit values, a scale per ``scale_group`` (16 or 32) of them and an optional min per
+    scale group: ``w = d * q (+ m)``. Construction checks the shapes (ValueError)."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -84,8 +85,8 @@ class PackedQ8:
                 or self.scale_group not in SCALE_GROUPS or self.d.shape[1] * self.scale_group != k):
             raise ValueError(f"an 8-bit weight [{n}, {k}] needs K a multiple of {GROUP} and "
                              f"one scale per 16 or 32 values; got scales {tuple(self.d.shape)}")
-        if self.m is not None and (self.scale_group != GROUP or self.m.shape != self.d.shape):
-            raise ValueError("an 8-bit weight's mins go with scales per group of 32")
+        if self.m is not None and self.m.shape != self.d.shape:
+            raise ValueError("an 8-bit weight's mins go one per scale group, like its scales")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -109,10 +110,10 @@ class PackedQ8:
         """Float32 ``[N, K]`` (reference implementation, in PyTorch)."""
         n, k = self.shape
         s = self.scale_group
-        w = (self.qs.view(n, k // s, s).float() * self.d[..., None]).reshape(n, k)
+        w = self.qs.view(n, k // s, s).float() * self.d[..., None]
         if self.m is not None:
-            w = (w.view(n, k // GROUP, GROUP) + self.m[..., None]).reshape(n, k)
-        return w
+            w = w + self.m[..., None]
+        return w.reshape(n, k)
 
 
 @dataclass

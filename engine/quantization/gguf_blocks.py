@@ -17,6 +17,8 @@ Q6_K      256: 128 B low 4 bits, 64 B   PackedQ8 (q - 32 in -32..31), scale ``d 
 Q5_0      32: fp16 d, 4 B fifth bits,   PackedQ5 (nibbles and fifth bits as stored), ``m = -16 d``
           16 B nibbles
 Q5_1      32: fp16 d, m, then as Q5_0   PackedQ5 as stored
+Q2_K      256: 16 B 4-bit sc/mn, 64 B   PackedQ8 (q in 0..3), scale ``d * sc`` and min
+          2-bit q, fp16 d, dmin         ``-dmin * mn`` per 16
 Q3_K      256: 32 B high-bit mask, 64   PackedQ8 (q in -4..3), scale ``d * (sc - 32)`` per 16
           B 2-bit q, 12 B 6-bit sc, d
 IQ4_NL    32: fp16 d, 16 B indices      PackedQ8 (the non-linear table's int8 values), scale d
@@ -24,9 +26,9 @@ IQ4_XS    256: d, 6-bit sc per 32,      PackedQ8 (table values), scale ``d * (sc
           128 B indices
 ========  ============================  =========================================================
 
-Q2_K (a scale and a min per 16) has no exact form here and stays dequantised to float. Q3_K,
-IQ4_NL and IQ4_XS widen to 8 bits (2-3x their GGUF bytes, a quarter of float32's); products
-such as ``d * (sc - 32) * q`` need at most 24 significant bits, so every mapped value is exact.
+Q2_K, Q3_K, IQ4_NL and IQ4_XS widen to 8 bits (2-4x their GGUF bytes, a third of float32's
+or less); products such as ``d * (sc - 32) * q`` need at most 24 significant bits, so every
+mapped value is exact (Q2_K's ``d * sc * q - dmin * mn`` rounds once, as gguf's does).
 
 The bit layouts follow ggml's reference dequantisers (``dequantize_row_q4_K`` etc., mirrored
 by ``gguf.quants``). Contract of :func:`from_gguf_blocks`: ``raw`` holds the bytes of a
@@ -42,14 +44,15 @@ import torch
 from engine.quantization.formats import GROUP, Packed, PackedQ4, PackedQ5, PackedQ8
 
 # GGUF block type ids (gguf.GGMLQuantizationType) -> (elements, bytes) per block.
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 11, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS = 20, 23
 BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-          IQ4_NL: (32, 18), IQ4_XS: (256, 136)}
+          Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
+          Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136)}
 SUPPORTED = tuple(BLOCKS)
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q3_K: "Q3_K",
-         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K",
+         Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
+         IQ4_XS: "IQ4_XS"}
 # IQ4_NL/IQ4_XS: the int8 value of each 4-bit index (ggml's kvalues_iq4nl).
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                       dtype=np.int8)
@@ -65,8 +68,9 @@ def from_gguf_blocks(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Pac
         raise ValueError(f"a {NAMES[qtype]} tensor's rows must be a multiple of {per_block}; "
                          f"got {k}")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // per_block, nbytes)
-    decode = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, Q3_K: _q3_k,
-              Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs}
+    decode = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, Q2_K: _q2_k,
+              Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, IQ4_NL: _iq4_nl,
+              IQ4_XS: _iq4_xs}
     return decode[qtype](blocks, n, k)
 
 
@@ -130,6 +134,23 @@ def _iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed:
     return PackedQ8(_t(q.reshape(n, k)), _t((d[..., None] * sc).reshape(n, -1)))
 
 
+def _two_bit_values(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit values per super-block -> uint8 [..., 256]: element
+    ``128h + 32s + j`` is bits ``2s..2s+1`` of byte ``32h + j``."""
+    q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1))
+    return (q & 3).reshape(*qs.shape[:-1], 256)
+
+
+def _q2_k(blocks: np.ndarray, n: int, k: int) -> Packed:
+    s, qs = blocks[..., 0:16], blocks[..., 16:80]
+    d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
+    # Sub-block i (16 elements): scale d * (s[i] & 15), min -dmin * (s[i] >> 4).
+    sc = d[..., None] * (s & 0x0F).astype(np.float32)
+    mn = -(dmin[..., None] * (s >> 4).astype(np.float32))
+    q = _two_bit_values(qs).astype(np.int8)
+    return PackedQ8(_t(q.reshape(n, k)), _t(sc.reshape(n, -1)), _t(mn.reshape(n, -1)))
+
+
 def _q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
     lead = blocks.shape[:-1]
     hmask, qs, s = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
@@ -142,9 +163,8 @@ def _q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
     sc = (low | (top << 4)).astype(np.float32) - 32.0
     # Elements 128h + 32s + j: bits 2s..2s+1 of qs byte 32h + j; element i's "no -4" bit is bit
     # i // 32 of hmask byte i % 32.
-    q2 = (qs.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
     hb = (hmask.reshape(*lead, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
-    q = q2.reshape(*lead, 256).astype(np.int8) - ((1 - hb.reshape(*lead, 256)) * 4).astype(np.int8)
+    q = _two_bit_values(qs).astype(np.int8) - ((1 - hb.reshape(*lead, 256)) * 4).astype(np.int8)
     return PackedQ8(_t(q.reshape(n, k)), _t((d[..., None] * sc).reshape(n, -1)))
 
 

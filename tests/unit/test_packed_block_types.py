@@ -1,6 +1,7 @@
 """The block types of llama.cpp's common mixes beyond Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K
 (engine/quantization/gguf_blocks.py): Q5_0 and Q5_1 on the 5-bit form (engine/quantization/formats.py
-PackedQ5, engine/cpu/csrc/quant_gemm_q5.cpp), Q3_K, IQ4_NL and IQ4_XS on the 8-bit form.
+PackedQ5, engine/cpu/csrc/quant_gemm_q5.cpp), Q2_K, Q3_K, IQ4_NL and IQ4_XS on the 8-bit form
+(Q2_K with a scale and a min per 16: both 8-bit kernels' half-group sums).
 
 Truths: ``gguf.quants`` (its quantiser for Q5_0/Q5_1; for the others, which it cannot quantise,
 random valid blocks) and its dequantiser, which every packed form must reproduce bit for bit;
@@ -26,11 +27,12 @@ from engine.quantization.gguf_blocks import SUPPORTED, from_gguf_blocks  # noqa:
 from engine.quantization.linear import DENSE_ROWS, QuantLinear, quant_kernels  # noqa: E402
 
 Q5_TYPES = [T.Q5_0, T.Q5_1]
-WIDE_TYPES = [T.Q3_K, T.IQ4_NL, T.IQ4_XS]  # widened to 8 bits
-SCALE_OFFSETS = {T.Q3_K: 108, T.IQ4_NL: 0, T.IQ4_XS: 0}  # the fp16 d in each block
+WIDE_TYPES = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]  # widened to 8 bits
+# The fp16 scales in each block (d; Q2_K: d and dmin)
+SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 SHAPES = {T.Q5_0: [(1, 32), (7, 96), (100, 576)], T.Q5_1: [(3, 64), (49, 160)],
-          T.Q3_K: [(1, 256), (9, 512)], T.IQ4_NL: [(5, 96), (17, 576)],
-          T.IQ4_XS: [(1, 256), (7, 768)]}
+          T.Q2_K: [(1, 256), (11, 768)], T.Q3_K: [(1, 256), (9, 512)],
+          T.IQ4_NL: [(5, 96), (17, 576)], T.IQ4_XS: [(1, 256), (7, 768)]}
 CASES = [(t, s) for t, shapes in SHAPES.items() for s in shapes]
 kernels_built = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 
@@ -49,9 +51,9 @@ def _raw(qtype, n: int, k: int, seed: int = 0) -> np.ndarray:
         return quants.quantize(w.astype(np.float32), qtype)
     per, nbytes = quants.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
-    mag = rng.uniform(1e-3, 5e-2, (n, k // per)) * rng.choice([-1.0, 1.0], (n, k // per))
-    off = SCALE_OFFSETS[qtype]
-    raw[..., off:off + 2] = mag.astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
+    for off in SCALE_OFFSETS[qtype]:
+        mag = rng.uniform(1e-3, 5e-2, (n, k // per)) * rng.choice([-1.0, 1.0], (n, k // per))
+        raw[..., off:off + 2] = mag.astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
     return raw.reshape(n, -1)
 
 
@@ -70,7 +72,7 @@ def test_packed_values_equal_gguf_bit_for_bit(case):
         return
     rows = torch.tensor([n - 1, 0, n // 2])
     got = QuantLinear(packed).dequantize_rows(rows)  # the C++ rows (embedding, prefill panels)
-    if qtype == T.Q5_1:  # d * q + m: one rounding where the C++ code fuses it
+    if qtype in (T.Q5_1, T.Q2_K):  # d * q + m: exact product, one rounding (fused or not)
         torch.testing.assert_close(got, ref[rows], rtol=0, atol=1e-6 * float(ref.abs().max()))
     else:
         assert torch.equal(got, ref[rows])
@@ -101,7 +103,7 @@ def test_every_new_type_is_served_packed():
         name, shape, tensor_type = "blk.0.attn_q.weight", (576, 576), T.Q5_0
 
     assert is_packable(_Tensor())
-    _Tensor.tensor_type = T.Q2_K  # no exact packed form: dequantised to float
+    _Tensor.tensor_type = T.IQ2_XS  # no exact packed form: dequantised to float
     assert not is_packable(_Tensor())
 
 
@@ -146,3 +148,28 @@ def test_q5_kernel_rows_do_not_depend_on_the_batch():
     for m in (1, 3, 6):
         assert torch.equal(k.quant_gemm_q5(x[:m], packed.qs, packed.d, packed.m), full[:m])
     assert torch.equal(k.quant_gemm_q5(x[5:6], packed.qs, packed.d, packed.m), full[5:6])
+
+
+@kernels_built
+@pytest.mark.parametrize("kernel", ["base", "vnni"])
+@pytest.mark.parametrize("shape", [(11, 768), (1, 256)], ids=lambda v: f"{v[0]}x{v[1]}")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 300])
+def test_q2k_kernels_match_dequantise_then_linear(kernel, shape, rows):
+    """Q2_K's scale and min per 16 in both 8-bit kernels (the mins through the activations'
+    half-group sums), against float64 over the dequantised weight with the kernels' int8
+    rounding of x modelled; each row's result independent of the batch."""
+    from engine.quantization.linear import vnni_available
+
+    if kernel == "vnni" and not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernels on this CPU")
+    k = quant_kernels()
+    gemm = k.quant_gemm_q8 if kernel == "base" else k.quant_gemm_q8_vnni
+    packed, w = _packed(T.Q2_K, *shape, seed=rows)
+    assert packed.scale_group == 16 and packed.m is not None
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, shape[1], generator=gen) * torch.rand(rows, 1, generator=gen) * 3
+    got = gemm(x, packed.qs, packed.d, packed.m).double()
+    scale = float((x.abs() @ w.abs().t()).max())
+    step = float(w.abs().max()) * float(x.abs().max()) / 127
+    torch.testing.assert_close(got, _reference(x, w), rtol=0, atol=1e-5 * scale + step)
+    assert torch.equal(gemm(x[-1:], packed.qs, packed.d, packed.m), got[-1:].float())

@@ -23,11 +23,21 @@ inline int64_t q8_scale_group(const at::Tensor& qs, const at::Tensor& d,
               "malformed q8 weight: int8 values and one scale per 16 or 32 of them");
   const int64_t S = K / d.size(1);
   if (m.has_value()) {
-    TORCH_CHECK(S == kGroup && m->is_contiguous() && m->scalar_type() == at::kFloat &&
-                    m->sizes() == d.sizes(),
-                "malformed q8 weight: a min needs one per group of 32, like its scale");
+    TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kFloat && m->sizes() == d.sizes(),
+                "malformed q8 weight: a min needs one per scale group, like its scale");
   }
   return S;
+}
+
+// A row's activation sums per 16 values (a q8 weight with a scale and a min per 16, Q2_K):
+// s16[2g + h] = dx[g] * sum of the rounded values q[32g + 16h .. + 15], the half-group form of
+// QuantisedRows::s. q: M rows of K int8 values; dx: their scales per 32.
+inline void half_sums(const int8_t* q, const float* dx, int64_t M, int64_t K, float* s16) {
+  for (int64_t i = 0; i < M * K / 16; i++) {
+    int sum = 0;
+    for (int j = 0; j < 16; j++) sum += q[16 * i + j];
+    s16[i] = dx[i / 2] * static_cast<float>(sum);
+  }
 }
 
 // The arguments of a packed-weight GEMM: x [M, K] float32 on the CPU, qs/d contiguous rows of
@@ -98,14 +108,18 @@ void row_tiles(int64_t M, F&& f) {
   }
 }
 
-// Calls run(s16, has_m) with the compile-time layout of a q8 weight: a scale per 16 (never with
-// mins), a scale and a min per 32, or a scale per 32.
+// Calls run(s16, has_m) with the compile-time layout of a q8 weight: a scale (and a min) per
+// 16, or per 32. With a min per 16 the kernels take the activations' half_sums.
 template <typename Run>
 void dispatch_q8(int64_t scale_group, bool has_m, Run&& run) {
   using T = std::true_type;
   using F = std::false_type;
   if (scale_group == 16) {
-    run(T{}, F{});
+    if (has_m) {
+      run(T{}, T{});
+    } else {
+      run(T{}, F{});
+    }
   } else if (has_m) {
     run(F{}, T{});
   } else {

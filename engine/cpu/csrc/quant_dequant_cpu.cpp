@@ -68,10 +68,11 @@ static void dequant_q8(const at::Tensor& qs, const at::Tensor& d, const float* m
   for (int64_t i = 0; i < R; i++) {
     const int64_t n = idp[i];
     for (int64_t g = 0; g < G; g++) {
-      // Scales of the group's two halves (equal when S = 32) and its min (0 without one).
+      // Scales and mins of the group's two halves (equal when S = 32; mins 0 without them).
       const float a0 = S == 16 ? dw[n * D + 2 * g] : dw[n * D + g];
       const float a1 = S == 16 ? dw[n * D + 2 * g + 1] : a0;
-      const float b = mw == nullptr ? 0.f : mw[n * G + g];
+      const float b0 = mw == nullptr ? 0.f : S == 16 ? mw[n * D + 2 * g] : mw[n * D + g];
+      const float b1 = mw == nullptr ? 0.f : S == 16 ? mw[n * D + 2 * g + 1] : b0;
       const int8_t* src = w + n * K + g * kGroup;
       T* dst = o + i * K + g * kGroup;
 #ifdef KVSERVE_AVX2
@@ -79,11 +80,11 @@ static void dequant_q8(const at::Tensor& qs, const at::Tensor& d, const float* m
         const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * h));
         const __m256 a = _mm256_set1_ps(h < 2 ? a0 : a1);
         kvserve::store8(dst + 8 * h, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)),
-                                                     _mm256_set1_ps(b)));
+                                                     _mm256_set1_ps(h < 2 ? b0 : b1)));
       }
 #else
       for (int j = 0; j < 32; j++) {
-        dst[j] = static_cast<T>((j < 16 ? a0 : a1) * static_cast<float>(src[j]) + b);
+        dst[j] = static_cast<T>((j < 16 ? a0 : a1) * static_cast<float>(src[j]) + (j < 16 ? b0 : b1));
       }
 #endif
     }

@@ -207,7 +207,8 @@ void dot_q4(const uint8_t* w, const float* d, const float* m, const int8_t* x, c
 }
 
 // As dot_q4 for 8-bit weights: kS16 (one d per 16 weights: d[2g], d[2g+1] for the group's
-// halves) and kHasM (a min per group of 32, added through the activation's group sums sx).
+// halves) and kHasM (a min per scale group, added through the activation's sums over the
+// same groups: sx per 32, or its half_sums per 16 with kS16).
 template <int R, bool kS16, bool kHasM>
 void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, const float* dx,
             const float* sx, int64_t K, int64_t G, float* y, int64_t ldy) {
@@ -231,10 +232,11 @@ void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, co
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[r * G + g])), p, acc[r]);
     }
   }
+  constexpr int64_t kPer = kS16 ? 2 : 1;  // mins (and activation sums) per group of 32
   for (int r = 0; r < R; r++) {
     float tail = 0.f;
     if constexpr (kHasM) {
-      for (int64_t g = 0; g < G; g++) tail += m[g] * sx[r * G + g];
+      for (int64_t i = 0; i < kPer * G; i++) tail += m[i] * sx[r * kPer * G + i];
     }
     y[r * ldy] = hsum(acc[r]) + tail;
   }
@@ -248,7 +250,11 @@ void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, co
       const float part = kS16 ? d[2 * g] * static_cast<float>(s0) + d[2 * g + 1] * static_cast<float>(s1)
                               : d[g] * static_cast<float>(s0 + s1);
       acc += dx[r * G + g] * part;
-      if constexpr (kHasM) acc += m[g] * sx[r * G + g];
+      if constexpr (kHasM && kS16) {
+        acc += m[2 * g] * sx[r * 2 * G + 2 * g] + m[2 * g + 1] * sx[r * 2 * G + 2 * g + 1];
+      } else if constexpr (kHasM) {
+        acc += m[g] * sx[r * G + g];
+      }
     }
     y[r * ldy] = acc;
   }
@@ -306,14 +312,21 @@ at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor qs, at::Tensor d,
   const int64_t D = d.size(1);
   const int8_t* xqp = xq.q;
   const float *dx = xq.d, *sx = xq.s;
+  thread_local std::vector<float> s16;  // the activations' half_sums, for mins per 16
+  if (S == 16 && mw != nullptr) {
+    s16.resize(M * K / 16);
+    kvserve_quant::half_sums(xqp, dx, M, K, s16.data());
+    sx = s16.data();
+  }
+  const int64_t SX = S == 16 && mw != nullptr ? 2 * G : G;  // activation sums per row
   float* yp = y.data_ptr<float>();
   auto run = [&](auto s16, auto has_m) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
       row_tiles(M, [&](auto tile, int64_t r0) {
         dot_q8<decltype(tile)::value, decltype(s16)::value, decltype(has_m)::value>(
-            w + n * K, dw + n * D, mw == nullptr ? nullptr : mw + n * G, xqp + r0 * K,
-            dx + r0 * G, sx + r0 * G, K, G, yp + r0 * N + n, N);
+            w + n * K, dw + n * D, mw == nullptr ? nullptr : mw + n * D, xqp + r0 * K,
+            dx + r0 * G, sx + r0 * SX, K, G, yp + r0 * N + n, N);
       });
     }
   };

@@ -33,8 +33,10 @@ using kvserve_quant::row_tiles;
 namespace {
 
 // Row x [K] -> ax (|round(x * 127/amax)|, K bytes), sg (the sign bits, 32 per group), dx[g] =
-// amax/127 and sx[g] = dx * sum of the group's rounded values: quant_gemm_q8's rounding.
-void quantise_row(const float* x, int64_t K, uint8_t* ax, uint32_t* sg, float* dx, float* sx) {
+// amax/127 and sx[g] = dx * sum of the group's rounded values: quant_gemm_q8's rounding; s16
+// (unless null): the same sums per half group (kvserve_quant::half_sums).
+void quantise_row(const float* x, int64_t K, uint8_t* ax, uint32_t* sg, float* dx, float* sx,
+                  float* s16) {
   const int64_t G = K / kGroup;
   for (int64_t g = 0; g < G; g++) {
     __m512i qa, qb;
@@ -46,6 +48,11 @@ void quantise_row(const float* x, int64_t K, uint8_t* ax, uint32_t* sg, float* d
             (static_cast<uint32_t>(_mm_movemask_epi8(hi)) << 16);
     dx[g] = amax / 127.f;
     sx[g] = kvserve_vnni::scaled_sum(dx[g], qa, qb);
+    if (s16 != nullptr) {
+      const __m512i none = _mm512_setzero_si512();
+      s16[2 * g] = kvserve_vnni::scaled_sum(dx[g], qa, none);
+      s16[2 * g + 1] = kvserve_vnni::scaled_sum(dx[g], none, qb);
+    }
   }
 }
 
@@ -109,7 +116,8 @@ void dot_q8_vnni(const int8_t* w, const float* d, const float* m, const uint8_t*
   }
   for (int r = 0; r < R; r++) {
     float tail = last[r];
-    if constexpr (kHasM) tail += kvserve_vnni::dot_f32(m, sx + r * G, G);
+    constexpr int64_t kPer = kS16 ? 2 : 1;  // mins (and activation sums) per group of 32
+    if constexpr (kHasM) tail += kvserve_vnni::dot_f32(m, sx + r * kPer * G, kPer * G);
     y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + tail;
   }
 }
@@ -125,16 +133,18 @@ at::Tensor quant_gemm_q8_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
   kvserve_quant::check_gemm_args(x, qs, d, K, S);
   thread_local std::vector<uint8_t> ax;
   thread_local std::vector<uint32_t> sg;
-  thread_local std::vector<float> dxv, sxv;
+  thread_local std::vector<float> dxv, sxv, s16v;
+  const bool half = S == 16 && m.has_value();  // mins per 16: the activations' half sums
   ax.resize(M * K);
   sg.resize(M * G + 1);  // + 1: the 64-bit sign loads of the last pair may read one word past
   dxv.resize(M * G);
   sxv.resize(M * G);
+  s16v.resize(half ? M * 2 * G : 0);
   auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   for (int64_t r = 0; r < M; r++) {
     quantise_row(xp + r * K, K, ax.data() + r * K, sg.data() + r * G, dxv.data() + r * G,
-                 sxv.data() + r * G);
+                 sxv.data() + r * G, half ? s16v.data() + r * 2 * G : nullptr);
   }
   auto y = at::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();
@@ -143,15 +153,16 @@ at::Tensor quant_gemm_q8_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
   const int64_t D = d.size(1);
   const uint8_t* axp = ax.data();
   const uint32_t* sgp = sg.data();
-  const float *dx = dxv.data(), *sx = sxv.data();
+  const float *dx = dxv.data(), *sx = half ? s16v.data() : sxv.data();
+  const int64_t SX = half ? 2 * G : G;  // activation sums per row
   float* yp = y.data_ptr<float>();
   auto run = [&](auto s16, auto has_m) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
       row_tiles(M, [&](auto tile, int64_t r0) {
         dot_q8_vnni<decltype(tile)::value, decltype(s16)::value, decltype(has_m)::value>(
-            w + n * K, dw + n * D, mw == nullptr ? nullptr : mw + n * G, axp + r0 * K,
-            sgp + r0 * G, dx + r0 * G, sx + r0 * G, K, G, yp + r0 * N + n, N);
+            w + n * K, dw + n * D, mw == nullptr ? nullptr : mw + n * D, axp + r0 * K,
+            sgp + r0 * G, dx + r0 * G, sx + r0 * SX, K, G, yp + r0 * N + n, N);
       });
     }
   };

@@ -1,0 +1,115 @@
+"""A GGUF with Gemma 3 270M's shapes and random weights, for side-by-side speed runs.
+
+No Gemma GGUF can be downloaded here, and speed does not depend on what the weights say, so
+this writes one with ``gguf``'s own writer, laid out as llama.cpp's ``convert_hf_to_gguf.py``
++ ``llama-quantize`` lay out a Q4_0 Gemma 3 file: architecture ``gemma3``; 18 layers, 640
+wide, 4 query heads and 1 KV head of 256, MLP 2,048, every sixth layer global and the others a
+512-token sliding window (llama.cpp's fixed 5:1 pattern), RoPE bases 1e6 / 1e4; 262,144 token
+rows as the real vocabulary has (the logits head is most of a 270M model's arithmetic); RMSNorm
+weights stored as ``1 + w``; projections Q4_0, the tied token table Q8_0, norms F32.
+
+The vocabulary is SmolLM2's (the embedded GGUF's BPE tokens, merges and chat template),
+padded to 262,144 rows with ordinary tokens ``<unusedN>`` (no merge makes them; each decodes to
+its own text, so a streamed token is never an empty chunk that a client could miss). The
+benchmarks send prompts as token ids (``--prompt-token-ids``): transformers' GGUF reader picks
+its tokeniser by architecture (Gemma's), llama.cpp by ``tokenizer.ggml.model`` (BPE). Weights are N(0, 0.02) (norm scales around 1), so
+activations stay finite; the text it writes is noise, and the benchmarks ask for a fixed
+number of tokens.
+
+    PYTHONPATH=. python benchmarks/gemma3_gguf.py OUT.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+SHAPE = dict(layers=18, hidden=640, heads=4, kv_heads=1, head_dim=256, ffn=2048,
+             vocab=262_144, window=512, context=32_768)
+NORMAL = 1  # llama.cpp's token type of an ordinary token
+
+
+def _tensors(rng: np.random.Generator):
+    """(GGUF name, float32 array) of every tensor, as llama.cpp names Gemma 3's."""
+    s = SHAPE
+    h, d = s["hidden"], s["head_dim"]
+    yield "token_embd.weight", rng.normal(0, 0.02, (s["vocab"], h))
+    yield "output_norm.weight", 1.0 + rng.normal(0, 0.1, h)
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        for name, shape in (("attn_q", (s["heads"] * d, h)), ("attn_k", (s["kv_heads"] * d, h)),
+                            ("attn_v", (s["kv_heads"] * d, h)),
+                            ("attn_output", (h, s["heads"] * d)), ("ffn_gate", (s["ffn"], h)),
+                            ("ffn_up", (s["ffn"], h)), ("ffn_down", (h, s["ffn"]))):
+            yield p + name + ".weight", rng.normal(0, 0.02, shape)
+        for name, n in (("attn_norm", h), ("post_attention_norm", h), ("ffn_norm", h),
+                        ("post_ffw_norm", h), ("attn_q_norm", d), ("attn_k_norm", d)):
+            yield p + name + ".weight", 1.0 + rng.normal(0, 0.1, n)
+
+
+def write(path: Path, seed: int = 0) -> Path:
+    """Write the file (see the module docstring); returns ``path``."""
+    import gguf
+
+    from engine.loading.embedded import embedded_gguf_path
+    from engine.loading.gguf_fields import gguf_field
+
+    s = SHAPE
+    src = gguf.GGUFReader(embedded_gguf_path())
+    w = gguf.GGUFWriter(str(path), arch="gemma3")
+    w.add_name("Gemma 3 270M shape, random weights (kvserve benchmark)")
+    w.add_context_length(s["context"])
+    w.add_embedding_length(s["hidden"])
+    w.add_block_count(s["layers"])
+    w.add_feed_forward_length(s["ffn"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(s["window"])
+    w.add_rope_freq_base(1e6)
+    tokens = list(gguf_field(src, "tokenizer.ggml.tokens"))
+    types = list(gguf_field(src, "tokenizer.ggml.token_type"))
+    pad = s["vocab"] - len(tokens)
+    w.add_tokenizer_model(gguf_field(src, "tokenizer.ggml.model"))
+    w.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
+    w.add_token_types(types + [NORMAL] * pad)
+    w.add_tokenizer_pre(gguf_field(src, "tokenizer.ggml.pre"))
+    w.add_token_merges(list(gguf_field(src, "tokenizer.ggml.merges")))
+    w.add_bos_token_id(gguf_field(src, "tokenizer.ggml.bos_token_id"))
+    w.add_eos_token_id(gguf_field(src, "tokenizer.ggml.eos_token_id"))
+    w.add_unk_token_id(gguf_field(src, "tokenizer.ggml.unknown_token_id"))
+    w.add_pad_token_id(gguf_field(src, "tokenizer.ggml.padding_token_id"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(gguf_field(src, "tokenizer.chat_template"))
+    rng = np.random.default_rng(seed)
+    q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
+    count = 2 + 13 * s["layers"]
+    for name, t in tqdm(_tensors(rng), total=count, desc="writing Gemma 3 GGUF", unit="tensor"):
+        t = t.astype(np.float32)
+        if t.ndim == 1:
+            w.add_tensor(name, t)
+            continue
+        qtype = q8 if name == "token_embd.weight" else q4
+        w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(write(args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()
