@@ -180,7 +180,8 @@ def _write_gguf(model, path: Path, quantised: bool = False, kquants: bool = Fals
 def _make_llama_gguf(path: Path, tied: bool = True, quantised: bool = False,
                      kquants: bool = False, linear_types: dict[str, str] | None = None):
     # K-quant rows hold super-blocks of 256: hidden and intermediate sizes to match.
-    model = _tiny_llama(tied, 256, 512) if kquants else _tiny_llama(tied)
+    wide = kquants or any(t.endswith("_K") for t in (linear_types or {}).values())
+    model = _tiny_llama(tied, 256, 512) if wide else _tiny_llama(tied)
     _write_gguf(model, path, quantised, kquants, linear_types)
     return model
 

@@ -1,4 +1,4 @@
-"""A small round-to-nearest encoder of float weights into GGUF's Q4_K, Q5_K, Q6_K and IQ4_NL
+"""A small round-to-nearest encoder of float weights into GGUF's Q2_K, Q4_K, Q5_K, Q6_K and IQ4_NL
 blocks (IQ4_NL: a scale per 32 from the largest magnitude, each value the nearest entry of
 the non-linear table).
 
@@ -79,6 +79,27 @@ def encode_q6_k(w: np.ndarray) -> np.ndarray:
                            sc.view(np.uint8), d_bytes], axis=-1).reshape(n, -1)
 
 
+def encode_q2_k(w: np.ndarray) -> np.ndarray:
+    """Per 16 values a 4-bit scale and min (multiples of the fp16 d, dmin), values 0..3; block:
+    16 bytes of scale | min << 4, 64 bytes of 2-bit values (element 128h + 32s + j in bits
+    2s..2s+1 of byte 32h + j), d, dmin."""
+    n, k = w.shape
+    b = w.reshape(n, k // QK, 16, 16).astype(np.float32)
+    lo = np.minimum(b.min(-1), 0.0)
+    scale, mn = (b.max(-1) - lo) / 3, -lo
+    d_bytes, d = _f16(scale.max(-1) / 15)
+    m_bytes, dmin = _f16(mn.max(-1) / 15)
+    sc = np.clip(np.rint(_div(scale, d[..., None])), 0, 15).astype(np.uint8)
+    mi = np.clip(np.rint(_div(mn, dmin[..., None])), 0, 15).astype(np.uint8)
+    eff_d = d[..., None] * sc.astype(np.float32)
+    eff_m = dmin[..., None] * mi.astype(np.float32)
+    q = np.clip(np.rint(_div(b + eff_m[..., None], eff_d[..., None] + 0 * b)), 0, 3)
+    q = q.astype(np.uint8).reshape(n, k // QK, 2, 4, 32)  # [half, shift, byte]
+    qs = (q << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)
+    return np.concatenate([sc | (mi << 4), qs.reshape(n, -1, 64), d_bytes, m_bytes],
+                          axis=-1).reshape(n, -1)
+
+
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                       dtype=np.float32)
 
@@ -92,5 +113,5 @@ def encode_iq4_nl(w: np.ndarray) -> np.ndarray:
                           axis=-1).reshape(n, -1)
 
 
-ENCODERS = {"Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k,
+ENCODERS = {"Q2_K": encode_q2_k, "Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k,
             "IQ4_NL": encode_iq4_nl}

@@ -1,5 +1,6 @@
 """``quantization=auto`` on a tiny random Llama whose linears are Q5_0 / Q5_1 (llama-quantize's
-fallback where rows are not multiples of 256) and IQ4_NL, against ``none``.
+fallback where rows are not multiples of 256) and IQ4_NL, and on one whose linears are all
+Q2_K (a scale and a min per 16 on the 8-bit form), against ``none``.
 
 ``none`` dequantises every tensor exactly (gguf's own dequantiser); ``auto`` must keep every
 one of these tensors packed (5-bit forms on their own kernel, IQ4_NL widened to 8 bits; Q/K/V
@@ -10,6 +11,7 @@ in one ``QuantConcat``) and agree with ``none`` teacher-forced on >= 95% of posi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.models.teacher_forced import continuation_hits
@@ -66,3 +68,39 @@ def test_five_bit_and_iq4_tensors_load_packed_and_agree_with_none(q5_gguf, monke
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert model.decode_stack.calls > 0
     auto.engine.kv.check_integrity()
+
+
+def test_q2_k_tensors_load_packed_and_agree_with_none(tmp_path, make_llama_gguf, monkeypatch,
+                                                       default_quant_settings):
+    """Every projection Q2_K (a 256-wide model; encoded by tests/models/kquant_encode.py, read
+    by gguf's own dequantiser for ``none``): served packed as 8-bit values with a scale and a
+    min per 16, by the C++ decode stack too, agreeing with ``none`` teacher-forced."""
+    pytest.importorskip("gguf")
+    from engine.quantization.linear import quant_kernels
+
+    if quant_kernels() is None:
+        pytest.skip("CPU kernels unavailable")
+    path = tmp_path / "tiny-llama.Q2_K.gguf"
+    roles = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    make_llama_gguf(path, tied=True, quantised=True, linear_types=dict.fromkeys(roles, "Q2_K"))
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    none = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
+
+    default_quant_settings()
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    auto = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="auto",
+               batch_invariant=False)
+    model = auto.engine.runner.model
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lin = getattr(layer, name)
+            assert lin.qs.dtype == torch.int8 and lin.m is not None
+            assert lin.d.shape[1] * 16 == lin.in_features  # a scale (and a min) per 16
+    assert model.decode_stack is not None
+    hits, total = continuation_hits(auto, zip(PROMPTS, expected))
+    assert hits / total >= 0.95
+    outs = auto.generate(PROMPTS, params)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert model.decode_stack.calls > 0

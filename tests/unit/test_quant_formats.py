@@ -123,8 +123,8 @@ def test_k_quants_map_exactly_onto_the_packed_forms():
     for other in (q5k, _packed(3, 512, T.Q8_0)[0]):  # scale group or mins differ
         with pytest.raises(ValueError):
             cat([q6k, other])
-    with pytest.raises(ValueError):  # mins go with scales per 32 only
-        PackedQ8(q6k.qs, q6k.d, torch.zeros_like(q6k.d))
+    with pytest.raises(ValueError):  # one min per scale group, shaped like the scales
+        PackedQ8(q6k.qs, q6k.d, torch.zeros(3, 512 // 32))
     with pytest.raises(ValueError, match="multiple of 256"):
         from_gguf_blocks(random_blocks(T.Q4_K, 1, 256)[:, :72], int(T.Q4_K), (1, 128))
 
