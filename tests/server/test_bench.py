@@ -410,6 +410,18 @@ def test_bench_serve_shared_prefix_multi_turn_and_openai_only(real_server, tmp_p
 
 
 @pytest.mark.slow
+def test_bench_serve_sends_prompt_token_ids(real_server, tmp_path):
+    """``--prompt-token-ids``: completions prompts go as the tokenizer's ids (for two servers
+    whose tokenisers of one file differ); the server counts exactly those tokens."""
+    rc, res = _bench(real_server, tmp_path, "--prompt-token-ids", "--num-requests", "3",
+                     "--input-len", "16", "--output-len", "2", "--seed", "11",
+                     "--no-yardstick", name="ids")
+    [run] = res["runs"]
+    assert rc == 0 and res["prompt_token_ids"] is True
+    assert run["completed"] == 3 and run["prompt_tokens"] == 3 * 16
+
+
+@pytest.mark.slow
 def test_bench_serve_agent_workload(real_server, tmp_path):
     """Two agents, two turns each, against the real server: every turn is accepted with its
     tools and history, the second turn finds the first one's prompt in the prefix cache."""
