@@ -9,8 +9,9 @@ layer loop with the fused CPU ops and the torch backend's CPU decode kernel.
 
 ``build_decode_stack(model)`` returns one when the model can use it (no tensor parallelism, the
 fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of them (Q4_K_M
-files), a panel ``PackedLinear`` or a plain ``nn.Linear``; Llama-style layers or Gemma 3's
-(sandwich norms, GeGLU, a local RoPE table), not soft-capped attention (Gemma 2) nor experts),
+files), a panel ``PackedLinear`` or a plain ``nn.Linear``; Llama-style layers, Gemma 3's
+(sandwich norms, GeGLU, a local RoPE table) or mixture-of-experts MLPs (packed experts, or
+float ones on the grouped path), not soft-capped attention (Gemma 2)),
 else None and the reason. ``accepts`` then decides per step: every row of the step a decode
 row of the torch backend's decode group in every KV group (no prefill), no more rows than the
 linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
@@ -35,6 +36,7 @@ from engine.attention.torch_backend import CPU_KERNEL_FLOAT_POOLS
 from engine.kv_storage.formats import INT8_SCALE_FLOOR
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import PackedExperts
 from engine.quantization.linear import QuantConcat, QuantLinear
 from engine.quantization.packed_linear import PackedLinear
 
@@ -97,19 +99,55 @@ class CpuDecodeStack:
         self.max_rows = NO_LIMIT
         self._layers = list(model.layers)
         self._final = model.norm
+        self._moe = []  # the MoE blocks (their ``record`` switch keeps a step in Python)
         for layer in self._layers:
             specs = {}
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                lin = _linear(kernels, getattr(layer, name))
-                if isinstance(lin, str):
-                    raise ValueError(f"layer {layer.layer_idx} {name}: {lin}")
-                specs[name] = lin.spec
-                self.max_rows = min(self.max_rows, lin.max_rows)
+            moe = getattr(layer, "moe", None)
+            names = ("qkv_proj", "o_proj") if moe is not None else (
+                "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            for name in names:
+                specs[name] = self._spec(kernels, getattr(layer, name),
+                                         f"layer {layer.layer_idx} {name}")
+            if moe is not None:
+                specs["moe"] = self._moe_spec(kernels, moe, layer.layer_idx)
+                self._moe.append(moe)
             self._stack.add_layer(_layer(kernels, layer, specs))
         self._groups: list[int] | None = None  # the layers' KV groups as last set
         self._bound_caches: list | None = None
         self._bound_k0: torch.Tensor | None = None
         self.calls = 0  # steps run here
+
+    def _spec(self, kernels, mod: nn.Module, where: str) -> object:
+        """The StackLinear of ``mod`` (ValueError naming ``where`` if it has none); the
+        stack's row limit shrinks to the linear's."""
+        lin = _linear(kernels, mod)
+        if isinstance(lin, str):
+            raise ValueError(f"{where}: {lin}")
+        self.max_rows = min(self.max_rows, lin.max_rows)
+        return lin.spec
+
+    def _moe_spec(self, kernels, moe: nn.Module, idx: int) -> object:
+        """The StackMoe of a MoeBlock: packed experts' linears, or float experts' slices
+        (the grouped path only: the dense one is not the same arithmetic)."""
+        experts = moe.experts
+        if isinstance(experts, PackedExperts):
+            gate_up = [self._spec(kernels, m, f"layer {idx} expert {e} gate/up")
+                       for e, m in enumerate(experts.gate_up)]
+            down = [self._spec(kernels, m, f"layer {idx} expert {e} down")
+                    for e, m in enumerate(experts.down)]
+        elif getattr(experts, "path", None) == "grouped" and \
+                experts.gate_up_proj.dtype == torch.float32:
+            gate_up = [kernels.StackLinear(_FLOAT, w, None, None, None, w.shape[0])
+                       for w in experts.gate_up_proj.detach()]
+            down = [kernels.StackLinear(_FLOAT, w, None, None, None, w.shape[0])
+                    for w in experts.down_proj.detach()]
+        else:
+            raise ValueError(f"layer {idx}: experts on the {getattr(experts, 'path', '?')} "
+                             "path")
+        if moe.gate.weight.dtype != torch.float32:
+            raise ValueError(f"layer {idx}: {moe.gate.weight.dtype} router")
+        return kernels.StackMoe(moe.gate.weight.detach(), moe.top_k, bool(moe.normalise),
+                                gate_up, down)
 
     def accepts(self, x: torch.Tensor, meta, backend, kv_caches, ops: TorchLayerOps) -> bool:
         """Whether this step can run here (module docstring); call after ``backend.prepare``
@@ -128,7 +166,7 @@ class CpuDecodeStack:
                 or x.dtype != torch.float32):
             return False
         return all(layer.kv_observer is None and layer.kv_scales is None
-                   for layer in self._layers)
+                   for layer in self._layers) and not any(m.record for m in self._moe)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
@@ -189,12 +227,13 @@ def _layer(kernels, layer: nn.Module, specs: dict) -> object:
 
     return kernels.StackLayer(
         weight(layer.input_layernorm), weight(layer.post_attention_layernorm),
-        layer.input_layernorm.eps, specs["qkv_proj"], specs["o_proj"], specs["gate_up_proj"],
-        specs["down_proj"], layer.num_heads, layer.num_kv_heads, layer.head_dim,
+        layer.input_layernorm.eps, specs["qkv_proj"], specs["o_proj"], specs.get("gate_up_proj"),
+        specs.get("down_proj"), layer.num_heads, layer.num_kv_heads, layer.head_dim,
         layer.sliding_window or 0, layer.scale, weight(layer.q_norm), weight(layer.k_norm),
         pre_ff_norm=weight(getattr(layer, "pre_feedforward_layernorm", None)),
         post_ff_norm=weight(getattr(layer, "post_feedforward_layernorm", None)),
-        act=1 if sandwich else 0, rope=1 if getattr(layer, "local_rope", False) else 0)
+        act=1 if sandwich else 0, rope=1 if getattr(layer, "local_rope", False) else 0,
+        moe=specs.get("moe"))
 
 
 def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:
@@ -208,8 +247,6 @@ def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:
         return None, refusal
     if getattr(model, "tp", None) is not None:
         return None, "tensor parallel"
-    if getattr(model.arch, "moe", None) is not None:
-        return None, "mixture-of-experts layers"
     ops = getattr(model, "ops", None)
     if not isinstance(ops, FusedCpuOps):
         return None, "not the fused CPU layer ops"

@@ -226,3 +226,43 @@ def test_gemma2_softcap_keeps_the_python_loop(tmp_path):
     llm = LLM(str(path), kv_cache_memory="16MiB", quantization="int4")
     stack, why = build_decode_stack(llm.engine.runner.model)
     assert stack is None and "soft-capped" in why
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("quantization", ["int4", "none"])
+def test_mixture_of_experts(tmp_path, kind, quantization):
+    """Qwen3-MoE (a dense layer among sparse ones, normalised top-k) and Mixtral: the router,
+    the top-k choice and each routed expert's rows (packed with int4, float slices with none)
+    in the stack, several sequences per step so experts get different row sets: hidden states
+    and pools equal to the Python loop's."""
+    path = make_tiny_model_dir(tmp_path / kind, kind)
+    llm = LLM(str(path), kv_cache_memory="16MiB", quantization=quantization)
+    model = llm.engine.runner.model
+    assert model.moe_blocks() and build_decode_stack(model)[1] == ""
+    counts = _checked(llm)
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
+
+
+def test_packed_experts_from_a_gguf(tmp_path, monkeypatch):
+    """Q4_0/Q8_0 experts kept packed from a GGUF (PackedExperts) run in the stack too; a
+    step whose router choices are being recorded stays in Python."""
+    from engine.models.moe import PackedExperts
+    from tests.models.moe_gguf import write_moe_gguf
+
+    path = tmp_path / "tiny-qwen3_moe.gguf"
+    write_moe_gguf(path, "qwen3_moe")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(str(path), kv_cache_memory="16MiB", cpu_probe="off")
+    model = llm.engine.runner.model
+    blocks = model.moe_blocks()
+    assert blocks and all(isinstance(b.experts, PackedExperts) for b in blocks.values())
+    counts = _checked(llm)
+    llm.generate(PROMPTS, PARAMS)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+    for b in blocks.values():
+        b.record = True
+    stack_calls = model.decode_stack.calls
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert model.decode_stack.calls == stack_calls

@@ -55,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether quant_gemm_q4_vnni was built (AVX-512 BW/VL + VNNI targeted)");
   using kvserve_stack::StackLayer;
   using kvserve_stack::StackLinear;
+  using kvserve_stack::StackMoe;
   py::class_<StackLinear>(m, "StackLinear", "one linear of a DecodeStack layer")
       .def(py::init<int64_t, torch::Tensor, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t,
@@ -64,21 +65,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<StackLinear>>(), py::arg("parts"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecodeStack")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps,
-                       StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down,
+                       StackLinear qkv, StackLinear o, std::optional<StackLinear> gate_up,
+                       std::optional<StackLinear> down,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
                        double scale, std::optional<torch::Tensor> q_norm,
                        std::optional<torch::Tensor> k_norm,
                        std::optional<torch::Tensor> pre_ff_norm,
-                       std::optional<torch::Tensor> post_ff_norm, int64_t act, int64_t rope) {
+                       std::optional<torch::Tensor> post_ff_norm, int64_t act, int64_t rope,
+                       std::optional<StackMoe> moe) {
              return StackLayer{input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads,
                                num_kv_heads, head_dim, window, scale, q_norm, k_norm,
-                               pre_ff_norm, post_ff_norm, act, rope};
+                               pre_ff_norm, post_ff_norm, act, rope, moe};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("window"), py::arg("scale"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("pre_ff_norm") = py::none(),
-           py::arg("post_ff_norm") = py::none(), py::arg("act") = 0, py::arg("rope") = 0);
+           py::arg("post_ff_norm") = py::none(), py::arg("act") = 0, py::arg("rope") = 0,
+           py::arg("moe") = py::none());
+  py::class_<StackMoe>(m, "StackMoe", "a mixture-of-experts MLP of a DecodeStack layer")
+      .def(py::init([](torch::Tensor router, int64_t top_k, bool normalise,
+                       std::vector<StackLinear> gate_up, std::vector<StackLinear> down) {
+             return StackMoe{router, top_k, normalise, std::move(gate_up), std::move(down)};
+           }),
+           py::arg("router"), py::arg("top_k"), py::arg("normalise"), py::arg("gate_up"),
+           py::arg("down"));
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's layer stack in one call")
       .def(py::init<>())
       .def("add_layer", &DecodeStack::add_layer)

@@ -20,10 +20,14 @@
 // A Gemma layer (engine/models/gemma.py GemmaDecoderLayer.forward) ends instead with
 //   h = add_rms_norm_(rms_norm(L_o(attn)), residual); x = rms_norm(L_down(gelu_tanh_mul(..)))
 // its norms' (1 + w) scales stored as such at load; a hybrid KV cache gives each layer its
-// group's slots and block tables, and Gemma 3's local layers their own RoPE table.
+// group's slots and block tables, and Gemma 3's local layers their own RoPE table. A
+// mixture-of-experts layer (engine/models/moe_model.py) replaces L_down(silu_mul(L_gate_up(h)))
+// by its MoeBlock's routing and grouped experts, op for op (moe_forward).
 #include "torch_lite.h"
 
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
 
 #include <optional>
 #include <vector>
@@ -116,6 +120,33 @@ at::Tensor activation(const at::Tensor& gate_up, int64_t act) {
   return at::gelu(halves[0], "tanh") * halves[1];
 }
 
+// MoeBlock.forward with the grouped experts (engine/models/moe.py route and grouped_moe), the
+// same ATen ops in the same order: the same bits.
+at::Tensor moe_forward(const StackMoe& M, const at::Tensor& x) {
+  const at::Tensor probs = at::softmax(at::linear(x, M.router), -1, at::kFloat);
+  auto [weights, ids] = at::topk(probs, M.top_k, -1);
+  if (M.normalise) weights = weights / weights.sum(-1, true);
+  const int64_t k = ids.size(1);
+  const at::Tensor flat = ids.reshape(-1);
+  const at::Tensor order = flat.argsort(/*stable=*/true);
+  const int64_t E = static_cast<int64_t>(M.gate_up.size());
+  const at::Tensor counts = flat.bincount({}, E).contiguous();
+  const at::Tensor tokens = order.floor_divide(k);
+  const at::Tensor w_sorted = weights.reshape(-1).index_select(0, order);
+  at::Tensor out = at::zeros(x.sizes(), x.options());
+  const int64_t* n_of = counts.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; e++) {
+    const int64_t n = n_of[e];
+    if (n == 0) continue;
+    const at::Tensor rows = tokens.narrow(0, start, n);
+    const at::Tensor h = M.down[e](silu_mul(M.gate_up[e](x.index_select(0, rows))));
+    out.index_add_(0, rows, (h * w_sorted.narrow(0, start, n).unsqueeze(1)).to(x.scalar_type()));
+    start += n;
+  }
+  return out;
+}
+
 }  // namespace
 
 }  // namespace kvserve_stack
@@ -131,6 +162,14 @@ void DecodeStack::add_layer(StackLayer layer) {
               "DecodeStack: pre_ff_norm and post_ff_norm come together");
   TORCH_CHECK(layer.act == 0 || layer.act == 1, "DecodeStack: act 0 (SiLU) or 1 (GeGLU)");
   TORCH_CHECK(layer.rope >= 0, "DecodeStack: a RoPE table index");
+  TORCH_CHECK(layer.qkv.has_value() && layer.o.has_value(), "DecodeStack: qkv and o needed");
+  TORCH_CHECK(layer.moe.has_value() != (layer.gate_up.has_value() && layer.down.has_value()),
+              "DecodeStack: a layer's MLP is gate_up and down, or a mixture of experts");
+  TORCH_CHECK(!layer.moe.has_value() ||
+                  (!layer.pre_ff_norm.has_value() && layer.act == 0 &&
+                   layer.moe->gate_up.size() == layer.moe->down.size() &&
+                   !layer.moe->gate_up.empty() && layer.moe->top_k > 0),
+              "DecodeStack: a mixture of experts needs one gate_up and one down per expert");
   layers_.push_back(std::move(layer));
   groups_.push_back(0);
 }
@@ -192,7 +231,7 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
     } else {
       h = add_rms_norm_(x, residual, L.input_norm, L.eps);
     }
-    const at::Tensor qkv = L.qkv(h);
+    const at::Tensor qkv = (*L.qkv)(h);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
     at::Tensor q, k;
     if (L.q_norm.has_value()) {
@@ -223,14 +262,16 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
       attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
                               L.window);
     }
-    const at::Tensor o = L.o(attn.reshape({t, q_size}));
+    const at::Tensor o = (*L.o)(attn.reshape({t, q_size}));
     if (L.pre_ff_norm.has_value()) {  // Gemma's sandwich
       h = add_rms_norm_(rms_norm(o, L.post_norm, L.eps), residual, *L.pre_ff_norm, L.eps);
-      x = rms_norm(L.down(kvserve_stack::activation(L.gate_up(h), L.act)), *L.post_ff_norm,
-                   L.eps);
+      x = rms_norm((*L.down)(kvserve_stack::activation((*L.gate_up)(h), L.act)),
+                   *L.post_ff_norm, L.eps);
+    } else if (L.moe.has_value()) {
+      x = kvserve_stack::moe_forward(*L.moe, add_rms_norm_(o, residual, L.post_norm, L.eps));
     } else {
       h = add_rms_norm_(o, residual, L.post_norm, L.eps);
-      x = L.down(kvserve_stack::activation(L.gate_up(h), L.act));
+      x = (*L.down)(kvserve_stack::activation((*L.gate_up)(h), L.act));
     }
   }
   return add_rms_norm_(x, residual, final_norm, final_eps);

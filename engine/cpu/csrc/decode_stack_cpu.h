@@ -38,19 +38,32 @@ struct StackLinear {
   std::vector<StackLinear> parts;
 };
 
+// A mixture-of-experts MLP (engine/models/moe.py MoeBlock with the grouped path): the
+// router [E, H] applied as F.linear, softmax in float32, top_k (renormalised when normalise),
+// then each expert that got rows runs gate_up, SiLU x up and down on those rows only, weighted
+// and index_add_-ed into the output, experts in id order.
+struct StackMoe {
+  at::Tensor router;
+  int64_t top_k;
+  bool normalise;
+  std::vector<StackLinear> gate_up, down;  // per expert
+};
+
 // A Llama-style layer, or a Gemma one (sandwich norms: pre_ff_norm and post_ff_norm set;
 // post_norm then normalises the attention output). act: 0 SiLU x up, 1 GeGLU (gelu_tanh x up).
 // rope: which of forward's cos/sin tables the layer rotates with (Gemma 3's local layers: 1).
+// moe: the layer's MLP is a mixture of experts (then gate_up and down are unset).
 struct StackLayer {
   at::Tensor input_norm, post_norm;
   double eps;
-  StackLinear qkv, o, gate_up, down;
+  std::optional<StackLinear> qkv, o, gate_up, down;
   int64_t num_heads, num_kv_heads, head_dim, window;
   double scale;
   std::optional<at::Tensor> q_norm, k_norm;
   std::optional<at::Tensor> pre_ff_norm, post_ff_norm;
   int64_t act = 0;
   int64_t rope = 0;
+  std::optional<StackMoe> moe;
 };
 
 }  // namespace kvserve_stack
