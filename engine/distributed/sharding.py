@@ -11,6 +11,11 @@ Megatron's split of a Llama-family layer over ``N`` ranks:
   of token rows; an embedding lookup is zero outside the range and summed across ranks (one
   all-reduce), the logits of each range are gathered into the full vocabulary.
 - Norms (and Qwen3's per-head q/k norms) are replicated.
+- Mixture-of-experts layers: every expert is split like the dense MLP, over its own
+  intermediate features (``expert_intermediate``): each rank holds every expert's slice of
+  gate/up rows and of down columns, so the routed experts' partial outputs are summed by the
+  layer's one all-reduce after the MLP. The router is replicated: every rank routes the same
+  (all-reduced) hidden states to the same experts.
 
 Heads follow their KV group, so every rank's query heads read only K/V heads it holds. With at
 least as many KV heads as ranks the KV heads are split into contiguous, near-even ranges (9 query
@@ -45,6 +50,7 @@ class RankShard:
     vocab: tuple[int, int]  # [start, stop) of the token ids (table and head rows)
     vocab_size: int  # the whole vocabulary
     head_dim: int
+    expert_intermediate: tuple[int, int] = (0, 0)  # [start, stop) of each expert's features
 
     @property
     def num_q_heads(self) -> int:
@@ -60,13 +66,17 @@ class RankShard:
         return [b - a for a, b in (even_range(self.vocab_size, r, self.world)
                                    for r in range(self.world))]
 
-    def weight_slice(self, name: str) -> tuple[int, int, int] | str | None:
+    def weight_slice(self, name: str) -> tuple | str | None:
         """How rank ``rank`` loads the HF tensor ``name``: ``(dim, start, stop)`` to narrow,
+        ``(dim, start, stop, "halves")``: that range of each half of ``dim``, concatenated (a
+        stacked expert gate/up ``[E, 2I, H]``: gate rows, then up rows),
         ``"zero"`` (a row-parallel bias on ranks > 0: added once, by rank 0) or None (the
-        whole tensor: norms)."""
+        whole tensor: norms, routers)."""
         d = self.head_dim
         leaf = name.rsplit(".", 2)
         module, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
+        if ".experts." in name:
+            return self._expert_slice(name, module, kind)
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             return (0, *self.vocab)
         if module == "q_proj":
@@ -82,6 +92,18 @@ class RankShard:
                                                                     self.q_heads[1] * d)
             return (1, *span)
         return None
+
+    def _expert_slice(self, name: str, module: str, kind: str) -> tuple:
+        a, b = self.expert_intermediate
+        if kind == "gate_up_proj":  # stacked [E, 2I, H]: gate rows, then up rows
+            return (1, a, b, "halves")
+        if kind == "down_proj":  # stacked [E, H, I]
+            return (2, a, b)
+        if module in ("gate_proj", "up_proj", "w1", "w3"):  # per expert [I, H]
+            return (0, a, b)
+        if module in ("down_proj", "w2"):  # per expert [H, I]
+            return (1, a, b)
+        raise ValueError(f"unknown expert tensor {name!r}")
 
 
 def check_tensor_parallel(arch: ModelArch, world: int) -> None:
@@ -103,6 +125,9 @@ def check_tensor_parallel(arch: ModelArch, world: int) -> None:
     if arch.intermediate_size < world or arch.vocab_size < world:
         raise ValueError(f"tensor_parallel_size {world} is larger than the model's MLP or "
                          f"vocabulary size")
+    if arch.moe is not None and arch.moe.expert_intermediate < world:
+        raise ValueError(f"tensor_parallel_size {world} is larger than the experts' "
+                         f"{arch.moe.expert_intermediate} intermediate features")
 
 
 def rank_shard(arch: ModelArch, rank: int, world: int) -> RankShard:
@@ -124,12 +149,19 @@ def rank_shard(arch: ModelArch, rank: int, world: int) -> RankShard:
     return RankShard(rank=rank, world=world, q_heads=q_range, kv_heads=kv_range,
                      intermediate=even_range(arch.intermediate_size, rank, world),
                      vocab=even_range(arch.vocab_size, rank, world),
-                     vocab_size=arch.vocab_size, head_dim=arch.head_dim)
+                     vocab_size=arch.vocab_size, head_dim=arch.head_dim,
+                     expert_intermediate=(even_range(arch.moe.expert_intermediate, rank, world)
+                                          if arch.moe is not None else (0, 0)))
 
 
 def local_arch(arch: ModelArch, shard: RankShard) -> ModelArch:
     """``arch`` with this rank's head and feature counts (the vocabulary stays whole: the
     engine samples from all of it)."""
+    moe = arch.moe
+    if moe is not None:
+        a, b = shard.expert_intermediate
+        moe = dataclasses.replace(moe, expert_intermediate=b - a)
     return dataclasses.replace(arch, num_heads=shard.num_q_heads,
                                num_kv_heads=shard.num_kv_heads,
-                               intermediate_size=shard.intermediate[1] - shard.intermediate[0])
+                               intermediate_size=shard.intermediate[1] - shard.intermediate[0],
+                               moe=moe)

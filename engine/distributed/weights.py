@@ -26,10 +26,21 @@ def shard_tensor(name: str, tensor, shard: RankShard) -> torch.Tensor:
         shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
         dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else torch.float32
         return torch.zeros(tuple(shape), dtype=dtype)
-    dim, start, stop = how
+    dim, start, stop, *halves = how
+    if halves:  # the range in each half of dim (a stacked expert gate/up), concatenated
+        shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+        half = shape[dim] // 2
+        return torch.cat([_narrow(tensor, dim, start, stop),
+                          _narrow(tensor, dim, half + start, half + stop)], dim)
+    return _narrow(tensor, dim, start, stop)
+
+
+def _narrow(tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """``tensor``'s ``[start, stop)`` along ``dim`` (0, 1 or 2), as a contiguous tensor."""
     if isinstance(tensor, torch.Tensor):
         return tensor.narrow(dim, start, stop - start).contiguous()
-    return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+    index = (slice(None),) * dim + (slice(start, stop),)
+    return tensor[index]
 
 
 def iter_shard_weights(files: ModelFiles, shard: RankShard) -> Iterator[tuple[str, torch.Tensor]]:

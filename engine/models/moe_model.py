@@ -12,8 +12,9 @@ Weights load from every HF naming these checkpoints use:
 
 Per-expert tensors are copied into the stacked parameters; a stacked parameter counts as
 loaded when given whole or when all its per-expert parts were. Qwen3-MoE's dense layers
-(``mlp_only_layers``) keep the plain fused MLP. Tensor parallelism does not shard experts yet:
-such a model is refused with a ValueError.
+(``mlp_only_layers``) keep the plain fused MLP. Under tensor parallelism each rank holds every
+expert's slice of the intermediate features (engine/distributed/sharding.py) and ``tp`` is
+passed on to the layers, whose all-reduce after the MLP sums the experts' partial outputs.
 """
 
 from __future__ import annotations
@@ -73,11 +74,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                  tp: TPGroup | None = None) -> None:
         if arch.moe is None:
             raise ValueError(f"{arch.model_type} has no mixture-of-experts layers")
-        if tp is not None:
-            raise ValueError("tensor parallelism does not shard mixture-of-experts models yet; "
-                             "serve this model with --tensor-parallel-size 1")
         super().__init__(arch, max_positions, tp)
-        self.layers = nn.ModuleList(MoeDecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(MoeDecoderLayer(arch, i, tp) for i in range(arch.num_layers))
 
     def moe_blocks(self) -> dict[int, MoeBlock]:
         """The sparse layers' blocks by layer index."""

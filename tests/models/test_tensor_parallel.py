@@ -1,8 +1,8 @@
 """Tensor parallelism over 2 gloo ranks on the CPU: greedy tokens equal ``tensor_parallel_size=1``
 on tiny Llama, Mistral (sliding window), Qwen2 (QKV bias) and Qwen3 (q/k norms), with KV heads
 split (2 over 2 ranks) and replicated (1 KV head on both ranks), with an uneven split of heads
-(the embedded model's 9 heads / 3 KV heads), with preemption that swaps blocks out to every
-rank's host pool and back, with grammar-constrained rows under speculation, and on the
+(the embedded model's 9 heads / 3 KV heads), mixtures of experts (every expert's features
+split), with preemption that swaps blocks out to every rank's host pool and back, with grammar-constrained rows under speculation, and on the
 embedded SmolLM2-135M (slow). Each rank runs one thread.
 """
 
@@ -58,6 +58,38 @@ def test_two_ranks_give_the_same_greedy_tokens(case):
         assert _greedy(llm, prompts[:3], lengths[:3]) == expected[:3]
         assert llm.stats()["prefix_cache_hits"] > 0
         llm.engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("qwen3_moe", {"moe_intermediate_size": 47}),  # an uneven split: 23 / 24 features
+    ("mixtral", {}),
+])
+def test_experts_split_over_two_ranks(tmp_path, kind, overrides):
+    """Mixture of experts over 2 ranks: each rank holds every expert's slice of the
+    intermediate features (Qwen3-MoE's stacked gate/up halves, a dense layer among the sparse
+    ones; Mixtral's experts), the router replicated: greedy tokens equal one rank's."""
+    path = make_tiny_model_dir(tmp_path / kind, kind, **overrides)
+    prompts, lengths = _workload(11)
+    with LLM(str(path), **BASE) as llm:
+        expected = _greedy(llm, prompts, lengths)
+    with LLM(str(path), tensor_parallel_size=2, **BASE) as llm:
+        assert _greedy(llm, prompts, lengths) == expected
+
+
+def test_gguf_experts_split_over_two_ranks(tmp_path):
+    """A Mixtral GGUF (Q4_0/Q8_0 experts, dequantised under tensor parallelism): two ranks'
+    greedy tokens equal one rank's at quantization=none. (Its one-time conversion goes to the
+    usual cache, keyed by the file's contents; a temporary KVSERVE_CACHE_DIR would make every
+    rank compile the CPU kernels again.)"""
+    from tests.models.moe_gguf import write_moe_gguf
+
+    path = tmp_path / "tiny-mixtral.gguf"
+    write_moe_gguf(path, "mixtral")
+    prompts, lengths = _workload(12, n=4)
+    with LLM(str(path), quantization="none", **BASE) as llm:
+        expected = _greedy(llm, prompts, lengths)
+    with LLM(str(path), tensor_parallel_size=2, **BASE) as llm:
+        assert _greedy(llm, prompts, lengths) == expected
 
 
 def test_ngram_speculation_rows_reach_every_rank(tmp_path):

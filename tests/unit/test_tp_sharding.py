@@ -118,3 +118,43 @@ def test_safetensors_slices_are_read_not_the_whole_tensor(tmp_path):
                             rank_shard(arch, 1, 2))
     assert part.shape == (576, 768)
     torch.testing.assert_close(part, w[:, 768:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("read", ["tensor", "safetensors"])
+def test_expert_slices_put_back_together(tmp_path, read):
+    """Every expert split over its own intermediate features (47: 23 + 24): stacked gate/up
+    [E, 2I, H] as each rank's gate rows then up rows, stacked down [E, H, I] by columns,
+    per-expert tensors (both HF spellings) like the dense MLP, the router whole."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    arch = ModelArch.from_hf_config(tiny_config("qwen3_moe", moe_intermediate_size=47))
+    assert check_tensor_parallel(arch, 2) is None
+    shards = [rank_shard(arch, r, 2) for r in range(2)]
+    assert [s.expert_intermediate for s in shards] == [(0, 23), (23, 47)]
+    assert [local_arch(arch, s).moe.expert_intermediate for s in shards] == [23, 24]
+    tensors = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(8, 94, 64),
+               "model.layers.0.mlp.experts.down_proj": torch.randn(8, 64, 47),
+               "model.layers.0.mlp.experts.3.up_proj.weight": torch.randn(47, 64),
+               "model.layers.0.block_sparse_moe.experts.3.w2.weight": torch.randn(64, 47),
+               "model.layers.0.mlp.gate.weight": torch.randn(8, 64)}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        parts = {n: [shard_tensor(n, t if read == "tensor" else f.get_slice(n), s)
+                     for s in shards] for n, t in tensors.items()}
+    gate_up = parts["model.layers.0.mlp.experts.gate_up_proj"]
+    assert [p.shape for p in gate_up] == [(8, 46, 64), (8, 48, 64)]
+    full = tensors["model.layers.0.mlp.experts.gate_up_proj"]
+    torch.testing.assert_close(torch.cat([gate_up[0][:, :23], gate_up[1][:, :24]], 1),
+                               full[:, :47], rtol=0, atol=0)  # the gate rows
+    torch.testing.assert_close(torch.cat([gate_up[0][:, 23:], gate_up[1][:, 24:]], 1),
+                               full[:, 47:], rtol=0, atol=0)  # the up rows
+    for name, dim in (("model.layers.0.mlp.experts.down_proj", 2),
+                      ("model.layers.0.mlp.experts.3.up_proj.weight", 0),
+                      ("model.layers.0.block_sparse_moe.experts.3.w2.weight", 1)):
+        torch.testing.assert_close(torch.cat(parts[name], dim), tensors[name], rtol=0, atol=0)
+    for part in parts["model.layers.0.mlp.gate.weight"]:
+        torch.testing.assert_close(part, tensors["model.layers.0.mlp.gate.weight"])
+    with pytest.raises(ValueError, match="experts' 1 intermediate"):
+        check_tensor_parallel(ModelArch.from_hf_config(
+            tiny_config("qwen3_moe", moe_intermediate_size=1)), 2)
