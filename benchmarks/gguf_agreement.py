@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import tempfile
 import time
@@ -141,7 +140,12 @@ def main() -> None:
         cells = [f"{c:.1%}" if isinstance(c, float) else c for c in cells]
         print(f"| {r['model']} ({r['positions']}) | {' | '.join(cells)} |")
     if args.json:
-        args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+        from bench.serve import machine_info
+        from engine.quantization.linear import quant_kernels
+
+        kernels = quant_kernels()
+        isa = kernels.quant_gemm_isa() if kernels is not None else "no CPU kernels"
+        args.json.write_text(json.dumps({"machine": machine_info(), "kernels_isa": isa,
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows},
                                         indent=1))
 

@@ -21,6 +21,26 @@ TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_output": 
          "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q5_0"}
 
 
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _none_then_auto(path, cache, monkeypatch, default_quant_settings):
+    """``none``'s greedy tokens for PROMPTS, then the ``auto`` engine (packed at every batch
+    size, the default kernel settings) to hold against them."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
+    none = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="none")
+    expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, PARAMS)]
+    default_quant_settings()
+    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
+    # batch_invariant=False: this measures the packed weights against HF/none with the dense
+    # path's float panels, as test_quantized_engine does; batch-invariant serving runs prompts
+    # on the int8-activation kernels, which flip near-tied top-1 tokens of a random model
+    # (tests/models/test_batch_invariance.py covers that mode).
+    auto = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="auto",
+               batch_invariant=False)
+    return expected, auto
+
+
 @pytest.fixture(scope="module")
 def q5_gguf(tmp_path_factory, make_llama_gguf):
     pytest.importorskip("gguf")
@@ -39,19 +59,7 @@ def test_five_bit_and_iq4_tensors_load_packed_and_agree_with_none(q5_gguf, monke
     from engine.quantization.linear import QuantConcat
 
     path, cache = q5_gguf
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
-    none = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="none")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
-
-    default_quant_settings()
-    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
-    # batch_invariant=False: this measures the packed weights against HF/none with the dense
-    # path's float panels, as test_quantized_engine does; batch-invariant serving runs prompts
-    # on the int8-activation kernels, which flip near-tied top-1 tokens of a random model
-    # (tests/models/test_batch_invariance.py covers that mode).
-    auto = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="auto",
-               batch_invariant=False)
+    expected, auto = _none_then_auto(path, cache, monkeypatch, default_quant_settings)
     model = auto.engine.runner.model
     kinds = {type(m).__name__ for m in model.modules()}
     assert {"QuantLinear", "QuantEmbedding"} <= kinds and "Linear" not in kinds
@@ -64,7 +72,7 @@ def test_five_bit_and_iq4_tensors_load_packed_and_agree_with_none(q5_gguf, monke
     assert model.decode_stack is not None  # the C++ layer stack takes the 5-bit kind too
     hits, total = continuation_hits(auto, zip(PROMPTS, expected))
     assert hits / total >= 0.95
-    outs = auto.generate(PROMPTS, params)
+    outs = auto.generate(PROMPTS, PARAMS)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert model.decode_stack.calls > 0
     auto.engine.kv.check_integrity()
@@ -83,15 +91,8 @@ def test_q2_k_tensors_load_packed_and_agree_with_none(tmp_path, make_llama_gguf,
     path = tmp_path / "tiny-llama.Q2_K.gguf"
     roles = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     make_llama_gguf(path, tied=True, quantised=True, linear_types=dict.fromkeys(roles, "Q2_K"))
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    none = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="none")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in none.generate(PROMPTS, params)]
-
-    default_quant_settings()
-    monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
-    auto = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="auto",
-               batch_invariant=False)
+    expected, auto = _none_then_auto(path, tmp_path / "cache", monkeypatch,
+                                     default_quant_settings)
     model = auto.engine.runner.model
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -101,6 +102,6 @@ def test_q2_k_tensors_load_packed_and_agree_with_none(tmp_path, make_llama_gguf,
     assert model.decode_stack is not None
     hits, total = continuation_hits(auto, zip(PROMPTS, expected))
     assert hits / total >= 0.95
-    outs = auto.generate(PROMPTS, params)
+    outs = auto.generate(PROMPTS, PARAMS)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert model.decode_stack.calls > 0
