@@ -141,10 +141,11 @@ def main() -> None:
         print(f"| {r['model']} ({r['positions']}) | {' | '.join(cells)} |")
     if args.json:
         from bench.serve import machine_info
-        from engine.quantization.linear import quant_kernels
+        from engine.quantization.linear import quant_kernels, vnni_available
 
         kernels = quant_kernels()
         isa = kernels.quant_gemm_isa() if kernels is not None else "no CPU kernels"
+        isa += " + AVX-512 VNNI" if kernels is not None and vnni_available() else ""
         args.json.write_text(json.dumps({"machine": machine_info(), "kernels_isa": isa,
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows},
                                         indent=1))
