@@ -362,9 +362,11 @@ def _ordered(d: dict) -> bool:
 @pytest.mark.slow
 def test_bench_serve_figures_agree_with_the_server(real_server, tmp_path):
     before = _generated(real_server)
+    # --peak-dtype float32: the yardstick's probe (timed twice, before and after the run) on
+    # one dtype instead of two; what the test checks is the accounting, not the peak.
     rc, res = _bench(real_server, tmp_path, "--num-requests", "6", "--input-len", "24",
                      "--output-len", "5", "--concurrency", "1,3", "--seed", "7",
-                     "--plot", str(tmp_path / "plots"))
+                     "--peak-dtype", "float32", "--plot", str(tmp_path / "plots"))
     assert rc == 0 and len(res["runs"]) == 2
     for run in res["runs"]:
         assert (run["completed"], run["failed"]) == (6, 0)

@@ -102,16 +102,20 @@ def test_twenty_prompts_tokenised_just_within_the_bound_leave_memory_where_it_wa
             return r.status_code
 
         with ThreadPoolExecutor(4) as pool:  # several tokeniser threads, several arenas
-            # Warm-up: both endpoints at the same concurrency, twice over, so that first-use
-            # allocations (the chat template's compile, each worker thread's malloc arena at
-            # its high-water mark) are made before the measurement, which is of what repeated
-            # huge prompts leave behind. One round of 4 left 50-61 MB of arena growth to the
-            # measurement in some runs (2026-12-03): noise, not a leak, which grows per prompt.
+            # Warm-up: both endpoints at the same concurrency, so that first-use allocations
+            # (the chat template's compile, each worker thread's malloc arena) are made before
+            # the measurement. Then two equal rounds: a leak grows memory in every round, while
+            # glibc's arenas reaching a new high-water mark is a one-off that lands in either
+            # round (a single round after a warm-up of 8 still saw 59-61 MB of it on CI's
+            # machine, 2026-12-03). So the smaller of the two rounds' growths is held to the
+            # bound: 2.5 MB per prompt.
             assert set(pool.map(post, range(8))) == {400}
-            before = _rss_mb(proc.pid)
-            assert set(pool.map(post, range(20))) == {400}
-        growth = _rss_mb(proc.pid) - before
-        assert growth <= 50, f"resident memory grew by {growth:.0f} MB over 20 prompts"
+            rss = [_rss_mb(proc.pid)]
+            for _ in range(2):
+                assert set(pool.map(post, range(12))) == {400}
+                rss.append(_rss_mb(proc.pid))
+        growths = [b - a for a, b in zip(rss, rss[1:])]
+        assert min(growths) <= 30, f"resident memory grew by {growths} MB in two rounds of 12"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
