@@ -12,8 +12,9 @@ For each file (``tests/models/gemma_gguf.py``: Gemma 2 and Gemma 3, Q4_0 project
 Q8_0 token table; ``tests/models/moe_gguf.py``: Qwen3-MoE and Mixtral, Q4_0/Q8_0 experts):
 the reference is HF's forward pass over the same file (dequantised by ``gguf``), argmax at
 every position of a fixed token sequence; kvserve's top-1 comes from one prefill with prompt
-logprobs; llama-server's from one request per prefix (``n_predict`` 1, greedy, prompt as token
-ids, its prompt cache reusing the shared prefix).
+logprobs; llama-server's (``benchmarks/serving.py``'s ``find_llama_server`` unless
+``--llama-server``) from one request per prefix (``n_predict`` 1, greedy, prompt as token ids,
+its prompt cache reusing the shared prefix).
 
     PYTHONPATH=. python benchmarks/gguf_agreement.py [--llama-server PATH] [--json OUT]
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -31,9 +31,11 @@ import httpx
 import torch
 from tqdm import tqdm
 
+from bench.serve import free_port, machine_info
+from benchmarks.serving import find_llama_server, serving_process
+from benchmarks.startup_time import isa
 from engine import LLM, SamplingParams
 
-LLAMA_CPP = Path.home() / ".cache/kvserve/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp"
 MODELS = ("gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 CONFIGS = {  # kvserve's configurations: LLM keyword arguments
     "kvserve default": {},
@@ -81,43 +83,34 @@ def kvserve_top1(path: Path, ids: list[int], **kw) -> list[int]:
     return top
 
 
-def llamacpp_top1(binary: Path, path: Path, ids: list[int], port: int) -> list[int] | str:
+def llamacpp_top1(binary: Path, path: Path, ids: list[int]) -> list[int] | str:
     """llama-server's greedy token after each prefix, or why it could not serve the file."""
-    log = path.with_suffix(".llama-server.log")
-    proc = subprocess.Popen([str(binary), "-m", str(path), "--host", "127.0.0.1", "--port",
-                             str(port), "-c", "512", "-np", "1", "-t", "2"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    port = free_port()
+    cmd = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
+           "-c", "512", "-np", "1", "-t", "2"]
     try:
-        for _ in range(120):
-            if proc.poll() is not None:
-                return f"llama-server exited ({log.read_text()[-300:].strip()})"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        top = []
-        for p in range(1, len(ids)):
-            r = httpx.post(f"{url}/completion", timeout=60, json={
-                "prompt": ids[:p], "n_predict": 1, "temperature": 0, "top_k": 1,
-                "samplers": ["top_k"], "return_tokens": True, "cache_prompt": True}).json()
-            if r.get("tokens_evaluated", p) != p:
-                return f"llama-server evaluated {r['tokens_evaluated']} prompt tokens, not {p}"
-            top.append(r["tokens"][0])
-        return top
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        with serving_process(cmd, port, path.with_suffix(".llama-server.log"), 60) as url:
+            top = []
+            for p in range(1, len(ids)):
+                r = httpx.post(f"{url}/completion", timeout=60, json={
+                    "prompt": ids[:p], "n_predict": 1, "temperature": 0, "top_k": 1,
+                    "samplers": ["top_k"], "return_tokens": True, "cache_prompt": True}).json()
+                if r.get("tokens_evaluated", p) != p:
+                    return (f"llama-server evaluated {r['tokens_evaluated']} prompt tokens, "
+                            f"not {p}")
+                top.append(r["tokens"][0])
+            return top
+    except RuntimeError as exc:  # it exited, or never answered /health
+        return str(exc)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-server", type=Path, default=LLAMA_CPP / "build/bin/llama-server")
-    ap.add_argument("--port", type=int, default=8197)
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="default: the one benchmarks/vs_llamacpp.sh builds")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    binary = args.llama_server or find_llama_server()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in tqdm(MODELS, desc="models", unit="file"):
@@ -128,8 +121,8 @@ def main() -> None:
             for name, kw in CONFIGS.items():
                 got = kvserve_top1(path, ids, **kw)
                 row[name] = sum(a == b for a, b in zip(got, ref)) / len(ref)
-            if args.llama_server.is_file():
-                got = llamacpp_top1(args.llama_server, path, ids, args.port)
+            if binary is not None and binary.is_file():
+                got = llamacpp_top1(binary, path, ids)
                 row["llama-server"] = (got if isinstance(got, str) else
                                        sum(a == b for a, b in zip(got, ref)) / len(ref))
             rows.append(row)
@@ -140,13 +133,7 @@ def main() -> None:
         cells = [f"{c:.1%}" if isinstance(c, float) else c for c in cells]
         print(f"| {r['model']} ({r['positions']}) | {' | '.join(cells)} |")
     if args.json:
-        from bench.serve import machine_info
-        from engine.quantization.linear import quant_kernels, vnni_available
-
-        kernels = quant_kernels()
-        isa = kernels.quant_gemm_isa() if kernels is not None else "no CPU kernels"
-        isa += " + AVX-512 VNNI" if kernels is not None and vnni_available() else ""
-        args.json.write_text(json.dumps({"machine": machine_info(), "kernels_isa": isa,
+        args.json.write_text(json.dumps({"machine": machine_info(), "isa": isa(),
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows},
                                         indent=1))
 

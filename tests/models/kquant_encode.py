@@ -26,21 +26,29 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide(a, b, out=np.zeros_like(a), where=b != 0)
 
 
-def _scales_mins(w: np.ndarray, levels: int):
-    """Q4_K/Q5_K: blocks [n, nb, 8, 32] -> (d bytes, dmin bytes, 12 scale bytes, q values)."""
+def _sub_blocks(w: np.ndarray, levels: int, sc_max: int):
+    """Blocks [n, nb, sub-blocks, values] -> (d bytes, dmin bytes, scales, mins, q values): per
+    sub-block a scale and a min from its range, stored as integer multiples (0..``sc_max``) of
+    the super-block's fp16 d and dmin, then the values rounded to 0..``levels``."""
     lo = np.minimum(w.min(-1), 0.0)
     scale, mn = (w.max(-1) - lo) / levels, -lo
-    d_bytes, d = _f16(scale.max(-1) / 63)
-    m_bytes, dmin = _f16(mn.max(-1) / 63)
-    sc = np.clip(np.rint(_div(scale, d[..., None])), 0, 63).astype(np.uint8)
-    mi = np.clip(np.rint(_div(mn, dmin[..., None])), 0, 63).astype(np.uint8)
+    d_bytes, d = _f16(scale.max(-1) / sc_max)
+    m_bytes, dmin = _f16(mn.max(-1) / sc_max)
+    sc = np.clip(np.rint(_div(scale, d[..., None])), 0, sc_max).astype(np.uint8)
+    mi = np.clip(np.rint(_div(mn, dmin[..., None])), 0, sc_max).astype(np.uint8)
     eff_d = d[..., None] * sc.astype(np.float32)
     eff_m = dmin[..., None] * mi.astype(np.float32)
     q = np.clip(np.rint(_div(w + eff_m[..., None], eff_d[..., None] + 0 * w)), 0, levels)
+    return d_bytes, m_bytes, sc, mi, q.astype(np.uint8)
+
+
+def _scales_mins(w: np.ndarray, levels: int):
+    """Q4_K/Q5_K: blocks [n, nb, 8, 32] -> (d bytes, dmin bytes, 12 scale bytes, q values)."""
+    d_bytes, m_bytes, sc, mi, q = _sub_blocks(w, levels, 63)
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
                              mi[..., :4] | ((mi[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 0x0F) | ((mi[..., 4:] & 0x0F) << 4)], axis=-1)
-    return d_bytes, m_bytes, packed, q.astype(np.uint8)
+    return d_bytes, m_bytes, packed, q
 
 
 def _nibbles(q: np.ndarray) -> np.ndarray:
@@ -84,17 +92,9 @@ def encode_q2_k(w: np.ndarray) -> np.ndarray:
     16 bytes of scale | min << 4, 64 bytes of 2-bit values (element 128h + 32s + j in bits
     2s..2s+1 of byte 32h + j), d, dmin."""
     n, k = w.shape
-    b = w.reshape(n, k // QK, 16, 16).astype(np.float32)
-    lo = np.minimum(b.min(-1), 0.0)
-    scale, mn = (b.max(-1) - lo) / 3, -lo
-    d_bytes, d = _f16(scale.max(-1) / 15)
-    m_bytes, dmin = _f16(mn.max(-1) / 15)
-    sc = np.clip(np.rint(_div(scale, d[..., None])), 0, 15).astype(np.uint8)
-    mi = np.clip(np.rint(_div(mn, dmin[..., None])), 0, 15).astype(np.uint8)
-    eff_d = d[..., None] * sc.astype(np.float32)
-    eff_m = dmin[..., None] * mi.astype(np.float32)
-    q = np.clip(np.rint(_div(b + eff_m[..., None], eff_d[..., None] + 0 * b)), 0, 3)
-    q = q.astype(np.uint8).reshape(n, k // QK, 2, 4, 32)  # [half, shift, byte]
+    d_bytes, m_bytes, sc, mi, q = _sub_blocks(w.reshape(n, k // QK, 16, 16).astype(np.float32),
+                                              3, 15)
+    q = q.reshape(n, k // QK, 2, 4, 32)  # [half, shift, byte]
     qs = (q << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)
     return np.concatenate([sc | (mi << 4), qs.reshape(n, -1, 64), d_bytes, m_bytes],
                           axis=-1).reshape(n, -1)

@@ -162,7 +162,6 @@ void DecodeStack::add_layer(StackLayer layer) {
               "DecodeStack: pre_ff_norm and post_ff_norm come together");
   TORCH_CHECK(layer.act == 0 || layer.act == 1, "DecodeStack: act 0 (SiLU) or 1 (GeGLU)");
   TORCH_CHECK(layer.rope >= 0, "DecodeStack: a RoPE table index");
-  TORCH_CHECK(layer.qkv.has_value() && layer.o.has_value(), "DecodeStack: qkv and o needed");
   TORCH_CHECK(layer.moe.has_value() != (layer.gate_up.has_value() && layer.down.has_value()),
               "DecodeStack: a layer's MLP is gate_up and down, or a mixture of experts");
   TORCH_CHECK(!layer.moe.has_value() ||
@@ -231,7 +230,7 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
     } else {
       h = add_rms_norm_(x, residual, L.input_norm, L.eps);
     }
-    const at::Tensor qkv = (*L.qkv)(h);
+    const at::Tensor qkv = L.qkv(h);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
     at::Tensor q, k;
     if (L.q_norm.has_value()) {
@@ -262,7 +261,7 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
       attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
                               L.window);
     }
-    const at::Tensor o = (*L.o)(attn.reshape({t, q_size}));
+    const at::Tensor o = L.o(attn.reshape({t, q_size}));
     if (L.pre_ff_norm.has_value()) {  // Gemma's sandwich
       h = add_rms_norm_(rms_norm(o, L.post_norm, L.eps), residual, *L.pre_ff_norm, L.eps);
       x = rms_norm((*L.down)(kvserve_stack::activation((*L.gate_up)(h), L.act)),

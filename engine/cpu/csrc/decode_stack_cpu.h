@@ -56,7 +56,8 @@ struct StackMoe {
 struct StackLayer {
   at::Tensor input_norm, post_norm;
   double eps;
-  std::optional<StackLinear> qkv, o, gate_up, down;
+  StackLinear qkv, o;
+  std::optional<StackLinear> gate_up, down;
   int64_t num_heads, num_kv_heads, head_dim, window;
   double scale;
   std::optional<at::Tensor> q_norm, k_norm;
