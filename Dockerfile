@@ -65,7 +65,7 @@ WORKDIR /opt/kvserve
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY server ./server
-COPY kernels ./kernels
+COPY kvserve_kernels ./kvserve_kernels
 COPY configs ./configs
 # The import check runs from / so that it loads the installed package, not this source tree.
 RUN pip install -c /opt/venv/constraints.txt ".[triton]" \

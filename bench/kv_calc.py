@@ -30,7 +30,7 @@ __all__ = ["ModelShape", "shape_from_hf_config"]  # re-exported: kv-calc's publi
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
                "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5}
-INT8_SCALE_BYTES = 2  # an int8 KV row carries its float16 scale (kernels/kv_quant_layout.py)
+INT8_SCALE_BYTES = 2  # an int8 KV row carries its float16 scale (kvserve_kernels/kv_quant_layout.py)
 
 # Public shapes of well-known models (from their config.json files).
 PRESETS: dict[str, ModelShape] = {

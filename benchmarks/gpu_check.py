@@ -141,7 +141,7 @@ def compiled_variants() -> int:
     """Triton kernel variants compiled in this process so far (all of kvserve's kernels)."""
     import importlib
 
-    mods = {m: importlib.import_module(f"kernels.{m}")
+    mods = {m: importlib.import_module(f"kvserve_kernels.{m}")
             for m in ("paged_attention", "paged_decode", "store_kv", "copy_blocks")}
     fns = [mods["paged_attention"]._paged_attention_kernel, mods["paged_decode"]._decode_kernel,
            mods["paged_decode"]._merge_kernel, mods["store_kv"]._store_kv_kernel,

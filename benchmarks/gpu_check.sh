@@ -84,7 +84,7 @@ $PY -c 'import engine, server.app; print(\"kvserve imports ok\")'"
             --deselect tests/kernels/test_gpu_compile.py::test_kernels_compile_for_sm90
         ;;
     sweep)
-        # Decode-kernel launch choices (kernels/launch_config.py), same cases for each.
+        # Decode-kernel launch choices (kvserve_kernels/launch_config.py), same cases for each.
         run sweep 75 bash -c 'for cfg in "" "BLOCK_N=32" "BLOCK_N=128,num_warps=8" \
             "num_warps=8" "num_stages=3" "programs_per_sm=2" "programs_per_sm=8"; do
             echo "--- KVSERVE_DECODE_CONFIG=$cfg"

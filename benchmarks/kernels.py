@@ -147,7 +147,7 @@ def _sdpa_has_gqa() -> bool:
 def run(args: argparse.Namespace) -> list[Row]:
     from tqdm import tqdm
 
-    from kernels.paged_decode import choose_num_splits, paged_decode_attention
+    from kvserve_kernels.paged_decode import choose_num_splits, paged_decode_attention
 
     dtype = DTYPES[args.dtype]
     esize = torch.tensor([], dtype=dtype).element_size()

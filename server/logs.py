@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging.config
 
-# Loggers of this project: engine code logs under "kvserve.*"; "engine"/"server"/"kernels" cover
+# Loggers of this project: engine code logs under "kvserve.*"; "engine"/"server"/"kvserve_kernels" cover
 # modules that use getLogger(__name__).
-PROJECT_LOGGERS = ("kvserve", "engine", "server", "kernels")
+PROJECT_LOGGERS = ("kvserve", "engine", "server", "kvserve_kernels")
 
 
 def configure_logging(level: str = "info") -> None:

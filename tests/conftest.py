@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 def _project_logs_reach_caplog(monkeypatch):
     """A test that starts the CLI in-process runs ``configure_logging``, which stops our loggers
     propagating to the root (where ``caplog`` listens); later tests must still see records."""
-    for name in ("kvserve", "engine", "server", "kernels"):
+    for name in ("kvserve", "engine", "server", "kvserve_kernels"):
         monkeypatch.setattr(logging.getLogger(name), "propagate", True)
 
 

@@ -82,7 +82,7 @@ def _probe_triton_cached(device: torch.device) -> str | None:
         return ("on a CPU, Triton kernels run only under TRITON_INTERPRET=1 (set before "
                 "start-up; slow, meant for tests)")
     try:
-        from kernels.probe import run_probe
+        from kvserve_kernels.probe import run_probe
 
         run_probe(device)
     except Exception as exc:
@@ -97,7 +97,7 @@ def _triton_interpreting() -> bool:
     try:
         from triton.runtime.interpreter import InterpretedFunction
 
-        from kernels.probe import _add_one_kernel
+        from kvserve_kernels.probe import _add_one_kernel
     except Exception:
         return False
     return isinstance(_add_one_kernel, InterpretedFunction)

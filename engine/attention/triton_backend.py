@@ -1,4 +1,4 @@
-"""Triton attention backend: the paged KV pool read by kernels/ on NVIDIA GPUs.
+"""Triton attention backend: the paged KV pool read by kvserve_kernels/ on NVIDIA GPUs.
 
 Per layer: ``store_kv`` writes the step's keys/values, then the leading decodes (``q_len == 1``)
 go through ``paged_decode_attention`` (GQA-grouped loads, split-K over long contexts) and the
@@ -24,10 +24,10 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_storage.formats import int4_rotate
-from kernels.kv_quant_layout import kv_quant_kind
-from kernels.paged_attention import paged_attention
-from kernels.paged_decode import paged_decode_attention
-from kernels.store_kv import store_kv
+from kvserve_kernels.kv_quant_layout import kv_quant_kind
+from kvserve_kernels.paged_attention import paged_attention
+from kvserve_kernels.paged_decode import paged_decode_attention
+from kvserve_kernels.store_kv import store_kv
 
 
 @dataclass

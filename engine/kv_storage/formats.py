@@ -56,11 +56,11 @@ import torch
 
 from engine.config import KV_CACHE_DTYPES
 
-INT8_SCALE_BYTES = 2  # one float16 scale per row (kernels/kv_quant_layout.py: the same)
+INT8_SCALE_BYTES = 2  # one float16 scale per row (kvserve_kernels/kv_quant_layout.py: the same)
 
 INT8_SCALE_FLOOR = 2.0 ** -14  # smallest normal float16
 
-INT4_GROUP = 32  # elements per int4 scale (kernels/kv_quant_layout.py: the same)
+INT4_GROUP = 32  # elements per int4 scale (kvserve_kernels/kv_quant_layout.py: the same)
 
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _FLOAT16 = {"float16": torch.float16, "bfloat16": torch.bfloat16}

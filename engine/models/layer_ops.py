@@ -70,13 +70,13 @@ class FusedCpuOps(TorchLayerOps):
 
 
 class TritonLayerOps(TorchLayerOps):
-    """One Triton kernel per norm and per SiLU x up (``kernels.fused_ops``), for CUDA graphs;
-    RoPE stays PyTorch's (see kernels/fused_ops.py)."""
+    """One Triton kernel per norm and per SiLU x up (``kvserve_kernels.fused_ops``), for CUDA graphs;
+    RoPE stays PyTorch's (see kvserve_kernels/fused_ops.py)."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import fused_ops
+        from kvserve_kernels import fused_ops
 
         self._k = fused_ops
 

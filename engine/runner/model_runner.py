@@ -394,7 +394,7 @@ class ModelRunner:
         kvh = self.arch.num_kv_heads
 
         def num_splits(batch: int) -> int:
-            from kernels.paged_decode import choose_num_splits
+            from kvserve_kernels.paged_decode import choose_num_splits
 
             return choose_num_splits(batch, kvh, self.max_model_len, self.device,
                                      head_dim=self.arch.head_dim, dtype=self.dtype)

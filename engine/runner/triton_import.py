@@ -6,7 +6,7 @@ on the meta device runs torch's Python references, whose wrapper imports ``torch
 On a CPU-only server that import serves nothing, takes time, and Triton's nanobind extension
 prints "leaked instances" warnings at every exit. :func:`import_torch_dynamo_without_triton`
 imports ``torch._dynamo`` first with Triton hidden, so that torch records "no Triton" (it
-caches the answer) and never imports it; kvserve's own Triton code (``kernels/``, the Triton
+caches the answer) and never imports it; kvserve's own Triton code (``kvserve_kernels/``, the Triton
 attention backend) still imports it normally when it is chosen.
 """
 

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from engine.attention.backend import get_attention_backend  # noqa: E402
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+from kvserve_kernels import reference as ref  # noqa: E402
 
 BS, KVH, H, D = 8, 2, 6, 64
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.copy_blocks import copy_blocks
+from kvserve_kernels import reference as ref
+from kvserve_kernels.copy_blocks import copy_blocks
 from tests.kernels.conftest import DEVICE
 
 BLOCK = (8, 2, 16)  # block_size, kv_heads, head_dim: small blocks keep the interpreter fast
@@ -56,7 +56,7 @@ def test_copy_between_cpu_layer_lists_of_different_sizes():
 @pytest.mark.parametrize("n_layers", [1, 3])
 def test_triton_copy_kernel_matches_reference(dtype, n_layers):
     pytest.importorskip("triton")
-    from kernels.copy_blocks import copy_blocks_triton
+    from kvserve_kernels.copy_blocks import copy_blocks_triton
 
     src = _pools(n_layers, 6, dtype, DEVICE, seed=3)
     dst = _pools(n_layers, 7, dtype, DEVICE, seed=4)

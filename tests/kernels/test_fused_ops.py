@@ -1,4 +1,4 @@
-"""Triton layer ops (kernels/fused_ops.py) vs the PyTorch arithmetic they replace."""
+"""Triton layer ops (kvserve_kernels/fused_ops.py) vs the PyTorch arithmetic they replace."""
 
 from __future__ import annotations
 

@@ -45,9 +45,9 @@ def _compile_all() -> None:  # runs in the subprocess
 
     driver.set_active(Sm90Driver())
     sys.path.insert(0, str(ROOT))
-    import kernels  # noqa: F401  (binds the submodules below)
+    import kvserve_kernels  # noqa: F401  (binds the submodules below)
 
-    mods = {m: sys.modules[f"kernels.{m}"] for m in
+    mods = {m: sys.modules[f"kvserve_kernels.{m}"] for m in
             ("paged_attention", "paged_decode", "store_kv", "copy_blocks")}
     kernel_names = {"paged_attention": ["_paged_attention_kernel"], "store_kv": ["_store_kv_kernel"],
                     "paged_decode": ["_decode_kernel", "_merge_kernel"],

@@ -18,11 +18,11 @@ from engine.kv_storage.formats import _quantize_int4, dequantize_int4_plain, int
 from tests.kernels.conftest import DEVICE, make_paged_case
 
 pytest.importorskip("triton")
-from kernels import reference as ref  # noqa: E402
-from kernels.copy_blocks import copy_blocks, copy_blocks_triton  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.paged_decode import paged_decode_attention  # noqa: E402
-from kernels.store_kv import store_kv  # noqa: E402
+from kvserve_kernels import reference as ref  # noqa: E402
+from kvserve_kernels.copy_blocks import copy_blocks, copy_blocks_triton  # noqa: E402
+from kvserve_kernels.paged_attention import paged_attention  # noqa: E402
+from kvserve_kernels.paged_decode import paged_decode_attention  # noqa: E402
+from kvserve_kernels.store_kv import store_kv  # noqa: E402
 
 
 def _pools(case, head_dim):

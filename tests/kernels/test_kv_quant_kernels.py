@@ -16,11 +16,11 @@ from engine.kv_storage.formats import dequantize_rows, kv_format, quantize_rows
 from tests.kernels.conftest import DEVICE, make_paged_case
 
 pytest.importorskip("triton")
-from kernels import reference as ref  # noqa: E402
-from kernels.copy_blocks import copy_blocks  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.paged_decode import paged_decode_attention  # noqa: E402
-from kernels.store_kv import store_kv  # noqa: E402
+from kvserve_kernels import reference as ref  # noqa: E402
+from kvserve_kernels.copy_blocks import copy_blocks  # noqa: E402
+from kvserve_kernels.paged_attention import paged_attention  # noqa: E402
+from kvserve_kernels.paged_decode import paged_decode_attention  # noqa: E402
+from kvserve_kernels.store_kv import store_kv  # noqa: E402
 
 KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 HEAD_DIM = 32

@@ -1,4 +1,4 @@
-"""Launch choices per kernel (kernels/launch_config.py): today's defaults, the environment
+"""Launch choices per kernel (kvserve_kernels/launch_config.py): today's defaults, the environment
 overrides a GPU sweep uses, and their validation. Plain arithmetic: no kernel runs here."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import launch_config as lc
+from kvserve_kernels import launch_config as lc
 
 BF16 = torch.bfloat16
 
@@ -89,7 +89,7 @@ def test_a_malformed_environment_value_fails_at_first_use(monkeypatch):
 
 def test_choose_num_splits_follows_programs_per_sm(monkeypatch):
     pytest.importorskip("triton")
-    from kernels.paged_decode import choose_num_splits
+    from kvserve_kernels.paged_decode import choose_num_splits
 
     cpu = torch.device("cpu")  # 8 nominal SMs
     # 8 programs fill 4 x 8 = 32 slots after 4 splits; with 1 program per SM, after 1.

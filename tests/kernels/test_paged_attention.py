@@ -8,8 +8,8 @@ import torch
 from tests.kernels.conftest import TOLERANCE, make_paged_case
 
 pytest.importorskip("triton")
-from kernels import reference as ref  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
+from kvserve_kernels import reference as ref  # noqa: E402
+from kvserve_kernels.paged_attention import paged_attention  # noqa: E402
 
 # (seq_lens, q_lens): decodes only; whole prompts incl. length 1 and exact block multiples;
 # chunked prefill and decodes mixed, over contexts crossing several blocks.

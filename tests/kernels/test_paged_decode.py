@@ -8,8 +8,8 @@ import torch
 from tests.kernels.conftest import DEVICE, TOLERANCE, make_paged_case
 
 pytest.importorskip("triton")
-from kernels import reference as ref  # noqa: E402
-from kernels.paged_decode import choose_num_splits, paged_decode_attention  # noqa: E402
+from kvserve_kernels import reference as ref  # noqa: E402
+from kvserve_kernels.paged_decode import choose_num_splits, paged_decode_attention  # noqa: E402
 
 # Length 1, an exact block multiple (of 8 and 32) and contexts crossing several blocks.
 SEQ_SETS = {"short": [1, 32, 45], "long": [97, 2]}

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
+from kvserve_kernels import reference as ref
 
 
 def _dense_mask(q_len: int, seq_len: int, window: int | None) -> torch.Tensor:

@@ -8,8 +8,8 @@ import torch
 from tests.kernels.conftest import DEVICE
 
 pytest.importorskip("triton")
-from kernels import reference as ref  # noqa: E402
-from kernels.store_kv import store_kv  # noqa: E402
+from kvserve_kernels import reference as ref  # noqa: E402
+from kvserve_kernels.store_kv import store_kv  # noqa: E402
 
 
 def _run_both(key, value, pool_shape, cache_dtype, slots):

@@ -80,7 +80,7 @@ def test_unknown_backend_name_is_refused():
 
 def test_probe_reports_a_launch_failure_with_a_toolchain_hint_and_caches_it(monkeypatch):
     pytest.importorskip("triton")
-    import kernels.probe
+    import kvserve_kernels.probe
 
     calls = []
 
@@ -89,7 +89,7 @@ def test_probe_reports_a_launch_failure_with_a_toolchain_hint_and_caches_it(monk
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment "
                            "variable.\nline two\nline three\nline four: compiler output")
 
-    monkeypatch.setattr(kernels.probe, "run_probe", failing_launch)
+    monkeypatch.setattr(kvserve_kernels.probe, "run_probe", failing_launch)
     reason = probe_triton(CUDA0)
     assert reason is not None and reason.startswith("a probe kernel failed: RuntimeError: ")
     assert "Failed to find C compiler" in reason and "line three" in reason
@@ -101,23 +101,23 @@ def test_probe_reports_a_launch_failure_with_a_toolchain_hint_and_caches_it(monk
 
 def test_probe_passes_for_a_correct_launch(monkeypatch):
     pytest.importorskip("triton")
-    import kernels.probe
+    import kvserve_kernels.probe
 
-    monkeypatch.setattr(kernels.probe, "run_probe", lambda device: None)
+    monkeypatch.setattr(kvserve_kernels.probe, "run_probe", lambda device: None)
     assert probe_triton(CUDA0) is None
 
 
 def test_probe_catches_a_launch_that_computes_nothing(monkeypatch):
     pytest.importorskip("triton")
-    import kernels.probe
+    import kvserve_kernels.probe
 
     class SilentKernel:  # launches "succeed" but write nothing
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(kernels.probe, "_add_one_kernel", SilentKernel())
+    monkeypatch.setattr(kvserve_kernels.probe, "_add_one_kernel", SilentKernel())
     with pytest.raises(RuntimeError, match="computed"):
-        kernels.probe.run_probe(torch.device("cpu"))
+        kvserve_kernels.probe.run_probe(torch.device("cpu"))
 
 
 def test_real_probe_on_cpu_under_the_interpreter():

@@ -1,4 +1,4 @@
-"""The compiled CPU paged-decode kernel against the PyTorch reference in kernels/reference.py."""
+"""The compiled CPU paged-decode kernel against the PyTorch reference in kvserve_kernels/reference.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.cpu.kernels import load
-from kernels.reference import paged_decode_attention
+from kvserve_kernels.reference import paged_decode_attention
 
 
 @pytest.fixture(scope="module")

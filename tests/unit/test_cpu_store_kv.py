@@ -1,5 +1,5 @@
 """The CPU pool writer ``store_kv_cpu`` (engine/cpu/csrc/kv_store_cpu.cpp) against
-``kernels.reference.store_kv``: bit-exact pools for float, bf16, int8-row and fp8 pools,
+``kvserve_kernels.reference.store_kv``: bit-exact pools for float, bf16, int8-row and fp8 pools,
 strided (non-contiguous) K/V as the QKV split gives them, negative slots skipped, bad slots
 refused before anything is written."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.cpu.kernels import load
-from kernels import reference as ref
+from kvserve_kernels import reference as ref
 
 kernels = load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels unavailable")

@@ -17,8 +17,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCAL = {"engine", "server", "kernels", "bench", "tests", "benchmarks", "conftest"}
-SCANNED = ("engine", "server", "kernels", "bench", "tests", "benchmarks")
+LOCAL = {"engine", "server", "kvserve_kernels", "bench", "tests", "benchmarks", "conftest"}
+SCANNED = ("engine", "server", "kvserve_kernels", "bench", "tests", "benchmarks")
 
 
 def _optional(handlers: list[ast.ExceptHandler]) -> bool:
@@ -97,3 +97,16 @@ def test_the_scan_sees_imports_and_skips_optional_ones():
            "try:\n    import f\nexcept ImportError:\n    f = None\n"
            "def g():\n    import h\n")
     assert imported_modules(src) == {"a", "c", "h"}
+
+
+def test_no_top_level_package_shares_a_name_with_an_installed_distribution():
+    """Our top-level packages are importable by their bare names, so a distribution that ships a
+    module of the same name (transformers 5.25 began to require Hugging Face's ``kernels``, which
+    our Triton package was once called) is shadowed by ours, or shadows it, and whichever loses
+    breaks at import. Every name pyproject.toml packages must belong to kvserve alone."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = {p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]}
+    owners = md.packages_distributions()
+    clashes = {name: sorted(set(owners[name]) - {"kvserve"}) for name in shipped
+               if set(owners.get(name, ())) - {"kvserve"}}
+    assert not clashes, f"top-level names also shipped by other distributions: {clashes}"

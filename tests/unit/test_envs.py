@@ -12,7 +12,7 @@ import pytest
 from engine import envs
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kernels", "server", "bench")
+PACKAGES = ("engine", "kvserve_kernels", "server", "bench")
 # Files allowed to touch os.environ besides engine/envs.py, each with its reason (e.g. one
 # that builds the environment of a child process). None today.
 EXCEPTIONS: dict[str, str] = {}
@@ -58,7 +58,7 @@ def test_every_kvserve_variable_named_in_the_source_is_in_the_table():
     named = {m for _, text in _sources() for m in re.findall(r"\bKVSERVE_[A-Z0-9_]+", text)}
     tabled = {v.name for v in envs.VARIABLES if v.ours}
     assert named - tabled == set(), "add these to engine/envs.py's VARIABLES"
-    from kernels import launch_config  # names its variables without importing the engine
+    from kvserve_kernels import launch_config  # names its variables without importing the engine
 
     assert (launch_config.DECODE_ENV, launch_config.PREFILL_ENV) == (envs.DECODE_CONFIG,
                                                                     envs.PREFILL_CONFIG)

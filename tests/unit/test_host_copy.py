@@ -12,7 +12,7 @@ import torch
 
 from engine.kv_cache.host.copier import HostTierCopier
 from engine.kv_cache.host.memory import allocate_host_pools
-from kernels import reference as ref
+from kvserve_kernels import reference as ref
 
 BLOCK = (4, 2, 8)  # block_size, kv_heads, head_dim
 LAYERS = 3

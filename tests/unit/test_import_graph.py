@@ -1,5 +1,5 @@
-"""The import graph of ``engine/``, ``server/`` and ``kernels/`` has no cycles, and neither
-``engine/`` nor ``kernels/`` imports ``server/`` (docs/design.md: the engine never sees HTTP).
+"""The import graph of ``engine/``, ``server/`` and ``kvserve_kernels/`` has no cycles, and neither
+``engine/`` nor ``kvserve_kernels/`` imports ``server/`` (docs/design.md: the engine never sees HTTP).
 
 The graph is read from the source with ``ast``, nothing is imported. What counts as an edge:
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "server", "kernels", "bench")
+PACKAGES = ("engine", "server", "kvserve_kernels", "bench")
 # Packages whose modules must not import ``server``.
-BELOW_SERVER = ("engine", "kernels")
+BELOW_SERVER = ("engine", "kvserve_kernels")
 
 
 @dataclass(frozen=True)
@@ -229,12 +229,12 @@ def test_engine_and_kernels_never_import_server():
         for e in build_graph(modules)
         if e.source.split(".")[0] in BELOW_SERVER and e.target.split(".")[0] == "server"
     ]
-    assert not bad, "engine/ and kernels/ must not import server/:\n" + "\n".join(bad)
+    assert not bad, "engine/ and kvserve_kernels/ must not import server/:\n" + "\n".join(bad)
 
 
 def test_only_the_cli_imports_the_bench_package():
     """``bench/`` (the benchmark client) sits above the server: ``kvserve bench`` reaches it
-    through ``server/cli.py``; nothing in engine/, kernels/ or the rest of server/ imports it."""
+    through ``server/cli.py``; nothing in engine/, kvserve_kernels/ or the rest of server/ imports it."""
     modules = find_modules()
     bad = [e for e in build_graph(modules)
            if e.target.split(".")[0] == "bench" and e.source.split(".")[0] != "bench"
@@ -245,10 +245,10 @@ def test_only_the_cli_imports_the_bench_package():
 def test_the_walker_sees_the_real_graph():
     """Guards the two tests above against passing because they read nothing."""
     modules = find_modules()
-    assert {"engine", "engine.llm", "server", "kernels", "kernels.paged_decode"} <= set(modules)
+    assert {"engine", "engine.llm", "server", "kvserve_kernels", "kvserve_kernels.paged_decode"} <= set(modules)
     edges = {(e.source, e.target): e for e in build_graph(modules)}
     assert ("engine", "engine.llm") in edges  # a package re-export
-    assert ("kernels.paged_decode", "kernels.tiles") in edges
+    assert ("kvserve_kernels.paged_decode", "kvserve_kernels.tiles") in edges
     lazy = edges[("engine.attention.backend", "engine.attention.triton_backend")]
     assert lazy.lazy  # the backend is imported only when chosen
 
@@ -269,7 +269,7 @@ else:
     from engine import fallback
 
 def f():
-    from kernels.store_kv import store_kv
+    from kvserve_kernels.store_kv import store_kv
 """
     found = {(t, tuple(n), lazy) for t, n, _, lazy in
              raw_imports(source, "engine.sub.mod", is_package=False)}
@@ -278,7 +278,7 @@ def f():
     assert ("engine", ("penalties",), False) in found
     assert ("engine.kv_cache.manager", ("KVCacheManager",), False) in found
     assert ("engine", ("fallback",), False) in found
-    assert ("kernels.store_kv", ("store_kv",), True) in found
+    assert ("kvserve_kernels.store_kv", ("store_kv",), True) in found
     assert not any(t.startswith("server") for t, _, _ in found)
     typed = {t for t, *_ in raw_imports(source, "engine.sub.mod", False, type_checking=True)}
     assert "server.app" in typed

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv_cache import KVCacheManager, compute_block_hashes
-from kernels.reference import copy_blocks
+from kvserve_kernels.reference import copy_blocks
 
 _IDS: dict[tuple, int] = {}
 

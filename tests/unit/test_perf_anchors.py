@@ -19,7 +19,7 @@ def test_every_performance_anchor_in_the_code_exists():
     anchors = {_anchor(line.lstrip("#")) for doc in DOCS if (ROOT / doc).is_file()
                for line in (ROOT / doc).read_text().splitlines() if line.startswith("#")}
     cited = {}
-    for pkg in ("engine", "kernels", "server", "bench"):
+    for pkg in ("engine", "kvserve_kernels", "server", "bench"):
         for path in (ROOT / pkg).rglob("*.py"):
             for name in re.findall(r"docs/performance\.md#([\w-]+)", path.read_text()):
                 cited.setdefault(name, path.relative_to(ROOT).as_posix())

@@ -10,7 +10,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import SMALL_QUERY_ROWS, TorchAttentionBackend
-from kernels import reference
+from kvserve_kernels import reference
 
 BS, H, KVH, D = 4, 4, 2, 16
 

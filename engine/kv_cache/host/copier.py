@@ -16,7 +16,7 @@ On CUDA (staged mode) the host never waits for the device inside ``copy``:
 5. d2h: one non-blocking transfer of the staging tensor into a pinned host staging buffer;
    event ``done``. The scatter into the host pools is left pending.
 
-Not ``kernels.copy_blocks`` on CUDA: its Triton path builds its mapping and offset tensors with
+Not ``kvserve_kernels.copy_blocks`` on CUDA: its Triton path builds its mapping and offset tensors with
 ``torch.tensor(..., device=)``/``.to(device)`` from pageable memory, each of which synchronizes
 the stream, i.e. waits for the queued compute work and for the transfers just enqueued. Index
 tensors here travel non-blocking from pinned memory; the cost is 2 launches per layer.
@@ -66,7 +66,7 @@ class HostTierCopier:
 
     def __init__(self, device_pools: KVPools, host_pools: KVPools, device: torch.device | str,
                  staged: bool | None = None) -> None:
-        from kernels.copy_blocks import copy_blocks  # here: the kernels package pulls in triton
+        from kvserve_kernels.copy_blocks import copy_blocks  # here: it pulls in triton
 
         self._copy_blocks = copy_blocks
         # fp8 pools move as bytes (CPU PyTorch has no float8 index_select / index_copy_).

@@ -1,5 +1,5 @@
 """The quantised KV pool layouts as the Triton kernels see them (the formats themselves are
-defined, and implemented for PyTorch, in engine/kv_storage/formats.py; kernels/ does not import
+defined, and implemented for PyTorch, in engine/kv_storage/formats.py; kvserve_kernels/ does not import
 engine/).
 
 * kind 0: a float pool, rows of ``head_dim`` elements.
@@ -19,7 +19,7 @@ engine/).
   per-group Walsh-Hadamard matrix: the kernels never rotate, the attention backend hands them
   rotated keys, values and queries and rotates the output back
   (engine/attention/triton_backend.py). The jit helpers that pack and unpack these rows are
-  in kernels/int4_rows.py.
+  in kvserve_kernels/int4_rows.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV-cache kernels: Triton on NVIDIA GPUs, with ``kernels.reference`` as the PyTorch truth.
+"""KV-cache kernels: Triton on NVIDIA GPUs, with ``kvserve_kernels.reference`` as the PyTorch truth.
 
 ``copy_blocks`` works without Triton (index copies); the attention kernels and ``store_kv``
 need the ``triton`` package (``pip install 'kvserve[triton]'``). On a CPU they only run under
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 
-from kernels.copy_blocks import copy_blocks
+from kvserve_kernels.copy_blocks import copy_blocks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAS_TRITON:
-    from kernels.paged_attention import paged_attention
-    from kernels.paged_decode import choose_num_splits, paged_decode_attention
-    from kernels.store_kv import store_kv
+    from kvserve_kernels.paged_attention import paged_attention
+    from kvserve_kernels.paged_decode import choose_num_splits, paged_decode_attention
+    from kvserve_kernels.store_kv import store_kv
 else:  # pragma: no cover - exercised only without triton
 
     def _needs_triton(*_args, **_kwargs):

@@ -5,7 +5,7 @@ int8 rows are ``head_dim`` values ``round(x / s)`` (half away from zero, clamped
 the float16 bits of ``s = max(absmax / 127, 2**-14)``, one scale per token and KV head; fp8
 rows are ``x / head_scale`` saturated to the format's largest number. Over an int4 pool (a
 uint8 pool of 4-bit codes and per-group float16 scales) it packs the rows the caller has already
-rotated, exactly as the PyTorch format does (kernels/int4_rows.py).
+rotated, exactly as the PyTorch format does (kvserve_kernels/int4_rows.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_rows import pack_int4_rows
-from kernels.kv_quant_layout import int4_group, kv_quant_kind, kv_row_width, unit_scales
+from kvserve_kernels.int4_rows import pack_int4_rows
+from kvserve_kernels.kv_quant_layout import int4_group, kv_quant_kind, kv_row_width, unit_scales
 
 
 # Every integer argument is fixed per model (strides of the fused QKV views and pools, head
@@ -94,7 +94,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     ``slot_mapping`` ``[T]`` (int64; -1 = skip), in place, casting to the pools' dtype
     (``W = D``), or quantising into an int8 pool (``W = D + 2``: values, then the row's float16
     scale), an fp8 pool (``kv_scales``: per-head float32 ``[KVH]`` K and V scales, None = 1) or
-    an int4 pool (uint8, ``W = D/2 + 2 * groups``: kernels/kv_quant_layout.py; ``key``/``value``
+    an int4 pool (uint8, ``W = D/2 + 2 * groups``: kvserve_kernels/kv_quant_layout.py; ``key``/``value``
     must be the ROTATED rows, best in float32, which this packs bit for bit as
     ``engine.kv_storage.formats._quantize_int4`` does).
 
@@ -144,6 +144,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_QUANT=quant, GROUP=group, BLOCK_G=block_g, BLOCK_HALF=block_half,
-        # Each rounding on its own, as PyTorch does (int4: no FMA; kernels/int4_rows.py).
+        # Each rounding on its own, as PyTorch does (int4: no FMA; kvserve_kernels/int4_rows.py).
         enable_fp_fusion=False,
     )

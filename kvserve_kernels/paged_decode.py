@@ -19,15 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant_layout import kv_quant_kind
-from kernels.launch_config import decode_launch_config
-from kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
+from kvserve_kernels.kv_quant_layout import kv_quant_kind
+from kvserve_kernels.launch_config import decode_launch_config
+from kvserve_kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
 
 # A split shorter than this spends more on its launch share and merge than it saves.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Decode programs resident per SM at the default launch choices (head_dim 128); the value in
-# use comes from kernels.launch_config.decode_launch_config (per head_dim, env-overridable).
+# use comes from kvserve_kernels.launch_config.decode_launch_config (per head_dim, env-overridable).
 PROGRAMS_PER_SM = 4
 
 
@@ -193,7 +193,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     compiled kernels (only ``num_splits == 1`` vs more, and the merge's power-of-two bucket
     of ``num_splits``, are separate variants).
     The result does not depend on ``num_splits`` beyond float rounding. 8-bit and int4 pools
-    (kernels/kv_quant_layout.py) are dequantised in registers; ``kv_scales`` are an fp8 pool's
+    (kvserve_kernels/kv_quant_layout.py) are dequantised in registers; ``kv_scales`` are an fp8 pool's
     per-head K/V scales (None: 1.0). An int4 pool holds rotated rows: the query must be
     rotated too, and the output comes out rotated (engine/attention/triton_backend.py).
     """

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.kv_quant_layout import byte_view
+from kvserve_kernels.kv_quant_layout import byte_view
 
 try:  # Triton is optional: the host-offload tier must work on CPU-only installs too.
     import triton

@@ -1,4 +1,4 @@
-"""Triton jit helpers for the int4 KV rows (kind 3 of kernels/kv_quant_layout.py): packing
+"""Triton jit helpers for the int4 KV rows (kind 3 of kvserve_kernels/kv_quant_layout.py): packing
 already-rotated rows as ``store_kv`` writes them, and unpacking elements as the attention tiles
 read them. The PyTorch truth is ``_quantize_int4`` / ``dequantize_int4_plain`` in
 engine/kv_storage/formats.py; ``pack_int4_rows`` reproduces the former bit for bit:

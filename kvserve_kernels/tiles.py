@@ -1,5 +1,5 @@
-"""Pieces shared by the two Triton attention kernels (kernels/paged_attention.py for mixed
-prefill/decode, kernels/paged_decode.py for the one-token split-K path): the jit helper that
+"""Pieces shared by the two Triton attention kernels (kvserve_kernels/paged_attention.py for mixed
+prefill/decode, kvserve_kernels/paged_decode.py for the one-token split-K path): the jit helper that
 loads one K/V tile through the block table and folds it into an online softmax, the layout
 check of their common arguments, and the dot-product options per cache dtype.
 
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_rows import load_int4
-from kernels.kv_quant_layout import int4_group, kv_quant_kind, kv_row_width, unit_scales
+from kvserve_kernels.int4_rows import load_int4
+from kvserve_kernels.kv_quant_layout import int4_group, kv_quant_kind, kv_row_width, unit_scales
 
 LOG2E = 1.4426950408889634
 
@@ -38,13 +38,13 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
     ``m_i = -inf``; the ``m_safe`` guard avoids inf - inf. (One helper per tile rather than two
     also halves the Triton interpreter's per-call patching cost in the CPU tests.)
 
-    Quantised pools (kernels/kv_quant_layout.py), dequantised in registers: ``KV_QUANT == 1``
+    Quantised pools (kvserve_kernels/kv_quant_layout.py), dequantised in registers: ``KV_QUANT == 1``
     (int8) reads each key's and value's float16 row scale through ``k_scale_ptr`` /
     ``v_scale_ptr`` (the pools' float16 views) and applies it to that key's score column and
     that value's softmax weight; ``KV_QUANT == 2`` (fp8) multiplies the scores and the weighted
     sum by the head's ``k_head_scale`` / ``v_head_scale``. The values themselves convert exactly
     to the queries' dtype for the dots. ``KV_QUANT == 3`` (int4, scales per ``GROUP`` elements
-    inside the row) dequantises each element in float32 (kernels/int4_rows.py) and converts it
+    inside the row) dequantises each element in float32 (kvserve_kernels/int4_rows.py) and converts it
     to the queries' dtype (exact for float32 queries; the one rounding a 16-bit model's
     PyTorch path also makes).
     """
@@ -103,7 +103,7 @@ def check_kv_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor) -> int:
     """Validate shapes shared by both attention kernels; return the GQA group size. Pools
     are ``[blocks, block_size, kv_heads, W]``: W is head_dim, head_dim + 2 for int8, or
-    head_dim / 2 + 2 * groups for int4 (kernels/kv_quant_layout.py)."""
+    head_dim / 2 + 2 * groups for int4 (kvserve_kernels/kv_quant_layout.py)."""
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim]; got {tuple(query.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:

@@ -8,8 +8,8 @@ in tiles of ``BLOCK_N`` with an online softmax in fp32, skipping tiles that are 
 future of the program's rows (causality) or entirely outside the sliding window.
 
 The jit helper ``attend_kv_tile`` (load one K/V tile through the block table, one
-online-softmax step) is shared with the decode kernel (kernels/paged_decode.py) through
-kernels/tiles.py.
+online-softmax step) is shared with the decode kernel (kvserve_kernels/paged_decode.py) through
+kvserve_kernels/tiles.py.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant_layout import kv_quant_kind
-from kernels.launch_config import prefill_launch_config
-from kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
+from kvserve_kernels.kv_quant_layout import kv_quant_kind
+from kvserve_kernels.launch_config import prefill_launch_config
+from kvserve_kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
 
 
-# Kept out of Triton's per-value specialisation (see kernels/paged_decode.py): the window, the
+# Kept out of Triton's per-value specialisation (see kvserve_kernels/paged_decode.py): the window, the
 # block-table row stride (the table is as wide as the step's longest sequence) and the
 # alignment of the index tensors, which the backend passes as row slices at any offset.
 @triton.jit(do_not_specialize=["window", "stride_bt"],
@@ -103,7 +103,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     *, max_query_len: int | None = None,
                     out: torch.Tensor | None = None,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Causal attention of packed query tokens over the paged cache (see kernels/reference.py).
+    """Causal attention of packed query tokens over the paged cache (see kvserve_kernels/reference.py).
 
     ``query`` ``[T, H, D]`` (last dim contiguous; other strides free) holds the last ``q_len``
     tokens of each sequence, whose K/V are already stored. ``cu_seqlens_q`` ``[B+1]`` and
@@ -111,7 +111,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``q_len``) spares a device->host sync when the caller knows it. ``out`` may be given
     (``[T, H, D]``, last dim contiguous); it is returned. A query whose dtype differs from the
     cache's is cast to the cache's dtype for the dot products; ``out`` keeps the query's dtype.
-    8-bit and int4 pools (kernels/kv_quant_layout.py) are dequantised in registers and the dots
+    8-bit and int4 pools (kvserve_kernels/kv_quant_layout.py) are dequantised in registers and the dots
     run in the query's dtype; ``kv_scales`` are an fp8 pool's per-head K/V scales (None: 1.0).
     An int4 pool holds rotated rows: the query must be rotated too, and the output comes out
     rotated (engine/attention/triton_backend.py does both).
