@@ -5,7 +5,7 @@
 #
 # Sections (default: all, in this order): env decode kernels serve parity pytest sweep
 #   env      nvidia-smi, torch / Triton / CUDA versions
-#   kernels  benchmarks/kernels.py: Triton paged decode vs SDPA vs the copy bandwidth
+#   kernels  benchmarks/attention_kernels.py: Triton paged decode vs SDPA vs the copy bandwidth
 #   decode   an 8B-shaped model (--load-format dummy) decode step at batch 1/16/64, graphs on/off
 #   parity   tiny Llama/Mistral/Qwen2/Qwen3: fp32 greedy identical to HF (Triton backend,
 #            graphs on and off); bf16 agreement with HF's own bf16 forward
@@ -65,7 +65,7 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))'; \
 $PY -c 'import engine, server.app; print(\"kvserve imports ok\")'"
         ;;
     kernels)
-        run kernels 60 $PY benchmarks/kernels.py --batches 1,8,32,64,128 \
+        run kernels 60 $PY benchmarks/attention_kernels.py --batches 1,8,32,64,128 \
             --contexts 1024,4096,16384 --iters 10 --json "$OUT/kernels.json"
         ;;
     decode)
@@ -88,7 +88,7 @@ $PY -c 'import engine, server.app; print(\"kvserve imports ok\")'"
         run sweep 75 bash -c 'for cfg in "" "BLOCK_N=32" "BLOCK_N=128,num_warps=8" \
             "num_warps=8" "num_stages=3" "programs_per_sm=2" "programs_per_sm=8"; do
             echo "--- KVSERVE_DECODE_CONFIG=$cfg"
-            KVSERVE_DECODE_CONFIG="$cfg" '"$PY"' benchmarks/kernels.py --batches 1,64,128 \
+            KVSERVE_DECODE_CONFIG="$cfg" '"$PY"' benchmarks/attention_kernels.py --batches 1,64,128 \
                 --contexts 4096,16384 --iters 10 2>/dev/null | tail -n 9
         done'
         ;;

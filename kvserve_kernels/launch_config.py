@@ -2,7 +2,7 @@
 one function per kernel, so that they can differ by head_dim and dtype and be swept on a GPU
 without code edits.
 
-The defaults are one estimate from the sm_90 build at head_dim 128 (see benchmarks/kernels.py
+The defaults are one estimate from the sm_90 build at head_dim 128 (see benchmarks/attention_kernels.py
 to measure others). A benchmark overrides them through the environment, read once per process:
 
     KVSERVE_DECODE_CONFIG="BLOCK_N=32,num_warps=4,num_stages=2,programs_per_sm=4"

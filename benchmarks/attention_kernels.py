@@ -13,8 +13,8 @@ copy, i.e. the memory traffic rate a streaming kernel can reach. It also checks 
 outputs agree. Targets on H100/H200: for batch >= 32 and context >= 4k, paged >= 70% of copy
 bandwidth and no slower than 1.2x SDPA.
 
-    python benchmarks/kernels.py                 # full grid, a few minutes
-    python benchmarks/kernels.py --batches 1,64 --contexts 4096 --json results.json
+    python benchmarks/attention_kernels.py                 # full grid, a few minutes
+    python benchmarks/attention_kernels.py --batches 1,64 --contexts 4096 --json results.json
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def print_table(rows: list[Row], copy_gbps: float, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py times GPU kernels and needs an NVIDIA GPU with CUDA; none "
+        print("benchmarks/attention_kernels.py times GPU kernels and needs an NVIDIA GPU with CUDA; none "
               "is visible here, so there is nothing to measure. (The kernels' correctness "
               "tests run on CPU: pytest tests/kernels)", file=sys.stderr)
         return 2
