@@ -8,7 +8,9 @@ forced text drafted (engine.structured.jump_forward) and without, same engine, r
 Prints output tokens per second of wall time (median of the repeats) per concurrency and
 setting, its ratio to the run without drafts, engine steps per output token, the share of
 drafted tokens verification kept, and whether every answer equals the one without drafts
-(it must: the drafts are verified). Jump-forward's batch-size switch is lifted here
+(it must: the drafts are verified). "k=8 forced text only" drafts the forced text as the
+tokenizer spells it, never from the sequence's own tokens (JumpForward.use_context off): the
+engine before drafts learnt from the sequence's history. Jump-forward's batch-size switch is lifted here
 (``max_seqs`` None) so that each concurrency shows its own ratio; the engine's default switch
 (``jump_forward_max_seqs``) is chosen from these figures.
 """
@@ -26,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.grammar_backends import cpu_isa  # noqa: E402
 from benchmarks.structured_vs_llamacpp import SCHEMA, _messages  # noqa: E402
 
-SETTINGS = {"off": 0, "k=3": 3, "k=8": 8}
+# name: (tokens per draft, drafts from the sequence's own tokens first)
+SETTINGS = {"off": (0, False), "k=3": (3, True), "k=8 forced text only": (8, False),
+            "k=8": (8, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.structured.spec import StructuredSpec
 
     llm = LLM(max_num_seqs=max(args.concurrency), structured_outputs_config={
-        "jump_forward_tokens": max(SETTINGS.values()), "jump_forward_max_seqs": None})
+        "jump_forward_tokens": max(k for k, _ in SETTINGS.values()),
+        "jump_forward_max_seqs": None})
     jump = llm.engine.jump_forward
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
                             structured=StructuredSpec.json_schema(SCHEMA))
@@ -56,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             n = args.requests or max(4, 2 * c)
             convs = [_messages(i) for i in range(1, n + 1)]
             for _ in range(args.repeats):
-                for name, k in SETTINGS.items():
+                for name, (k, context) in SETTINGS.items():
                     llm.engine.scheduler.jump_forward = jump if k else None
-                    jump.max_tokens = max(k, 1)
+                    jump.max_tokens, jump.use_context = max(k, 1), context
                     steps0, d0, a0 = llm.engine.counters["num_steps"], jump.drafted, jump.accepted
                     texts = []
                     t0 = time.perf_counter()
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     bar.update()
     print(f"CPU: {cpu_isa()}; embedded model; {args.max_tokens} max tokens, greedy, median of "
           f"{args.repeats}")
-    print(f"{'conc':>4} {'setting':<6} {'tok/s':>8} {'ratio':>6} {'steps/tok':>9} "
+    print(f"{'conc':>4} {'setting':<20} {'tok/s':>8} {'ratio':>6} {'steps/tok':>9} "
           f"{'kept':>5} {'same output':>11}")
     for c in args.concurrency:
         base = results[(c, "off")]
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             r = results[(c, name)]
             tps = statistics.median(r["tps"])
             same = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
-            print(f"{c:>4} {name:<6} {tps:8.1f} {tps / base_tps:6.3f} {r['steps_per_token']:9.3f} "
+            print(f"{c:>4} {name:<20} {tps:8.1f} {tps / base_tps:6.3f} {r['steps_per_token']:9.3f} "
                   f"{r['kept']:5.2f} {same:>5}/{len(r['texts'])}")
     llm.close()
     return 0

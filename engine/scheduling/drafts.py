@@ -14,8 +14,9 @@ Policy (``Scheduler.schedule`` calls these; the proposer is ``engine.spec_decode
   running sequence (the KV manager's ``fit_draft``);
 * a constrained sequence's draft is cut to the prefix its grammar allows
   (``engine.structured.drafts``);
-* jump-forward: a constrained sequence with no draft from the proposer (or no proposer) gets
-  the tokens its grammar forces (``engine.structured.jump_forward``), under the same
+* jump-forward: a constrained sequence with no draft from the proposer (or no proposer), in a
+  state where its grammar forces text, gets that text's tokens as its own history spelled them
+  or else as the tokenizer does (``engine.structured.jump_forward``), under the same
   max_tokens, budget and pool rules, in steps where at most ``jump_forward_max_seqs``
   sequences decode.
 """
@@ -77,7 +78,7 @@ def forced_drafts(running: list[Sequence], jump: JumpForward,
     for seq in decoding:
         if seq.matcher is None or seq.seq_id in taken:
             continue
-        draft = jump.draft(seq.matcher, _room(seq))
+        draft = jump.draft(seq.matcher, _room(seq), seq.token_ids)
         if draft:
             out[seq.seq_id] = draft
     return out
