@@ -10,7 +10,10 @@ setting, its ratio to the run without drafts, engine steps per output token, the
 drafted tokens verification kept, and whether every answer equals the one without drafts
 (it must: the drafts are verified). "k=8 forced text only" drafts the forced text as the
 tokenizer spells it, never from the sequence's own tokens (JumpForward.use_context off): the
-engine before drafts learnt from the sequence's history. Jump-forward's batch-size switch is lifted here
+engine before drafts learnt from the sequence's history. "full head": every row's logits over
+the whole vocabulary, then masked (the engine before engine/runner/logit_columns.py); the others
+compute a constrained row at its allowed tokens where they are few. Ratios are to "off, full
+head", plain constrained decoding as it was. Jump-forward's batch-size switch is lifted here
 (``max_seqs`` None) so that each concurrency shows its own ratio; the engine's default switch
 (``jump_forward_max_seqs``) is chosen from these figures.
 """
@@ -28,9 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.grammar_backends import cpu_isa  # noqa: E402
 from benchmarks.structured_vs_llamacpp import SCHEMA, _messages  # noqa: E402
 
-# name: (tokens per draft, drafts from the sequence's own tokens first)
-SETTINGS = {"off": (0, False), "k=3": (3, True), "k=8 forced text only": (8, False),
-            "k=8": (8, True)}
+# name: (tokens per draft, drafts from the sequence's own tokens first, logits head restricted
+# to the allowed tokens where the runner can)
+SETTINGS = {"off, full head": (0, False, False), "off": (0, False, True),
+            "k=3": (3, True, True), "k=8 forced text only": (8, False, True),
+            "k=8, full head": (8, True, False), "k=8": (8, True, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.structured.spec import StructuredSpec
 
     llm = LLM(max_num_seqs=max(args.concurrency), structured_outputs_config={
-        "jump_forward_tokens": max(k for k, _ in SETTINGS.values()),
+        "jump_forward_tokens": max(k for k, _, _ in SETTINGS.values()),
         "jump_forward_max_seqs": None})
     jump = llm.engine.jump_forward
+    can_restrict = llm.engine.restrict_logits_head
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
                             structured=StructuredSpec.json_schema(SCHEMA))
     llm.chat([_messages(0)], params)  # warm-up: kernels, the grammar compiled and cached
@@ -61,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             n = args.requests or max(4, 2 * c)
             convs = [_messages(i) for i in range(1, n + 1)]
             for _ in range(args.repeats):
-                for name, (k, context) in SETTINGS.items():
+                for name, (k, context, restrict) in SETTINGS.items():
                     llm.engine.scheduler.jump_forward = jump if k else None
                     jump.max_tokens, jump.use_context = max(k, 1), context
+                    llm.engine.restrict_logits_head = restrict and can_restrict
                     steps0, d0, a0 = llm.engine.counters["num_steps"], jump.drafted, jump.accepted
                     texts = []
                     t0 = time.perf_counter()
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'conc':>4} {'setting':<20} {'tok/s':>8} {'ratio':>6} {'steps/tok':>9} "
           f"{'kept':>5} {'same output':>11}")
     for c in args.concurrency:
-        base = results[(c, "off")]
+        base = results[(c, "off, full head")]
         base_tps = statistics.median(base["tps"])
         for name in SETTINGS:
             r = results[(c, name)]

@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 
@@ -72,7 +72,9 @@ from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
 from engine.step_output import StepOutput
+from engine.structured.head_columns import GrammarColumns, RowSource
 from engine.structured.jump_forward import JumpForward
+from engine.structured.masking import FilledRows
 from engine.structured.outputs import PendingMask, StructuredOutputs
 from engine.structured.stats import StructuredStats
 
@@ -154,6 +156,10 @@ class EngineCore:
         # the scheduler, while the others run.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.structured_outputs_config.backend)
+        # Constrained rows' logits computed only at their allowed tokens, where the runner
+        # can (engine/runner/logit_columns.py); benchmarks/jump_forward.py turns it off to
+        # compare.
+        self.restrict_logits_head = bool(getattr(self.runner, "restricts_logits", False))
         self._awaiting_grammar: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -162,7 +168,7 @@ class EngineCore:
         # per-request work, applied by ``Scheduler.update_from_output`` once per step.
         self._result: StepResult | None = None
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0,
-                         "computed_tokens": 0}
+                         "computed_tokens": 0, "restricted_logit_rows": 0}
         self._log_startup()
         if self.runner.device.type == "cpu":
             release_freed_memory()  # loading's freed buffers back to the OS
@@ -422,15 +428,45 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - isolation is the point
             self._fail_request(req, exc, touched)
 
-    def _execute(self, out: SchedulerOutput) -> StepOutput:
+    def _execute(self, out: SchedulerOutput, columns: GrammarColumns | None = None,
+                 ) -> StepOutput:
         """The runner's one call for this step (key shifts, block copies, forward pass); the
-        copies' host blocks are released after it, whatever happens."""
+        copies' host blocks are released after it, whatever happens. ``columns``: the
+        grammar-restricted sampled rows, for a runner that ``restricts_logits``."""
         try:
             if out.empty and not (out.plan.copies or out.plan.shifts):
                 return StepOutput()
+            if columns is not None:
+                return self.runner.execute(out.plan, sample_columns=columns)
             return self.runner.execute(out.plan)
         finally:
             self.scheduler.complete_copies()
+
+    def _grammar_rows(self, out: SchedulerOutput, pending: PendingMask | None,
+                      ) -> tuple[dict[int, FilledRows], GrammarColumns | None]:
+        """The speculating constrained sequences' verification bitmasks (by entry of
+        ``out.scheduled``), filled before the forward pass, and the step's sampled rows as
+        vocabulary columns when the runner can restrict its logits head to them
+        (engine/runner/logit_columns.py)."""
+        drafts: dict[int, FilledRows] = {}
+        rows: list[RowSource] = []
+        plain = 0
+        for i, (s, c) in enumerate(zip(out.scheduled, out.plan.seqs, strict=True)):
+            if not c.sample:
+                continue
+            matcher = s.seq.matcher
+            if s.draft:
+                if matcher is not None:
+                    drafts[i] = filled = self.structured.fill_draft(matcher, s.draft)
+                    rows += [((lambda f=filled: f), j) for j in range(len(s.draft) + 1)]
+                else:
+                    rows += [None] * (len(s.draft) + 1)
+            else:
+                rows.append((pending.future.result, plain)
+                            if matcher is not None and pending is not None else None)
+                plain += 1
+        restrict = self.restrict_logits_head and any(r is not None for r in rows)
+        return drafts, self.structured.columns(rows) if restrict else None
 
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> bool:
         """The forward pass and every request's share of its outcome, recorded in
@@ -446,7 +482,9 @@ class EngineCore:
         pending = self.structured.start_mask([
             s.seq.matcher for s, c in zip(out.scheduled, out.plan.seqs, strict=True)
             if c.sample and not s.draft]) if self.structured.in_use else None
-        result = self._execute(out)  # a failure here is the engine's, not a request's
+        drafts, columns = (self._grammar_rows(out, pending) if self.structured.in_use
+                           else ({}, None))
+        result = self._execute(out, columns)  # a failure here is the engine's, not a request's
         self._result.kv_written = True
         if result.prompt_logprobs is not None:
             for rows in result.prompt_rows:
@@ -457,17 +495,24 @@ class EngineCore:
         if not result.sampled:
             return False
         logits = result.sample_logits
+        restricted = set(result.restricted_rows)
+        self.counters["restricted_logit_rows"] += len(restricted)
+        plain_skip: set[int] = set()
         scheduled = [out.scheduled[i] for i, _ in result.sampled]
         if any(s.draft for s in scheduled):  # rows: 1 per plain sequence, 1 + k speculating
             plain, spec = split_rows([len(rows) for _, rows in result.sampled])
             self._verify_drafts([scheduled[i] for i, _ in spec], logits,
-                                [r for _, r in spec], touched)
+                                [r for _, r in spec], touched,
+                                [drafts.get(result.sampled[i][0]) for i, _ in spec], restricted)
             scheduled = [scheduled[i] for i, _ in plain]
+            plain_skip = {k for k, (_, r) in enumerate(plain) if r.start in restricted}
             if scheduled:
                 logits = logits.index_select(0, torch.tensor([r.start for _, r in plain],
                                                              device=logits.device))
+        else:
+            plain_skip = restricted
         seqs = [s.seq for s in scheduled]
-        picks = self._sample(logits, seqs, touched, pending) if seqs else []
+        picks = self._sample(logits, seqs, touched, pending, plain_skip) if seqs else []
         now = time.time()
         for seq, pick in zip(seqs, picks, strict=True):
             if pick is not None and not self._result.is_finished(seq):
@@ -482,23 +527,27 @@ class EngineCore:
                            eos_token_ids=self.eos_token_ids, cache=s.request.sampler_cache)
 
     def _verify_drafts(self, spec: list[ScheduledSeq], logits: torch.Tensor,
-                       row_ranges: list[range], touched: dict[str, Request]) -> None:
+                       row_ranges: list[range], touched: dict[str, Request],
+                       masks: list[FilledRows | None], restricted: set[int]) -> None:
         """Verify each speculating sequence's rows (``engine.spec_decode.verifier``), take
         the kept tokens one by one (a stop ends the sequence where one-token decoding would)
         and record how many drafts were accepted (``update_from_output`` rolls its KV back to
         them). Per sequence and guarded: a failure ends that request."""
         now = time.time()
-        for s, rows in zip(spec, row_ranges, strict=True):
+        for s, rows, mask in zip(spec, row_ranges, masks, strict=True):
             touched[s.seq.request.request_id] = s.seq.request
+            skip = {r - rows.start for r in rows if r in restricted}
             self._guarded(s.seq.request, touched, self._verify_one, s, logits[rows.start:rows.stop],
-                          now)
+                          now, mask, skip)
 
-    def _verify_one(self, s: ScheduledSeq, logits: torch.Tensor, now: float) -> None:
+    def _verify_one(self, s: ScheduledSeq, logits: torch.Tensor, now: float,
+                    mask: FilledRows | None = None, skip: set[int] | None = None) -> None:
         seq = s.seq
-        if seq.matcher is not None:
+        if mask is not None:
             # The scheduler cut the draft to what the grammar allows (scheduling/drafts.py);
-            # each row is masked as one-token decoding would have masked it.
-            self.structured.mask_draft(logits, seq.matcher, s.draft)
+            # each row is masked as one-token decoding would have masked it (the rows the
+            # logits head computed at their allowed tokens only are so already).
+            self.structured.apply_draft(logits, mask, skip or ())
         run = DraftRun(s.draft, rows_for_draft(self._row(seq), s.draft))
         [v], sampled = verify(self.sampler, logits, [run], self._spec_gen)
         counters = self.jump_forward if s.forced else self.spec_counters
@@ -510,7 +559,7 @@ class EngineCore:
         self._result.update(seq).num_accepted_drafts = v.num_accepted
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
-                pending: PendingMask | None = None,
+                pending: PendingMask | None = None, restricted: Collection[int] = (),
                 ) -> list[tuple[SamplerOutput, int] | None]:
         """One token per sequence: ``(sampler output, row)``, or None for a sequence whose
         request failed. The batch is sampled at once; if that raises (a request's parameters
@@ -519,7 +568,7 @@ class EngineCore:
         # Constrained rows (bitmasks filled by start_mask, one per entry of ``seqs``):
         # forbidden tokens to -inf before penalties, temperature, top-k/p, min-p and logprobs.
         # Unconstrained batches have nothing pending.
-        self.structured.finish_mask(logits, pending)
+        self.structured.finish_mask(logits, pending, restricted)
         try:
             sampled = self.sampler(logits, rows)
             return [(sampled, i) for i in range(len(rows))]
@@ -562,7 +611,8 @@ class EngineCore:
     # ---- introspection -------------------------------------------------------------------
 
     def _structured_stats(self) -> StructuredStats:
-        stats = self.structured.stats()
+        stats = dataclasses.replace(self.structured.stats(),
+                                    restricted_rows=self.counters["restricted_logit_rows"])
         jf = self.jump_forward
         if jf is None:
             return stats

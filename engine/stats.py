@@ -120,5 +120,6 @@ class EngineStats:
                    structured_compile_seconds_sum=st.compile_seconds_sum,
                    structured_constrained_rows=st.constrained_rows,
                    structured_jump_forward_drafted=st.jump_forward_drafted,
-                   structured_jump_forward_accepted=st.jump_forward_accepted)
+                   structured_jump_forward_accepted=st.jump_forward_accepted,
+                   structured_restricted_rows=st.restricted_rows)
         return out

@@ -45,6 +45,9 @@ class StepOutput:
     sample_logits: torch.Tensor | None = None
     prompt_rows: tuple[PromptLogitRows, ...] = ()
     prompt_logprobs: PromptLogprobs | None = None
+    # Rows of ``sample_logits`` computed only at the columns their grammar allows (-inf
+    # elsewhere: their masks need not be applied again); engine/runner/logit_columns.py.
+    restricted_rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         rows = sum(len(r) for _, r in self.sampled)

@@ -164,6 +164,9 @@ _COUNTERS = [
     ("kvserve:structured_output_jump_forward_accepted_tokens",
      "Jump-forward draft tokens kept by verification (each a decode step saved).",
      None, [(lambda s: s.structured.jump_forward_accepted, None)]),
+    ("kvserve:structured_output_restricted_logit_rows",
+     "Constrained rows whose logits the head computed at the allowed tokens only.",
+     None, [(lambda s: s.structured.restricted_rows, None)]),
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

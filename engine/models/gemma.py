@@ -167,7 +167,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+        return self._cap(super().compute_logits(hidden))
+
+    def compute_logits_columns(self, hidden: torch.Tensor,
+                               columns: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits_columns(hidden, columns)
+        return None if logits is None else self._cap(logits)
+
+    def _cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-capping (elementwise, so a column subset caps the same)."""
         cap = self.arch.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -196,6 +196,19 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
+    def compute_logits_columns(self, hidden: torch.Tensor,
+                               columns: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden)[:, columns]``, bit for bit, computing only those columns;
+        None where the head cannot promise that (a float head, a sharded vocabulary, a
+        packed head off its per-row kernels: ``QuantLinear.forward_columns``). See
+        engine/runner/logit_columns.py."""
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        columns_of = getattr(head, "forward_columns", None)
+        if self.tp is not None or columns_of is None:
+            return None
+        out = columns_of(hidden, columns)
+        return None if out is None else out.float()
+
     def pack_linears(self, backend: str) -> int:
         """Move every projection (and a tied logits head) onto packed weights for ``backend``;
         see ``engine.quantization.packed_linear``. Returns the number of layers packed."""

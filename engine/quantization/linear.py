@@ -219,6 +219,28 @@ class QuantLinear(nn.Module):
             out += self.bias
         return out.view(*lead, self.out_features)
 
+    def forward_columns(self, x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor | None:
+        """``forward(x)[..., columns]`` computed for those output features only, bit for bit,
+        or None where this weight cannot promise that. The decode kernels compute every output
+        from its own weight row and the row of ``x``, in a fixed order, whatever the other
+        rows: so on their route (a batch-invariant 8-bit or 5-bit weight, or any weight in
+        rows layout at a row count its decode kernel serves) the gathered rows give the same
+        numbers. The blocked 4-bit layout, the tiles and the dense panels are not gathered
+        (None). Used by a logits head under a grammar that allows few tokens."""
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        if self.blocked or self.fallback is not None or self._on_tiles(rows):
+            return None
+        if not self.batch_invariant and rows > self.dense_rows:
+            return None
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        m = None if self.m is None else self.m.index_select(0, columns)
+        out = self._gemm(x2, self.qs.index_select(0, columns), self.d.index_select(0, columns), m)
+        if self.bias is not None:
+            out += self.bias.index_select(0, columns)
+        return out.view(*x.shape[:-1], columns.numel())
+
     def _on_tiles(self, rows: int) -> bool:
         """Whether ``rows`` rows run the int8 tiles (4-bit weights only): every decode size of
         a blocked weight, a decode batch from ``tiles_from`` rows, or a prefill with

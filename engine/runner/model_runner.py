@@ -49,6 +49,7 @@ from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.device import resolve_device, set_device_for_thread
 from engine.runner.device_input import HostToDeviceStager, to_device
 from engine.runner.dtype_choice import resolve_dtype
+from engine.runner.logit_columns import SampleColumns, restricted_logits
 from engine.runner.triton_import import import_torch_dynamo_without_triton, triton_wanted
 from engine.sampling.prompt_logprobs import (
     PROMPT_LOGPROB_CHUNK,
@@ -442,9 +443,19 @@ class ModelRunner:
                               torch.zeros(t, dtype=torch.long, device=self.device), meta)
         torch.cuda.synchronize(self.device)
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    @property
+    def restricts_logits(self) -> bool:
+        """Whether ``execute`` can compute grammar-restricted rows' logits at their allowed
+        columns only (engine/runner/logit_columns.py): a packed head on the CPU, unsharded."""
+        head = self.model.lm_head if self.model.lm_head is not None else self.model.tied_head
+        return (self.device.type == "cpu" and self.model.tp is None
+                and hasattr(head, "forward_columns"))
+
+    def execute(self, plan: StepPlan, sample_columns: SampleColumns | None = None,
+                ) -> StepOutput:
         """One step (``engine.runner.protocol.Runner.execute``): the plan's key shifts and
-        block copies, then its chunks packed (``engine.runner.batch``) and run."""
+        block copies, then its chunks packed (``engine.runner.batch``) and run.
+        ``sample_columns``: the sampled rows a grammar restricts (``restricts_logits``)."""
         if plan.shifts:  # streaming eviction: before a swap-out copies the blocks
             self._shift_keys(plan.shifts)
         if plan.copies:  # spills, load-backs, swaps: before the model runs
@@ -452,38 +463,43 @@ class ModelRunner:
         if not plan.seqs:
             return StepOutput()
         inp = build_model_input(plan)
-        sample_logits, prompt = self._run_batch(inp)
+        sample_logits, prompt, restricted = self._run_batch(inp, sample_columns)
         sampled, row = [], 0
         for i, count in zip(inp.sample_seq_indices, inp.sample_counts, strict=True):
             sampled.append((i, range(row, row + count)))
             row += count
         return StepOutput(tuple(sampled), sample_logits,
-                          tuple(inp.prompt_rows) if prompt is not None else (), prompt)
+                          tuple(inp.prompt_rows) if prompt is not None else (), prompt,
+                          restricted_rows=tuple(restricted))
 
     @torch.inference_mode()
-    def _run_batch(self, inp: ModelInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
+    def _run_batch(self, inp: ModelInput, sample_columns: SampleColumns | None = None,
+                   ) -> tuple[torch.Tensor, PromptLogprobs | None, list[int]]:
         """The forward pass over one packed batch (host data): the sampled rows' logits
-        ``[S, V]`` and the reduced prompt logprobs (rows as ``inp.prompt_indices``, None when
-        none are asked). Pure decode steps replay a CUDA graph when one was captured,
-        everything else runs eagerly after one host->device copy."""
+        ``[S, V]``, the reduced prompt logprobs (rows as ``inp.prompt_indices``, None when
+        none are asked) and the sampled rows computed at their allowed columns only
+        (``sample_columns``; engine/runner/logit_columns.py). Pure decode steps replay a CUDA
+        graph when one was captured, everything else runs eagerly after one host->device
+        copy."""
         if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
             if inp.sample_indices.numel() != hidden.shape[0]:
                 hidden = hidden[inp.sample_indices.to(self.device)]
-            return self.model.compute_logits(hidden), None
+            return self.model.compute_logits(hidden), None, []
         if self._layer_group and not inp.extra_block_tables:
             raise RuntimeError("a hybrid KV cache needs every group's block tables in the plan")
         dev = to_device(inp, self._stager, self._layer_group)
         for meta in dev.group_metas:  # hybrid KV cache: groups 1.. (group 0's is prepared
             self.backend.prepare(meta)  # by the model)
         hidden = self._forward(dev.input_ids, dev.positions, dev.meta)
-        sample_logits = self.model.compute_logits(hidden[dev.sample_indices])
+        sample_logits, restricted = restricted_logits(
+            self.model, hidden[dev.sample_indices], self.model.arch.vocab_size, sample_columns)
         prompt = None
         if dev.prompt_indices.numel():
             prompt = prompt_logprobs_in_chunks(self.model.compute_logits, hidden,
                                                dev.prompt_indices, dev.prompt_targets,
                                                inp.prompt_top_k, chunk=PROMPT_LOGPROB_CHUNK)
-        return sample_logits, prompt
+        return sample_logits, prompt, restricted
 
     # ---- liveness (nothing outlives a single-device runner) ------------------------------
 

@@ -6,9 +6,11 @@ matcher changed (it advances only by the tokens the engine appends):
 * ``grammar_prefix(matcher, draft)``: how many leading draft tokens the grammar allows. The
   scheduler cuts every proposal to that prefix before the step runs, so no forward pass is spent
   on a token that could never be kept.
-* ``mask_draft_rows(backend, logits, matcher, draft)``: the verification rows (row ``j`` follows
-  ``draft[:j]``, ``len(draft) + 1`` rows) masked with the grammar's state at that position,
-  exactly as one-token decoding would have masked each of them. Verification (greedy or the
+* ``fill_draft_rows(backend, matcher, draft)`` / ``mask_draft_rows(...)``: the verification
+  rows (row ``j`` follows ``draft[:j]``, ``len(draft) + 1`` rows) masked with the grammar's
+  state at that position, exactly as one-token decoding would have masked each of them (the
+  engine fills them before the forward pass, so that the logits head can skip what the masks
+  forbid: engine/runner/logit_columns.py). Verification (greedy or the
   rejection rule) then keeps only tokens the grammar allows, and a rejected draft needs no
   rollback beyond the one done here.
 """
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.structured.backend import GrammarBackend, Matcher
+from engine.structured.masking import FilledRows, apply_rows
 
 
 def grammar_prefix(matcher: Matcher, draft: Sequence[int]) -> int:
@@ -34,16 +37,13 @@ def grammar_prefix(matcher: Matcher, draft: Sequence[int]) -> int:
     return n
 
 
-def mask_draft_rows(backend: GrammarBackend, logits: torch.Tensor, matcher: Matcher,
-                    draft: Sequence[int]) -> int:
-    """Mask rows ``0..len(draft)`` of ``logits`` in place, row ``j`` by the grammar after
-    ``draft[:j]``; ``draft`` must be grammar-valid (``grammar_prefix`` of it is its length).
-    Rows after a draft token that ends the grammar stay as they are: the sequence finishes on
-    that token, so they are never sampled from. Returns how many rows were masked; ``matcher``
-    is left as it was."""
-    if logits.shape[0] < len(draft) + 1:
-        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} rows; "
-                         f"got {logits.shape[0]}")
+def fill_draft_rows(backend: GrammarBackend, matcher: Matcher,
+                    draft: Sequence[int]) -> FilledRows:
+    """The bitmask of a speculating sequence's verification rows, row ``j`` filled by the
+    grammar after ``draft[:j]`` (``len(draft) + 1`` rows); ``draft`` must be grammar-valid
+    (``grammar_prefix`` of it is its length). Rows after a draft token that ends the grammar
+    are not filled: the sequence finishes on that token, so they are never sampled from.
+    ``matcher`` is left as it was."""
     bitmask = backend.allocate_bitmask(len(draft) + 1)
     rows: list[int] = []
     accepted = 0
@@ -60,5 +60,14 @@ def mask_draft_rows(backend: GrammarBackend, logits: torch.Tensor, matcher: Matc
             accepted += 1
     finally:
         matcher.rollback(accepted)
-    backend.apply_bitmask(logits, bitmask, rows)
-    return len(rows)
+    return FilledRows(bitmask, rows)
+
+
+def mask_draft_rows(backend: GrammarBackend, logits: torch.Tensor, matcher: Matcher,
+                    draft: Sequence[int]) -> int:
+    """Mask rows ``0..len(draft)`` of ``logits`` in place with ``fill_draft_rows``'s
+    bitmask; returns how many rows were masked. ``matcher`` is left as it was."""
+    if logits.shape[0] < len(draft) + 1:
+        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} rows; "
+                         f"got {logits.shape[0]}")
+    return apply_rows(backend, logits, fill_draft_rows(backend, matcher, draft))

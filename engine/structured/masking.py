@@ -10,7 +10,7 @@ With no constrained row nothing is filled (unconstrained batches pay one scan of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +35,16 @@ def fill_rows(backend: GrammarBackend, matchers: Sequence[Matcher | None]) -> Fi
     return FilledRows(bitmask, rows)
 
 
-def apply_rows(backend: GrammarBackend, logits: torch.Tensor, filled: FilledRows | None) -> int:
-    """Mask ``logits`` (one row per matcher given to ``fill_rows``); returns the rows masked."""
+def apply_rows(backend: GrammarBackend, logits: torch.Tensor, filled: FilledRows | None,
+               skip: Collection[int] = ()) -> int:
+    """Mask ``logits`` (one row per matcher given to ``fill_rows``); returns the rows
+    constrained. Rows in ``skip`` are constrained already (their logits were computed only at
+    the allowed tokens) and are not masked again."""
     if filled is None:
         return 0
-    backend.apply_bitmask(logits, filled.bitmask, filled.rows)
+    rows = [r for r in filled.rows if r not in skip] if skip else filled.rows
+    if rows:
+        backend.apply_bitmask(logits, filled.bitmask, rows)
     return len(filled.rows)
 
 

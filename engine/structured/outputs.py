@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +23,10 @@ import torch
 
 from engine.structured.backend import GrammarBackend, Matcher
 from engine.structured.cache import GrammarCache
-from engine.structured.drafts import mask_draft_rows
+from engine.structured.drafts import fill_draft_rows
 from engine.structured.fill_mode import FillModeChooser
-from engine.structured.masking import apply_rows, fill_rows
+from engine.structured.head_columns import GrammarColumns, RowSource
+from engine.structured.masking import FilledRows, apply_rows, fill_rows
 from engine.structured.spec import StructuredSpec
 from engine.structured.stats import StructuredStats
 
@@ -111,11 +112,13 @@ class StructuredOutputs:
             future.set_result(fill_rows(self.backend, matchers))
         return PendingMask(future, overlap, t0, len(matchers))
 
-    def finish_mask(self, logits: torch.Tensor, pending: PendingMask | None) -> None:
-        """Constrain ``logits`` in place with the bitmask ``start_mask`` filled."""
+    def finish_mask(self, logits: torch.Tensor, pending: PendingMask | None,
+                    skip: Collection[int] = ()) -> None:
+        """Constrain ``logits`` in place with the bitmask ``start_mask`` filled; rows in
+        ``skip`` were computed at their allowed tokens only and are left as they are."""
         if pending is None:
             return
-        self._count(apply_rows(self.backend, logits, pending.future.result()))
+        self._count(apply_rows(self.backend, logits, pending.future.result(), skip))
         self._fill_mode.record(pending.overlap, time.perf_counter() - pending.started,
                                pending.rows)
 
@@ -124,10 +127,22 @@ class StructuredOutputs:
             self.constrained_rows += rows
             self.constrained_steps += 1
 
-    def mask_draft(self, logits: torch.Tensor, matcher: Matcher, draft: Sequence[int]) -> None:
-        """Constrain a speculating sequence's verification rows in place (row ``j`` follows
-        ``draft[:j]``; ``engine.structured.drafts.mask_draft_rows``)."""
-        self._count(mask_draft_rows(self.backend, logits, matcher, draft))
+    def fill_draft(self, matcher: Matcher, draft: Sequence[int]) -> FilledRows:
+        """The bitmask of a speculating sequence's verification rows (row ``j`` follows
+        ``draft[:j]``; ``engine.structured.drafts.fill_draft_rows``), before the forward pass;
+        ``apply_draft`` applies it."""
+        return fill_draft_rows(self.backend, matcher, draft)
+
+    def apply_draft(self, logits: torch.Tensor, filled: FilledRows,
+                    skip: Collection[int] = ()) -> None:
+        """Constrain a speculating sequence's verification rows (``logits``, its rows only)
+        in place with ``fill_draft``'s bitmask; rows in ``skip`` are left as they are."""
+        self._count(apply_rows(self.backend, logits, filled, skip))
+
+    def columns(self, rows: Sequence[RowSource]) -> GrammarColumns:
+        """The step's sampled rows as vocabulary columns for the logits head
+        (``engine.structured.head_columns``)."""
+        return GrammarColumns(self.backend.vocab_size, rows)
 
     def stats(self) -> StructuredStats:
         cache = self._cache

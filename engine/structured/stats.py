@@ -20,3 +20,6 @@ class StructuredStats:
     constrained_steps: int = 0  # steps with at least one such row
     jump_forward_drafted: int = 0  # forced tokens proposed as drafts (jump_forward.py)
     jump_forward_accepted: int = 0  # of them kept by verification
+    # Constrained rows whose logits the head computed at the allowed tokens only
+    # (engine/runner/logit_columns.py), cumulative.
+    restricted_rows: int = 0

@@ -154,3 +154,26 @@ def test_a_recompute_preemption_mid_object_keeps_the_output(model_dir, base):
     assert tight.stats()["num_preemptions_recompute"] > 0
     assert [c.token_ids for c in got] == want
     _assert_clean(tight)
+
+
+def test_a_head_restricted_to_the_allowed_tokens_keeps_tokens_and_logprobs(model_dir):
+    """On a packed head, constrained rows whose grammar allows few tokens get their logits
+    computed at those tokens only (engine/runner/logit_columns.py): the greedy tokens and
+    every logprob equal the full head's, with jump-forward drafts and n-gram drafts."""
+    llm = _llm(model_dir, spec=True, jump=JUMP, quantization="int8")
+    assert llm.engine.restrict_logits_head
+    got = {}
+    for restrict in (True, False):
+        llm.engine.restrict_logits_head = restrict
+        before = llm.stats()["structured_restricted_rows"]
+        for kind, structured in SPECS.items():
+            params = SamplingParams(temperature=0, max_tokens=40, logprobs=3,
+                                    structured=structured)
+            outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+            got[restrict, kind] = [(o.token_ids, [{t: lp.logprob for t, lp in step.items()}
+                                                  for step in o.logprobs]) for o in outs]
+        restricted = llm.stats()["structured_restricted_rows"] - before
+        assert (restricted > 0) == restrict
+    for kind in SPECS:
+        assert got[True, kind] == got[False, kind], kind
+    _assert_clean(llm)

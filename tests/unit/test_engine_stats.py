@@ -27,7 +27,8 @@ KV_GROUP_KEYS = {"kv_cache_groups", "kv_cache_group_bytes_per_token", "kv_cache_
 JUMP_FORWARD_KEYS = {"structured_jump_forward_drafted", "structured_jump_forward_accepted"}
 DISK_KEYS = {f"disk_{f.name}" for f in dataclasses.fields(DiskTierStats)}
 STRUCTURED_KEYS = {"structured_compiles", "structured_compile_failures", "structured_cache_hits",
-                   "structured_compile_seconds_sum", "structured_constrained_rows"}
+                   "structured_compile_seconds_sum", "structured_constrained_rows",
+                   "structured_restricted_rows"}
 
 
 def test_flat_form_keeps_the_offline_api_keys():
