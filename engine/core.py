@@ -456,8 +456,13 @@ class EngineCore:
                 continue
             matcher = s.seq.matcher
             if s.draft:
+                filled = None
                 if matcher is not None:
-                    drafts[i] = filled = self.structured.fill_draft(matcher, s.draft)
+                    try:
+                        drafts[i] = filled = self.structured.fill_draft(matcher, s.draft)
+                    except Exception:  # noqa: BLE001  (refilled in _verify_one, guarded there)
+                        logger.exception("filling a draft's bitmasks failed")
+                if filled is not None:
                     rows += [((lambda f=filled: f), j) for j in range(len(s.draft) + 1)]
                 else:
                     rows += [None] * (len(s.draft) + 1)
@@ -543,10 +548,14 @@ class EngineCore:
     def _verify_one(self, s: ScheduledSeq, logits: torch.Tensor, now: float,
                     mask: FilledRows | None = None, skip: set[int] | None = None) -> None:
         seq = s.seq
-        if mask is not None:
+        if seq.matcher is not None:
             # The scheduler cut the draft to what the grammar allows (scheduling/drafts.py);
             # each row is masked as one-token decoding would have masked it (the rows the
-            # logits head computed at their allowed tokens only are so already).
+            # logits head computed at their allowed tokens only are so already). A mask that
+            # failed before the forward pass is filled again here, where a failure ends only
+            # this request.
+            if mask is None:
+                mask = self.structured.fill_draft(seq.matcher, s.draft)
             self.structured.apply_draft(logits, mask, skip or ())
         run = DraftRun(s.draft, rows_for_draft(self._row(seq), s.draft))
         [v], sampled = verify(self.sampler, logits, [run], self._spec_gen)

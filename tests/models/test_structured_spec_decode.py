@@ -177,3 +177,29 @@ def test_a_head_restricted_to_the_allowed_tokens_keeps_tokens_and_logprobs(model
     for kind in SPECS:
         assert got[True, kind] == got[False, kind], kind
     _assert_clean(llm)
+
+
+def test_a_draft_mask_that_fails_to_fill_ends_only_its_request(model_dir):
+    """Draft rows' bitmasks are filled before the forward pass, outside any one request's
+    guard; a failure there is retried in the request's own verification, so it ends that
+    request (abort, with the error) while the others in the step finish."""
+    llm = _llm(model_dir, spec=False, jump=JUMP)
+    core = llm.engine
+    structured = SamplingParams(temperature=0, max_tokens=30, structured=SPECS["json"])
+    core.add_request("warm", PROMPTS[2], structured)  # the grammar compiled, the routing made
+    while core.has_unfinished_requests():
+        core.step()
+    core.structured.fill_draft = lambda matcher, draft: (_ for _ in ()).throw(
+        RuntimeError("no bitmask today"))
+    core.add_request("victim", PROMPTS[2], structured)
+    core.add_request("other", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8,
+                                                         ignore_eos=True))
+    finals = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["victim"].outputs[0].finish_reason == "abort"
+    assert "no bitmask today" in finals["victim"].error
+    assert finals["other"].error is None and len(finals["other"].outputs[0].token_ids) == 8
+    _assert_clean(llm)
