@@ -502,7 +502,6 @@ class EngineCore:
         logits = result.sample_logits
         restricted = set(result.restricted_rows)
         self.counters["restricted_logit_rows"] += len(restricted)
-        plain_skip: set[int] = set()
         scheduled = [out.scheduled[i] for i, _ in result.sampled]
         if any(s.draft for s in scheduled):  # rows: 1 per plain sequence, 1 + k speculating
             plain, spec = split_rows([len(rows) for _, rows in result.sampled])

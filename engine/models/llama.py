@@ -8,7 +8,7 @@ Weights are loaded from HF parameter names (``model.layers.N.self_attn.q_proj.we
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -196,17 +196,20 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
+    @property
+    def head_columns(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+        """The logits head's ``forward_columns`` (a packed head, ``QuantLinear``) when the
+        vocabulary is not sharded; None for a float head or under tensor parallelism."""
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        return None if self.tp is not None else getattr(head, "forward_columns", None)
+
     def compute_logits_columns(self, hidden: torch.Tensor,
                                columns: torch.Tensor) -> torch.Tensor | None:
         """``compute_logits(hidden)[:, columns]``, bit for bit, computing only those columns;
-        None where the head cannot promise that (a float head, a sharded vocabulary, a
-        packed head off its per-row kernels: ``QuantLinear.forward_columns``). See
-        engine/runner/logit_columns.py."""
-        head = self.lm_head if self.lm_head is not None else self.tied_head
-        columns_of = getattr(head, "forward_columns", None)
-        if self.tp is not None or columns_of is None:
-            return None
-        out = columns_of(hidden, columns)
+        None where the head cannot promise that (no ``head_columns``, or a packed head off its
+        per-row kernels: ``QuantLinear.forward_columns``). See engine/runner/logit_columns.py."""
+        columns_of = self.head_columns
+        out = None if columns_of is None else columns_of(hidden, columns)
         return None if out is None else out.float()
 
     def pack_linears(self, backend: str) -> int:

@@ -50,8 +50,8 @@ class HeadColumns(Protocol):
 
 def restricted_logits(model: HeadColumns, hidden: torch.Tensor, vocab_width: int,
                       sample_columns: SampleColumns | None) -> tuple[torch.Tensor, list[int]]:
-    """``[rows, vocab_width]`` float32 logits of ``hidden``'s rows and the rows computed only at their
-    allowed columns (-inf elsewhere; their masks need not be applied again). The full head
+    """``[rows, vocab_width]`` float32 logits of ``hidden``'s rows, and the rows computed only
+    at their allowed columns (-inf elsewhere; their masks need not be applied again). The full head
     serves every row when nothing is restricted, the restricted columns together are too many,
     or the model declines."""
     cols = list(sample_columns.columns()) if sample_columns is not None else []
@@ -61,16 +61,15 @@ def restricted_logits(model: HeadColumns, hidden: torch.Tensor, vocab_width: int
     if len(cols) != hidden.shape[0]:
         raise ValueError(f"{len(cols)} column sets for {hidden.shape[0]} sampled rows")
     union = torch.unique(torch.cat([cols[i] for i in sparse]))
-    vocab = vocab_width
-    width = min(sample_columns.width, vocab)
-    pad = torch.arange(width, vocab, dtype=torch.int64)
+    width = min(sample_columns.width, vocab_width)
+    pad = torch.arange(width, vocab_width, dtype=torch.int64)
     union = torch.cat([union[union < width], pad])
-    if union.numel() > MAX_UNION_FRACTION * vocab:
+    if union.numel() > MAX_UNION_FRACTION * vocab_width:
         return model.compute_logits(hidden), []
     sub = model.compute_logits_columns(hidden[sparse], union)
     if sub is None:
         return model.compute_logits(hidden), []
-    out = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32,
+    out = torch.full((hidden.shape[0], vocab_width), float("-inf"), dtype=torch.float32,
                      device=hidden.device)
     dense = [i for i, c in enumerate(cols) if c is None]
     if dense:

@@ -447,9 +447,7 @@ class ModelRunner:
     def restricts_logits(self) -> bool:
         """Whether ``execute`` can compute grammar-restricted rows' logits at their allowed
         columns only (engine/runner/logit_columns.py): a packed head on the CPU, unsharded."""
-        head = self.model.lm_head if self.model.lm_head is not None else self.model.tied_head
-        return (self.device.type == "cpu" and self.model.tp is None
-                and hasattr(head, "forward_columns"))
+        return self.device.type == "cpu" and self.model.head_columns is not None
 
     def execute(self, plan: StepPlan, sample_columns: SampleColumns | None = None,
                 ) -> StepOutput:

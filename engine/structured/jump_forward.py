@@ -60,7 +60,6 @@ class JumpForward:
         self.drafted = 0  # tokens proposed, cumulative
         self.accepted = 0  # of them kept by verification
         self.steps = 0  # sequence-steps that carried a jump-forward draft
-        self.from_context = 0  # drafts taken from the sequence's own tokens (source 1)
         self.use_context = True  # source 1 on (benchmarks/jump_forward.py turns it off)
 
     def applies_at(self, num_decoding: int) -> bool:
@@ -83,7 +82,6 @@ class JumpForward:
             ids = ngram_draft(context, limit, *CONTEXT_NGRAM)
             n = grammar_prefix(matcher, ids) if ids else 0
             if n:
-                self.from_context += 1
                 return ids[:n]
         ids = list(self._encode(text))[:limit]
         n = grammar_prefix(matcher, ids)
