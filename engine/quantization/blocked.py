@@ -9,7 +9,12 @@ byte):
 
 * ``qs`` uint8 ``[NB, G, 128]`` with ``NB = ceil(N / 8)``: block ``b``, group ``g``, bytes
   ``32 j + 4 c + i`` = rows-layout byte ``4 j + i`` of column ``8 b + c``'s group ``g``;
-* ``d``, ``m`` float32 ``[NB, G, 8]``.
+* ``d``, ``m`` ``[NB, G, 8]``, in the smallest format that holds them exactly
+  (:func:`compact_scales`): float16 ``d`` and an empty ``m`` ``[NB, G, 0]`` where ``m = -8 d``
+  (a GGUF Q4_0: 18 bytes per 32 weights, as the file), float16 ``d`` and ``m`` where both are
+  float16 values (a GGUF Q4_1: 20 bytes), else float32 (24 bytes). A one-row decode reads
+  every byte once, so the smaller scales are read faster; the kernel widens them to the same
+  float32 values, so outputs do not change.
 
 The last block's missing columns are zeros. Both directions are exact (a permutation of
 bytes and floats plus that padding) and cost one copy of the weight.
@@ -32,8 +37,27 @@ def to_blocked(qs: torch.Tensor, d: torch.Tensor,
     pad = -n % COLS
     nb = (n + pad) // COLS
     q = F.pad(qs, (0, 0, 0, pad)).view(nb, COLS, g, QUADS, 4).permute(0, 2, 3, 1, 4)
-    return (q.contiguous().view(nb, g, COLS * QUADS * 4), _scales_to_blocked(d, pad),
-            _scales_to_blocked(m, pad))
+    d, m = compact_scales(_scales_to_blocked(d, pad), _scales_to_blocked(m, pad))
+    return q.contiguous().view(nb, g, COLS * QUADS * 4), d, m
+
+
+def compact_scales(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 blocked ``(d, m)`` in the smallest exact format (module docstring)."""
+    d16 = d.half()
+    if not torch.equal(d16.float(), d):
+        return d, m
+    if torch.equal(m, d * -8.0):
+        return d16, d16.new_empty((*d.shape[:2], 0))
+    m16 = m.half()
+    if torch.equal(m16.float(), m):
+        return d16, m16
+    return d, m
+
+
+def expand_scales(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocked ``(d, m)`` of any format as float32 ``[NB, G, 8]`` both (exact)."""
+    d32 = d.float()
+    return d32, (d32 * -8.0 if m.shape[-1] == 0 else m.float())
 
 
 def from_blocked(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
@@ -41,6 +65,7 @@ def from_blocked(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
     """Blocked ``(qs [NB, G, 128], d, m)`` of ``n`` columns -> rows layout ``(qs, d, m)``."""
     nb, g, _ = qs.shape
     q = qs.view(nb, g, QUADS, COLS, 4).permute(0, 3, 1, 2, 4).reshape(nb * COLS, g * 16)
+    d, m = expand_scales(d, m)
     return (q[:n].contiguous(), _scales_from_blocked(d, n), _scales_from_blocked(m, n))
 
 

@@ -27,13 +27,41 @@ from engine.quantization.rtn import quantise
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 
 
-def _q4(n: int, k: int, seed: int = 0):
-    """A Q4_1 weight (mins not zero) as packed rows, and its dequantised float values."""
+# The three scale formats of the blocked layout (blocked.compact_scales): a GGUF Q4_0
+# (float16 d, m = -8 d not stored), a GGUF Q4_1 (float16 d and m), kvserve's own int4
+# quantisation of a float weight (float32 d and m).
+FORMATS = ("q4_0", "q4_1", "rtn")
+
+
+def _q4(n: int, k: int, seed: int = 0, fmt: str = "q4_1"):
+    """A 4-bit weight (Q4_1: mins not zero) as packed rows, and its dequantised float values."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32)
-    raw = quants.quantize(w, T.Q4_1)
-    return (from_gguf_blocks(raw, int(T.Q4_1), (n, k)),
-            torch.from_numpy(quants.dequantize(raw, T.Q4_1)).float())
+    if fmt == "rtn":
+        packed = quantise(torch.from_numpy(w), "int4", 32)
+        return packed, packed.dequantize()
+    t = T.Q4_0 if fmt == "q4_0" else T.Q4_1
+    raw = quants.quantize(w, t)
+    return (from_gguf_blocks(raw, int(t), (n, k)),
+            torch.from_numpy(quants.dequantize(raw, t)).float())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scales_are_stored_in_the_smallest_exact_format(fmt):
+    """GGUF Q4_0 keeps 18 bytes per 32 weights blocked (as the file), Q4_1 20, float32 scales
+    24; every format converts back to the rows layout exactly."""
+    packed, _ = _q4(40, 96, fmt=fmt)
+    qs, d, m = to_blocked(packed.qs, packed.d, packed.m)
+    want = {"q4_0": (torch.float16, 0), "q4_1": (torch.float16, 8), "rtn": (torch.float32, 8)}
+    assert (d.dtype, m.shape[-1]) == want[fmt] and m.dtype == d.dtype
+    per_32 = sum(t.numel() * t.element_size() for t in (qs, d, m)) / (40 * 96 / 32)
+    assert per_32 == {"q4_0": 18, "q4_1": 20, "rtn": 24}[fmt]
+    for a, b in zip(from_blocked(qs, d, m, 40), (packed.qs, packed.d, packed.m)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if fmt != "rtn":  # a scale that float16 cannot hold keeps the float32 format
+        d2 = packed.d.clone()
+        d2[3, 1] = 1 + 2 ** -20
+        assert to_blocked(packed.qs, d2, packed.m)[1].dtype == torch.float32
 
 
 @pytest.mark.parametrize("n", [1, 8, 13, 37, 100])
@@ -57,7 +85,18 @@ def test_conversion_is_exact_both_ways(n, k):
 @pytest.mark.parametrize("k", [32, 96, 576])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, DENSE_ROWS + 1, 300])
 def test_kernel_is_the_tiled_kernels_math(n, k, rows):
-    packed, wq = _q4(n, k, seed=n + k)
+    _check_kernel(n, k, rows, "q4_1")
+
+
+@pytest.mark.parametrize("n", [1, 16, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 300])  # each of the kernel's row tilings
+@pytest.mark.parametrize("fmt", ["q4_0", "rtn"])
+def test_kernel_is_the_tiled_kernels_math_for_the_other_scale_formats(n, rows, fmt):
+    _check_kernel(n, 96, rows, fmt)
+
+
+def _check_kernel(n: int, k: int, rows: int, fmt: str) -> None:
+    packed, wq = _q4(n, k, seed=n + k, fmt=fmt)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
     kern = quant_kernels()
     got = kern.quant_gemm_q4_blocked(x, *to_blocked(packed.qs, packed.d, packed.m), n)
@@ -70,8 +109,9 @@ def test_kernel_is_the_tiled_kernels_math(n, k, rows):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_dequantised_rows_equal_the_rows_layouts(bf16):
-    packed, _ = _q4(37, 96)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantised_rows_equal_the_rows_layouts(bf16, fmt):
+    packed, _ = _q4(37, 96, fmt=fmt)
     kern = quant_kernels()
     ids = torch.tensor([36, 0, 8, 17, 17])
     want = kern.quant_dequant_q4(packed.qs, packed.d, packed.m, ids, bf16)

@@ -7,6 +7,9 @@
 //     (j, i in 0..3; c in 0..7) is byte 4j + i of column 8b+c's group g in the rows layout, so
 //     its low nibble is q[32g + 4j + i] and its high nibble q[32g + 16 + 4j + i].
 //   d, m float32 [NB, G, 8]: the scale and min of column 8b+c's group g; w = d * q + m.
+//     Or float16 [NB, G, 8] both (exact copies of float16 scales: a GGUF's), or d float16
+//     [NB, G, 8] and m float16 [NB, G, 0]: m = -8 d (Q4_0's offset), nothing stored; the
+//     kernel widens either to the same float32 values (quant_q4_tile.h Scales).
 //
 // The math is quant_gemm_q4's (each activation row rounded to int8 per group of 32; per group
 // d*dx*sum(q*qx) + m*sx; the same integer sums), laid out as quant_gemm_q4_tiled lays it out,
@@ -25,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_common.h"
@@ -40,22 +44,30 @@ using kvserve_q4_tile::kCols;
 using kvserve_q4_tile::rows_against;
 using kvserve_q4_tile::TileWeights;
 
+using kvserve_q4_tile::kF16;
+using kvserve_q4_tile::kF16Q40;
+using kvserve_q4_tile::kF32;
+
 struct Blocked {
   const uint8_t* qs;
-  const float* d;
-  const float* m;
+  const void* d;
+  const void* m;
   int64_t G;
+  int scales;  // kvserve_q4_tile::Scales
 };
 
 // One column tile of nb (1 .. NB) blocks, all rows, into y (stride ldy).
-template <int RT, int NB, bool kU>
+template <int RT, int NB, bool kU, int SC>
 void column_tile(const TileWeights& w, int nb, int64_t G, const int8_t* x, const float* dx,
                  const float* sx, int64_t M, int64_t K, float* y, int64_t ldy) {
   if constexpr (NB > 1) {
-    if (nb < NB) return column_tile<RT, NB - 1, kU>(w, nb, G, x, dx, sx, M, K, y, ldy);
+    if (nb < NB) return column_tile<RT, NB - 1, kU, SC>(w, nb, G, x, dx, sx, M, K, y, ldy);
   }
-  rows_against<RT, NB, kU>(w, G, x, dx, sx, M, K, y, ldy);
+  rows_against<RT, NB, kU, SC>(w, G, x, dx, sx, M, K, y, ldy);
 }
+
+// Scales' element size in bytes (their offsets advance in elements).
+inline int64_t scale_bytes(int sc) { return sc == kF32 ? 4 : 2; }
 
 // nb blocks of packed nibbles -> the unpacked bytes of TileWeights (the same 8 steps a packed
 // tile derives per row tile, derived once).
@@ -82,9 +94,10 @@ void unpack(const uint8_t* qs, int nb, int64_t G, uint8_t* out) {
 
 // Threads split the column tiles (NB blocks each); with kUnpack each thread first unpacks its
 // tile's nibbles into a buffer it keeps across calls (worth it from a few rows on).
-template <int RT, int NB, bool kUnpack>
+template <int RT, int NB, bool kUnpack, int SC>
 void gemm(const Blocked& w, int64_t N, const int8_t* x, const float* dx, const float* sx,
           int64_t M, int64_t K, float* y) {
+  const int64_t sb = scale_bytes(SC);
   const int64_t G = w.G;
   const int64_t blocks = (N + kCols - 1) / kCols;
   const int64_t tiles = (blocks + NB - 1) / NB;
@@ -97,19 +110,22 @@ void gemm(const Blocked& w, int64_t N, const int8_t* x, const float* dx, const f
       const int64_t b0 = t * NB;
       const int nb = static_cast<int>(std::min<int64_t>(NB, blocks - b0));
       const int64_t n0 = b0 * kCols, cols = std::min<int64_t>(nb * kCols, N - n0);
-      TileWeights tw{w.qs + b0 * G * kBlockBytes, w.d + b0 * G * kCols, w.m + b0 * G * kCols};
+      const int64_t so = b0 * G * kCols * sb;  // the tile's first scale, in bytes
+      TileWeights tw{w.qs + b0 * G * kBlockBytes, static_cast<const uint8_t*>(w.d) + so,
+                     SC == kF16Q40 ? nullptr : static_cast<const uint8_t*>(w.m) + so};
       if (kUnpack) {
         unpack(tw.q, nb, G, buf.data());
         tw.q = buf.data();
       }
       if (cols == nb * kCols) {
-        column_tile<RT, NB, kUnpack>(tw, nb, G, x, dx, sx, M, K, y + n0, N);
+        column_tile<RT, NB, kUnpack, SC>(tw, nb, G, x, dx, sx, M, K, y + n0, N);
         continue;
       }
       // The last, padded block: its columns beyond N go to a scratch row, one row at a time.
       float part[NB * kCols];
       for (int64_t r = 0; r < M; r++) {
-        column_tile<1, NB, kUnpack>(tw, nb, G, x + r * K, dx + r * G, sx + r * G, 1, K, part, 0);
+        column_tile<1, NB, kUnpack, SC>(tw, nb, G, x + r * K, dx + r * G, sx + r * G, 1, K, part,
+                                        0);
         std::memcpy(y + r * N + n0, part, cols * sizeof(float));
       }
     }
@@ -124,20 +140,27 @@ Blocked check_blocked(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const int64_t NB = qs.size(0), G = qs.size(1);
   TORCH_CHECK(N > (NB - 1) * kCols && N <= NB * kCols,
               "quant_gemm_q4_blocked: ", NB, " blocks cannot hold ", N, " columns");
+  const bool q40 = d.dtype() == at::kHalf && m.dtype() == at::kHalf && m.dim() == 3 &&
+                   m.size(0) == NB && m.size(1) == G && m.size(2) == 0;
+  TORCH_CHECK((d.dtype() == at::kFloat || d.dtype() == at::kHalf) &&
+                  (q40 || m.dtype() == d.dtype()),
+              "quant_gemm_q4_blocked: d and m float32, or float16 (m [NB, G, 0]: m = -8 d)");
   for (const auto* t : {&d, &m}) {
-    TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == NB && t->size(1) == G && t->size(2) == kCols,
-                "quant_gemm_q4_blocked: d and m must be contiguous float32 [NB, G, 8]");
+    if (q40 && t == &m) continue;
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 3 && t->size(0) == NB && t->size(1) == G &&
+                    t->size(2) == kCols,
+                "quant_gemm_q4_blocked: d and m must be contiguous [NB, G, 8]");
   }
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == G * kGroup,
               "quant_gemm_q4_blocked: x must be float32 [M, ", G * kGroup, "]");
-  return {qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), G};
+  const int sc = q40 ? kF16Q40 : d.dtype() == at::kHalf ? kF16 : kF32;
+  return {qs.data_ptr<uint8_t>(), d.data_ptr(), q40 ? nullptr : m.data_ptr(), G, sc};
 }
 
 // Rows ``rows`` of a blocked weight as float32 (bf16: bfloat16): each column's group gathered
 // back to its rows-layout bytes (4 quads, 32 bytes apart) and dequantised as quant_dequant_q4
 // does, so both layouts give the same values.
-template <typename T>
+template <typename T, int SC>
 void dequant_rows(const Blocked& w, const int64_t* ids, int64_t R, T* out) {
   const int64_t G = w.G, K = G * kGroup;
 #pragma omp parallel for schedule(static) if (R * K > 65536)
@@ -148,7 +171,9 @@ void dequant_rows(const Blocked& w, const int64_t* ids, int64_t R, T* out) {
       uint8_t bytes[16];
       for (int j = 0; j < 4; j++) std::memcpy(bytes + 4 * j, blk + 32 * j + 4 * c, 4);
       const int64_t s = (b * G + g) * kCols + c;
-      kvserve_quant::dequant_q4_group(bytes, w.d[s], w.m[s], out + r * K + g * kGroup);
+      kvserve_quant::dequant_q4_group(bytes, kvserve_q4_tile::scale_at<SC>(w.d, s),
+                                      kvserve_q4_tile::min_at<SC>(w.d, w.m, s),
+                                      out + r * K + g * kGroup);
     }
   }
 }
@@ -162,12 +187,22 @@ at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
   const auto rows = kvserve_quant::quantise(x);
   auto y = at::empty({M, N});
   float* yp = y.data_ptr<float>();
-  if (M == 1) {
-    gemm<1, 4, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
-  } else if (M == 2) {
-    gemm<2, 2, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+  auto run = [&](auto sc) {
+    constexpr int SC = decltype(sc)::value;
+    if (M == 1) {
+      gemm<1, 4, false, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+    } else if (M == 2) {
+      gemm<2, 2, false, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+    } else {
+      gemm<3, 2, true, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+    }
+  };
+  if (w.scales == kF16Q40) {
+    run(std::integral_constant<int, kF16Q40>{});
+  } else if (w.scales == kF16) {
+    run(std::integral_constant<int, kF16>{});
   } else {
-    gemm<3, 2, true>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+    run(std::integral_constant<int, kF32>{});
   }
   return y;
 }
@@ -185,10 +220,20 @@ at::Tensor quant_dequant_q4_blocked(at::Tensor qs, at::Tensor d, at::Tensor m,
                 " outside the weight");
   }
   auto out = at::empty({R, w.G * kGroup}, bf16 ? at::kBFloat16 : at::kFloat);
-  if (bf16) {
-    dequant_rows(w, ip, R, out.data_ptr<c10::BFloat16>());
+  auto run = [&](auto sc) {
+    constexpr int SC = decltype(sc)::value;
+    if (bf16) {
+      dequant_rows<c10::BFloat16, SC>(w, ip, R, out.data_ptr<c10::BFloat16>());
+    } else {
+      dequant_rows<float, SC>(w, ip, R, out.data_ptr<float>());
+    }
+  };
+  if (w.scales == kF16Q40) {
+    run(std::integral_constant<int, kF16Q40>{});
+  } else if (w.scales == kF16) {
+    run(std::integral_constant<int, kF16>{});
   } else {
-    dequant_rows(w, ip, R, out.data_ptr<float>());
+    run(std::integral_constant<int, kF32>{});
   }
   return out;
 }

@@ -5,9 +5,16 @@
 // activation bytes in one _mm256_maddubs_epi16, summed in 16 bits (|sum| <= 16 * 15 * 127 =
 // 30480: no overflow), then one widening, one conversion and two FMAs (d*dx and m*sx, 8
 // columns at once) add the group in float, in group order. Scalar code without AVX2.
+//
+// Scales come in three formats (Scales): float32 d and m; float16 d and m (a GGUF's own
+// Q4_1 scales, exact in float16); float16 d with m = -8 d (Q4_0: no m stored). Each is widened
+// to the same float32 values in registers, so the sums do not depend on the format; the
+// smaller ones only read fewer bytes (a one-row decode is bound by memory).
 #pragma once
 
 #include "torch_lite.h"
+
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstring>
@@ -22,23 +29,66 @@ using kvserve_quant::kGroup;
 constexpr int kCols = 8;         // output columns per block
 constexpr int64_t kBlockBytes = 128;  // packed bytes per block and group
 
+// How d and m are stored (see the header comment).
+enum Scales : int { kF32 = 0, kF16 = 1, kF16Q40 = 2 };
+
 // The weights a tile reads: packed nibbles (qs of block b0 on, 128 bytes per block and group)
 // or, for tiles of several rows, the same blocks unpacked once per call into bytes (256 per
 // block and group: step s's 32 bytes at 32 s, steps 0-3 the low nibbles, 4-7 the high ones).
+// d, m: float or c10::Half per the tile's Scales (m unused for kF16Q40).
 struct TileWeights {
   const uint8_t* q;
-  const float* d;
-  const float* m;
+  const void* d;
+  const void* m;
 };
+
+// Scale i of a Scales-format array, as float32 (exact).
+template <int SC>
+inline float scale_at(const void* p, int64_t i) {
+  if constexpr (SC == kF32) {
+    return static_cast<const float*>(p)[i];
+  } else {
+    return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  }
+}
+
+// A column's min: stored, or -8 d for kF16Q40.
+template <int SC>
+inline float min_at(const void* d, const void* m, int64_t i) {
+  if constexpr (SC == kF16Q40) {
+    return -8.0f * scale_at<SC>(d, i);
+  } else {
+    return scale_at<SC>(m, i);
+  }
+}
+
+#ifdef KVSERVE_AVX2
+template <int SC>
+inline __m256 load_scales(const void* p, int64_t i) {
+  if constexpr (SC == kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  }
+}
+
+template <int SC>
+inline __m256 load_mins(const void* d, const void* m, int64_t i) {
+  if constexpr (SC == kF16Q40) {
+    return _mm256_mul_ps(load_scales<SC>(d, i), _mm256_set1_ps(-8.0f));
+  } else {
+    return load_scales<SC>(m, i);
+  }
+}
+#endif
 
 // R rows x NB blocks (kUnpacked: w.q holds unpacked bytes); y: R rows of NB*8 outputs,
 // stride ldy.
-template <int R, int NB, bool kUnpacked>
+template <int R, int NB, bool kUnpacked, int SC = kF32>
 void tile(const TileWeights& w, int64_t G, const int8_t* x, const float* dx, const float* sx,
           int64_t K, float* y, int64_t ldy) {
   const uint8_t* qs = w.q;
-  const float* d = w.d;
-  const float* m = w.m;
   constexpr int64_t bytes = kUnpacked ? 2 * kBlockBytes : kBlockBytes;
 #ifdef KVSERVE_AVX2
   __m256 acc[R][NB];
@@ -72,8 +122,8 @@ void tile(const TileWeights& w, int64_t G, const int8_t* x, const float* dx, con
     }
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < NB; b++) {
-      const __m256 dv = _mm256_loadu_ps(d + (b * G + g) * kCols);
-      const __m256 mv = _mm256_loadu_ps(m + (b * G + g) * kCols);
+      const __m256 dv = load_scales<SC>(w.d, (b * G + g) * kCols);
+      const __m256 mv = load_mins<SC>(w.d, w.m, (b * G + g) * kCols);
 #pragma GCC unroll 4
       for (int r = 0; r < R; r++) {
         const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][b], ones));
@@ -101,8 +151,8 @@ void tile(const TileWeights& w, int64_t G, const int8_t* x, const float* dx, con
             }
           }
           const int64_t k = (b * G + g) * kCols + c;
-          acc = std::fma(static_cast<float>(sum), d[k] * dx[r * G + g], acc);
-          acc = std::fma(m[k], sx[r * G + g], acc);
+          acc = std::fma(static_cast<float>(sum), scale_at<SC>(w.d, k) * dx[r * G + g], acc);
+          acc = std::fma(min_at<SC>(w.d, w.m, k), sx[r * G + g], acc);
         }
         y[r * ldy + b * kCols + c] = acc;
       }
@@ -112,14 +162,16 @@ void tile(const TileWeights& w, int64_t G, const int8_t* x, const float* dx, con
 }
 
 // All M rows against one tile's NB blocks: rows in tiles of RT, the rest one at a time.
-template <int RT, int NB, bool kU>
+template <int RT, int NB, bool kU, int SC = kF32>
 void rows_against(const TileWeights& w, int64_t G, const int8_t* x, const float* dx,
                   const float* sx, int64_t M, int64_t K, float* y, int64_t ldy) {
   int64_t r0 = 0;
   for (; r0 + RT <= M; r0 += RT) {
-    tile<RT, NB, kU>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
+    tile<RT, NB, kU, SC>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
   }
-  for (; r0 < M; r0++) tile<1, NB, kU>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
+  for (; r0 < M; r0++) {
+    tile<1, NB, kU, SC>(w, G, x + r0 * K, dx + r0 * G, sx + r0 * G, K, y + r0 * ldy, ldy);
+  }
 }
 
 }  // namespace kvserve_q4_tile
