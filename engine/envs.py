@@ -38,6 +38,7 @@ CPU_KERNELS = "KVSERVE_CPU_KERNELS"
 CPU_MARCH = "KVSERVE_CPU_MARCH"
 KERNEL_BUILD_WAIT = "KVSERVE_KERNEL_BUILD_WAIT"
 DECODE_STACK = "KVSERVE_DECODE_STACK"
+STACK_PREFETCH = "KVSERVE_STACK_PREFETCH"
 PACKED_LINEAR = "KVSERVE_PACKED_LINEAR"
 QUANT_PACKED_ONLY = "KVSERVE_QUANT_PACKED_ONLY"
 QUANT_FORCE = "KVSERVE_QUANT_FORCE"
@@ -72,6 +73,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(DECODE_STACK, "1",
            "`0` turns off the C++ decode-step layer loop (engine/models/cpu_decode_stack.py); "
            "the Python layer loop runs (A/B runs, profiling)"),
+    EnvVar(STACK_PREFETCH, "4194304",
+           "bytes of the next linears' weights the C++ decode stack's idle thread may load "
+           "ahead while a single-task attention runs (engine/cpu/csrc/weight_prefetch.h); "
+           "`0` turns it off (A/B runs)"),
     EnvVar(PACKED_LINEAR, "auto",
            "float32 CPU linears: `0` keeps plain `nn.Linear`, `onednn`, `avx2-panels` or "
            "`hybrid` forces that packing where it is available"),
@@ -160,6 +165,18 @@ def kernel_build_wait_s() -> float | None:
 def decode_stack_enabled() -> bool:
     """False only when ``KVSERVE_DECODE_STACK=0``."""
     return _get(DECODE_STACK) != "0"
+
+
+def stack_prefetch_bytes() -> int:
+    """``$KVSERVE_STACK_PREFETCH`` (bytes, 4 MiB when unset); a value that is not a
+    non-negative integer raises ValueError naming the variable."""
+    value = _get(STACK_PREFETCH)
+    if value is None:
+        return 4 << 20
+    if not value.isdigit():
+        raise ValueError(f"{STACK_PREFETCH} must be a number of bytes (0 turns it off); "
+                         f"got {value!r}")
+    return int(value)
 
 
 def packed_linear_choice() -> str:

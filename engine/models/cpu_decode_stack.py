@@ -112,6 +112,7 @@ class CpuDecodeStack:
                 specs["moe"] = self._moe_spec(kernels, moe, layer.layer_idx)
                 self._moe.append(moe)
             self._stack.add_layer(_layer(kernels, layer, specs))
+        self._stack.set_prefetch(envs.stack_prefetch_bytes())
         self._groups: list[int] | None = None  # the layers' KV groups as last set
         self._bound_caches: list | None = None
         self._bound_k0: torch.Tensor | None = None

@@ -221,6 +221,31 @@ def test_gemma3_hybrid_kv(tmp_path, quantization, kv_cache_dtype):
     llm.engine.kv.check_integrity()
 
 
+@pytest.mark.parametrize("quantization", ["int4", "none"])
+def test_one_kv_head_attention_loads_the_next_weights_meanwhile(tmp_path, monkeypatch,
+                                                                quantization):
+    """One sequence of a one-KV-head model (Gemma 3): its attention is a single task, and the
+    other thread loads the next linears' weights meanwhile (weight_prefetch.h). Bits do not
+    change (every step equals the Python loop, and the tokens those with the loads off); the
+    loads happen, and stay off with ``KVSERVE_STACK_PREFETCH=0``."""
+    path = make_tiny_model_dir(tmp_path / "gemma3", "gemma3_text")
+    tokens, loaded = {}, {}
+    for ahead in ("4194304", "0"):
+        monkeypatch.setenv("KVSERVE_STACK_PREFETCH", ahead)
+        llm = LLM(str(path), kv_cache_memory="16MiB", block_size=4, quantization=quantization)
+        stack = llm.engine.runner.model.decode_stack
+        assert llm.engine.hf_config.num_key_value_heads == 1 and stack._stack.prefetch == int(ahead)
+        counts = _checked(llm)
+        out = llm.generate([PROMPTS[2] * 2], PARAMS)[0]
+        assert counts["stack"] >= PARAMS.max_tokens - 1
+        tokens[ahead] = out.outputs[0].token_ids
+        loaded[ahead] = stack._stack.prefetched_bytes
+    assert tokens["4194304"] == tokens["0"]
+    assert loaded["0"] == 0
+    if torch.get_num_threads() > 1:
+        assert loaded["4194304"] > 0
+
+
 def test_gemma2_softcap_keeps_the_python_loop(tmp_path):
     path = make_tiny_model_dir(tmp_path / "gemma2", "gemma2")
     llm = LLM(str(path), kv_cache_memory="16MiB", quantization="int4")

@@ -96,5 +96,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_kv_caches", &DecodeStack::set_kv_caches)
       .def("set_layer_groups", &DecodeStack::set_layer_groups)
       .def("forward", &DecodeStack::forward, nogil())
+      .def("set_prefetch", &DecodeStack::set_prefetch)
+      .def_property_readonly("prefetch", &DecodeStack::prefetch)
+      .def_property_readonly("prefetched_bytes", &DecodeStack::prefetched_bytes)
+      .def_property_readonly("weight_bytes", &DecodeStack::weight_bytes)
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -34,6 +34,7 @@
 
 #include "decode_stack_cpu.h"
 #include "kernels.h"
+#include "weight_prefetch.h"
 
 namespace kvserve_stack {
 
@@ -199,6 +200,55 @@ void DecodeStack::set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tenso
   int8_floor_ = int8_scale_floor;
 }
 
+void DecodeStack::set_prefetch(int64_t ahead_bytes) {
+  TORCH_CHECK(ahead_bytes >= 0, "DecodeStack: prefetch distance must be >= 0");
+  stream_.set_ahead(static_cast<size_t>(ahead_bytes));
+}
+
+namespace kvserve_stack {
+namespace {
+
+void add_bytes(WeightStream& s, const at::Tensor& t) {
+  s.add(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+}
+
+// The bytes a linear reads, as its kernel reads them (parts in order).
+void add_linear_bytes(WeightStream& s, const StackLinear& L) {
+  if (L.kind == kConcat) {
+    for (const auto& p : L.parts) add_linear_bytes(s, p);
+    return;
+  }
+  add_bytes(s, L.w);
+  if (L.d.has_value()) add_bytes(s, *L.d);
+  if (L.m.has_value()) add_bytes(s, *L.m);
+}
+
+}  // namespace
+}  // namespace kvserve_stack
+
+void DecodeStack::index_weights() {
+  using kvserve_stack::add_linear_bytes;
+  stream_.clear();
+  linears_.assign(layers_.size(), {});
+  for (size_t i = 0; i < layers_.size(); i++) {
+    const StackLayer& L = layers_[i];
+    auto& ids = linears_[i];
+    ids[0] = stream_.begin_linear();
+    add_linear_bytes(stream_, L.qkv);
+    ids[1] = stream_.begin_linear();
+    add_linear_bytes(stream_, L.o);
+    if (L.gate_up.has_value()) {
+      ids[2] = stream_.begin_linear();
+      add_linear_bytes(stream_, *L.gate_up);
+      ids[3] = stream_.begin_linear();
+      add_linear_bytes(stream_, *L.down);
+    } else {  // experts: which ones run is not known ahead
+      ids[2] = ids[3] = -1;
+    }
+  }
+  indexed_ = layers_.size();
+}
+
 at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables,
                                 std::vector<at::Tensor> sin_tables,
                                 std::vector<at::Tensor> group_slots,
@@ -210,10 +260,18 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
   TORCH_CHECK(cos_tables.size() == sin_tables.size() && group_slots.size() == group_tables.size() &&
                   group_slots.size() == group_lens.size(),
               "DecodeStack: cos/sin tables in pairs; slots, tables and lengths per group");
+  if (indexed_ != layers_.size()) index_weights();
+  auto& S = stream_;
   const int64_t t = x.size(0);
-  at::Tensor residual;
-  for (size_t i = 0; i < layers_.size(); i++) {
+  const size_t n = layers_.size();
+  at::Tensor residual, h, out;
+  S.at_linear(linears_[0][0]);  // a new step: loads start over
+  // The first layer's input norm; later ones are computed with the previous layer's end.
+  residual = x;
+  h = rms_norm(x, layers_[0].input_norm, layers_[0].eps);
+  for (size_t i = 0; i < n; i++) {
     const StackLayer& L = layers_[i];
+    const auto& ids = linears_[i];
     const auto g = static_cast<size_t>(groups_[i]);
     const auto r = static_cast<size_t>(L.rope);
     TORCH_CHECK(g < group_slots.size() && r < cos_tables.size(),
@@ -223,55 +281,76 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
                      &seq_lens = group_lens[g];
     const int64_t H = L.num_heads, KVH = L.num_kv_heads, D = L.head_dim;
     const int64_t q_size = H * D, kv_size = KVH * D;
-    at::Tensor h;
-    if (i == 0) {
-      residual = x;
-      h = rms_norm(x, L.input_norm, L.eps);
-    } else {
-      h = add_rms_norm_(x, residual, L.input_norm, L.eps);
-    }
     const at::Tensor qkv = L.qkv(h);
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
-    at::Tensor q, k;
-    if (L.q_norm.has_value()) {
-      q = rms_norm(qkv.narrow(1, 0, q_size).reshape({t, H, D}), *L.q_norm, L.eps);
-      rotary_(q, cos, sin);
-      k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({t, KVH, D}), *L.k_norm, L.eps);
-      rotary_(k, cos, sin);
+    S.at_linear(ids[1]);
+    at::Tensor q, attn;
+    // Q/K norms, RoPE, the KV store and the attention. The attention runs one task per
+    // (sequence, KV head): a single task is one thread's work, so the step's longest serial
+    // part, and the other thread loads the next linears' weights meanwhile (weight_prefetch.h;
+    // measured: shorter serial parts gain less than a parallel region costs). More tasks run
+    // on every thread, as before.
+    auto store = [&] {
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
+      at::Tensor k;
+      if (L.q_norm.has_value()) {
+        q = rms_norm(qkv.narrow(1, 0, q_size).reshape({t, H, D}), *L.q_norm, L.eps);
+        rotary_(q, cos, sin);
+        k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({t, KVH, D}), *L.k_norm, L.eps);
+        rotary_(k, cos, sin);
+      } else {
+        const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, H + KVH, D});
+        rotary_(qk, cos, sin);
+        q = qk.narrow(1, 0, H);
+        k = qk.narrow(1, H, KVH);
+      }
+      if (int8_) {
+        store_kv_cpu(kvserve_stack::int8_rows(k, int8_floor_),
+                     kvserve_stack::int8_rows(v, int8_floor_), k_caches_[i], v_caches_[i], slots);
+      } else if (int4_) {
+        store_kv_cpu(int4_quantize_rows_cpu(k), int4_quantize_rows_cpu(v), k_caches_[i],
+                     v_caches_[i], slots);
+      } else {  // float rows, rounded to a 16-bit pool's dtype as quantize_rows does (.to)
+        store_kv_cpu(k.to(pool_dtype_), v.to(pool_dtype_), k_caches_[i], v_caches_[i], slots);
+      }
+    };
+    auto attend = [&] {
+      if (int8_) {
+        attn = paged_decode_cpu_int8(q, k_caches_[i], v_caches_[i], block_tables, seq_lens,
+                                     L.scale, L.window);
+      } else if (int4_) {  // as the torch backend: rows of K R and V R; q rotated in, out back
+        attn = int4_rotate_cpu(paged_decode_cpu_int4(int4_rotate_cpu(q), k_caches_[i],
+                                                     v_caches_[i], block_tables, seq_lens,
+                                                     L.scale, L.window));
+      } else {
+        attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
+                                L.window);
+      }
+    };
+    if (block_tables.size(0) * KVH <= 1) {
+      S.serial([&] {
+        store();
+        attend();
+      });
     } else {
-      const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, H + KVH, D});
-      rotary_(qk, cos, sin);
-      q = qk.narrow(1, 0, H);
-      k = qk.narrow(1, H, KVH);
-    }
-    at::Tensor attn;
-    if (int8_) {
-      store_kv_cpu(kvserve_stack::int8_rows(k, int8_floor_),
-                   kvserve_stack::int8_rows(v, int8_floor_), k_caches_[i], v_caches_[i], slots);
-      attn = paged_decode_cpu_int8(q, k_caches_[i], v_caches_[i], block_tables, seq_lens,
-                                   L.scale, L.window);
-    } else if (int4_) {  // as the torch backend: rows of K R and V R; q rotated in, out back
-      store_kv_cpu(int4_quantize_rows_cpu(k), int4_quantize_rows_cpu(v), k_caches_[i],
-                   v_caches_[i], slots);
-      attn = int4_rotate_cpu(paged_decode_cpu_int4(int4_rotate_cpu(q), k_caches_[i],
-                                                   v_caches_[i], block_tables, seq_lens,
-                                                   L.scale, L.window));
-    } else {  // float rows, rounded to a 16-bit pool's dtype as quantize_rows does (.to)
-      store_kv_cpu(k.to(pool_dtype_), v.to(pool_dtype_), k_caches_[i], v_caches_[i], slots);
-      attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
-                              L.window);
+      store();
+      attend();
     }
     const at::Tensor o = L.o(attn.reshape({t, q_size}));
-    if (L.pre_ff_norm.has_value()) {  // Gemma's sandwich
-      h = add_rms_norm_(rms_norm(o, L.post_norm, L.eps), residual, *L.pre_ff_norm, L.eps);
-      x = rms_norm((*L.down)(kvserve_stack::activation((*L.gate_up)(h), L.act)),
-                   *L.post_ff_norm, L.eps);
-    } else if (L.moe.has_value()) {
+    if (L.moe.has_value()) {
       x = kvserve_stack::moe_forward(*L.moe, add_rms_norm_(o, residual, L.post_norm, L.eps));
     } else {
-      h = add_rms_norm_(o, residual, L.post_norm, L.eps);
+      h = L.pre_ff_norm.has_value()  // Gemma's sandwich
+              ? add_rms_norm_(rms_norm(o, L.post_norm, L.eps), residual, *L.pre_ff_norm, L.eps)
+              : add_rms_norm_(o, residual, L.post_norm, L.eps);
       x = (*L.down)(kvserve_stack::activation((*L.gate_up)(h), L.act));
     }
+    // The layer's end and the next layer's input norm (or the final norm).
+    if (L.post_ff_norm.has_value()) x = rms_norm(x, *L.post_ff_norm, L.eps);
+    if (i + 1 < n) {
+      h = add_rms_norm_(x, residual, layers_[i + 1].input_norm, layers_[i + 1].eps);
+    } else {
+      out = add_rms_norm_(x, residual, final_norm, final_eps);
+    }
   }
-  return add_rms_norm_(x, residual, final_norm, final_eps);
+  return out;
 }

@@ -4,8 +4,11 @@
 
 #include "torch_lite.h"
 
+#include <array>
 #include <optional>
 #include <vector>
+
+#include "weight_prefetch.h"
 
 namespace kvserve_stack {
 
@@ -87,6 +90,15 @@ class DecodeStack {
                      std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
                      std::vector<at::Tensor> seq_lens, at::Tensor final_norm, double final_eps);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // While one thread does a serial part of the step, the other loads the next linears'
+  // weights, at most ahead_bytes past the next one's start (weight_prefetch.h); 0: off.
+  void set_prefetch(int64_t ahead_bytes);
+  int64_t prefetch() const { return static_cast<int64_t>(stream_.ahead()); }
+  int64_t prefetched_bytes() const { return static_cast<int64_t>(stream_.loaded_bytes()); }
+  int64_t weight_bytes() {
+    if (indexed_ != layers_.size()) index_weights();
+    return static_cast<int64_t>(stream_.total_bytes());
+  }
 
  private:
   std::vector<kvserve_stack::StackLayer> layers_;
@@ -96,4 +108,11 @@ class DecodeStack {
   bool int4_ = false;
   at::ScalarType pool_dtype_ = at::kFloat;
   double int8_floor_ = 0.0;
+  // The linears' bytes in the order a step reads them, and each layer's linears' indices in
+  // it (qkv, o, gate_up, down; -1 for a mixture of experts' MLP); built at the first forward
+  // after add_layer.
+  void index_weights();
+  kvserve_stack::WeightStream stream_;
+  std::vector<std::array<int, 4>> linears_;
+  size_t indexed_ = 0;
 };
