@@ -6,7 +6,8 @@ runner maps its rows back to the plan's chunks in its ``StepOutput``.
 Plain data in, plain data out: this module sees neither sequences nor the KV manager. Every
 sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
 Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
-with tensor ops. Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves
+with tensor ops, except in a decode-only step (one token per sequence), where a few Python ints
+are cheaper than the tensor indexing (~0.3 ms a step for Gemma 3's six KV groups). Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves
 it to its device in one copy (``engine.runner.device_input``), or into a captured CUDA graph's static
 buffers (``engine.runner.cuda_graphs``).
 """
@@ -110,18 +111,18 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
     torch.cumsum(q_lens_t, 0, out=cu[1:])
     num_tokens = len(ids)
-    if num_decodes == len(q_lens):  # decode only: one token per sequence
-        positions = seq_lens_t - 1
-        seq_idx = torch.arange(num_tokens)
+    groups = len(plan.seqs[0].extra_tables)  # hybrid KV cache: groups 1.. (0 is the above)
+    group_tables = [[s.extra_tables[g] for s in plan.seqs] for g in range(groups)]
+    extra_tables = tuple(_pad_tables(t) for t in group_tables)
+    if num_decodes == len(q_lens):  # decode only: one token per sequence, indexed in Python
+        last = [n - 1 for n in seq_lens]  # (a handful of ints: cheaper than tensor indexing)
+        positions = torch.tensor(last, dtype=torch.int64)
+        slots = _decode_slots(tables, last, bs)
+        extra_slots = tuple(_decode_slots(t, last, bs) for t in group_tables)
     else:
         seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
         positions = (torch.arange(num_tokens) - cu[seq_idx] + (seq_lens_t - q_lens_t)[seq_idx])
-    slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-    extra_tables: tuple[torch.Tensor, ...] = ()
-    extra_slots: tuple[torch.Tensor, ...] = ()
-    if plan.seqs[0].extra_tables:  # hybrid KV cache: the same rows in each group's blocks
-        extra_tables = tuple(_pad_tables([s.extra_tables[g] for s in plan.seqs])
-                             for g in range(len(plan.seqs[0].extra_tables)))
+        slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
         extra_slots = tuple(t[seq_idx, positions // bs].long() * bs + positions % bs
                             for t in extra_tables)
     ends = cu[1:][torch.tensor(sample_seq_indices, dtype=torch.int64)]
@@ -153,6 +154,13 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         extra_block_tables=extra_tables,
         extra_slot_mappings=extra_slots,
     )
+
+
+def _decode_slots(tables: list[list[int]], positions: list[int], bs: int) -> torch.Tensor:
+    """The slot of each sequence's one new token, as the tensor path computes it from the
+    padded tables (an entry released outside a window, -1, reads as block 0)."""
+    return torch.tensor([max(t[p // bs], 0) * bs + p % bs for t, p in zip(tables, positions)],
+                        dtype=torch.int64)
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:

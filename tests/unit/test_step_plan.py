@@ -47,6 +47,31 @@ def test_build_model_input_from_plain_data():
     assert inp.cu_seqlens_q.dtype == torch.int32
 
 
+def test_a_decode_only_step_indexes_as_a_mixed_one():
+    """A decode-only step computes positions and slots in Python (batch._decode_slots), a
+    mixed step with tensor ops: the same decode rows get the same values in both, every KV
+    group of a hybrid cache included (an entry released outside a window, -1, reads as
+    block 0), and both equal the per-token loop."""
+    decodes = (SeqChunk([7], 5, [3, 1], sample=True, extra_tables=([-1, 4], [6, 8])),
+               SeqChunk([9], 12, [0, 2, 5, 9], sample=True, extra_tables=([-1, -1, 7, 3],
+                                                                         [1, 2, 10, 11])))
+    prefill = SeqChunk([20, 21], 0, [12], sample=True, extra_tables=([13], [14]))
+    alone = build_model_input(StepPlan(decodes, BS))
+    mixed = build_model_input(StepPlan((*decodes, prefill), BS))
+    assert alone.num_decodes == 2 and mixed.num_decodes == 2
+    assert alone.positions.tolist() == mixed.positions.tolist()[:2] == [5, 12]
+    assert alone.slot_mapping.tolist() == mixed.slot_mapping.tolist()[:2] == [1 * BS + 1,
+                                                                              9 * BS]
+    for g, want in enumerate(([4 * BS + 1, 3 * BS], [8 * BS + 1, 11 * BS])):
+        assert alone.extra_slot_mappings[g].tolist() == want
+        assert mixed.extra_slot_mappings[g].tolist()[:2] == want
+        assert alone.extra_slot_mappings[g].dtype == mixed.extra_slot_mappings[g].dtype
+    assert alone.positions.dtype == mixed.positions.dtype == torch.int64
+    assert alone.slot_mapping.dtype == mixed.slot_mapping.dtype == torch.int64
+    wrapped = build_model_input(StepPlan((SeqChunk([1], 4, [-1, 6], sample=True),), BS))
+    assert wrapped.slot_mapping.tolist() == [6 * BS]
+
+
 def test_copy_orders_are_falsy_when_empty():
     assert not BlockCopyOrders() and BlockCopyOrders(d2h=((1, 2),))
     assert StepPlan((), BS).num_tokens == 0
