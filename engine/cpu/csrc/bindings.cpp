@@ -99,6 +99,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_prefetch", &DecodeStack::set_prefetch)
       .def_property_readonly("prefetch", &DecodeStack::prefetch)
       .def_property_readonly("prefetched_bytes", &DecodeStack::prefetched_bytes)
-      .def_property_readonly("weight_bytes", &DecodeStack::weight_bytes)
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

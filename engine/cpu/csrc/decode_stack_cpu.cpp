@@ -229,21 +229,18 @@ void add_linear_bytes(WeightStream& s, const StackLinear& L) {
 void DecodeStack::index_weights() {
   using kvserve_stack::add_linear_bytes;
   stream_.clear();
-  linears_.assign(layers_.size(), {});
+  o_linear_.assign(layers_.size(), 0);
   for (size_t i = 0; i < layers_.size(); i++) {
     const StackLayer& L = layers_[i];
-    auto& ids = linears_[i];
-    ids[0] = stream_.begin_linear();
+    stream_.begin_linear();
     add_linear_bytes(stream_, L.qkv);
-    ids[1] = stream_.begin_linear();
+    o_linear_[i] = stream_.begin_linear();
     add_linear_bytes(stream_, L.o);
-    if (L.gate_up.has_value()) {
-      ids[2] = stream_.begin_linear();
+    if (L.gate_up.has_value()) {  // experts: which ones run is not known ahead
+      stream_.begin_linear();
       add_linear_bytes(stream_, *L.gate_up);
-      ids[3] = stream_.begin_linear();
+      stream_.begin_linear();
       add_linear_bytes(stream_, *L.down);
-    } else {  // experts: which ones run is not known ahead
-      ids[2] = ids[3] = -1;
     }
   }
   indexed_ = layers_.size();
@@ -265,13 +262,12 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
   const int64_t t = x.size(0);
   const size_t n = layers_.size();
   at::Tensor residual, h, out;
-  S.at_linear(linears_[0][0]);  // a new step: loads start over
+  S.at_linear(0);  // a new step: loads start over
   // The first layer's input norm; later ones are computed with the previous layer's end.
   residual = x;
   h = rms_norm(x, layers_[0].input_norm, layers_[0].eps);
   for (size_t i = 0; i < n; i++) {
     const StackLayer& L = layers_[i];
-    const auto& ids = linears_[i];
     const auto g = static_cast<size_t>(groups_[i]);
     const auto r = static_cast<size_t>(L.rope);
     TORCH_CHECK(g < group_slots.size() && r < cos_tables.size(),
@@ -282,7 +278,7 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
     const int64_t H = L.num_heads, KVH = L.num_kv_heads, D = L.head_dim;
     const int64_t q_size = H * D, kv_size = KVH * D;
     const at::Tensor qkv = L.qkv(h);
-    S.at_linear(ids[1]);
+    S.at_linear(o_linear_[i]);
     at::Tensor q, attn;
     // Q/K norms, RoPE, the KV store and the attention. The attention runs one task per
     // (sequence, KV head): a single task is one thread's work, so the step's longest serial

@@ -4,7 +4,6 @@
 
 #include "torch_lite.h"
 
-#include <array>
 #include <optional>
 #include <vector>
 
@@ -95,10 +94,6 @@ class DecodeStack {
   void set_prefetch(int64_t ahead_bytes);
   int64_t prefetch() const { return static_cast<int64_t>(stream_.ahead()); }
   int64_t prefetched_bytes() const { return static_cast<int64_t>(stream_.loaded_bytes()); }
-  int64_t weight_bytes() {
-    if (indexed_ != layers_.size()) index_weights();
-    return static_cast<int64_t>(stream_.total_bytes());
-  }
 
  private:
   std::vector<kvserve_stack::StackLayer> layers_;
@@ -108,11 +103,11 @@ class DecodeStack {
   bool int4_ = false;
   at::ScalarType pool_dtype_ = at::kFloat;
   double int8_floor_ = 0.0;
-  // The linears' bytes in the order a step reads them, and each layer's linears' indices in
-  // it (qkv, o, gate_up, down; -1 for a mixture of experts' MLP); built at the first forward
-  // after add_layer.
+  // The linears' bytes in the order a step reads them (a mixture of experts' MLP left out),
+  // and each layer's o projection's index in it (where the attention's loads start); built
+  // at the first forward after add_layer.
   void index_weights();
   kvserve_stack::WeightStream stream_;
-  std::vector<std::array<int, 4>> linears_;
+  std::vector<int> o_linear_;
   size_t indexed_ = 0;
 };

@@ -69,6 +69,18 @@ void column_tile(const TileWeights& w, int nb, int64_t G, const int8_t* x, const
 // Scales' element size in bytes (their offsets advance in elements).
 inline int64_t scale_bytes(int sc) { return sc == kF32 ? 4 : 2; }
 
+// f(std::integral_constant<int, SC>) for the weight's runtime scale format.
+template <typename F>
+void with_scales(int sc, F&& f) {
+  if (sc == kF16Q40) {
+    f(std::integral_constant<int, kF16Q40>{});
+  } else if (sc == kF16) {
+    f(std::integral_constant<int, kF16>{});
+  } else {
+    f(std::integral_constant<int, kF32>{});
+  }
+}
+
 // nb blocks of packed nibbles -> the unpacked bytes of TileWeights (the same 8 steps a packed
 // tile derives per row tile, derived once).
 void unpack(const uint8_t* qs, int nb, int64_t G, uint8_t* out) {
@@ -187,7 +199,7 @@ at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
   const auto rows = kvserve_quant::quantise(x);
   auto y = at::empty({M, N});
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto sc) {
+  with_scales(w.scales, [&](auto sc) {
     constexpr int SC = decltype(sc)::value;
     if (M == 1) {
       gemm<1, 4, false, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
@@ -196,14 +208,7 @@ at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
     } else {
       gemm<3, 2, true, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
     }
-  };
-  if (w.scales == kF16Q40) {
-    run(std::integral_constant<int, kF16Q40>{});
-  } else if (w.scales == kF16) {
-    run(std::integral_constant<int, kF16>{});
-  } else {
-    run(std::integral_constant<int, kF32>{});
-  }
+  });
   return y;
 }
 
@@ -220,20 +225,13 @@ at::Tensor quant_dequant_q4_blocked(at::Tensor qs, at::Tensor d, at::Tensor m,
                 " outside the weight");
   }
   auto out = at::empty({R, w.G * kGroup}, bf16 ? at::kBFloat16 : at::kFloat);
-  auto run = [&](auto sc) {
+  with_scales(w.scales, [&](auto sc) {
     constexpr int SC = decltype(sc)::value;
     if (bf16) {
       dequant_rows<c10::BFloat16, SC>(w, ip, R, out.data_ptr<c10::BFloat16>());
     } else {
       dequant_rows<float, SC>(w, ip, R, out.data_ptr<float>());
     }
-  };
-  if (w.scales == kF16Q40) {
-    run(std::integral_constant<int, kF16Q40>{});
-  } else if (w.scales == kF16) {
-    run(std::integral_constant<int, kF16>{});
-  } else {
-    run(std::integral_constant<int, kF32>{});
-  }
+  });
   return out;
 }

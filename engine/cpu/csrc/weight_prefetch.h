@@ -52,11 +52,6 @@ class WeightStream {
   size_t ahead() const { return ahead_; }
   // Bytes loaded ahead so far (all steps; for tests and A/B runs).
   uint64_t loaded_bytes() const { return loaded_; }
-  size_t total_bytes() const {
-    size_t t = 0;
-    for (const auto& r : bytes_) t += r.n;
-    return t;
-  }
   // The next linear to run is `linear` (the stack calls this as it goes; a new step starts at 0).
   void at_linear(int linear) {
     if (linear < 0 || linear >= static_cast<int>(starts_.size())) return;
