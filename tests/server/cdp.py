@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -29,7 +32,10 @@ class Browser:
     def __init__(self, binary: str, width: int = 1280, height: int = 1400) -> None:
         self.binary = binary
         self.size = (width, height)
-        self._profile = tempfile.TemporaryDirectory(prefix="kvserve-chromium-")
+        # Chromium's helper processes may still be writing into the profile as it is removed;
+        # a leftover file in a temporary directory is no test failure.
+        self._profile = tempfile.TemporaryDirectory(prefix="kvserve-chromium-",
+                                                    ignore_cleanup_errors=True)
         self._proc: subprocess.Popen | None = None
         self._ws: Any = None
         self._ids = 0
@@ -42,7 +48,8 @@ class Browser:
             [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu",
              "--disable-dev-shm-usage", "--no-first-run", "--remote-debugging-port=0",
              f"--user-data-dir={profile}", f"--window-size={self.size[0]},{self.size[1]}",
-             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # its own process group: the helpers end with it
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
         while not port_file.exists() or not port_file.read_text().strip():
@@ -68,6 +75,9 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)  # helpers that outlived the browser
         self._profile.cleanup()
 
     async def send(self, method: str, **params: Any) -> dict[str, Any]:
