@@ -20,7 +20,8 @@
 #    with both servers, each with 16 slots / sequences and all cores, one after the other
 #    (never both at once), both with a 16-bit KV cache: llama-server's default (f16),
 #    kvserve's --kv-cache-dtype float16 (KVSERVE_BENCH_KV_DTYPE overrides it, e.g. auto for
-#    the model's float32).
+#    the model's float32; KVSERVE_BENCH_ARGS adds kvserve serve arguments, e.g.
+#    --no-batch-invariant).
 # 3. Runs `kvserve bench serve --openai-only` (the same client, OpenAI fields only, tokens
 #    counted from the stream) against each: single stream (8 requests, 128 prompt tokens, 128
 #    out, concurrency 1), W1 (64 requests, 280 prompt tokens, 64 out, concurrency 16), W2 (32
@@ -124,10 +125,11 @@ bench llamacpp "$PORT_LLAMA"
 kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""
 
 KV_DTYPE=${KVSERVE_BENCH_KV_DTYPE:-float16}
-echo "kvserve --kv-cache-dtype $KV_DTYPE (llama-server: its default f16 KV cache)" \
+read -r -a KV_EXTRA <<< "${KVSERVE_BENCH_ARGS:-}"
+echo "kvserve --kv-cache-dtype $KV_DTYPE ${KV_EXTRA[*]} (llama-server: its default f16 KV cache)" \
     | tee -a "$OUT/notes.txt"
 kvserve serve "${KV_MODEL[@]}" --host 127.0.0.1 --port "$PORT_KV" --max-num-seqs 16 --kv-cache-dtype "$KV_DTYPE" \
-    > "$OUT/kvserve.log" 2>&1 &
+    "${KV_EXTRA[@]}" > "$OUT/kvserve.log" 2>&1 &
 PID=$!
 wait_health "$PORT_KV"
 bench kvserve "$PORT_KV"

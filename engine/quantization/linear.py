@@ -15,6 +15,10 @@ settings below leave them alone:
   where the start-up probe measured it faster (``q4_batch`` ``tiles``):
   the same integer sums, added in float in another order, so a sequence's logits can differ in
   the last bits with the size of the batch it decodes in (as with vLLM's or llama.cpp's kernels).
+  Likewise 8-bit weights from ``LANES_ROWS`` rows on ``quant_gemm_q8_batch`` where it is built
+  (AVX-512 VNNI) and the start-up probe measured it faster (``q8_batch`` ``lanes``;
+  engine/cpu/csrc/quant_gemm_q8_batch.cpp: a batch's rows in a register's lanes, a big logits
+  head ~3x faster at 16 rows).
 * above (prefill), 4-bit weights where the start-up probe measured it faster (``q4_prefill``
   ``int8``, usual on AVX2-only CPUs): ``quant_gemm_q4_tiled``, the decode
   kernels' integer math laid out for many rows (engine/cpu/csrc/quant_gemm_q4_tiled.cpp).
@@ -28,6 +32,9 @@ settings below leave them alone:
   measured it faster: then ``quant_gemm_q4_blocked`` serves every decode-sized input (the
   tiles' math without their per-call repack) and the int8 prefill; panels are
   dequantised from that layout. ``q4_kernel`` and ``q4_batch`` then have no effect.
+* the int8 tiles of both 4-bit layouts run on AVX-512 VNNI's dot product (``q4_tiles``
+  ``vnni``) where it is built and the start-up probe measured it faster: the same integer
+  sums and floats as the AVX2 tiles, bit for bit.
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster (what
@@ -63,6 +70,9 @@ Q4_PREFILL = ("panels", "int8")  # a 4-bit weight's dense path: dequantised pane
 Q4_BATCH = ("kernel", "tiles")  # a 4-bit weight's decode batches: the decode kernel or int8 tiles
 BATCH_TILE_ROWS = 3  # the smallest batch the tiles may serve (below, the per-call repack costs)
 Q4_LAYOUTS = ("rows", "blocked")  # a 4-bit weight's storage (engine/quantization/blocked.py)
+Q4_TILES = ("avx2", "vnni")  # the 4-bit int8 tiles' instructions (the same floats either way)
+Q8_BATCH = ("kernel", "lanes")  # an 8-bit weight's decode batches: its decode kernel, or the lanes
+LANES_ROWS = 6  # the smallest batch the lanes kernel serves (a block of 16 rows costs ~the same)
 
 
 def quant_kernels():
@@ -105,6 +115,8 @@ class QuantLinear(nn.Module):
         self.q4_prefill = "panels"
         self.q4_batch = "kernel"
         self.q4_layout = "rows"
+        self.q4_tiles = "avx2"
+        self.q8_batch = "kernel"
         self.batch_invariant = False
 
     def set_batch_invariant(self) -> None:
@@ -146,6 +158,38 @@ class QuantLinear(nn.Module):
         ``kernel`` (the decode kernel) or ``tiles`` (``quant_gemm_q4_tiled``: the same integer
         math in another float summation order). 8-bit weights ignore it."""
         self.q4_batch = _one_of(name, Q4_BATCH, "4-bit batch path")
+
+    def set_q8_batch(self, name: str) -> None:
+        """An 8-bit weight's decode batches of ``LANES_ROWS`` to ``dense_rows`` rows:
+        ``kernel`` (its decode kernel) or ``lanes`` (``quant_gemm_q8_batch``, AVX-512 VNNI
+        only: 16 rows in a register's lanes; the same integer sums in another float order, each
+        output in its own fixed order). Not in batch-invariant mode (one kernel for every row
+        count: the decode kernel); 4-bit and 5-bit weights ignore it."""
+        _one_of(name, Q8_BATCH, "8-bit batch path")
+        if name == "lanes" and not vnni_available():
+            raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+        self.q8_batch = name
+
+    @property
+    def is_q8(self) -> bool:
+        return not self.is_q4 and not self.is_q5
+
+    @property
+    def lanes_from(self) -> int | None:
+        """The row count from which decode-sized inputs of an 8-bit weight run
+        ``quant_gemm_q8_batch`` (None: never)."""
+        return LANES_ROWS if self.is_q8 and self.q8_batch == "lanes" \
+            and not self.batch_invariant else None
+
+    def set_q4_tiles(self, name: str) -> None:
+        """The 4-bit int8 tiles' instructions (``quant_gemm_q4_tiled`` and
+        ``quant_gemm_q4_blocked``): ``avx2`` (maddubs) or ``vnni`` (AVX-512 VNNI's dpbusd,
+        where built). The same integer sums and floats either way, bit for bit: only the speed
+        differs. Other weights ignore it."""
+        _one_of(name, Q4_TILES, "4-bit tiles")
+        if name == "vnni" and not vnni_available():
+            raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+        self.q4_tiles = name
 
     def set_q4_layout(self, name: str) -> None:
         """A 4-bit weight's storage: ``rows`` (GGUF's) or ``blocked`` (served by
@@ -207,10 +251,12 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         rows = x2.shape[0]
-        if self.batch_invariant:
-            out = self._tiles(x2) if self.is_q4 else self._gemm(x2, self.qs, self.d, self.m)
+        if self._on_lanes(rows):
+            out = self._kernels.quant_gemm_q8_batch(x2, self.qs, self.d, self.m)
+        elif self.batch_invariant:
+            out = self.tiles(x2) if self.is_q4 else self._gemm(x2, self.qs, self.d, self.m)
         elif self._on_tiles(rows):
-            out = self._tiles(x2)
+            out = self.tiles(x2)
         elif rows <= self.dense_rows:
             out = self._gemm(x2, self.qs, self.d, self.m)
         else:
@@ -225,8 +271,9 @@ class QuantLinear(nn.Module):
         from its own weight row and the row of ``x``, in a fixed order, whatever the other
         rows: so on their route (a batch-invariant 8-bit or 5-bit weight, or any weight in
         rows layout at a row count its decode kernel serves) the gathered rows give the same
-        numbers. The blocked 4-bit layout, the tiles and the dense panels are not gathered
-        (None). Used by a logits head under a grammar that allows few tokens."""
+        numbers; so does ``quant_gemm_q8_batch`` on the 8-bit lanes route. The blocked 4-bit
+        layout, the tiles and the dense panels are not gathered (None). Used by a logits head
+        under a grammar that allows few tokens."""
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         if self.blocked or self.fallback is not None or self._on_tiles(rows):
@@ -236,10 +283,15 @@ class QuantLinear(nn.Module):
         if x2.dtype != torch.float32:
             x2 = x2.float()
         m = None if self.m is None else self.m.index_select(0, columns)
-        out = self._gemm(x2, self.qs.index_select(0, columns), self.d.index_select(0, columns), m)
+        gemm = self._kernels.quant_gemm_q8_batch if self._on_lanes(rows) else self._gemm
+        out = gemm(x2, self.qs.index_select(0, columns), self.d.index_select(0, columns), m)
         if self.bias is not None:
             out += self.bias.index_select(0, columns)
         return out.view(*x.shape[:-1], columns.numel())
+
+    def _on_lanes(self, rows: int) -> bool:
+        """Whether ``rows`` rows run ``quant_gemm_q8_batch`` (8-bit weights only)."""
+        return self.lanes_from is not None and self.lanes_from <= rows <= self.dense_rows
 
     def _on_tiles(self, rows: int) -> bool:
         """Whether ``rows`` rows run the int8 tiles (4-bit weights only): every decode size of
@@ -249,12 +301,14 @@ class QuantLinear(nn.Module):
             return self.blocked or (self.tiles_from is not None and rows >= self.tiles_from)
         return self.is_q4 and self.q4_prefill == "int8"
 
-    def _tiles(self, x2: torch.Tensor) -> torch.Tensor:
-        """The tiles' math over this weight's layout (blocked, or repacked per call)."""
+    def tiles(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, in] @ W.T`` (float32, no bias) on the 4-bit int8 tiles over this weight's
+        layout (blocked, or repacked per call), on the instructions of ``q4_tiles``."""
+        vnni = self.q4_tiles == "vnni"
         if self.blocked:
             return self._kernels.quant_gemm_q4_blocked(x2, self.qs, self.d, self.m,
-                                                       self.out_features)
-        return self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m)
+                                                       self.out_features, vnni)
+        return self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m, vnni)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
         dt = self.panel_dtype
@@ -338,6 +392,14 @@ class QuantConcat(nn.Module):
     def set_q4_layout(self, name: str) -> None:
         for part in self.parts:
             part.set_q4_layout(name)
+
+    def set_q4_tiles(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q4_tiles(name)
+
+    def set_q8_batch(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q8_batch(name)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

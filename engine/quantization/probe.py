@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.quantization.linear import BATCH_TILE_ROWS, DENSE_ROWS, QuantisedModules, vnni_available
+from engine.quantization.linear import (
+    BATCH_TILE_ROWS,
+    DENSE_ROWS,
+    LANES_ROWS,
+    QuantisedModules,
+    vnni_available,
+)
 
 
 @dataclass
@@ -64,6 +70,7 @@ def _median(runs: tuple[float, ...]) -> float:
 PROBE_ROWS = (1, 4, 16, 64, 256)
 DECODE_ROWS = (1, 16)  # the decode kernels' probe: one pass at each
 BATCH_ROWS = (BATCH_TILE_ROWS, 16)  # the 4-bit batch tiles' probe: one pass at each
+LANES_BATCH_ROWS = (LANES_ROWS, 16)  # the 8-bit lanes kernel's probe: one pass at each
 MAX_PROBE_ATTEMPTS = 2  # then the median decides (ProbeResult.use_quantised)
 
 
@@ -107,6 +114,14 @@ class Verdict:
     def q4_layout(self) -> str:
         return self.setting("q4_layout")
 
+    @property
+    def q4_tiles(self) -> str:
+        return self.setting("q4_tiles")
+
+    @property
+    def q8_batch(self) -> str:
+        return self.setting("q8_batch")
+
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
                          f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
@@ -146,7 +161,9 @@ SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q8_kernel": ("8-bit decode kernel", ("base", "vnni")),
             "q4_prefill": ("4-bit prefill", ("panels", "int8")),
             "q4_batch": ("4-bit decode batches", ("kernel", "tiles")),
-            "q4_layout": ("4-bit layout", ("rows", "blocked"))}
+            "q4_layout": ("4-bit layout", ("rows", "blocked")),
+            "q4_tiles": ("4-bit tiles", ("avx2", "vnni")),
+            "q8_batch": ("8-bit decode batches", ("kernel", "lanes"))}
 
 
 @dataclass
@@ -195,16 +212,25 @@ def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_
 
 
 def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, Setting]:
-    """Time and apply the quantised modules' settings: the dense path's panel dtype at the
+    """Time and apply the quantised modules' settings: where the AVX-512 VNNI kernels are built
+    and 4-bit weights exist, first the int8 tiles' instructions (:func:`probe_q4_tiles`: the
+    same floats, only speed to choose by); then the dense path's panel dtype at the
     largest probed row count above ``DENSE_ROWS`` (:func:`probe_panels`; none probed: float32),
     then at that count, where 4-bit weights exist, those panels against the int8 tiled kernel
     (:func:`probe_q4_prefill`), and where the AVX-512 VNNI kernels are built, the 4-bit and
     the 8-bit decode kernels at 1 and 16 rows, each where such weights exist
-    (:func:`probe_decode_kernels`); last, with 4-bit weights, their decode kernel against the
-    int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all of that (the
-    rows layout) against the blocked layout at ``DECODE_ROWS`` (:func:`probe_q4_layout`)."""
+    (:func:`probe_decode_kernels`), and then the 8-bit decode kernel against the lanes kernel
+    on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`); last, with 4-bit weights,
+    their decode kernel against the int8 tiles on batches of ``BATCH_ROWS``
+    (:func:`probe_q4_batches`), then all of that (the rows layout) against the blocked layout
+    at ``DECODE_ROWS`` (:func:`probe_q4_layout`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
+    if vnni_available() and any(m.is_q4 for m in _layer_leaves(q)):
+        tile_rows = (BATCH_ROWS[-1], max(dense, default=DENSE_ROWS))
+        settings["q4_tiles"] = Setting.measured("q4_tiles", confirmed_probe(
+            lambda repeats: probe_q4_tiles(q, tile_rows, repeats), 3))
+        apply_settings(q, Verdict("quant", None, {}, settings))
     if dense:
         settings["panel_dtype"] = Setting.measured("panel_dtype", confirmed_probe(
             lambda repeats: probe_panels(q, max(dense), repeats), 2))
@@ -217,6 +243,10 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
             settings[key] = Setting.measured(key, confirmed_probe(
                 lambda repeats, is_q4=is_q4: probe_decode_kernels(q, is_q4, repeats=repeats), 3))
     apply_settings(q, Verdict("quant", None, {}, settings))
+    if vnni_available() and any(_is_q8(m) for m in _leaf_modules(q)):  # against that kernel
+        settings["q8_batch"] = Setting.measured("q8_batch", confirmed_probe(
+            lambda repeats: probe_q8_batches(q, repeats=repeats), 3))
+        apply_settings(q, Verdict("quant", None, {}, settings))
     if any(m.is_q4 for m in _leaf_modules(q)):  # against the decode kernel just chosen
         settings["q4_batch"] = Setting.measured("q4_batch", confirmed_probe(
             lambda repeats: probe_q4_batches(q, repeats=repeats), 3))
@@ -237,6 +267,8 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
         m.set_q4_prefill(verdict.q4_prefill)
         m.set_q4_batch(verdict.q4_batch)
         m.set_q4_layout(verdict.q4_layout)
+        m.set_q4_tiles(verdict.q4_tiles)
+        m.set_q8_batch(verdict.q8_batch)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -323,10 +355,12 @@ def _layer_leaves(q: QuantisedModules) -> list[nn.Module]:
 
 @torch.no_grad()
 def _toggle(mods: list[nn.Module], rows: tuple[int, ...], setter: str, first, second,
-            repeats: int) -> ProbeResult:
+            repeats: int, call=None) -> ProbeResult:
     """Time a pass over ``mods`` at each of ``rows`` row counts after every module's
     ``setter(first)`` (``float_s``) and after ``setter(second)`` (``quant_s``), alternated (the
-    switches untimed: a layout switch copies the weights); ``setter(first)`` again at the end."""
+    switches untimed: a layout switch copies the weights); ``setter(first)`` again at the end.
+    ``call(module, x)`` runs one module (default: its forward)."""
+    call = call or (lambda m, x: m(x))
     inputs = {n: _inputs(mods, n) for n in rows}
 
     def set_all(value) -> None:
@@ -336,7 +370,7 @@ def _toggle(mods: list[nn.Module], rows: tuple[int, ...], setter: str, first, se
     def run() -> None:
         for n in rows:
             for m in mods:
-                m(inputs[n][m.in_features])
+                call(m, inputs[n][m.in_features])
 
     try:
         return _alternate((run, run), repeats, (lambda: set_all(first), lambda: set_all(second)))
@@ -372,6 +406,20 @@ def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
     return _toggle(mods, rows, "set_q4_batch", "kernel", "tiles", repeats)
 
 
+def _is_q8(m: nn.Module) -> bool:
+    return not m.is_q4 and not getattr(m, "is_q5", False)
+
+
+def probe_q8_batches(q: QuantisedModules, rows: tuple[int, ...] = LANES_BATCH_ROWS,
+                     repeats: int = 3) -> ProbeResult:
+    """The 8-bit modules (the logits head among them, if 8-bit: at a batch of decodes it is
+    the largest) on decode batches of ``rows`` (the smallest the lanes kernel serves, and a
+    larger one): their decode kernel (``float_s``) against ``quant_gemm_q8_batch``
+    (``quant_s``). Left on the kernel."""
+    mods = [m for m in _leaf_modules(q) if _is_q8(m)]
+    return _toggle(mods, rows, "set_q8_batch", "kernel", "lanes", repeats)
+
+
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,
                          repeats: int = 3) -> ProbeResult:
     """The 4-bit (``is_q4``) or 8-bit modules, the logits head among them (decode runs it every
@@ -381,6 +429,16 @@ def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...]
     mods = [m for m in _leaf_modules(q) if m.is_q4 == is_q4 and not getattr(m, "is_q5", False)]
     return _toggle(mods, rows, "set_q4_kernel" if is_q4 else "set_q8_kernel", "base", "vnni",
                    repeats)
+
+
+def probe_q4_tiles(q: QuantisedModules, rows: tuple[int, ...], repeats: int = 3) -> ProbeResult:
+    """The layers' 4-bit projections on the int8 tiles (``QuantLinear.tiles``: in the rows
+    layout ``quant_gemm_q4_tiled``, whatever their other settings) at each of ``rows`` (a
+    decode batch and a prefill chunk): the AVX2 tiles (``float_s``) against the VNNI tiles
+    (``quant_s``). Both give the same floats, bit for bit. Left on AVX2."""
+    mods = [m for m in _layer_leaves(q) if m.is_q4]
+    return _toggle(mods, rows, "set_q4_tiles", "avx2", "vnni", repeats,
+                   call=lambda m, x: m.tiles(x))
 
 
 def probe_q4_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,

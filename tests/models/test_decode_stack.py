@@ -4,7 +4,7 @@ Every decode step of a real generation runs twice: the Python layer loop on a co
 pools, then the C++ stack on the engine's own pools. The stack calls the same kernels in the
 same order, so hidden states and the K/V written must be bit-identical (``torch.equal``), for
 each linear kind it serves (float ``nn.Linear``, AVX2 panels, 4-bit base and VNNI kernels,
-8-bit) and each layer shape (qkv bias, q/k norms, sliding windows), with several sequences of
+the 4-bit tiles, 8-bit kernels and lanes) and each layer shape (qkv bias, q/k norms, sliding windows), with several sequences of
 different lengths decoding together.
 """
 
@@ -16,7 +16,12 @@ import torch
 from engine import LLM, SamplingParams
 from engine.loading.tiny import make_tiny_model_dir
 from engine.models.cpu_decode_stack import CpuDecodeStack, build_decode_stack
-from engine.quantization.linear import BATCH_TILE_ROWS, QuantLinear, quant_kernels, vnni_available
+from engine.quantization.linear import (
+    BATCH_TILE_ROWS,
+    QuantLinear,
+    quant_kernels,
+    vnni_available,
+)
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels unavailable")
 
@@ -105,15 +110,19 @@ def test_stack_serves_both_decode_kernels(model_dirs, scheme, kernel):
 @pytest.mark.parametrize("kernel", ["base", "vnni"])
 def test_stack_serves_4bit_batches_on_tiles(model_dirs, kernel):
     """``q4_batch = "tiles"``: decode steps of ``BATCH_TILE_ROWS`` or more rows run the tiled
-    kernel in the stack as in Python (smaller steps, the decode kernel), bit-identically."""
+    kernel in the stack as in Python (smaller steps, the decode kernel), bit-identically (with
+    the VNNI kernels, on the VNNI tiles)."""
     if kernel == "vnni" and not vnni_available():
         pytest.skip("no AVX-512 VNNI kernels on this CPU")
-    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4")
+    # Not batch-invariant: that mode stores 4-bit weights blocked (no per-size routes).
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4",
+              batch_invariant=False)
     model = llm.engine.runner.model
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             mod.set_q4_kernel(kernel)
             mod.set_q4_batch("tiles")
+            mod.set_q4_tiles("vnni" if kernel == "vnni" else "avx2")
     model.decode_stack, why = build_decode_stack(model)
     assert why == ""
     counts = _checked(llm)
@@ -123,14 +132,41 @@ def test_stack_serves_4bit_batches_on_tiles(model_dirs, kernel):
     assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 
 
-def test_stack_serves_blocked_4bit_weights(model_dirs):
+def test_stack_serves_8bit_batches_on_the_lanes(model_dirs):
+    """``q8_batch = "lanes"`` (not batch-invariant): decode steps of ``LANES_ROWS`` or more rows
+    run ``quant_gemm_q8_batch`` in the stack as in Python (fewer rows, the decode kernel),
+    bit-identically."""
+    if not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernels on this CPU")
+    llm = LLM(str(model_dirs["qwen2"]), kv_cache_memory="16MiB", quantization="int8",
+              batch_invariant=False)
+    model = llm.engine.runner.model
+    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert mods and all(m.is_q8 for m in mods)
+    for mod in mods:
+        mod.set_q8_batch("lanes")
+    model.decode_stack, why = build_decode_stack(model)
+    assert why == ""
+    counts = _checked(llm)
+    llm.generate(PROMPTS[:1], PARAMS)  # one row per step: the decode kernel
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(17)]
+    outs = llm.generate(prompts, PARAMS)  # 17 rows per step (ignore_eos: none finishes early)
+    assert counts["stack"] >= 2 * (PARAMS.max_tokens - 1)
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
+
+
+@pytest.mark.parametrize("tiles", ["avx2", "vnni"])
+def test_stack_serves_blocked_4bit_weights(model_dirs, tiles):
     """``q4_layout = "blocked"``: every decode step, one row or a batch, runs the blocked
-    kernel in the stack as in Python, bit-identically."""
+    kernel (on either tiles, ``q4_tiles``) in the stack as in Python, bit-identically."""
+    if tiles == "vnni" and not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernels on this CPU")
     llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4")
     model = llm.engine.runner.model
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             mod.set_q4_layout("blocked")
+            mod.set_q4_tiles(tiles)
     model.decode_stack, why = build_decode_stack(model)
     assert why == ""
     counts = _checked(llm)

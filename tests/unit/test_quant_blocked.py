@@ -21,6 +21,7 @@ from engine.quantization.linear import (
     QuantEmbedding,
     QuantLinear,
     quant_kernels,
+    vnni_available,
 )
 from engine.quantization.rtn import quantise
 
@@ -106,6 +107,46 @@ def _check_kernel(n: int, k: int, rows: int, fmt: str) -> None:
     base = kern.quant_gemm_q4(x, packed.qs, packed.d, packed.m)
     torch.testing.assert_close(got, base, rtol=0, atol=1e-5 * scale)
     torch.testing.assert_close(got, F.linear(x, wq), rtol=0, atol=2e-2 * scale)  # int8 rounding
+
+
+@pytest.mark.skipif(not vnni_available(), reason="no AVX-512 VNNI kernels on this CPU")
+@pytest.mark.parametrize("n", [1, 13, 37, 100])  # partial and whole tiles of 16 and 32 columns
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, DENSE_ROWS + 1, 300])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vnni_tiles_give_the_same_floats(n, rows, fmt):
+    """``vnni=True`` (dpbusd into int32 group sums, wider column tiles) gives the AVX2 tiles'
+    outputs bit for bit, in both layouts, for every scale format."""
+    packed, _ = _q4(n, 96, seed=n + rows, fmt=fmt)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 3
+    kern = quant_kernels()
+    blocked = to_blocked(packed.qs, packed.d, packed.m)
+    want = kern.quant_gemm_q4_blocked(x, *blocked, n)
+    assert torch.equal(kern.quant_gemm_q4_blocked(x, *blocked, n, vnni=True), want)
+    assert torch.equal(kern.quant_gemm_q4_tiled(x, packed.qs, packed.d, packed.m, vnni=True),
+                       want)
+
+
+def test_tiles_instructions_are_a_setting_of_the_module():
+    """``set_q4_tiles``: ``vnni`` only where built (elsewhere a ValueError, and the kernels
+    refuse ``vnni=True``); the outputs do not change with it in either layout."""
+    packed, _ = _q4(40, 64)
+    lin = QuantLinear(packed)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    assert lin.q4_tiles == "avx2"
+    with pytest.raises(ValueError, match="4-bit tiles"):
+        lin.set_q4_tiles("amx")
+    if not vnni_available():
+        with pytest.raises(ValueError, match="not built"):
+            lin.set_q4_tiles("vnni")
+        with pytest.raises(RuntimeError, match="not built"):
+            quant_kernels().quant_gemm_q4_tiled(x, packed.qs, packed.d, packed.m, vnni=True)
+        return
+    want = lin.tiles(x)
+    cat = QuantConcat([lin])
+    cat.set_q4_tiles("vnni")
+    assert lin.q4_tiles == "vnni" and torch.equal(lin.tiles(x), want)
+    lin.set_q4_layout("blocked")
+    assert torch.equal(lin.tiles(x), want)
 
 
 @pytest.mark.parametrize("bf16", [False, True])

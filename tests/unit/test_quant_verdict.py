@@ -24,7 +24,8 @@ gguf = pytest.importorskip("gguf")
 # The real setting probes (the autouse fixture below replaces them in the module).
 REAL_PANELS, REAL_KERNELS = quant_probe.probe_panels, quant_probe.probe_decode_kernels
 REAL_Q4_PREFILL, REAL_Q4_BATCHES = quant_probe.probe_q4_prefill, quant_probe.probe_q4_batches
-REAL_Q4_LAYOUT = quant_probe.probe_q4_layout
+REAL_Q4_LAYOUT, REAL_Q4_TILES = quant_probe.probe_q4_layout, quant_probe.probe_q4_tiles
+REAL_Q8_BATCHES = quant_probe.probe_q8_batches
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +38,8 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     monkeypatch.setattr(quant_probe, "probe_q4_prefill", slower)
     monkeypatch.setattr(quant_probe, "probe_q4_batches", slower)
     monkeypatch.setattr(quant_probe, "probe_q4_layout", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_tiles", slower)
+    monkeypatch.setattr(quant_probe, "probe_q8_batches", slower)
 
 
 class _Recorder(nn.Module):
@@ -317,6 +320,64 @@ def test_q4_layout_follows_its_measurement(monkeypatch, blocked_s, want):
     assert order == [] and only_q8.q4_layout == "rows"
 
 
+@pytest.mark.parametrize(("vnni_s", "want"), [(0.5, "vnni"), (1.5, "avx2")])
+def test_q4_tiles_follow_their_measurement(monkeypatch, vnni_s, want):
+    """Where the VNNI kernels are built and 4-bit layer weights exist, the tiles' instructions
+    are measured first (a decode batch and the largest prefill count), set on every 4-bit
+    module and kept in the verdict; elsewhere not measured (AVX2)."""
+    probed = []
+
+    def probe_q4_tiles(q, rows, repeats=3):
+        probed.append(rows)
+        return ProbeResult(1.0, vnni_s, (1.0, 1.0), (vnni_s, vnni_s))
+
+    monkeypatch.setattr(quant_probe, "probe_q4_tiles", probe_q4_tiles)
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 64), True)))
+    fake = _Recorder(True)
+    verdict = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": fake}),
+                     rows=(1, 4, 64))
+    assert probed == [(quant_probe.BATCH_ROWS[-1], 64)] and verdict.q4_tiles == want
+    assert fake.set_to["q4_tiles"][-1] == want
+    assert f"4-bit tiles {want} (avx2 1000.00 ms, vnni {vnni_s * 1e3:.2f} ms)" in verdict.describe()
+    assert Verdict.from_dict(verdict.to_dict()).q4_tiles == want
+    probed.clear()
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: False)
+    plain = choose(nn.Module(), QuantisedModules(linears={"layers.0.o_proj": _Recorder(True)}),
+                   rows=(1, 4))
+    assert probed == [] and plain.q4_tiles == "avx2"
+
+
+@pytest.mark.parametrize(("lanes_s", "want"), [(0.5, "lanes"), (1.5, "kernel")])
+def test_q8_batch_follows_its_measurement(monkeypatch, lanes_s, want):
+    """Where the VNNI kernels are built and 8-bit weights exist (the logits head among them),
+    the lanes kernel is measured against the decode kernel on batches of ``LANES_BATCH_ROWS``
+    and set on every 8-bit module; elsewhere not measured (the decode kernel)."""
+    probed = []
+
+    def probe_q8_batches(q, rows=quant_probe.LANES_BATCH_ROWS, repeats=3):
+        probed.append(rows)
+        return ProbeResult(1.0, lanes_s, (1.0, 1.0), (lanes_s, lanes_s))
+
+    monkeypatch.setattr(quant_probe, "probe_q8_batches", probe_q8_batches)
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4), True)))
+    head = _Recorder(False)
+    verdict = choose(nn.Module(), QuantisedModules(linears={"lm_head": head}), rows=(1, 4))
+    assert probed == [quant_probe.LANES_BATCH_ROWS] and verdict.q8_batch == want
+    assert head.set_to["q8_batch"][-1] == want
+    assert (f"8-bit decode batches {want} (kernel 1000.00 ms, lanes {lanes_s * 1e3:.2f} ms)"
+            in verdict.describe())
+    assert Verdict.from_dict(verdict.to_dict()).q8_batch == want
+    probed.clear()
+    q4_only = choose(nn.Module(), QuantisedModules(linears={"lm_head": _Recorder(True)}),
+                     rows=(1, 4))
+    assert probed == [] and q4_only.q8_batch == "kernel"
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: False)
+    assert choose(nn.Module(), QuantisedModules(linears={"lm_head": _Recorder(False)}),
+                  rows=(1, 4)).q8_batch == "kernel" and probed == []
+
+
 def test_the_real_setting_probes_run_and_restore_the_modules():
     from engine.quantization.linear import QuantLinear, quant_kernels, vnni_available
     from engine.quantization.rtn import quantise
@@ -338,6 +399,8 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
     assert torch.equal(lin.qs, qs)
     if vnni_available():
         assert REAL_KERNELS(q, True, (1, 3), 1).quant_s > 0 and lin.q4_kernel == "base"
+        assert REAL_Q4_TILES(q, (3, 40), 1).quant_s > 0 and lin.q4_tiles == "avx2"
         lin8 = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int8", 32))
         q8 = QuantisedModules(linears={"layers.0.o_proj": lin8})
         assert REAL_KERNELS(q8, False, (1, 3), 1).quant_s > 0 and lin8.q8_kernel == "base"
+        assert REAL_Q8_BATCHES(q8, (8, 9), 1).quant_s > 0 and lin8.q8_batch == "kernel"

@@ -41,14 +41,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequant_q5", &quant_dequant_q5, "float32 (bf16=True: bfloat16) rows of a 5-bit packed weight",
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("rows"), py::arg("bf16") = false, nogil());
   m.def("quant_gemm_isa", &quant_gemm_isa, "the instruction set the quant kernels use");
-  m.def("quant_gemm_q4_tiled", &quant_gemm_q4_tiled, "quant_gemm_q4's math for batches and prefill (8-column blocks repacked per call)", nogil());
+  m.def("quant_gemm_q4_tiled", &quant_gemm_q4_tiled,
+        "quant_gemm_q4's math for batches and prefill (8-column blocks repacked per call; "
+        "vnni=True: on the AVX-512 VNNI tiles, the same floats)",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("vnni") = false, nogil());
   m.def("quant_gemm_q4_blocked", &quant_gemm_q4_blocked,
-        "quant_gemm_q4's math over the blocked 4-bit layout (engine/models/quant_blocked.py), any rows",
-        nogil());
+        "quant_gemm_q4's math over the blocked 4-bit layout (engine/quantization/blocked.py), any "
+        "rows (vnni=True: on the AVX-512 VNNI tiles, the same floats)",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("N"),
+        py::arg("vnni") = false, nogil());
   m.def("quant_dequant_q4_blocked", &quant_dequant_q4_blocked,
         "float32 (bf16=True: bfloat16) rows of a blocked 4-bit weight", nogil());
   m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)", nogil());
   m.def("quant_gemm_q8_vnni", &quant_gemm_q8_vnni, "quant_gemm_q8 on AVX-512 VNNI (64 weights per step)", nogil());
+  m.def("quant_gemm_q8_batch", &quant_gemm_q8_batch,
+        "quant_gemm_q8's math for decode batches on AVX-512 VNNI (16 rows in the lanes)", nogil());
   m.def("store_kv_cpu", &store_kv_cpu, "k/v rows into pool slots (negative: skipped), as bytes",
         nogil());
   m.def("quant_gemm_q4_vnni_available", &quant_gemm_q4_vnni_available,
@@ -59,9 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackLinear>(m, "StackLinear", "one linear of a DecodeStack layer")
       .def(py::init<int64_t, torch::Tensor, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t,
-                    int64_t>(),
+                    int64_t, bool>(),
            py::arg("kind"), py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bias"),
-           py::arg("out_features"), py::arg("tiles_from") = 0)
+           py::arg("out_features"), py::arg("tiles_from") = 0, py::arg("tiles_vnni") = false)
       .def(py::init<std::vector<StackLinear>>(), py::arg("parts"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecodeStack")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps,

@@ -40,9 +40,9 @@ namespace kvserve_stack {
 
 StackLinear::StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d,
                          std::optional<at::Tensor> m, std::optional<at::Tensor> bias,
-                         int64_t out_features, int64_t tiles_from)
+                         int64_t out_features, int64_t tiles_from, bool tiles_vnni)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
-      out_features(out_features), tiles_from(tiles_from) {
+      out_features(out_features), tiles_from(tiles_from), tiles_vnni(tiles_vnni) {
   TORCH_CHECK(kind >= kFloat && kind <= kQ5 && kind != kConcat, "StackLinear: unknown kind ",
               kind);
   const bool quant = kind != kFloat && kind != kPanels;
@@ -77,22 +77,27 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
     case kQ4:
     case kQ4Vnni:
       if (tiles_from > 0 && x.size(0) >= tiles_from) {
-        y = quant_gemm_q4_tiled(x, w, *d, *m);
+        y = quant_gemm_q4_tiled(x, w, *d, *m, tiles_vnni);
       } else {
         y = kind == kQ4 ? quant_gemm_q4(x, w, *d, *m) : quant_gemm_q4_vnni(x, w, *d, *m);
       }
       break;
     case kQ8Vnni:
-      y = quant_gemm_q8_vnni(x, w, *d, m);
+      if (tiles_from > 0 && x.size(0) >= tiles_from) {
+        y = quant_gemm_q8_batch(x, w, *d, m);
+      } else {
+        y = quant_gemm_q8_vnni(x, w, *d, m);
+      }
       break;
     case kQ4Blocked:
-      y = quant_gemm_q4_blocked(x, w, *d, *m, out_features);
+      y = quant_gemm_q4_blocked(x, w, *d, *m, out_features, tiles_vnni);
       break;
     case kQ5:
       y = quant_gemm_q5(x, w, *d, *m);
       break;
-    default:
-      y = quant_gemm_q8(x, w, *d, m);
+    default:  // kQ8
+      y = tiles_from > 0 && x.size(0) >= tiles_from ? quant_gemm_q8_batch(x, w, *d, m)
+                                                    : quant_gemm_q8(x, w, *d, m);
   }
   if (bias.has_value()) y.add_(*bias);
   return y;

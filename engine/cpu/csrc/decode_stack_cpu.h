@@ -22,12 +22,14 @@ enum Kind : int64_t {
 
 // y = x @ W^T (+ bias). w: the float weight, the packed qs, or the panels; d/m: scales and
 // mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself;
-// tiles_from (4-bit kinds; 0: never): inputs of at least that many rows run
-// quant_gemm_q4_tiled instead of the decode kernel, as QuantLinear does.
+// tiles_from (0: never): inputs of at least that many rows run quant_gemm_q4_tiled (4-bit
+// kinds) or quant_gemm_q8_batch (8-bit kinds) instead of the decode kernel, as QuantLinear
+// does (its tiles_from, lanes_from); tiles_vnni: the 4-bit
+// tiles (those and quant_gemm_q4_blocked's) run on VNNI (QuantLinear.q4_tiles; the same floats).
 struct StackLinear {
   StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d,
               std::optional<at::Tensor> m, std::optional<at::Tensor> bias,
-              int64_t out_features, int64_t tiles_from = 0);
+              int64_t out_features, int64_t tiles_from = 0, bool tiles_vnni = false);
   // A kConcat of parts (each a packed kind).
   explicit StackLinear(std::vector<StackLinear> parts);
   at::Tensor operator()(const at::Tensor& x) const;
@@ -37,6 +39,7 @@ struct StackLinear {
   std::optional<at::Tensor> d, m, bias;
   int64_t out_features;
   int64_t tiles_from = 0;
+  bool tiles_vnni = false;
   std::vector<StackLinear> parts;
 };
 

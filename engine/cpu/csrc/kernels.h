@@ -44,13 +44,17 @@ std::string quant_gemm_isa();
 at::Tensor quant_gemm_q5(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
 at::Tensor quant_dequant_q5(at::Tensor qs, at::Tensor d, at::Tensor m, at::Tensor rows,
                             bool bf16);
-at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
+at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
+                               bool vnni = false);
 at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
-                                    at::Tensor m, int64_t N);
+                                    at::Tensor m, int64_t N,
+                                    bool vnni = false);
 at::Tensor quant_dequant_q4_blocked(at::Tensor qs, at::Tensor d, at::Tensor m,
                                        at::Tensor rows, bool bf16);
 at::Tensor quant_gemm_q4_vnni(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);
 bool quant_gemm_q4_vnni_available();
+at::Tensor quant_gemm_q8_batch(at::Tensor x, at::Tensor qs, at::Tensor d,
+                               c10::optional<at::Tensor> m);
 at::Tensor quant_gemm_q8_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
                                  c10::optional<at::Tensor> m);
 void store_kv_cpu(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,

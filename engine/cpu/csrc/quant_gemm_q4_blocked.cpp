@@ -22,8 +22,9 @@
 // multiply-adds at one row, where quant_gemm_q4 needs ~9: the one-row decode that the rows
 // layout leaves bound by arithmetic becomes bound by memory.
 //
-// Tiles: one or two rows take 4 blocks (32 columns) at a time, more rows go 3 rows x 2 blocks;
-// threads split the column tiles. AVX2; without it the same math runs in scalar code.
+// Tiles: one or two rows take 4 blocks (32 columns) at a time, more rows go 3 rows x 2 blocks
+// (vnni: 3 rows x 4 blocks, on quant_q4_tile.h's VNNI tiles: the same sums and floats; one or
+// two rows stay on AVX2); threads split the column tiles. AVX2; without it the same math runs in scalar code.
 #include "torch_lite.h"
 
 #include <algorithm>
@@ -57,13 +58,13 @@ struct Blocked {
 };
 
 // One column tile of nb (1 .. NB) blocks, all rows, into y (stride ldy).
-template <int RT, int NB, bool kU, int SC>
+template <int RT, int NB, bool kU, int SC, bool kV>
 void column_tile(const TileWeights& w, int nb, int64_t G, const int8_t* x, const float* dx,
                  const float* sx, int64_t M, int64_t K, float* y, int64_t ldy) {
   if constexpr (NB > 1) {
-    if (nb < NB) return column_tile<RT, NB - 1, kU, SC>(w, nb, G, x, dx, sx, M, K, y, ldy);
+    if (nb < NB) return column_tile<RT, NB - 1, kU, SC, kV>(w, nb, G, x, dx, sx, M, K, y, ldy);
   }
-  rows_against<RT, NB, kU, SC>(w, G, x, dx, sx, M, K, y, ldy);
+  rows_against<RT, NB, kU, SC, kV>(w, G, x, dx, sx, M, K, y, ldy);
 }
 
 // Scales' element size in bytes (their offsets advance in elements).
@@ -106,7 +107,7 @@ void unpack(const uint8_t* qs, int nb, int64_t G, uint8_t* out) {
 
 // Threads split the column tiles (NB blocks each); with kUnpack each thread first unpacks its
 // tile's nibbles into a buffer it keeps across calls (worth it from a few rows on).
-template <int RT, int NB, bool kUnpack, int SC>
+template <int RT, int NB, bool kUnpack, int SC, bool kV = false>
 void gemm(const Blocked& w, int64_t N, const int8_t* x, const float* dx, const float* sx,
           int64_t M, int64_t K, float* y) {
   const int64_t sb = scale_bytes(SC);
@@ -130,14 +131,14 @@ void gemm(const Blocked& w, int64_t N, const int8_t* x, const float* dx, const f
         tw.q = buf.data();
       }
       if (cols == nb * kCols) {
-        column_tile<RT, NB, kUnpack, SC>(tw, nb, G, x, dx, sx, M, K, y + n0, N);
+        column_tile<RT, NB, kUnpack, SC, kV>(tw, nb, G, x, dx, sx, M, K, y + n0, N);
         continue;
       }
       // The last, padded block: its columns beyond N go to a scratch row, one row at a time.
       float part[NB * kCols];
       for (int64_t r = 0; r < M; r++) {
-        column_tile<1, NB, kUnpack, SC>(tw, nb, G, x + r * K, dx + r * G, sx + r * G, 1, K, part,
-                                        0);
+        column_tile<1, NB, kUnpack, SC, kV>(tw, nb, G, x + r * K, dx + r * G, sx + r * G, 1, K,
+                                            part, 0);
         std::memcpy(y + r * N + n0, part, cols * sizeof(float));
       }
     }
@@ -193,7 +194,7 @@ void dequant_rows(const Blocked& w, const int64_t* ids, int64_t R, T* out) {
 }  // namespace
 
 at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
-                                    at::Tensor m, int64_t N) {
+                                    at::Tensor m, int64_t N, bool vnni) {
   const Blocked w = check_blocked(x, qs, d, m, N);
   const int64_t M = x.size(0), K = x.size(1);
   const auto rows = kvserve_quant::quantise(x);
@@ -201,13 +202,18 @@ at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
   float* yp = y.data_ptr<float>();
   with_scales(w.scales, [&](auto sc) {
     constexpr int SC = decltype(sc)::value;
-    if (M == 1) {
-      gemm<1, 4, false, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
-    } else if (M == 2) {
-      gemm<2, 2, false, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
-    } else {
-      gemm<3, 2, true, SC>(w, N, rows.q, rows.d, rows.s, M, K, yp);
-    }
+    kvserve_q4_tile::with_vnni(vnni, "quant_gemm_q4_blocked", [&](auto v) {
+      constexpr bool V = decltype(v)::value;
+      // One or two rows stay on AVX2 (the same floats): there a step is bound by memory, and
+      // the VNNI tiles measured no faster (benchmarks/vnni_batches.py).
+      if (M == 1) {
+        gemm<1, 4, false, SC, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+      } else if (M == 2) {
+        gemm<2, 2, false, SC, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+      } else {  // VNNI leaves registers for 3 rows x 4 blocks (measured: 3 x 2 is faster on AVX2)
+        gemm<3, V ? 4 : 2, true, SC, V>(w, N, rows.q, rows.d, rows.s, M, K, yp);
+      }
+    });
   });
   return y;
 }

@@ -11,7 +11,8 @@
 // such steps add up in 16 bits (|sum| <= 16 * 15 * 127 = 30480: no overflow), and only then one
 // _mm256_madd_epi16 widens to the 8 columns' int32 group sums, one conversion and two FMAs (the
 // scale d*dx and the min m*sx, 8 columns at once) add the group in float: ~2 ops per 32
-// multiply-adds. Tiles of 3 rows x 16 columns share each weight and activation load.
+// multiply-adds. Tiles of 3 rows x 16 columns share each weight and activation load (vnni: 3
+// rows x 32 columns on quant_q4_tile.h's VNNI tiles, the same sums and floats).
 //
 // Per output element, the same integer sums as quant_gemm_q4 (exactly), added in float in
 // group order (the decode kernel's order differs): equal up to float summation order. The
@@ -39,8 +40,10 @@ using kvserve_quant::kGroup;
 namespace {
 
 using kvserve_q4_tile::kCols;  // output columns per block (one 256-bit register of int32)
-constexpr int kBlocks = 2;  // blocks per tile
 constexpr int kRows = 3;    // activation rows per tile
+// Blocks per tile: 2 on AVX2, 4 on the VNNI tiles (quant_q4_tile.h; measured fastest each).
+template <bool kVnni>
+constexpr int kBlocks = kVnni ? 4 : 2;
 
 // Block of columns n0 .. n0+cols-1 (cols <= 8; missing ones zero): wb [G][8 quads][8 cols][4]
 // bytes (q in 0..15; quad j of a group is its elements 4j..4j+3), db/mb [G][8] scales and mins.
@@ -113,35 +116,30 @@ void repack_block(const uint8_t* qs, const float* d, const float* m, int64_t n0,
   }
 }
 
-}  // namespace
-
-at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d,
-                                  at::Tensor m) {
-  const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / kGroup, M = x.size(0);
-  kvserve_quant::check_q4_args(x, qs, d, m);
-  const auto rows = kvserve_quant::quantise(x);
-  auto y = at::empty({M, N});
-  const uint8_t* w = qs.data_ptr<uint8_t>();
-  const float *dw = d.data_ptr<float>(), *mw = m.data_ptr<float>();
+// Threads split the column tiles (NB blocks each); each repacks its tile, then all rows run
+// against it.
+template <int NB, bool kVnni>
+void gemm(const uint8_t* w, const float* dw, const float* mw, int64_t N, int64_t K,
+          const kvserve_quant::QuantisedRows& rows, int64_t M, float* yp) {
+  const int64_t G = K / kGroup;
   const int8_t* xq = rows.q;
   const float *dx = rows.d, *sx = rows.s;
-  float* yp = y.data_ptr<float>();
-  constexpr int64_t kTileCols = kCols * kBlocks;
+  constexpr int64_t kTileCols = kCols * NB;
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
 #pragma omp parallel
   {
     // Each thread's repacked blocks, kept for its next call (decode batches call ~100 times a
-    // step); part: the last tile's outputs when N is not a multiple of 16.
+    // step); part: the last tile's outputs when N is not a multiple of the tile's columns.
     thread_local std::vector<uint8_t> wb;
     thread_local std::vector<float> db, mb, part;
-    wb.resize(kBlocks * G * 256);
-    db.resize(kBlocks * G * kCols);
-    mb.resize(kBlocks * G * kCols);
+    wb.resize(NB * G * 256);
+    db.resize(NB * G * kCols);
+    mb.resize(NB * G * kCols);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
       const int64_t n0 = t * kTileCols;
       const int64_t cols = std::min(kTileCols, N - n0);
-      for (int b = 0; b < kBlocks; b++) {
+      for (int b = 0; b < NB; b++) {
         const int bc = static_cast<int>(std::clamp<int64_t>(cols - b * kCols, 0, kCols));
         repack_block(w, dw, mw, n0 + b * kCols, bc, K, wb.data() + b * G * 256,
                      db.data() + b * G * kCols, mb.data() + b * G * kCols);
@@ -149,15 +147,32 @@ at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d,
       // The repacked blocks are the unpacked form of quant_q4_tile.h (its TileWeights).
       const kvserve_q4_tile::TileWeights tw{wb.data(), db.data(), mb.data()};
       if (cols == kTileCols) {
-        rows_against<kRows, kBlocks, true>(tw, G, xq, dx, sx, M, K, yp + n0, N);
+        rows_against<kRows, NB, true, kvserve_q4_tile::kF32, kVnni>(tw, G, xq, dx, sx, M, K,
+                                                                    yp + n0, N);
       } else {
         part.resize(M * kTileCols);
-        rows_against<kRows, kBlocks, true>(tw, G, xq, dx, sx, M, K, part.data(), kTileCols);
+        rows_against<kRows, NB, true, kvserve_q4_tile::kF32, kVnni>(tw, G, xq, dx, sx, M, K,
+                                                                    part.data(), kTileCols);
         for (int64_t r = 0; r < M; r++) {
           std::memcpy(yp + r * N + n0, part.data() + r * kTileCols, cols * sizeof(float));
         }
       }
     }
   }
+}
+
+}  // namespace
+
+at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
+                               bool vnni) {
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, M = x.size(0);
+  kvserve_quant::check_q4_args(x, qs, d, m);
+  const auto rows = kvserve_quant::quantise(x);
+  auto y = at::empty({M, N});
+  kvserve_q4_tile::with_vnni(vnni, "quant_gemm_q4_tiled", [&](auto v) {
+    constexpr bool V = decltype(v)::value;
+    gemm<kBlocks<V>, V>(qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), N, K,
+                        rows, M, y.data_ptr<float>());
+  });
   return y;
 }
