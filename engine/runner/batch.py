@@ -8,8 +8,9 @@ sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decode
 Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
 with tensor ops, except in a decode-only step (one token per sequence), where a few Python ints
 are cheaper than the tensor indexing (106 -> 70 us a step with Gemma 3's six KV groups).
-Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves it to its device in one copy (``engine.runner.device_input``), or into a captured CUDA graph's static
-buffers (``engine.runner.cuda_graphs``).
+Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves it to its device
+in one copy (``engine.runner.device_input``), or into a captured CUDA graph's static buffers
+(``engine.runner.cuda_graphs``).
 """
 
 from __future__ import annotations

@@ -76,18 +76,14 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
       return small_gemm(x.stride(-1) == 1 ? x : x.contiguous(), w, out_features, bias);
     case kQ4:
     case kQ4Vnni:
-      if (tiles_from > 0 && x.size(0) >= tiles_from) {
+      if (batched(x)) {
         y = quant_gemm_q4_tiled(x, w, *d, *m, tiles_vnni);
       } else {
         y = kind == kQ4 ? quant_gemm_q4(x, w, *d, *m) : quant_gemm_q4_vnni(x, w, *d, *m);
       }
       break;
     case kQ8Vnni:
-      if (tiles_from > 0 && x.size(0) >= tiles_from) {
-        y = quant_gemm_q8_batch(x, w, *d, m);
-      } else {
-        y = quant_gemm_q8_vnni(x, w, *d, m);
-      }
+      y = batched(x) ? quant_gemm_q8_batch(x, w, *d, m) : quant_gemm_q8_vnni(x, w, *d, m);
       break;
     case kQ4Blocked:
       y = quant_gemm_q4_blocked(x, w, *d, *m, out_features, tiles_vnni);
@@ -96,8 +92,7 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
       y = quant_gemm_q5(x, w, *d, *m);
       break;
     default:  // kQ8
-      y = tiles_from > 0 && x.size(0) >= tiles_from ? quant_gemm_q8_batch(x, w, *d, m)
-                                                    : quant_gemm_q8(x, w, *d, m);
+      y = batched(x) ? quant_gemm_q8_batch(x, w, *d, m) : quant_gemm_q8(x, w, *d, m);
   }
   if (bias.has_value()) y.add_(*bias);
   return y;

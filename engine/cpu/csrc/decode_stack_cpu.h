@@ -24,8 +24,8 @@ enum Kind : int64_t {
 // mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself;
 // tiles_from (0: never): inputs of at least that many rows run quant_gemm_q4_tiled (4-bit
 // kinds) or quant_gemm_q8_batch (8-bit kinds) instead of the decode kernel, as QuantLinear
-// does (its tiles_from, lanes_from); tiles_vnni: the 4-bit
-// tiles (those and quant_gemm_q4_blocked's) run on VNNI (QuantLinear.q4_tiles; the same floats).
+// does (its tiles_from, lanes_from); tiles_vnni: the 4-bit tiles (those and
+// quant_gemm_q4_blocked's) run on VNNI (QuantLinear.q4_tiles; the same floats).
 struct StackLinear {
   StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d,
               std::optional<at::Tensor> m, std::optional<at::Tensor> bias,
@@ -33,6 +33,8 @@ struct StackLinear {
   // A kConcat of parts (each a packed kind).
   explicit StackLinear(std::vector<StackLinear> parts);
   at::Tensor operator()(const at::Tensor& x) const;
+  // Whether x's rows take the batch kernel (tiles_from, above).
+  bool batched(const at::Tensor& x) const { return tiles_from > 0 && x.size(0) >= tiles_from; }
 
   int64_t kind;
   at::Tensor w;

@@ -24,7 +24,8 @@
 //
 // Tiles: one or two rows take 4 blocks (32 columns) at a time, more rows go 3 rows x 2 blocks
 // (vnni: 3 rows x 4 blocks, on quant_q4_tile.h's VNNI tiles: the same sums and floats; one or
-// two rows stay on AVX2); threads split the column tiles. AVX2; without it the same math runs in scalar code.
+// two rows stay on AVX2); threads split the column tiles. AVX2; without it the same math runs
+// in scalar code.
 #include "torch_lite.h"
 
 #include <algorithm>

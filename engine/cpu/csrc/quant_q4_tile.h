@@ -7,8 +7,8 @@
 // columns at once) add the group in float, in group order. Scalar code without AVX2. Where
 // AVX-512 VNNI is built, the kVnni tiles replace each maddubs and 16-bit add by one
 // _mm256_dpbusd_epi32 into the int32 group sums (no widening): the same sums, the same floats
-// bit for bit, ~1.1-1.2x faster from 3 rows on (benchmarks/vnni_batches.py); which serves is measured
-// at start-up (engine/quantization/probe.py, setting q4_tiles).
+// bit for bit, ~1.1-1.2x faster from 3 rows on (benchmarks/vnni_batches.py); which serves is
+// measured at start-up (engine/quantization/probe.py, setting q4_tiles).
 //
 // Scales come in three formats (Scales): float32 d and m; float16 d and m (a GGUF's own
 // Q4_1 scales, exact in float16); float16 d with m = -8 d (Q4_0: no m stored). Each is widened
