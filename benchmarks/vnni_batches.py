@@ -1,5 +1,7 @@
 """The AVX-512 VNNI batch kernels against what served before them, in one process, on the same
-model: the 4-bit int8 tiles on VNNI (``q4_tiles``) and the 8-bit lanes kernel (``q8_batch``).
+model. ``--compare vnni`` (the default): the 4-bit int8 tiles on VNNI (``q4_tiles``) and the
+8-bit lanes kernel (``q8_batch``); ``--compare q8-layout``: the 8-bit weights interleaved
+(``q8_layout``) against the rows layout with those two kernels.
 
 * ``q4_tiles``: ``avx2`` (maddubs) against ``vnni`` (dpbusd). The same floats bit for bit
   (engine/cpu/csrc/quant_q4_tile.h).
@@ -8,6 +10,11 @@ model: the 4-bit int8 tiles on VNNI (``q4_tiles``) and the 8-bit lanes kernel (`
   batches from ``LANES_ROWS`` rows; not in batch-invariant mode. The same integer sums in
   another float order: logits may differ in the last bits, so greedy tokens are compared, not
   required equal.
+* ``q8_layout``: ``rows`` (the decode kernel for one row; batches on the lanes, where not
+  batch-invariant, else on the decode kernel) against ``interleaved``
+  (engine/cpu/csrc/quant_gemm_q8_interleaved.cpp: 16 outputs in a register's lanes, every row
+  count, the lanes' floats bit for bit, batch-invariant). Against the lanes the floats are equal;
+  against the decode kernel greedy tokens are compared, not required equal.
 
 First each kernel family alone: every 4-bit layer linear (``QuantLinear.tiles``) and every
 8-bit module (the logits head among them) at 1, 16 and 256 / 1, 6 and 16 rows, the two
@@ -18,6 +25,7 @@ prompts of 280 tokens, 64 generated each), prefix caching off, float16 KV; prefi
 decode-only steps timed apart.
 
     PYTHONPATH=. python benchmarks/vnni_batches.py [--model F.gguf] [--repeats 3]
+        [--compare vnni|q8-layout]
 
 (the model defaults to the embedded SmolLM2 Q4_1 GGUF, its token table and head Q8_0;
 benchmarks/gemma3_gguf.py writes the Gemma 3 270M-shaped Q4_0 file with a 262,144-row Q8_0
@@ -49,8 +57,13 @@ from engine.quantization.linear import (  # noqa: E402
 )
 from engine.sampling.params import SamplingParams  # noqa: E402
 
-SIDES = {"before": {"q4_tiles": "avx2", "q8_batch": "kernel"},
-         "after": {"q4_tiles": "vnni", "q8_batch": "lanes"}}
+COMPARISONS = {
+    "vnni": {"before": {"q4_tiles": "avx2", "q8_batch": "kernel", "q8_layout": "rows"},
+             "after": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "rows"}},
+    "q8-layout": {"before": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "rows"},
+                  "after": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "interleaved"}},
+}
+SIDES = COMPARISONS["vnni"]  # the comparison run (main() sets it from --compare)
 
 
 def _leaves(model) -> list[QuantLinear]:
@@ -67,8 +80,8 @@ def _apply(mods: list[QuantLinear], model, side: str) -> None:
     """Set ``mods`` to ``side``'s settings; with a ``model``, rebuild its C++ decode stack
     (which captures them)."""
     for m in mods:
-        m.set_q4_tiles(SIDES[side]["q4_tiles"])
-        m.set_q8_batch(SIDES[side]["q8_batch"])
+        for key, value in SIDES[side].items():
+            getattr(m, f"set_{key}")(value)
     if getattr(model, "decode_stack", None) is not None:
         model.decode_stack, why = build_decode_stack(model)
         if model.decode_stack is None:
@@ -117,7 +130,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a GGUF (default: the embedded model)")
     ap.add_argument("--repeats", type=int, default=3, help="engine rounds per side")
+    ap.add_argument("--compare", choices=sorted(COMPARISONS), default="vnni",
+                    help="which settings to compare (see the docstring)")
     args = ap.parse_args()
+    global SIDES
+    SIDES = COMPARISONS[args.compare]
     if not vnni_available():
         sys.exit("the AVX-512 VNNI kernels are not built on this CPU: nothing to compare")
     path = args.model or str(embedded_gguf_path())
@@ -133,15 +150,17 @@ def main() -> None:
           f"threads; {len(q4)} 4-bit and {len(q8)} 8-bit modules "
           f"({', '.join(f'{m.out_features}x{m.in_features}' for m in q8[:3])}"
           f"{', ...' if len(q8) > 3 else ''}); the probe chose "
-          f"q4_tiles {mods[0].q4_tiles}, q8_batch {q8[0].q8_batch if q8 else '-'}")
-    if q4:
+          f"q4_tiles {mods[0].q4_tiles}, q8_batch {q8[0].q8_batch if q8 else '-'}, "
+          f"q8_layout {q8[0].q8_layout if q8 else '-'}; comparing {args.compare}: "
+          + "; ".join(f"{side} {settings}" for side, settings in SIDES.items()))
+    if q4 and args.compare == "vnni":
         print("4-bit layer linears on the tiles, one pass (median), avx2 vs vnni:")
         for rows in (1, 16, 256):
             t, same = _kernels(q4, lambda m, x: m.tiles(x), rows, 15 if rows < 64 else 5)
             print(f"  {rows:4d} rows  {t['before'] * 1e3:8.3f} ms  {t['after'] * 1e3:8.3f} ms  "
                   f"{t['before'] / t['after']:.2f}x  outputs identical: {same}")
     if q8:
-        print("8-bit modules at decode sizes, one pass (median), decode kernel vs lanes:")
+        print("8-bit modules at decode sizes, one pass (median), before vs after:")
         for rows in (1, LANES_ROWS, 16):
             t, _ = _kernels(q8, lambda m, x: m(x), rows, 9)
             print(f"  {rows:4d} rows  {t['before'] * 1e3:8.3f} ms  {t['after'] * 1e3:8.3f} ms  "

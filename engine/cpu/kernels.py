@@ -42,7 +42,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_gemm_cpu.cpp",
             "quant_gemm_cpu.cpp", "quant_gemm_q4_tiled.cpp", "quant_gemm_q4_blocked.cpp",
             "quant_gemm_vnni.cpp",
-            "quant_gemm_vnni_q8.cpp", "quant_gemm_q8_batch.cpp", "quant_dequant_cpu.cpp",
+            "quant_gemm_vnni_q8.cpp", "quant_gemm_q8_batch.cpp",
+            "quant_gemm_q8_interleaved.cpp", "quant_dequant_cpu.cpp",
             "quant_gemm_q5.cpp",
             "kv_store_cpu.cpp", "decode_stack_cpu.cpp", "paged_decode_cpu_int4.cpp",
             "int4_rows_cpu.cpp"]

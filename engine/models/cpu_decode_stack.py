@@ -46,6 +46,7 @@ NO_LIMIT = 1 << 62
 STACK_POOL_DTYPES = (*CPU_KERNEL_FLOAT_POOLS, torch.int8, torch.uint8)
 # StackLinear kinds (decode_stack_cpu.h)
 _FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI, _Q4_BLOCKED, _Q5 = 0, 1, 2, 3, 4, 5, 6, 8
+_Q8_INTERLEAVED = 9
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
             kind = _Q4_BLOCKED
         elif mod.is_q4:
             kind = _Q4_VNNI if mod.q4_kernel == "vnni" else _Q4
+        elif mod.interleaved:
+            kind = _Q8_INTERLEAVED
         else:
             kind = _Q8_VNNI if mod.q8_kernel == "vnni" else _Q8
         return _Linear(kernels.StackLinear(kind, mod.qs, mod.d, mod.m, mod.bias,

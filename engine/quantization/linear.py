@@ -35,6 +35,14 @@ settings below leave them alone:
 * the int8 tiles of both 4-bit layouts run on AVX-512 VNNI's dot product (``q4_tiles``
   ``vnni``) where it is built and the start-up probe measured it faster: the same integer
   sums and floats as the AVX2 tiles, bit for bit.
+* 8-bit weights can be stored interleaved instead (``q8_layout`` ``interleaved``,
+  engine/quantization/interleaved.py: 16 outputs' weights interleaved by 4 bytes) where the
+  AVX-512 VNNI kernels are built and the start-up probe measured it faster: then
+  ``quant_gemm_q8_interleaved`` serves every decode-sized input, one row or a batch (16
+  outputs in a register's lanes, a row's 4 activation bytes broadcast: a row costs what its
+  weights take to stream, a batch ~3x less than the decode kernel), in the lanes kernel's
+  float order, bit for bit; panels are dequantised from that layout. ``q8_kernel`` and
+  ``q8_batch`` then have no effect.
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster (what
@@ -43,7 +51,8 @@ settings below leave them alone:
   one kernel for every row count, whose per-row arithmetic does not depend on the other rows:
   4-bit weights stored blocked and served by ``quant_gemm_q4_blocked`` (its 1-, 2- and 3-row
   tiles do the same operations per row, in group order), 8-bit weights by their decode kernel
-  (tiles of 1-4 rows, the same operations per row); no float fallback, no panels. Row ``r``'s
+  (tiles of 1-4 rows, the same operations per row) or, stored interleaved, by
+  ``quant_gemm_q8_interleaved`` (the same operations per row); no float fallback, no panels. Row ``r``'s
   output is then bit-identical whatever the number of rows (tests/models/test_batch_invariance.py).
 
 ``QuantEmbedding`` looks ids up by dequantising only those rows; tied to the logits head, both
@@ -61,6 +70,7 @@ from torch import nn
 
 from engine.quantization.blocked import from_blocked, to_blocked
 from engine.quantization.formats import Packed, PackedQ4, PackedQ5
+from engine.quantization.interleaved import from_interleaved, gather_rows, to_interleaved
 
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
 PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
@@ -73,6 +83,7 @@ Q4_LAYOUTS = ("rows", "blocked")  # a 4-bit weight's storage (engine/quantizatio
 Q4_TILES = ("avx2", "vnni")  # the 4-bit int8 tiles' instructions (the same floats either way)
 Q8_BATCH = ("kernel", "lanes")  # an 8-bit weight's decode batches: its decode kernel, or the lanes
 LANES_ROWS = 6  # the smallest batch the lanes kernel serves (a block of 16 rows costs ~the same)
+Q8_LAYOUTS = ("rows", "interleaved")  # an 8-bit weight's storage (engine/quantization/interleaved.py)
 
 
 def quant_kernels():
@@ -117,14 +128,15 @@ class QuantLinear(nn.Module):
         self.q4_layout = "rows"
         self.q4_tiles = "avx2"
         self.q8_batch = "kernel"
+        self.q8_layout = "rows"
         self.batch_invariant = False
 
     def set_batch_invariant(self) -> None:
         """Serve every row count with one kernel whose per-row arithmetic (int8 activation
         scales per row and group, integer group sums, float accumulation in a fixed order) does
         not depend on how many rows share the call: 4-bit weights move to the blocked layout
-        (``quant_gemm_q4_blocked``), 8-bit weights keep their decode kernel; a float fallback
-        is dropped. Irreversible (the prefill panels and per-size routes are not used again)."""
+        (``quant_gemm_q4_blocked``), 8-bit weights keep their decode kernel (or, stored
+        interleaved, ``quant_gemm_q8_interleaved``); a float fallback is dropped. Irreversible (the prefill panels and per-size routes are not used again)."""
         self.set_q4_layout("blocked")
         self.fallback = self.float_above = None
         self.batch_invariant = True
@@ -179,7 +191,29 @@ class QuantLinear(nn.Module):
         """The row count from which decode-sized inputs of an 8-bit weight run
         ``quant_gemm_q8_batch`` (None: never)."""
         return LANES_ROWS if self.is_q8 and self.q8_batch == "lanes" \
-            and not self.batch_invariant else None
+            and not self.batch_invariant and not self.interleaved else None
+
+    def set_q8_layout(self, name: str) -> None:
+        """An 8-bit weight's storage: ``rows`` (GGUF's) or ``interleaved`` (AVX-512 VNNI only,
+        served by ``quant_gemm_q8_interleaved`` at every decode size, in the float order of
+        ``quant_gemm_q8_batch``); converted in place, exactly, one copy of the weight at a time.
+        4-bit and 5-bit weights ignore it."""
+        _one_of(name, Q8_LAYOUTS, "8-bit layout")
+        if not self.is_q8 or name == self.q8_layout:
+            return
+        if name == "interleaved":
+            if not vnni_available():
+                raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+            self.qs, self.d, self.m = to_interleaved(self.qs, self.d, self.m)
+        else:
+            self.qs, self.d, self.m = from_interleaved(self.qs, self.d, self.m,
+                                                       self.out_features)
+        self.q8_layout = name
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the weight is stored interleaved (:meth:`set_q8_layout`)."""
+        return self.q8_layout == "interleaved"
 
     def set_q4_tiles(self, name: str) -> None:
         """The 4-bit int8 tiles' instructions (``quant_gemm_q4_tiled`` and
@@ -235,6 +269,9 @@ class QuantLinear(nn.Module):
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``W[rows]`` as float32 (or bfloat16)."""
         bf16 = dtype == torch.bfloat16
+        if self.interleaved:
+            qs, d, m = gather_rows(self.qs, self.d, self.m, rows.reshape(-1))
+            return self._kernels.quant_dequant_q8(qs, d, m, torch.arange(rows.numel()), bf16)
         if self.blocked:
             return self._kernels.quant_dequant_q4_blocked(self.qs, self.d, self.m, rows, bf16)
         if self.is_q4:
@@ -251,7 +288,10 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         rows = x2.shape[0]
-        if self._on_lanes(rows):
+        if self.interleaved and (self.batch_invariant or rows <= self.dense_rows):
+            out = self._kernels.quant_gemm_q8_interleaved(x2, self.qs, self.d, self.m,
+                                                          self.out_features)
+        elif self._on_lanes(rows):
             out = self._kernels.quant_gemm_q8_batch(x2, self.qs, self.d, self.m)
         elif self.batch_invariant:
             out = self.tiles(x2) if self.is_q4 else self._gemm(x2, self.qs, self.d, self.m)
@@ -271,7 +311,8 @@ class QuantLinear(nn.Module):
         from its own weight row and the row of ``x``, in a fixed order, whatever the other
         rows: so on their route (a batch-invariant 8-bit or 5-bit weight, or any weight in
         rows layout at a row count its decode kernel serves) the gathered rows give the same
-        numbers; so does ``quant_gemm_q8_batch`` on the 8-bit lanes route. The blocked 4-bit
+        numbers; so does ``quant_gemm_q8_batch`` on the 8-bit lanes route, and on gathered
+        rows of an interleaved weight (``quant_gemm_q8_interleaved``'s floats). The blocked 4-bit
         layout, the tiles and the dense panels are not gathered (None). Used by a logits head
         under a grammar that allows few tokens."""
         x2 = x.reshape(-1, self.in_features)
@@ -282,9 +323,13 @@ class QuantLinear(nn.Module):
             return None
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        m = None if self.m is None else self.m.index_select(0, columns)
-        gemm = self._kernels.quant_gemm_q8_batch if self._on_lanes(rows) else self._gemm
-        out = gemm(x2, self.qs.index_select(0, columns), self.d.index_select(0, columns), m)
+        if self.interleaved:
+            qs, d, m = gather_rows(self.qs, self.d, self.m, columns)
+            out = self._kernels.quant_gemm_q8_batch(x2, qs, d, m)
+        else:
+            m = None if self.m is None else self.m.index_select(0, columns)
+            gemm = self._kernels.quant_gemm_q8_batch if self._on_lanes(rows) else self._gemm
+            out = gemm(x2, self.qs.index_select(0, columns), self.d.index_select(0, columns), m)
         if self.bias is not None:
             out += self.bias.index_select(0, columns)
         return out.view(*x.shape[:-1], columns.numel())
@@ -332,8 +377,9 @@ class QuantLinear(nn.Module):
         elif self.is_q5:
             kind = "q5"
         else:
-            kind = f"q8/{self.in_features // self.d.shape[1]}" + ("+m" if self.m is not None
-                                                                  else "")
+            groups = self.d.shape[1] // (16 if self.interleaved else 1)
+            kind = f"q8/{self.in_features // groups}" + ("+m" if self.m is not None else "") \
+                + (" interleaved" if self.interleaved else "")
         above = "" if self.fallback is None else f", float above {self.float_above} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
 
@@ -400,6 +446,10 @@ class QuantConcat(nn.Module):
     def set_q8_batch(self, name: str) -> None:
         for part in self.parts:
             part.set_q8_batch(name)
+
+    def set_q8_layout(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q8_layout(name)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

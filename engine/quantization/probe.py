@@ -122,6 +122,10 @@ class Verdict:
     def q8_batch(self) -> str:
         return self.setting("q8_batch")
 
+    @property
+    def q8_layout(self) -> str:
+        return self.setting("q8_layout")
+
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
                          f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
@@ -163,7 +167,8 @@ SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q4_batch": ("4-bit decode batches", ("kernel", "tiles")),
             "q4_layout": ("4-bit layout", ("rows", "blocked")),
             "q4_tiles": ("4-bit tiles", ("avx2", "vnni")),
-            "q8_batch": ("8-bit decode batches", ("kernel", "lanes"))}
+            "q8_batch": ("8-bit decode batches", ("kernel", "lanes")),
+            "q8_layout": ("8-bit layout", ("rows", "interleaved"))}
 
 
 @dataclass
@@ -220,7 +225,9 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     (:func:`probe_q4_prefill`), and where the AVX-512 VNNI kernels are built, the 4-bit and
     the 8-bit decode kernels at 1 and 16 rows, each where such weights exist
     (:func:`probe_decode_kernels`), and then the 8-bit decode kernel against the lanes kernel
-    on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`); last, with 4-bit weights,
+    on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`), and all of that (the rows
+    layout) against the interleaved layout at ``DECODE_ROWS`` (:func:`probe_q8_layout`); last,
+    with 4-bit weights,
     their decode kernel against the int8 tiles on batches of ``BATCH_ROWS``
     (:func:`probe_q4_batches`), then all of that (the rows layout) against the blocked layout
     at ``DECODE_ROWS`` (:func:`probe_q4_layout`)."""
@@ -247,6 +254,9 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
         settings["q8_batch"] = Setting.measured("q8_batch", confirmed_probe(
             lambda repeats: probe_q8_batches(q, repeats=repeats), 3))
         apply_settings(q, Verdict("quant", None, {}, settings))
+        settings["q8_layout"] = Setting.measured("q8_layout", confirmed_probe(
+            lambda repeats: probe_q8_layout(q, repeats=repeats), 3))
+        apply_settings(q, Verdict("quant", None, {}, settings))
     if any(m.is_q4 for m in _leaf_modules(q)):  # against the decode kernel just chosen
         settings["q4_batch"] = Setting.measured("q4_batch", confirmed_probe(
             lambda repeats: probe_q4_batches(q, repeats=repeats), 3))
@@ -269,6 +279,7 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
         m.set_q4_layout(verdict.q4_layout)
         m.set_q4_tiles(verdict.q4_tiles)
         m.set_q8_batch(verdict.q8_batch)
+        m.set_q8_layout(verdict.q8_layout)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -418,6 +429,16 @@ def probe_q8_batches(q: QuantisedModules, rows: tuple[int, ...] = LANES_BATCH_RO
     (``quant_s``). Left on the kernel."""
     mods = [m for m in _leaf_modules(q) if _is_q8(m)]
     return _toggle(mods, rows, "set_q8_batch", "kernel", "lanes", repeats)
+
+
+def probe_q8_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
+                    repeats: int = 3) -> ProbeResult:
+    """The 8-bit modules (the logits head among them, if 8-bit) at ``rows`` (a single stream
+    and a batch of decodes) stored in the rows layout with their settings so far (``float_s``:
+    the decode kernel, the lanes on batches where chosen) against the interleaved layout
+    (``quant_s``: ``quant_gemm_q8_interleaved`` at both). Left in the rows layout."""
+    mods = [m for m in _leaf_modules(q) if _is_q8(m)]
+    return _toggle(mods, rows, "set_q8_layout", "rows", "interleaved", repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,

@@ -144,11 +144,36 @@ def test_stack_serves_8bit_batches_on_the_lanes(model_dirs):
     mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert mods and all(m.is_q8 for m in mods)
     for mod in mods:
+        mod.set_q8_layout("rows")  # where the probe chose the interleaved layout
         mod.set_q8_batch("lanes")
     model.decode_stack, why = build_decode_stack(model)
     assert why == ""
     counts = _checked(llm)
     llm.generate(PROMPTS[:1], PARAMS)  # one row per step: the decode kernel
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(17)]
+    outs = llm.generate(prompts, PARAMS)  # 17 rows per step (ignore_eos: none finishes early)
+    assert counts["stack"] >= 2 * (PARAMS.max_tokens - 1)
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_stack_serves_interleaved_8bit_weights(model_dirs, invariant):
+    """``q8_layout = "interleaved"``: every decode step, one row or a batch, runs
+    ``quant_gemm_q8_interleaved`` in the stack as in Python, bit-identically (batch-invariant
+    or per-size)."""
+    if not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernels on this CPU")
+    llm = LLM(str(model_dirs["qwen2"]), kv_cache_memory="16MiB", quantization="int8",
+              batch_invariant=invariant)
+    model = llm.engine.runner.model
+    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert mods and all(m.is_q8 for m in mods)
+    for mod in mods:
+        mod.set_q8_layout("interleaved")
+    model.decode_stack, why = build_decode_stack(model)
+    assert why == ""
+    counts = _checked(llm)
+    llm.generate(PROMPTS[:1], PARAMS)  # one row per step
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(17)]
     outs = llm.generate(prompts, PARAMS)  # 17 rows per step (ignore_eos: none finishes early)
     assert counts["stack"] >= 2 * (PARAMS.max_tokens - 1)

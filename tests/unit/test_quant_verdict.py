@@ -25,7 +25,7 @@ gguf = pytest.importorskip("gguf")
 REAL_PANELS, REAL_KERNELS = quant_probe.probe_panels, quant_probe.probe_decode_kernels
 REAL_Q4_PREFILL, REAL_Q4_BATCHES = quant_probe.probe_q4_prefill, quant_probe.probe_q4_batches
 REAL_Q4_LAYOUT, REAL_Q4_TILES = quant_probe.probe_q4_layout, quant_probe.probe_q4_tiles
-REAL_Q8_BATCHES = quant_probe.probe_q8_batches
+REAL_Q8_BATCHES, REAL_Q8_LAYOUT = quant_probe.probe_q8_batches, quant_probe.probe_q8_layout
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +40,7 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     monkeypatch.setattr(quant_probe, "probe_q4_layout", slower)
     monkeypatch.setattr(quant_probe, "probe_q4_tiles", slower)
     monkeypatch.setattr(quant_probe, "probe_q8_batches", slower)
+    monkeypatch.setattr(quant_probe, "probe_q8_layout", slower)
 
 
 class _Recorder(nn.Module):
@@ -378,6 +379,38 @@ def test_q8_batch_follows_its_measurement(monkeypatch, lanes_s, want):
                   rows=(1, 4)).q8_batch == "kernel" and probed == []
 
 
+@pytest.mark.parametrize(("interleaved_s", "want"), [(0.5, "interleaved"), (1.5, "rows")])
+def test_q8_layout_follows_its_measurement(monkeypatch, interleaved_s, want):
+    """Where the VNNI kernels are built and 8-bit weights exist, the interleaved layout is
+    measured against the rows layout (with the 8-bit settings chosen before it) at
+    ``DECODE_ROWS`` and set on every 8-bit module; elsewhere not measured (rows)."""
+    probed = []
+
+    def probe_q8_layout(q, rows=quant_probe.DECODE_ROWS, repeats=3):
+        probed.append((rows, [m.set_to["q8_batch"][-1] for m in q.linears.values()]))
+        return ProbeResult(1.0, interleaved_s, (1.0, 1.0), (interleaved_s, interleaved_s))
+
+    monkeypatch.setattr(quant_probe, "probe_q8_layout", probe_q8_layout)
+    monkeypatch.setattr(quant_probe, "probe_q8_batches",
+                        lambda q, *a, **kw: ProbeResult(1.0, 0.5, (1.0, 1.0), (0.5, 0.5)))
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4), True)))
+    head = _Recorder(False)
+    verdict = choose(nn.Module(), QuantisedModules(linears={"lm_head": head}), rows=(1, 4))
+    assert probed == [(quant_probe.DECODE_ROWS, ["lanes"])] and verdict.q8_layout == want
+    assert head.set_to["q8_layout"][-1] == want
+    assert (f"8-bit layout {want} (rows 1000.00 ms, interleaved {interleaved_s * 1e3:.2f} ms)"
+            in verdict.describe())
+    assert Verdict.from_dict(verdict.to_dict()).q8_layout == want
+    probed.clear()
+    q4_only = choose(nn.Module(), QuantisedModules(linears={"lm_head": _Recorder(True)}),
+                     rows=(1, 4))
+    assert probed == [] and q4_only.q8_layout == "rows"
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: False)
+    assert choose(nn.Module(), QuantisedModules(linears={"lm_head": _Recorder(False)}),
+                  rows=(1, 4)).q8_layout == "rows" and probed == []
+
+
 def test_the_real_setting_probes_run_and_restore_the_modules():
     from engine.quantization.linear import QuantLinear, quant_kernels, vnni_available
     from engine.quantization.rtn import quantise
@@ -404,3 +437,6 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
         q8 = QuantisedModules(linears={"layers.0.o_proj": lin8})
         assert REAL_KERNELS(q8, False, (1, 3), 1).quant_s > 0 and lin8.q8_kernel == "base"
         assert REAL_Q8_BATCHES(q8, (8, 9), 1).quant_s > 0 and lin8.q8_batch == "kernel"
+        qs8 = lin8.qs.clone()
+        assert REAL_Q8_LAYOUT(q8, (1, 9), 1).quant_s > 0 and lin8.q8_layout == "rows"
+        assert torch.equal(lin8.qs, qs8)

@@ -43,8 +43,8 @@ StackLinear::StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d
                          int64_t out_features, int64_t tiles_from, bool tiles_vnni)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
       out_features(out_features), tiles_from(tiles_from), tiles_vnni(tiles_vnni) {
-  TORCH_CHECK(kind >= kFloat && kind <= kQ5 && kind != kConcat, "StackLinear: unknown kind ",
-              kind);
+  TORCH_CHECK(kind >= kFloat && kind <= kQ8Interleaved && kind != kConcat,
+              "StackLinear: unknown kind ", kind);
   const bool quant = kind != kFloat && kind != kPanels;
   TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
   TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni && kind != kQ4Blocked && kind != kQ5 ||
@@ -90,6 +90,9 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
       break;
     case kQ5:
       y = quant_gemm_q5(x, w, *d, *m);
+      break;
+    case kQ8Interleaved:
+      y = quant_gemm_q8_interleaved(x, w, *d, m, out_features);
       break;
     default:  // kQ8
       y = batched(x) ? quant_gemm_q8_batch(x, w, *d, m) : quant_gemm_q8(x, w, *d, m);

@@ -13,11 +13,12 @@ namespace kvserve_stack {
 
 // What computes a linear: a float weight (at::linear), 4-bit or 8-bit groups (each on the base
 // or the AVX-512 VNNI kernel), 4-bit groups stored blocked (quant_gemm_q4_blocked), or the AVX2
-// panel kernel over pre-packed float panels; kQ5: 5-bit groups (quant_gemm_q5.cpp).
+// panel kernel over pre-packed float panels; kQ5: 5-bit groups (quant_gemm_q5.cpp);
+// kQ8Interleaved: 8-bit groups stored interleaved (quant_gemm_q8_interleaved, every row count).
 // kConcat: the outputs of parts side by side (a projection whose parts differ in format).
 enum Kind : int64_t {
   kFloat = 0, kQ4 = 1, kQ4Vnni = 2, kQ8 = 3, kPanels = 4, kQ8Vnni = 5, kQ4Blocked = 6,
-  kConcat = 7, kQ5 = 8
+  kConcat = 7, kQ5 = 8, kQ8Interleaved = 9
 };
 
 // y = x @ W^T (+ bias). w: the float weight, the packed qs, or the panels; d/m: scales and

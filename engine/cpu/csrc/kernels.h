@@ -55,6 +55,8 @@ at::Tensor quant_gemm_q4_vnni(at::Tensor x, at::Tensor qs, at::Tensor d, at::Ten
 bool quant_gemm_q4_vnni_available();
 at::Tensor quant_gemm_q8_batch(at::Tensor x, at::Tensor qs, at::Tensor d,
                                c10::optional<at::Tensor> m);
+at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                     c10::optional<at::Tensor> m, int64_t N);
 at::Tensor quant_gemm_q8_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
                                  c10::optional<at::Tensor> m);
 void store_kv_cpu(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,

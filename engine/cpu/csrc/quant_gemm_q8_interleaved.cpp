@@ -1,0 +1,190 @@
+// y[M, N] = x[M, K] @ W^T for 8-bit weights stored interleaved (engine/quantization/
+// interleaved.py): the outputs in tiles of 16, each tile's weights 4 bytes of each of its 16
+// outputs per 64-byte step (k = 4i .. 4i+3 of output o at byte 64i + 4o of the tile), plus 128
+// (an XOR of the int8 value's sign bit: vpdpbusd multiplies unsigned by signed bytes), the
+// scales (and mins) as [tile][scale group][16] float32, or float16 where every one of them is
+// a float16 value (a GGUF Q8_0's: 34 bytes per 32 weights read instead of 36; widened here to
+// the same float32 values). Outputs past N in the last tile have zero weights and scales and
+// are not stored. AVX-512 VNNI only.
+//
+// The same integer math as the decode kernels (each activation row rounded to int8 per group
+// of 32, dx = amax/127) and the same float order as quant_gemm_q8_batch, bit for bit: per output
+// and scale group an exact int32 sum (started at -128 * sum(qx), which the weights' +128 adds
+// back), then acc = fma(d * dx, float(sum), acc) in group order from zero, and the mins'
+// m * sx in a second accumulator added last. Here a register holds 16 outputs of one row (the
+// lanes kernel: 16 rows of one output), so a row is one vpdpbusd per 64 weight bytes with its
+// 4 activation bytes broadcast, and a row alone costs what its weights take to stream: the
+// one layout serves a single stream (as the decode kernel does) and batches (as the lanes do),
+// and every output depends only on its row of x and its row of W, whatever the other rows
+// (batch-invariant serving can use it at every row count). Rows go in blocks of up to 8
+// sharing each weight load; threads split the tiles.
+#include "torch_lite.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "quant_common.h"
+#include "quant_vnni_common.h"
+
+using kvserve_quant::kGroup;
+
+#ifdef KVSERVE_VNNI
+namespace {
+
+constexpr int kOut = 16;     // outputs per tile: the float lanes of a register
+constexpr int kRows = 8;     // activation rows sharing each weight load
+
+// The activations' per-row terms: neg [M][SG] = -128 * sum(qx) of each scale group; sx [M][SG]
+// (mins only) = the scale group's dx * sum(qx) (QuantisedRows::s, or half_sums per 16).
+struct RowTerms {
+  std::vector<int32_t> neg;
+  std::vector<float> sx;
+};
+
+// 16 floats of a tile's scales (or mins), stored as float32 or float16 (widened exactly).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// R rows (from q, K int8 each) against one tile; y: the first row's first output of the tile.
+template <int R, bool kS16, bool kHasM, typename S>
+void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
+               const float* dx, const int32_t* neg, const float* sx, int64_t K, float* y,
+               int64_t ldy, __mmask16 live) {
+  constexpr int kSteps = kS16 ? 4 : 8;  // 64-byte steps per scale group
+  const int64_t G = K / kGroup, SG = K / (kS16 ? 16 : 32);
+  __m512 acc[R], accm[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
+  for (int64_t h = 0; h < SG; h++) {
+    __m512i s[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(neg[r * SG + h]);
+    const int64_t i0 = h * kSteps;
+#pragma GCC unroll 8
+    for (int j = 0; j < kSteps; j++) {
+      const __m512i w = _mm512_loadu_si512(wt + (i0 + j) * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; r++) {
+        int32_t quad;
+        std::memcpy(&quad, q + r * K + 4 * (i0 + j), 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(quad));
+      }
+    }
+    const __m512 dv = load16(dt + h * kOut);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * G + (kS16 ? h / 2 : h)]));
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[r]), acc[r]);
+      if constexpr (kHasM) {
+        accm[r] = _mm512_fmadd_ps(load16(mt + h * kOut), _mm512_set1_ps(sx[r * SG + h]), accm[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+    _mm512_mask_storeu_ps(y + r * ldy, live, kHasM ? _mm512_add_ps(acc[r], accm[r]) : acc[r]);
+  }
+}
+
+// Calls f(integral_constant<R>, r0) for blocks of kRows rows (the last one 1..7 rows).
+template <typename F>
+void row_blocks(int64_t M, F&& f) {
+  int64_t r0 = 0;
+  for (; r0 + kRows <= M; r0 += kRows) f(std::integral_constant<int, kRows>{}, r0);
+  switch (M - r0) {
+    case 7: f(std::integral_constant<int, 7>{}, r0); break;
+    case 6: f(std::integral_constant<int, 6>{}, r0); break;
+    case 5: f(std::integral_constant<int, 5>{}, r0); break;
+    case 4: f(std::integral_constant<int, 4>{}, r0); break;
+    case 3: f(std::integral_constant<int, 3>{}, r0); break;
+    case 2: f(std::integral_constant<int, 2>{}, r0); break;
+    case 1: f(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
+  }
+}
+
+void row_terms(const kvserve_quant::QuantisedRows& rows, int64_t M, int64_t K, int64_t S,
+               bool mins, RowTerms& t) {
+  const int64_t SG = K / S;
+  t.neg.resize(M * SG);
+  for (int64_t i = 0; i < M * SG; i++) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < S; k++) sum += rows.q[i * S + k];
+    t.neg[i] = -128 * sum;
+  }
+  if (!mins) return;
+  t.sx.resize(M * SG);
+  if (S == 16) {
+    kvserve_quant::half_sums(rows.q, rows.d, M, K, t.sx.data());
+  } else {
+    std::copy(rows.s, rows.s + M * SG, t.sx.begin());
+  }
+}
+
+}  // namespace
+#endif
+
+at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
+                                     c10::optional<at::Tensor> m, int64_t N) {
+#ifdef KVSERVE_VNNI
+  const int64_t M = x.size(0), K = x.size(1), T = (N + kOut - 1) / kOut;
+  const bool half = d.scalar_type() == at::kHalf;
+  TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && qs.scalar_type() == at::kByte &&
+                  qs.is_contiguous() && d.is_contiguous() && (half || d.scalar_type() == at::kFloat),
+              "quant_gemm_q8_interleaved: malformed interleaved weight");
+  TORCH_CHECK(qs.size(0) == T && d.size(0) == T && qs.size(1) == K * kOut && K % kGroup == 0,
+              "quant_gemm_q8_interleaved: x has ", K, " columns; the weight has ",
+              qs.size(1) / kOut, " in ", qs.size(0), " tiles (", T, " for ", N, " outputs)");
+  const int64_t SG = d.size(1) / kOut, S = SG > 0 ? K / SG : 0;
+  TORCH_CHECK(d.size(1) % kOut == 0 && (S == 16 || S == 32) && SG * S == K,
+              "quant_gemm_q8_interleaved: one scale per 16 or 32 weights");
+  const bool mins = m.has_value();
+  if (mins) {
+    TORCH_CHECK(m->is_contiguous() && m->scalar_type() == d.scalar_type() &&
+                    m->sizes() == d.sizes(),
+                "quant_gemm_q8_interleaved: a min per scale group, like its scale");
+  }
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "x must be a 2-D float32 CPU tensor");
+  const auto rows = kvserve_quant::quantise(x);
+  thread_local RowTerms terms;
+  row_terms(rows, M, K, S, mins, terms);
+  auto y = at::empty({M, N});
+  const uint8_t* w = qs.data_ptr<uint8_t>();
+  const int8_t* qx = rows.q;
+  const float* dx = rows.d;
+  const int32_t* neg = terms.neg.data();
+  const float* sx = mins ? terms.sx.data() : nullptr;
+  const int64_t G = K / kGroup;
+  float* yp = y.data_ptr<float>();
+  auto tiles = [&](auto s16, auto has_m, const auto* dw, const auto* mw) {
+    constexpr bool kS = decltype(s16)::value, kM = decltype(has_m)::value;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      const int64_t n0 = t * kOut, live_n = std::min<int64_t>(kOut, N - n0);
+      const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
+      row_blocks(M, [&](auto block, int64_t r0) {
+        tile_rows<decltype(block)::value, kS, kM>(
+            w + t * K * kOut, dw + t * SG * kOut, kM ? mw + t * SG * kOut : nullptr,
+            qx + r0 * K, dx + r0 * G, neg + r0 * SG, kM ? sx + r0 * SG : nullptr, K,
+            yp + r0 * N + n0, N, live);
+      });
+    }
+  };
+  kvserve_quant::dispatch_q8(S, mins, [&](auto s16, auto has_m) {
+    if (half) {
+      tiles(s16, has_m, d.data_ptr<c10::Half>(), mins ? m->data_ptr<c10::Half>() : nullptr);
+    } else {
+      tiles(s16, has_m, d.data_ptr<float>(), mins ? m->data_ptr<float>() : nullptr);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "quant_gemm_q8_interleaved: not built for this CPU (needs AVX-512 BW/VL and "
+                     "VNNI)");
+  return x;
+#endif
+}

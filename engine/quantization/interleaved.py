@@ -1,0 +1,76 @@
+"""The interleaved layout of an 8-bit weight, and back: ``to_interleaved`` / ``from_interleaved``.
+
+The rows layout (``engine.quantization.formats.PackedQ8``: ``qs`` int8 ``[N, K]``, ``d`` and an
+optional ``m`` float32 ``[N, K/S]`` for a scale group ``S`` of 16 or 32) keeps each output's
+weights together, as GGUF does. The interleaved layout keeps 16 outputs' weights interleaved by
+4 bytes, so that one 64-byte load holds 16 outputs x 4 k and a register's lanes are 16 outputs
+(``quant_gemm_q8_interleaved``, engine/cpu/csrc/quant_gemm_q8_interleaved.cpp):
+
+* ``qs`` uint8 ``[T, 16 K]`` with ``T = ceil(N / 16)``: tile ``t``, byte ``64 i + 4 o + j`` =
+  ``W[16 t + o, 4 i + j] + 128`` (the int8 value with its sign bit flipped: the kernel's
+  dot product multiplies unsigned weights by signed activations);
+* ``d``, ``m`` ``[T, 16 K/S]``: tile ``t``, element ``16 h + o`` = the scale (min) of
+  output ``16 t + o``'s scale group ``h``; float16 where every scale and min is a float16 value
+  (a GGUF Q8_0's scales are: 34 bytes per 32 weights, as the file, instead of 36), else
+  float32. A one-row decode reads every byte once, so smaller scales are read faster; the
+  kernel widens them to the same float32 values, so outputs do not change.
+
+The last tile's missing outputs have zero weights and scales. Both directions are exact (a
+permutation of bytes and floats plus that padding) and cost one copy of the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OUTS = 16  # outputs per tile
+QUAD = 4  # bytes of one output per 64-byte step
+
+
+def to_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows layout ``(qs int8 [N, K], d [N, D], m [N, D] or None)`` -> interleaved."""
+    n, k = qs.shape
+    pad = -n % OUTS
+    t = (n + pad) // OUTS
+    q = F.pad(qs, (0, 0, 0, pad)).view(t, OUTS, k // QUAD, QUAD).permute(0, 2, 1, 3)
+    q = (q.contiguous().view(torch.uint8) ^ 0x80).view(t, OUTS * k)
+    d, m = _scales_to(d, pad), None if m is None else _scales_to(m, pad)
+    if all(_is_half(s) for s in (d, m) if s is not None):
+        d, m = d.half(), None if m is None else m.half()
+    return q, d, m
+
+
+def from_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Interleaved ``(qs, d, m)`` of ``n`` outputs -> the rows layout, exactly."""
+    return gather_rows(qs, d, m, torch.arange(n))
+
+
+def gather_rows(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, rows: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Outputs ``rows`` (int64, each below the weight's output count) of an interleaved weight,
+    in the rows layout ``(qs int8 [len(rows), K], d, m)``, exactly."""
+    t, width = qs.shape
+    k = width // OUTS
+    tile, lane = rows // OUTS, rows % OUTS
+    q = qs.view(t, k // QUAD, OUTS, QUAD)[tile, :, lane, :]  # [rows, K/4, 4]
+    q = (q ^ 0x80).reshape(rows.numel(), k).view(torch.int8)
+    return q, _scales_rows(d, tile, lane), None if m is None else _scales_rows(m, tile, lane)
+
+
+def _is_half(s: torch.Tensor) -> bool:
+    """Whether every element of float32 ``s`` is a float16 value (converts there and back)."""
+    return bool(torch.equal(s.half().float(), s))
+
+
+def _scales_to(s: torch.Tensor, pad: int) -> torch.Tensor:
+    n, groups = s.shape
+    t = (n + pad) // OUTS
+    return F.pad(s, (0, 0, 0, pad)).view(t, OUTS, groups).transpose(1, 2).reshape(t, groups * OUTS)
+
+
+def _scales_rows(s: torch.Tensor, tile: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    t, width = s.shape
+    return s.view(t, width // OUTS, OUTS)[tile, :, lane].float().contiguous()
