@@ -34,8 +34,9 @@ def to_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
     n, k = qs.shape
     pad = -n % OUTS
     t = (n + pad) // OUTS
-    q = F.pad(qs, (0, 0, 0, pad)).view(t, OUTS, k // QUAD, QUAD).permute(0, 2, 1, 3)
-    q = (q.contiguous().view(torch.uint8) ^ 0x80).view(t, OUTS * k)
+    q = (F.pad(qs, (0, 0, 0, pad)) if pad else qs).view(t, OUTS, k // QUAD, QUAD)
+    q = q.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(t, OUTS * k)
+    q.bitwise_xor_(0x80)
     d, m = _scales_to(d, pad), None if m is None else _scales_to(m, pad)
     if all(_is_half(s) for s in (d, m) if s is not None):
         d, m = d.half(), None if m is None else m.half()
@@ -45,7 +46,17 @@ def to_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
 def from_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Interleaved ``(qs, d, m)`` of ``n`` outputs -> the rows layout, exactly."""
-    return gather_rows(qs, d, m, torch.arange(n))
+    t, width = qs.shape
+    k = width // OUTS
+    # a copy (the permutation is not a view), so the XOR below leaves qs alone; its first n
+    # rows are contiguous
+    q = qs.view(t, k // QUAD, OUTS, QUAD).permute(0, 2, 1, 3).contiguous().view(t * OUTS, k)[:n]
+    q.bitwise_xor_(0x80)
+
+    def scales(s: torch.Tensor) -> torch.Tensor:
+        return s.view(t, -1, OUTS).transpose(1, 2).reshape(t * OUTS, -1)[:n].float().contiguous()
+
+    return q.view(torch.int8), scales(d), None if m is None else scales(m)
 
 
 def gather_rows(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, rows: torch.Tensor

@@ -58,10 +58,16 @@ void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
   __m512 acc[R], accm[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
+  // Independent int32 chains per row (a few rows would otherwise wait on one vpdpbusd
+  // after another), summed at the group's end: integer sums, so the same result.
+  constexpr int kChains = R == 1 ? 4 : R == 2 ? 2 : 1;
   for (int64_t h = 0; h < SG; h++) {
-    __m512i s[R];
+    __m512i s[R][kChains];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(neg[r * SG + h]);
+    for (int r = 0; r < R; r++) {
+      s[r][0] = _mm512_set1_epi32(neg[r * SG + h]);
+      for (int c = 1; c < kChains; c++) s[r][c] = _mm512_setzero_si512();
+    }
     const int64_t i0 = h * kSteps;
 #pragma GCC unroll 8
     for (int j = 0; j < kSteps; j++) {
@@ -70,14 +76,19 @@ void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
       for (int r = 0; r < R; r++) {
         int32_t quad;
         std::memcpy(&quad, q + r * K + 4 * (i0 + j), 4);
-        s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(quad));
+        __m512i& chain = s[r][j % kChains];
+        chain = _mm512_dpbusd_epi32(chain, w, _mm512_set1_epi32(quad));
       }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      for (int c = 1; c < kChains; c++) s[r][0] = _mm512_add_epi32(s[r][0], s[r][c]);
     }
     const __m512 dv = load16(dt + h * kOut);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * G + (kS16 ? h / 2 : h)]));
-      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[r]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[r][0]), acc[r]);
       if constexpr (kHasM) {
         accm[r] = _mm512_fmadd_ps(load16(mt + h * kOut), _mm512_set1_ps(sx[r * SG + h]), accm[r]);
       }
