@@ -52,8 +52,9 @@ settings below leave them alone:
   4-bit weights stored blocked and served by ``quant_gemm_q4_blocked`` (its 1-, 2- and 3-row
   tiles do the same operations per row, in group order), 8-bit weights by their decode kernel
   (tiles of 1-4 rows, the same operations per row) or, stored interleaved, by
-  ``quant_gemm_q8_interleaved`` (the same operations per row); no float fallback, no panels. Row ``r``'s
-  output is then bit-identical whatever the number of rows (tests/models/test_batch_invariance.py).
+  ``quant_gemm_q8_interleaved`` (the same operations per row); no float fallback, no panels.
+  Row ``r``'s output is then bit-identical whatever the number of rows
+  (tests/models/test_batch_invariance.py).
 
 ``QuantEmbedding`` looks ids up by dequantising only those rows; tied to the logits head, both
 share one packed tensor. Float32 CPU only; the packed tensors are buffers (they count in the
@@ -70,7 +71,7 @@ from torch import nn
 
 from engine.quantization.blocked import from_blocked, to_blocked
 from engine.quantization.formats import Packed, PackedQ4, PackedQ5
-from engine.quantization.interleaved import from_interleaved, gather_rows, to_interleaved
+from engine.quantization.interleaved import OUTS, from_interleaved, gather_rows, to_interleaved
 
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
 PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
@@ -83,7 +84,7 @@ Q4_LAYOUTS = ("rows", "blocked")  # a 4-bit weight's storage (engine/quantizatio
 Q4_TILES = ("avx2", "vnni")  # the 4-bit int8 tiles' instructions (the same floats either way)
 Q8_BATCH = ("kernel", "lanes")  # an 8-bit weight's decode batches: its decode kernel, or the lanes
 LANES_ROWS = 6  # the smallest batch the lanes kernel serves (a block of 16 rows costs ~the same)
-Q8_LAYOUTS = ("rows", "interleaved")  # an 8-bit weight's storage (engine/quantization/interleaved.py)
+Q8_LAYOUTS = ("rows", "interleaved")  # an 8-bit weight's storage (quantization/interleaved.py)
 
 
 def quant_kernels():
@@ -136,7 +137,8 @@ class QuantLinear(nn.Module):
         scales per row and group, integer group sums, float accumulation in a fixed order) does
         not depend on how many rows share the call: 4-bit weights move to the blocked layout
         (``quant_gemm_q4_blocked``), 8-bit weights keep their decode kernel (or, stored
-        interleaved, ``quant_gemm_q8_interleaved``); a float fallback is dropped. Irreversible (the prefill panels and per-size routes are not used again)."""
+        interleaved, ``quant_gemm_q8_interleaved``); a float fallback is dropped. Irreversible
+        (the prefill panels and per-size routes are not used again)."""
         self.set_q4_layout("blocked")
         self.fallback = self.float_above = None
         self.batch_invariant = True
@@ -312,9 +314,9 @@ class QuantLinear(nn.Module):
         rows: so on their route (a batch-invariant 8-bit or 5-bit weight, or any weight in
         rows layout at a row count its decode kernel serves) the gathered rows give the same
         numbers; so does ``quant_gemm_q8_batch`` on the 8-bit lanes route, and on gathered
-        rows of an interleaved weight (``quant_gemm_q8_interleaved``'s floats). The blocked 4-bit
-        layout, the tiles and the dense panels are not gathered (None). Used by a logits head
-        under a grammar that allows few tokens."""
+        rows of an interleaved weight (``quant_gemm_q8_interleaved``'s floats). The blocked
+        4-bit layout, the tiles and the dense panels are not gathered (None). Used by a logits
+        head under a grammar that allows few tokens."""
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         if self.blocked or self.fallback is not None or self._on_tiles(rows):
@@ -377,7 +379,7 @@ class QuantLinear(nn.Module):
         elif self.is_q5:
             kind = "q5"
         else:
-            groups = self.d.shape[1] // (16 if self.interleaved else 1)
+            groups = self.d.shape[1] // (OUTS if self.interleaved else 1)
             kind = f"q8/{self.in_features // groups}" + ("+m" if self.m is not None else "") \
                 + (" interleaved" if self.interleaved else "")
         above = "" if self.fallback is None else f", float above {self.float_above} rows"

@@ -144,7 +144,8 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
   const int64_t M = x.size(0), K = x.size(1), T = (N + kOut - 1) / kOut;
   const bool half = d.scalar_type() == at::kHalf;
   TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && qs.scalar_type() == at::kByte &&
-                  qs.is_contiguous() && d.is_contiguous() && (half || d.scalar_type() == at::kFloat),
+                  qs.is_contiguous() && d.is_contiguous() &&
+                  (half || d.scalar_type() == at::kFloat),
               "quant_gemm_q8_interleaved: malformed interleaved weight");
   TORCH_CHECK(qs.size(0) == T && d.size(0) == T && qs.size(1) == K * kOut && K % kGroup == 0,
               "quant_gemm_q8_interleaved: x has ", K, " columns; the weight has ",
