@@ -132,35 +132,10 @@ def test_stack_serves_4bit_batches_on_tiles(model_dirs, kernel):
     assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 
 
-def test_stack_serves_8bit_batches_on_the_lanes(model_dirs):
-    """``q8_batch = "lanes"`` (not batch-invariant): decode steps of ``LANES_ROWS`` or more rows
-    run ``quant_gemm_q8_batch`` in the stack as in Python (fewer rows, the decode kernel),
-    bit-identically."""
-    if not vnni_available():
-        pytest.skip("no AVX-512 VNNI kernels on this CPU")
-    llm = LLM(str(model_dirs["qwen2"]), kv_cache_memory="16MiB", quantization="int8",
-              batch_invariant=False)
-    model = llm.engine.runner.model
-    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert mods and all(m.is_q8 for m in mods)
-    for mod in mods:
-        mod.set_q8_layout("rows")  # where the probe chose the interleaved layout
-        mod.set_q8_batch("lanes")
-    model.decode_stack, why = build_decode_stack(model)
-    assert why == ""
-    counts = _checked(llm)
-    llm.generate(PROMPTS[:1], PARAMS)  # one row per step: the decode kernel
-    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(17)]
-    outs = llm.generate(prompts, PARAMS)  # 17 rows per step (ignore_eos: none finishes early)
-    assert counts["stack"] >= 2 * (PARAMS.max_tokens - 1)
-    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
-
-
-@pytest.mark.parametrize("invariant", [True, False])
-def test_stack_serves_interleaved_8bit_weights(model_dirs, invariant):
-    """``q8_layout = "interleaved"``: every decode step, one row or a batch, runs
-    ``quant_gemm_q8_interleaved`` in the stack as in Python, bit-identically (batch-invariant
-    or per-size)."""
+def _q8_one_and_seventeen_rows(model_dirs, invariant: bool, settings: dict[str, str]) -> None:
+    """An int8 engine (every linear 8-bit, VNNI built) with ``settings`` on every linear and
+    the stack rebuilt: a request alone (one row per step), then 17 (17 rows per step), each
+    stack step checked against the Python loop (``_checked``)."""
     if not vnni_available():
         pytest.skip("no AVX-512 VNNI kernels on this CPU")
     llm = LLM(str(model_dirs["qwen2"]), kv_cache_memory="16MiB", quantization="int8",
@@ -169,15 +144,31 @@ def test_stack_serves_interleaved_8bit_weights(model_dirs, invariant):
     mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert mods and all(m.is_q8 for m in mods)
     for mod in mods:
-        mod.set_q8_layout("interleaved")
+        for key, value in settings.items():
+            getattr(mod, f"set_{key}")(value)
     model.decode_stack, why = build_decode_stack(model)
     assert why == ""
     counts = _checked(llm)
-    llm.generate(PROMPTS[:1], PARAMS)  # one row per step
+    llm.generate(PROMPTS[:1], PARAMS)
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(17)]
-    outs = llm.generate(prompts, PARAMS)  # 17 rows per step (ignore_eos: none finishes early)
+    outs = llm.generate(prompts, PARAMS)  # ignore_eos: none finishes early
     assert counts["stack"] >= 2 * (PARAMS.max_tokens - 1)
     assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
+
+
+def test_stack_serves_8bit_batches_on_the_lanes(model_dirs):
+    """``q8_batch = "lanes"`` (not batch-invariant, the rows layout whatever the probe chose):
+    decode steps of ``LANES_ROWS`` or more rows run ``quant_gemm_q8_batch`` in the stack as in
+    Python (fewer rows, the decode kernel), bit-identically."""
+    _q8_one_and_seventeen_rows(model_dirs, False, {"q8_layout": "rows", "q8_batch": "lanes"})
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_stack_serves_interleaved_8bit_weights(model_dirs, invariant):
+    """``q8_layout = "interleaved"``: every decode step, one row or a batch, runs
+    ``quant_gemm_q8_interleaved`` in the stack as in Python, bit-identically (batch-invariant
+    or per-size)."""
+    _q8_one_and_seventeen_rows(model_dirs, invariant, {"q8_layout": "interleaved"})
 
 
 @pytest.mark.parametrize("tiles", ["avx2", "vnni"])
