@@ -4,8 +4,9 @@ Every decode step of a real generation runs twice: the Python layer loop on a co
 pools, then the C++ stack on the engine's own pools. The stack calls the same kernels in the
 same order, so hidden states and the K/V written must be bit-identical (``torch.equal``), for
 each linear kind it serves (float ``nn.Linear``, AVX2 panels, 4-bit base and VNNI kernels,
-the 4-bit tiles, 8-bit kernels and lanes) and each layer shape (qkv bias, q/k norms, sliding windows), with several sequences of
-different lengths decoding together.
+the 4-bit tiles, 8-bit kernels, lanes and the interleaved layout) and each layer shape (qkv
+bias, q/k norms, sliding windows), with several sequences of different lengths decoding
+together.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="CPU kernels una
 
 PROMPTS = [list(b"hello world, "), list(b"The quick brown fox jumps"), list(b"0123456789" * 3)]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _skip_float_without_panels(quantization: str) -> None:
+    """Float projections reach the stack as AVX2 panels; a build without AVX2 (scalar
+    kernels) has none, and its float engine keeps the Python loop."""
+    if quantization == "none" and quant_kernels().quant_gemm_isa() != "avx2":
+        pytest.skip("float projections reach the stack as AVX2 panels; this build has none")
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +85,7 @@ def _checked(llm: LLM) -> dict[str, int]:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
 def test_stack_equals_python_loop(model_dirs, kind, quantization):
-    if quantization == "none" and quant_kernels().quant_gemm_isa() != "avx2":
-        pytest.skip("float projections reach the stack as AVX2 panels; this build has none")
+    _skip_float_without_panels(quantization)
     llm = LLM(str(model_dirs[kind]), kv_cache_memory="16MiB", quantization=quantization)
     counts = _checked(llm)
     llm.generate(PROMPTS, PARAMS)
@@ -280,6 +287,7 @@ def test_one_kv_head_attention_loads_the_next_weights_meanwhile(tmp_path, monkey
     other thread loads the next linears' weights meanwhile (weight_prefetch.h). Bits do not
     change (every step equals the Python loop, and the tokens those with the loads off); the
     loads happen, and stay off with ``KVSERVE_STACK_PREFETCH=0``."""
+    _skip_float_without_panels(quantization)
     path = make_tiny_model_dir(tmp_path / "gemma3", "gemma3_text")
     tokens, loaded = {}, {}
     for ahead in ("4194304", "0"):
@@ -312,6 +320,7 @@ def test_mixture_of_experts(tmp_path, kind, quantization):
     the top-k choice and each routed expert's rows (packed with int4, float slices with none)
     in the stack, several sequences per step so experts get different row sets: hidden states
     and pools equal to the Python loop's."""
+    _skip_float_without_panels(quantization)
     path = make_tiny_model_dir(tmp_path / kind, kind)
     llm = LLM(str(path), kv_cache_memory="16MiB", quantization=quantization)
     model = llm.engine.runner.model
