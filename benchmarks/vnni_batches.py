@@ -63,7 +63,6 @@ COMPARISONS = {
     "q8-layout": {"before": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "rows"},
                   "after": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "interleaved"}},
 }
-SIDES = COMPARISONS["vnni"]  # the comparison run (main() sets it from --compare)
 
 
 def _leaves(model) -> list[QuantLinear]:
@@ -76,11 +75,11 @@ def _leaves(model) -> list[QuantLinear]:
     return out
 
 
-def _apply(mods: list[QuantLinear], model, side: str) -> None:
-    """Set ``mods`` to ``side``'s settings; with a ``model``, rebuild its C++ decode stack
-    (which captures them)."""
+def _apply(mods: list[QuantLinear], model, settings: dict[str, str]) -> None:
+    """Set ``mods`` to ``settings`` (one side of a comparison); with a ``model``, rebuild its
+    C++ decode stack (which captures them)."""
     for m in mods:
-        for key, value in SIDES[side].items():
+        for key, value in settings.items():
             getattr(m, f"set_{key}")(value)
     if getattr(model, "decode_stack", None) is not None:
         model.decode_stack, why = build_decode_stack(model)
@@ -88,16 +87,16 @@ def _apply(mods: list[QuantLinear], model, side: str) -> None:
             sys.exit(f"no C++ decode stack: {why}")
 
 
-def _kernels(mods: list[QuantLinear], call, rows: int, repeats: int):
-    """Median seconds of one pass ``call(m, x)`` over ``mods`` at ``rows`` rows per side, and
-    whether the outputs were equal."""
+def _kernels(sides: dict, mods: list[QuantLinear], call, rows: int, repeats: int):
+    """Median seconds of one pass ``call(m, x)`` over ``mods`` at ``rows`` rows per side of
+    ``sides`` (a comparison), and whether the outputs were equal."""
     g = torch.Generator().manual_seed(rows)
     xs = {m.in_features: torch.randn(rows, m.in_features, generator=g) for m in mods}
-    runs: dict[str, list[float]] = {s: [] for s in SIDES}
+    runs: dict[str, list[float]] = {s: [] for s in sides}
     outs: dict[str, list[torch.Tensor]] = {}
     for _ in range(repeats):
-        for side in SIDES:
-            _apply(mods, None, side)
+        for side, settings in sides.items():
+            _apply(mods, None, settings)
             t0 = time.perf_counter()
             out = [call(m, xs[m.in_features]) for m in mods]
             runs[side].append(time.perf_counter() - t0)
@@ -133,8 +132,7 @@ def main() -> None:
     ap.add_argument("--compare", choices=sorted(COMPARISONS), default="vnni",
                     help="which settings to compare (see the docstring)")
     args = ap.parse_args()
-    global SIDES
-    SIDES = COMPARISONS[args.compare]
+    sides = COMPARISONS[args.compare]
     if not vnni_available():
         sys.exit("the AVX-512 VNNI kernels are not built on this CPU: nothing to compare")
     path = args.model or str(embedded_gguf_path())
@@ -152,17 +150,18 @@ def main() -> None:
           f"{', ...' if len(q8) > 3 else ''}); the probe chose "
           f"q4_tiles {mods[0].q4_tiles}, q8_batch {q8[0].q8_batch if q8 else '-'}, "
           f"q8_layout {q8[0].q8_layout if q8 else '-'}; comparing {args.compare}: "
-          + "; ".join(f"{side} {settings}" for side, settings in SIDES.items()))
+          + "; ".join(f"{side} {settings}" for side, settings in sides.items()))
     if q4 and args.compare == "vnni":
         print("4-bit layer linears on the tiles, one pass (median), avx2 vs vnni:")
         for rows in (1, 16, 256):
-            t, same = _kernels(q4, lambda m, x: m.tiles(x), rows, 15 if rows < 64 else 5)
+            t, same = _kernels(sides, q4, lambda m, x: m.tiles(x), rows,
+                               15 if rows < 64 else 5)
             print(f"  {rows:4d} rows  {t['before'] * 1e3:8.3f} ms  {t['after'] * 1e3:8.3f} ms  "
                   f"{t['before'] / t['after']:.2f}x  outputs identical: {same}")
     if q8:
         print("8-bit modules at decode sizes, one pass (median), before vs after:")
         for rows in (1, LANES_ROWS, 16):
-            t, _ = _kernels(q8, lambda m, x: m(x), rows, 9)
+            t, _ = _kernels(sides, q8, lambda m, x: m(x), rows, 9)
             print(f"  {rows:4d} rows  {t['before'] * 1e3:8.3f} ms  {t['after'] * 1e3:8.3f} ms  "
                   f"{t['before'] / t['after']:.2f}x")
     rng = random.Random(0)
@@ -173,21 +172,21 @@ def main() -> None:
                             for _ in range(16)],
                            SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))}
     keys = [(inv, w) for inv in engines for w in work]
-    runs = {(k, s): [] for k in keys for s in SIDES}
+    runs = {(k, s): [] for k in keys for s in sides}
     tokens: dict = {}
     for _ in tqdm(range(args.repeats), desc="engine rounds (both sides in turn)"):
         for inv, w in keys:
             prompts, params = work[w]
             eng_model = engines[inv].engine.runner.model
-            for side in SIDES:
-                _apply(_leaves(eng_model), eng_model, side)
+            for side, settings in sides.items():
+                _apply(_leaves(eng_model), eng_model, settings)
                 times, toks = _workload(engines[inv], prompts, params)
                 runs[((inv, w), side)].append(times)
                 tokens.setdefault(((inv, w), side), toks)
     print(f"engines, median of {args.repeats} rounds (before -> after):")
     for key in keys:
         med = {s: {k: statistics.median(r[k] for r in runs[(key, s)])
-                   for k in ("prefill", "decode", "decode_steps")} for s in SIDES}
+                   for k in ("prefill", "decode", "decode_steps")} for s in sides}
         a, b = med["before"], med["after"]
         before, after = tokens[(key, "before")], tokens[(key, "after")]
         same = sum(before[k] == after[k] for k in before)

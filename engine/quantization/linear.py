@@ -180,8 +180,8 @@ class QuantLinear(nn.Module):
         output in its own fixed order). Not in batch-invariant mode (one kernel for every row
         count: the decode kernel); 4-bit and 5-bit weights ignore it."""
         _one_of(name, Q8_BATCH, "8-bit batch path")
-        if name == "lanes" and not vnni_available():
-            raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+        if name == "lanes":
+            _require_vnni()
         self.q8_batch = name
 
     @property
@@ -204,8 +204,7 @@ class QuantLinear(nn.Module):
         if not self.is_q8 or name == self.q8_layout:
             return
         if name == "interleaved":
-            if not vnni_available():
-                raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+            _require_vnni()
             self.qs, self.d, self.m = to_interleaved(self.qs, self.d, self.m)
         else:
             self.qs, self.d, self.m = from_interleaved(self.qs, self.d, self.m,
@@ -223,8 +222,8 @@ class QuantLinear(nn.Module):
         where built). The same integer sums and floats either way, bit for bit: only the speed
         differs. Other weights ignore it."""
         _one_of(name, Q4_TILES, "4-bit tiles")
-        if name == "vnni" and not vnni_available():
-            raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+        if name == "vnni":
+            _require_vnni()
         self.q4_tiles = name
 
     def set_q4_layout(self, name: str) -> None:
@@ -255,8 +254,8 @@ class QuantLinear(nn.Module):
     @staticmethod
     def _check_kernel(name: str) -> None:
         _one_of(name, KERNELS, "decode kernel")
-        if name == "vnni" and not vnni_available():
-            raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+        if name == "vnni":
+            _require_vnni()
 
     def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
         """Send inputs of more than ``rows`` rows to ``fallback`` (same weights, float)."""
@@ -384,6 +383,12 @@ class QuantLinear(nn.Module):
                 + (" interleaved" if self.interleaved else "")
         above = "" if self.fallback is None else f", float above {self.float_above} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
+
+
+def _require_vnni() -> None:
+    """A ValueError where the AVX-512 VNNI kernels are not built (a setting that needs them)."""
+    if not vnni_available():
+        raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
 
 
 def _one_of(name: str, options: tuple[str, ...], what: str) -> str:

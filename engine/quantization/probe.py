@@ -227,10 +227,9 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     (:func:`probe_decode_kernels`), and then the 8-bit decode kernel against the lanes kernel
     on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`), and all of that (the rows
     layout) against the interleaved layout at ``DECODE_ROWS`` (:func:`probe_q8_layout`); last,
-    with 4-bit weights,
-    their decode kernel against the int8 tiles on batches of ``BATCH_ROWS``
-    (:func:`probe_q4_batches`), then all of that (the rows layout) against the blocked layout
-    at ``DECODE_ROWS`` (:func:`probe_q4_layout`)."""
+    with 4-bit weights, their decode kernel against the int8 tiles on batches of
+    ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all of that (the rows layout) against the
+    blocked layout at ``DECODE_ROWS`` (:func:`probe_q4_layout`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
     if vnni_available() and any(m.is_q4 for m in _layer_leaves(q)):
@@ -250,7 +249,7 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
             settings[key] = Setting.measured(key, confirmed_probe(
                 lambda repeats, is_q4=is_q4: probe_decode_kernels(q, is_q4, repeats=repeats), 3))
     apply_settings(q, Verdict("quant", None, {}, settings))
-    if vnni_available() and any(_is_q8(m) for m in _leaf_modules(q)):  # against that kernel
+    if vnni_available() and _q8_leaves(q):  # against that kernel
         settings["q8_batch"] = Setting.measured("q8_batch", confirmed_probe(
             lambda repeats: probe_q8_batches(q, repeats=repeats), 3))
         apply_settings(q, Verdict("quant", None, {}, settings))
@@ -417,8 +416,9 @@ def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
     return _toggle(mods, rows, "set_q4_batch", "kernel", "tiles", repeats)
 
 
-def _is_q8(m: nn.Module) -> bool:
-    return not m.is_q4 and not getattr(m, "is_q5", False)
+def _q8_leaves(q: QuantisedModules) -> list[nn.Module]:
+    """The 8-bit ``QuantLinear``s of ``q`` (the logits head among them, if 8-bit)."""
+    return [m for m in _leaf_modules(q) if not m.is_q4 and not getattr(m, "is_q5", False)]
 
 
 def probe_q8_batches(q: QuantisedModules, rows: tuple[int, ...] = LANES_BATCH_ROWS,
@@ -427,8 +427,7 @@ def probe_q8_batches(q: QuantisedModules, rows: tuple[int, ...] = LANES_BATCH_RO
     the largest) on decode batches of ``rows`` (the smallest the lanes kernel serves, and a
     larger one): their decode kernel (``float_s``) against ``quant_gemm_q8_batch``
     (``quant_s``). Left on the kernel."""
-    mods = [m for m in _leaf_modules(q) if _is_q8(m)]
-    return _toggle(mods, rows, "set_q8_batch", "kernel", "lanes", repeats)
+    return _toggle(_q8_leaves(q), rows, "set_q8_batch", "kernel", "lanes", repeats)
 
 
 def probe_q8_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
@@ -437,8 +436,7 @@ def probe_q8_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     and a batch of decodes) stored in the rows layout with their settings so far (``float_s``:
     the decode kernel, the lanes on batches where chosen) against the interleaved layout
     (``quant_s``: ``quant_gemm_q8_interleaved`` at both). Left in the rows layout."""
-    mods = [m for m in _leaf_modules(q) if _is_q8(m)]
-    return _toggle(mods, rows, "set_q8_layout", "rows", "interleaved", repeats)
+    return _toggle(_q8_leaves(q), rows, "set_q8_layout", "rows", "interleaved", repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,

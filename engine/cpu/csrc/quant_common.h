@@ -95,17 +95,24 @@ struct QuantisedRows {
 };
 QuantisedRows quantise(const at::Tensor& x);
 
-// Calls f.template operator()<R>(r0) for row tiles of 4 (the last one 1..3 rows).
-template <typename F>
+// f(integral_constant<R>, r0) for the last n (< R + 1) rows from r0, if any (row_tiles).
+template <int R, typename F>
+void last_tile(int64_t n, int64_t r0, F& f) {
+  if constexpr (R > 0) {
+    if (n == R) {
+      f(std::integral_constant<int, R>{}, r0);
+    } else {
+      last_tile<R - 1>(n, r0, f);
+    }
+  }
+}
+
+// Calls f(integral_constant<R>, r0) for row tiles of kMax rows (the last one 1..kMax-1 rows).
+template <int kMax = 4, typename F>
 void row_tiles(int64_t M, F&& f) {
   int64_t r0 = 0;
-  for (; r0 + 4 <= M; r0 += 4) f(std::integral_constant<int, 4>{}, r0);
-  switch (M - r0) {
-    case 3: f(std::integral_constant<int, 3>{}, r0); break;
-    case 2: f(std::integral_constant<int, 2>{}, r0); break;
-    case 1: f(std::integral_constant<int, 1>{}, r0); break;
-    default: break;
-  }
+  for (; r0 + kMax <= M; r0 += kMax) f(std::integral_constant<int, kMax>{}, r0);
+  last_tile<kMax - 1>(M - r0, r0, f);
 }
 
 // Calls run(s16, has_m) with the compile-time layout of a q8 weight: a scale (and a min) per

@@ -51,8 +51,8 @@ struct Block {
   std::vector<float> dx, sx;
 };
 
-void interleave(const kvserve_quant::QuantisedRows& rows, const float* s16, int64_t r0,
-                int64_t rn, int64_t K, int64_t S, bool mins, Block& b) {
+void interleave(const kvserve_quant::QuantisedRows& rows, const kvserve_vnni::RowTerms& t,
+                int64_t r0, int64_t rn, int64_t K, int64_t S, bool mins, Block& b) {
   const int64_t G = K / kGroup, SG = K / S, Q = K / 4;
   b.xi.assign(Q * kLanes, 0);
   b.neg.assign(SG * kLanes, 0);
@@ -62,10 +62,8 @@ void interleave(const kvserve_quant::QuantisedRows& rows, const float* s16, int6
     const int8_t* q = rows.q + (r0 + r) * K;
     for (int64_t i = 0; i < Q; i++) std::memcpy(&b.xi[i * kLanes + r], q + 4 * i, 4);
     for (int64_t h = 0; h < SG; h++) {
-      int32_t sum = 0;
-      for (int64_t k = 0; k < S; k++) sum += q[h * S + k];
-      b.neg[h * kLanes + r] = -128 * sum;
-      if (mins) b.sx[h * kLanes + r] = S == 16 ? s16[(r0 + r) * SG + h] : rows.s[(r0 + r) * G + h];
+      b.neg[h * kLanes + r] = t.neg[(r0 + r) * SG + h];
+      if (mins) b.sx[h * kLanes + r] = t.sx[(r0 + r) * SG + h];
     }
     for (int64_t g = 0; g < G; g++) b.dx[g * kLanes + r] = rows.d[(r0 + r) * G + g];
   }
@@ -126,17 +124,14 @@ at::Tensor quant_gemm_q8_batch(at::Tensor x, at::Tensor qs, at::Tensor d,
   TORCH_CHECK(M * N < (int64_t{1} << 31), "quant_gemm_q8_batch: output too large");
   const auto rows = kvserve_quant::quantise(x);
   const bool mins = m.has_value();
-  thread_local std::vector<float> s16;  // the activations' half_sums, for mins per 16
-  if (S == 16 && mins) {
-    s16.resize(M * K / 16);
-    kvserve_quant::half_sums(rows.q, rows.d, M, K, s16.data());
-  }
+  thread_local kvserve_vnni::RowTerms terms;
+  kvserve_vnni::row_terms(rows, M, K, S, mins, terms);
   const int64_t nblocks = (M + kLanes - 1) / kLanes;
   thread_local std::vector<Block> blocks;
   blocks.resize(nblocks);
   for (int64_t bi = 0; bi < nblocks; bi++) {
-    interleave(rows, s16.data(), bi * kLanes, std::min<int64_t>(kLanes, M - bi * kLanes), K, S,
-               mins, blocks[bi]);
+    interleave(rows, terms, bi * kLanes, std::min<int64_t>(kLanes, M - bi * kLanes), K, S, mins,
+               blocks[bi]);
   }
   auto y = at::empty({M, N});
   const int8_t* w = qs.data_ptr<int8_t>();

@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "quant_common.h"
 #include "quant_vnni_common.h"
@@ -34,13 +33,6 @@ namespace {
 
 constexpr int kOut = 16;     // outputs per tile: the float lanes of a register
 constexpr int kRows = 8;     // activation rows sharing each weight load
-
-// The activations' per-row terms: neg [M][SG] = -128 * sum(qx) of each scale group; sx [M][SG]
-// (mins only) = the scale group's dx * sum(qx) (QuantisedRows::s, or half_sums per 16).
-struct RowTerms {
-  std::vector<int32_t> neg;
-  std::vector<float> sx;
-};
 
 // 16 floats of a tile's scales (or mins), stored as float32 or float16 (widened exactly).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -100,41 +92,6 @@ void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
   }
 }
 
-// Calls f(integral_constant<R>, r0) for blocks of kRows rows (the last one 1..7 rows).
-template <typename F>
-void row_blocks(int64_t M, F&& f) {
-  int64_t r0 = 0;
-  for (; r0 + kRows <= M; r0 += kRows) f(std::integral_constant<int, kRows>{}, r0);
-  switch (M - r0) {
-    case 7: f(std::integral_constant<int, 7>{}, r0); break;
-    case 6: f(std::integral_constant<int, 6>{}, r0); break;
-    case 5: f(std::integral_constant<int, 5>{}, r0); break;
-    case 4: f(std::integral_constant<int, 4>{}, r0); break;
-    case 3: f(std::integral_constant<int, 3>{}, r0); break;
-    case 2: f(std::integral_constant<int, 2>{}, r0); break;
-    case 1: f(std::integral_constant<int, 1>{}, r0); break;
-    default: break;
-  }
-}
-
-void row_terms(const kvserve_quant::QuantisedRows& rows, int64_t M, int64_t K, int64_t S,
-               bool mins, RowTerms& t) {
-  const int64_t SG = K / S;
-  t.neg.resize(M * SG);
-  for (int64_t i = 0; i < M * SG; i++) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < S; k++) sum += rows.q[i * S + k];
-    t.neg[i] = -128 * sum;
-  }
-  if (!mins) return;
-  t.sx.resize(M * SG);
-  if (S == 16) {
-    kvserve_quant::half_sums(rows.q, rows.d, M, K, t.sx.data());
-  } else {
-    std::copy(rows.s, rows.s + M * SG, t.sx.begin());
-  }
-}
-
 }  // namespace
 #endif
 
@@ -162,8 +119,8 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
   const auto rows = kvserve_quant::quantise(x);
-  thread_local RowTerms terms;
-  row_terms(rows, M, K, S, mins, terms);
+  thread_local kvserve_vnni::RowTerms terms;
+  kvserve_vnni::row_terms(rows, M, K, S, mins, terms);
   auto y = at::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const int8_t* qx = rows.q;
@@ -178,7 +135,7 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
     for (int64_t t = 0; t < T; t++) {
       const int64_t n0 = t * kOut, live_n = std::min<int64_t>(kOut, N - n0);
       const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
-      row_blocks(M, [&](auto block, int64_t r0) {
+      kvserve_quant::row_tiles<kRows>(M, [&](auto block, int64_t r0) {
         tile_rows<decltype(block)::value, kS, kM>(
             w + t * K * kOut, dw + t * SG * kOut, kM ? mw + t * SG * kOut : nullptr,
             qx + r0 * K, dx + r0 * G, neg + r0 * SG, kM ? sx + r0 * SG : nullptr, K,

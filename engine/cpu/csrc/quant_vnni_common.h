@@ -1,10 +1,14 @@
-// Shared by the AVX-512 VNNI kernels (quant_gemm_vnni.cpp: 4-bit, quant_gemm_vnni_q8.cpp: 8-bit):
-// whether they are built (KVSERVE_VNNI: the compiler targets AVX-512 F/BW/VL and VNNI, as
+// Shared by the AVX-512 VNNI kernels (quant_gemm_vnni.cpp: 4-bit, quant_gemm_vnni_q8.cpp,
+// quant_gemm_q8_batch.cpp, quant_gemm_q8_interleaved.cpp: 8-bit): whether they are built (KVSERVE_VNNI: the compiler targets AVX-512 F/BW/VL and VNNI, as
 // -march=native does on such a CPU), the activations' int8 rounding of one group of 32 (the
 // base kernels' rounding, quant_gemm_cpu.cpp) and a float dot product for the mins' term.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#include "quant_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define KVSERVE_VNNI 1
@@ -40,6 +44,34 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + k), _mm512_maskz_loadu_ps(mask, b + k), acc);
   }
   return _mm512_reduce_add_ps(acc);
+}
+
+// The activations' per-row terms of the 8-bit kernels that add 128 to each weight (vpdpbusd
+// multiplies unsigned by signed bytes: quant_gemm_q8_batch, quant_gemm_q8_interleaved):
+// neg [M][SG] = -128 * sum(qx) of each scale group of S (16 or 32; SG = K / S), which cancels
+// what the +128 adds, exactly; with mins, sx [M][SG] = the scale group's dx * sum(qx)
+// (QuantisedRows::s per 32, kvserve_quant::half_sums per 16).
+struct RowTerms {
+  std::vector<int32_t> neg;
+  std::vector<float> sx;
+};
+
+inline void row_terms(const kvserve_quant::QuantisedRows& rows, int64_t M, int64_t K, int64_t S,
+                      bool mins, RowTerms& t) {
+  const int64_t SG = K / S;
+  t.neg.resize(M * SG);
+  for (int64_t i = 0; i < M * SG; i++) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < S; k++) sum += rows.q[i * S + k];
+    t.neg[i] = -128 * sum;
+  }
+  if (!mins) return;
+  t.sx.resize(M * SG);
+  if (S == 16) {
+    kvserve_quant::half_sums(rows.q, rows.d, M, K, t.sx.data());
+  } else {
+    std::copy(rows.s, rows.s + M * SG, t.sx.begin());
+  }
 }
 
 }  // namespace kvserve_vnni
