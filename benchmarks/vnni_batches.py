@@ -14,7 +14,9 @@ model. ``--compare vnni`` (the default): the 4-bit int8 tiles on VNNI (``q4_tile
   batch-invariant, else on the decode kernel) against ``interleaved``
   (engine/cpu/csrc/quant_gemm_q8_interleaved.cpp: 16 outputs in a register's lanes, every row
   count, the lanes' floats bit for bit, batch-invariant). Against the lanes the floats are equal;
-  against the decode kernel greedy tokens are compared, not required equal.
+  against the decode kernel greedy tokens are compared, not required equal. Without VNNI (an
+  AVX2 CPU, or kernels built with ``KVSERVE_CPU_MARCH=x86-64-v3``) both sides run the AVX2
+  tiles and no lanes: the decode kernel against the interleaved kernel's AVX2 path.
 
 First each kernel family alone: every 4-bit layer linear (``QuantLinear.tiles``) and every
 8-bit module (the logits head among them) at 1, 16 and 256 / 1, 6 and 16 rows, the two
@@ -29,7 +31,7 @@ decode-only steps timed apart.
 
 (the model defaults to the embedded SmolLM2 Q4_1 GGUF, its token table and head Q8_0;
 benchmarks/gemma3_gguf.py writes the Gemma 3 270M-shaped Q4_0 file with a 262,144-row Q8_0
-head). Needs a CPU with AVX-512 VNNI. Prints the ISA.
+head). ``--compare vnni`` needs a CPU with AVX-512 VNNI, ``q8-layout`` AVX2. Prints the ISA.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ COMPARISONS = {
     "q8-layout": {"before": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "rows"},
                   "after": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "interleaved"}},
 }
+# q8-layout where VNNI is not built: no VNNI tiles, no lanes
+AVX2_Q8_LAYOUT = {"before": {"q4_tiles": "avx2", "q8_batch": "kernel", "q8_layout": "rows"},
+                  "after": {"q4_tiles": "avx2", "q8_batch": "kernel", "q8_layout": "interleaved"}}
 
 
 def _leaves(model) -> list[QuantLinear]:
@@ -134,7 +139,9 @@ def main() -> None:
     args = ap.parse_args()
     sides = COMPARISONS[args.compare]
     if not vnni_available():
-        sys.exit("the AVX-512 VNNI kernels are not built on this CPU: nothing to compare")
+        if args.compare == "vnni":
+            sys.exit("the AVX-512 VNNI kernels are not built on this CPU: nothing to compare")
+        sides = AVX2_Q8_LAYOUT
     path = args.model or str(embedded_gguf_path())
     engines = {inv: LLM(path, kv_cache_memory="512MiB", kv_cache_dtype="float16",
                         enable_prefix_caching=False, batch_invariant=inv)
@@ -144,7 +151,8 @@ def main() -> None:
     mods = _leaves(model)
     q4 = [m for m in mods if m.is_q4]
     q8 = [m for m in mods if m.is_q8]
-    print(f"ISA {quant_kernels().quant_gemm_isa()} (VNNI built), {torch.get_num_threads()} "
+    built = "VNNI built" if vnni_available() else "no VNNI"
+    print(f"ISA {quant_kernels().quant_gemm_isa()} ({built}), {torch.get_num_threads()} "
           f"threads; {len(q4)} 4-bit and {len(q8)} 8-bit modules "
           f"({', '.join(f'{m.out_features}x{m.in_features}' for m in q8[:3])}"
           f"{', ...' if len(q8) > 3 else ''}); the probe chose "

@@ -71,6 +71,26 @@ def gather_rows(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, rows:
     return q, _scales_rows(d, tile, lane), None if m is None else _scales_rows(m, tile, lane)
 
 
+def gather_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                       rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Outputs ``rows`` (int64, each below the weight's output count) of an interleaved weight
+    as an interleaved weight of ``len(rows)`` outputs (its own tiles, the scales' dtype kept),
+    exactly: ``quant_gemm_q8_interleaved`` over it gives those outputs' floats bit for bit."""
+    t, width = qs.shape
+    k = width // OUTS
+    tile, lane = rows // OUTS, rows % OUTS
+    pad = -rows.numel() % OUTS
+    q = F.pad(qs.view(t, k // QUAD, OUTS, QUAD)[tile, :, lane, :], (0, 0, 0, 0, 0, pad))
+    tiles = q.shape[0] // OUTS
+    q = q.view(tiles, OUTS, k // QUAD, QUAD).permute(0, 2, 1, 3).contiguous().view(tiles, width)
+
+    def scales(s: torch.Tensor) -> torch.Tensor:
+        picked = F.pad(s.view(t, s.shape[1] // OUTS, OUTS)[tile, :, lane], (0, 0, 0, pad))
+        return picked.view(tiles, OUTS, -1).transpose(1, 2).reshape(tiles, -1)
+
+    return q, scales(d), None if m is None else scales(m)
+
+
 def _is_half(s: torch.Tensor) -> bool:
     """Whether every element of float32 ``s`` is a float16 value (converts there and back)."""
     return bool(torch.equal(s.half().float(), s))

@@ -37,12 +37,12 @@ settings below leave them alone:
   sums and floats as the AVX2 tiles, bit for bit.
 * 8-bit weights can be stored interleaved instead (``q8_layout`` ``interleaved``,
   engine/quantization/interleaved.py: 16 outputs' weights interleaved by 4 bytes) where the
-  AVX-512 VNNI kernels are built and the start-up probe measured it faster: then
-  ``quant_gemm_q8_interleaved`` serves every decode-sized input, one row or a batch (16
-  outputs in a register's lanes, a row's 4 activation bytes broadcast: a row costs what its
-  weights take to stream, a batch ~3x less than the decode kernel), in the lanes kernel's
-  float order, bit for bit; panels are dequantised from that layout. ``q8_kernel`` and
-  ``q8_batch`` then have no effect.
+  start-up probe measured it faster: then ``quant_gemm_q8_interleaved`` serves every
+  decode-sized input, one row or a batch (16 outputs in a register's lanes on AVX-512 VNNI,
+  8 per register on AVX2, a row's 4 activation bytes broadcast: a row costs what its weights
+  take to stream, a batch ~3x (VNNI) or ~1.3x (AVX2) less than the decode kernel), in the
+  lanes kernel's float order, bit for bit, on either instruction set; panels are dequantised
+  from that layout. ``q8_kernel`` and ``q8_batch`` then have no effect.
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster (what
@@ -71,7 +71,13 @@ from torch import nn
 
 from engine.quantization.blocked import from_blocked, to_blocked
 from engine.quantization.formats import Packed, PackedQ4, PackedQ5
-from engine.quantization.interleaved import OUTS, from_interleaved, gather_rows, to_interleaved
+from engine.quantization.interleaved import (
+    OUTS,
+    from_interleaved,
+    gather_interleaved,
+    gather_rows,
+    to_interleaved,
+)
 
 DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
 PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
@@ -92,6 +98,12 @@ def quant_kernels():
     from engine.cpu.kernels import load
 
     return load()
+
+
+def interleaved_available() -> bool:
+    """Whether ``quant_gemm_q8_interleaved`` was built (AVX2; AVX-512 VNNI where targeted)."""
+    k = quant_kernels()
+    return k is not None and bool(k.quant_gemm_q8_interleaved_available())
 
 
 def vnni_available() -> bool:
@@ -196,15 +208,17 @@ class QuantLinear(nn.Module):
             and not self.batch_invariant and not self.interleaved else None
 
     def set_q8_layout(self, name: str) -> None:
-        """An 8-bit weight's storage: ``rows`` (GGUF's) or ``interleaved`` (AVX-512 VNNI only,
-        served by ``quant_gemm_q8_interleaved`` at every decode size, in the float order of
-        ``quant_gemm_q8_batch``); converted in place, exactly, one copy of the weight at a time.
-        4-bit and 5-bit weights ignore it."""
+        """An 8-bit weight's storage: ``rows`` (GGUF's) or ``interleaved`` (where
+        ``quant_gemm_q8_interleaved`` is built: AVX2; served by it at every decode size, in the
+        float order of ``quant_gemm_q8_batch``); converted in place, exactly, one copy of the
+        weight at a time. 4-bit and 5-bit weights ignore it."""
         _one_of(name, Q8_LAYOUTS, "8-bit layout")
         if not self.is_q8 or name == self.q8_layout:
             return
         if name == "interleaved":
-            _require_vnni()
+            if not interleaved_available():
+                raise ValueError("the interleaved 8-bit kernel is not built on this CPU (it "
+                                 "needs AVX2)")
             self.qs, self.d, self.m = to_interleaved(self.qs, self.d, self.m)
         else:
             self.qs, self.d, self.m = from_interleaved(self.qs, self.d, self.m,
@@ -312,10 +326,10 @@ class QuantLinear(nn.Module):
         from its own weight row and the row of ``x``, in a fixed order, whatever the other
         rows: so on their route (a batch-invariant 8-bit or 5-bit weight, or any weight in
         rows layout at a row count its decode kernel serves) the gathered rows give the same
-        numbers; so does ``quant_gemm_q8_batch`` on the 8-bit lanes route, and on gathered
-        rows of an interleaved weight (``quant_gemm_q8_interleaved``'s floats). The blocked
-        4-bit layout, the tiles and the dense panels are not gathered (None). Used by a logits
-        head under a grammar that allows few tokens."""
+        numbers; so does ``quant_gemm_q8_batch`` on the 8-bit lanes route, and
+        ``quant_gemm_q8_interleaved`` on the gathered outputs of an interleaved weight. The
+        blocked 4-bit layout, the tiles and the dense panels are not gathered (None). Used by a
+        logits head under a grammar that allows few tokens."""
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         if self.blocked or self.fallback is not None or self._on_tiles(rows):
@@ -325,8 +339,8 @@ class QuantLinear(nn.Module):
         if x2.dtype != torch.float32:
             x2 = x2.float()
         if self.interleaved:
-            qs, d, m = gather_rows(self.qs, self.d, self.m, columns)
-            out = self._kernels.quant_gemm_q8_batch(x2, qs, d, m)
+            qs, d, m = gather_interleaved(self.qs, self.d, self.m, columns)
+            out = self._kernels.quant_gemm_q8_interleaved(x2, qs, d, m, columns.numel())
         else:
             m = None if self.m is None else self.m.index_select(0, columns)
             gemm = self._kernels.quant_gemm_q8_batch if self._on_lanes(rows) else self._gemm

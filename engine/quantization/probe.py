@@ -25,6 +25,7 @@ from engine.quantization.linear import (
     DENSE_ROWS,
     LANES_ROWS,
     QuantisedModules,
+    interleaved_available,
     vnni_available,
 )
 
@@ -225,11 +226,12 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     (:func:`probe_q4_prefill`), and where the AVX-512 VNNI kernels are built, the 4-bit and
     the 8-bit decode kernels at 1 and 16 rows, each where such weights exist
     (:func:`probe_decode_kernels`), and then the 8-bit decode kernel against the lanes kernel
-    on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`), and all of that (the rows
-    layout) against the interleaved layout at ``DECODE_ROWS`` (:func:`probe_q8_layout`); last,
-    with 4-bit weights, their decode kernel against the int8 tiles on batches of
-    ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all of that (the rows layout) against the
-    blocked layout at ``DECODE_ROWS`` (:func:`probe_q4_layout`)."""
+    on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`); where the interleaved 8-bit
+    kernel is built (AVX2), all of that (the rows layout) against the interleaved layout at
+    ``DECODE_ROWS`` (:func:`probe_q8_layout`); last, with 4-bit weights, their decode kernel
+    against the int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all
+    of that (the rows layout) against the blocked layout at ``DECODE_ROWS``
+    (:func:`probe_q4_layout`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
     if vnni_available() and any(m.is_q4 for m in _layer_leaves(q)):
@@ -253,6 +255,7 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
         settings["q8_batch"] = Setting.measured("q8_batch", confirmed_probe(
             lambda repeats: probe_q8_batches(q, repeats=repeats), 3))
         apply_settings(q, Verdict("quant", None, {}, settings))
+    if interleaved_available() and _q8_leaves(q):  # against all of that
         settings["q8_layout"] = Setting.measured("q8_layout", confirmed_probe(
             lambda repeats: probe_q8_layout(q, repeats=repeats), 3))
         apply_settings(q, Verdict("quant", None, {}, settings))

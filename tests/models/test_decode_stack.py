@@ -20,6 +20,7 @@ from engine.models.cpu_decode_stack import CpuDecodeStack, build_decode_stack
 from engine.quantization.linear import (
     BATCH_TILE_ROWS,
     QuantLinear,
+    interleaved_available,
     quant_kernels,
     vnni_available,
 )
@@ -139,12 +140,14 @@ def test_stack_serves_4bit_batches_on_tiles(model_dirs, kernel):
     assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 
 
-def _q8_one_and_seventeen_rows(model_dirs, invariant: bool, settings: dict[str, str]) -> None:
-    """An int8 engine (every linear 8-bit, VNNI built) with ``settings`` on every linear and
-    the stack rebuilt: a request alone (one row per step), then 17 (17 rows per step), each
-    stack step checked against the Python loop (``_checked``)."""
-    if not vnni_available():
-        pytest.skip("no AVX-512 VNNI kernels on this CPU")
+def _q8_one_and_seventeen_rows(model_dirs, invariant: bool, settings: dict[str, str],
+                               vnni: bool) -> None:
+    """An int8 engine (every linear 8-bit; the VNNI kernels built where ``vnni``, else the
+    interleaved kernel) with ``settings`` on every linear and the stack rebuilt: a request
+    alone (one row per step), then 17 (17 rows per step), each stack step checked against the
+    Python loop (``_checked``)."""
+    if not (vnni_available() if vnni else interleaved_available()):
+        pytest.skip("the kernels these settings need are not built on this CPU")
     llm = LLM(str(model_dirs["qwen2"]), kv_cache_memory="16MiB", quantization="int8",
               batch_invariant=invariant)
     model = llm.engine.runner.model
@@ -167,7 +170,8 @@ def test_stack_serves_8bit_batches_on_the_lanes(model_dirs):
     """``q8_batch = "lanes"`` (not batch-invariant, the rows layout whatever the probe chose):
     decode steps of ``LANES_ROWS`` or more rows run ``quant_gemm_q8_batch`` in the stack as in
     Python (fewer rows, the decode kernel), bit-identically."""
-    _q8_one_and_seventeen_rows(model_dirs, False, {"q8_layout": "rows", "q8_batch": "lanes"})
+    _q8_one_and_seventeen_rows(model_dirs, False, {"q8_layout": "rows", "q8_batch": "lanes"},
+                               vnni=True)
 
 
 @pytest.mark.parametrize("invariant", [True, False])
@@ -175,7 +179,7 @@ def test_stack_serves_interleaved_8bit_weights(model_dirs, invariant):
     """``q8_layout = "interleaved"``: every decode step, one row or a batch, runs
     ``quant_gemm_q8_interleaved`` in the stack as in Python, bit-identically (batch-invariant
     or per-size)."""
-    _q8_one_and_seventeen_rows(model_dirs, invariant, {"q8_layout": "interleaved"})
+    _q8_one_and_seventeen_rows(model_dirs, invariant, {"q8_layout": "interleaved"}, vnni=False)
 
 
 @pytest.mark.parametrize("tiles", ["avx2", "vnni"])

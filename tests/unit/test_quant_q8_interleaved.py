@@ -1,28 +1,35 @@
 """The interleaved layout of 8-bit weights (engine/quantization/interleaved.py) and
-``quant_gemm_q8_interleaved`` (engine/cpu/csrc/quant_gemm_q8_interleaved.cpp, AVX-512 VNNI): the
-layout is an exact permutation, the kernel gives ``quant_gemm_q8_batch``'s floats bit for bit at
-every row count (so the decode kernels' integer math up to float order), and a row's output does
-not depend on the other rows; ``QuantLinear``'s ``q8_layout`` route, lookups, restricted head
-and batch-invariant mode over it."""
+``quant_gemm_q8_interleaved`` (engine/cpu/csrc/quant_gemm_q8_interleaved.cpp, AVX-512 VNNI or
+AVX2): the layout is an exact permutation (and a gather of outputs), the kernel gives
+``quant_gemm_q8_batch``'s floats bit for bit at every row count on either instruction set (so
+the decode kernels' integer math up to float order, weights of -128 included), and a row's
+output does not depend on the other rows; ``QuantLinear``'s ``q8_layout`` route, lookups,
+restricted head and batch-invariant mode over it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.quantization.interleaved import from_interleaved, gather_rows, to_interleaved
+from engine.quantization.interleaved import (
+    from_interleaved,
+    gather_interleaved,
+    gather_rows,
+    to_interleaved,
+)
 from engine.quantization.linear import (
     DENSE_ROWS,
     QuantConcat,
     QuantEmbedding,
     QuantLinear,
+    interleaved_available,
     quant_kernels,
     vnni_available,
 )
 from engine.quantization.rtn import quantise
 
-needs_vnni = pytest.mark.skipif(quant_kernels() is None or not vnni_available(),
-                                reason="no AVX-512 VNNI kernels on this CPU")
+needs_kernel = pytest.mark.skipif(quant_kernels() is None or not interleaved_available(),
+                                  reason="no AVX2 kernels on this CPU")
 
 # q8 layouts: a scale per 32 (Q8_0) or per 16 (Q6_K), with or without a min per scale group.
 LAYOUTS = [(32, False), (16, False), (16, True), (32, True)]
@@ -32,7 +39,7 @@ def _q8(n: int, k: int, s: int, mins: bool, seed: int = 0, half: bool = False):
     """A q8 weight; ``half``: its scales and mins float16 values (as a GGUF Q8_0's)."""
     g = torch.Generator().manual_seed(seed)
     qs = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    qs[0, :8] = torch.tensor([-127, 127, 0, -1, 1, 2, 64, -64], dtype=torch.int8)
+    qs[0, :9] = torch.tensor([-127, 127, 0, -1, 1, 2, 64, -64, -128], dtype=torch.int8)
     d = torch.rand(n, k // s, generator=g) * 0.01
     m = (torch.rand(n, k // s, generator=g) - 0.5) * 0.01 if mins else None
     if half:
@@ -64,29 +71,41 @@ def test_the_layout_is_an_exact_permutation(s, mins, n, half):
     got = gather_rows(qi, di, mi, rows)
     assert torch.equal(got[0], qs[rows]) and torch.equal(got[1], d[rows])
     assert m is None or torch.equal(got[2], m[rows])
+    gi = gather_interleaved(qi, di, mi, rows)  # those outputs as their own interleaved weight
+    assert gi[0].shape == (1, 16 * 96) and gi[1].dtype == di.dtype
+    back = from_interleaved(*gi, 4)
+    assert torch.equal(back[0], qs[rows]) and torch.equal(back[1], d[rows])
+    assert m is None or torch.equal(back[2], m[rows])
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize(("s", "mins"), LAYOUTS)
 @pytest.mark.parametrize("n", [1, 15, 37])  # one partial tile, several
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 40])  # blocks of 8 rows, partial
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 40])  # blocks of 8 (2 on AVX2)
 @pytest.mark.parametrize("half", [False, True])  # the scales stored float32 or float16
 def test_the_lanes_kernels_floats_at_every_row_count(s, mins, n, rows, half):
+    """On VNNI (where built) and on AVX2 (``avx2=True``, or the only path): the same floats as
+    each other and as the lanes kernel (VNNI only), the decode kernel's integers (a weight of
+    -128 among them), a row alone the same bits as in the batch."""
     qs, d, m = _q8(n, 96, s, mins, seed=n + rows, half=half)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 2
     kern = quant_kernels()
     qi, di, mi = to_interleaved(qs, d, m)
     got = kern.quant_gemm_q8_interleaved(x, qi, di, mi, n)
     assert got.shape == (rows, n)
-    assert torch.equal(got, kern.quant_gemm_q8_batch(x, qs, d, m))
+    assert torch.equal(kern.quant_gemm_q8_interleaved(x, qi, di, mi, n, avx2=True), got)
+    if vnni_available():
+        assert torch.equal(got, kern.quant_gemm_q8_batch(x, qs, d, m))
     want = kern.quant_gemm_q8(x, qs, d, m)  # the decode kernel: the same integers
     scale = float((x.abs() @ (qs.float().abs() * 0.01).t()).max())
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale)
     for r in {0, rows // 2, rows - 1}:  # a row alone: the same bits as in the batch
-        assert torch.equal(kern.quant_gemm_q8_interleaved(x[r:r + 1], qi, di, mi, n)[0], got[r])
+        for avx2 in (False, True):
+            alone = kern.quant_gemm_q8_interleaved(x[r:r + 1], qi, di, mi, n, avx2=avx2)
+            assert torch.equal(alone[0], got[r])
 
 
-@needs_vnni
+@needs_kernel
 def test_the_kernel_refuses_a_malformed_weight():
     qs, d, _ = _q8(20, 64, 32, False)
     qi, di, _ = to_interleaved(qs, d, None)
@@ -105,14 +124,14 @@ def test_linear_serves_every_size_on_the_interleaved_layout():
     kernel (bias added), more the dense path (panels dequantised from the layout, the same
     floats); ``dequantize_rows``, a tied embedding's lookups and ``forward_columns`` give the
     rows layout's numbers (the restricted head: the full head's columns, bit for bit); the
-    lanes setting is moot; back to ``rows`` restores the bytes. Refused where VNNI is not
-    built; 4-bit weights ignore it."""
+    lanes setting is moot; back to ``rows`` restores the bytes. Refused where the kernel is
+    not built (no AVX2); 4-bit weights ignore it."""
     g = torch.Generator().manual_seed(0)
     bias = torch.randn(40, generator=g)
     lin = QuantLinear(quantise(torch.randn(40, 64, generator=g), "int8", 32), bias)
     with pytest.raises(ValueError, match="8-bit layout"):
         lin.set_q8_layout("blocked")
-    if quant_kernels() is None or not vnni_available():
+    if quant_kernels() is None or not interleaved_available():
         with pytest.raises(ValueError, match="not built"):
             lin.set_q8_layout("interleaved")
         return
@@ -121,7 +140,8 @@ def test_linear_serves_every_size_on_the_interleaved_layout():
     qs, ids = lin.qs.clone(), torch.tensor([[39, 0], [17, 17]])
     rows_before = lin.dequantize_rows(torch.arange(40))
     dense_before = lin(x)
-    lin.set_q8_batch("lanes")
+    if vnni_available():
+        lin.set_q8_batch("lanes")
     QuantConcat([lin]).set_q8_layout("interleaved")
     assert lin.interleaved and lin.lanes_from is None and "interleaved" in lin.extra_repr()
     assert torch.equal(lin.dequantize_rows(torch.arange(40)), rows_before)

@@ -381,9 +381,10 @@ def test_q8_batch_follows_its_measurement(monkeypatch, lanes_s, want):
 
 @pytest.mark.parametrize(("interleaved_s", "want"), [(0.5, "interleaved"), (1.5, "rows")])
 def test_q8_layout_follows_its_measurement(monkeypatch, interleaved_s, want):
-    """Where the VNNI kernels are built and 8-bit weights exist, the interleaved layout is
-    measured against the rows layout (with the 8-bit settings chosen before it) at
-    ``DECODE_ROWS`` and set on every 8-bit module; elsewhere not measured (rows)."""
+    """Where the interleaved kernel is built (AVX2, with or without VNNI) and 8-bit weights
+    exist, the interleaved layout is measured against the rows layout (with the 8-bit
+    settings chosen before it: the lanes only with VNNI) at ``DECODE_ROWS`` and set on every
+    8-bit module; elsewhere not measured (rows)."""
     probed = []
 
     def probe_q8_layout(q, rows=quant_probe.DECODE_ROWS, repeats=3):
@@ -394,6 +395,7 @@ def test_q8_layout_follows_its_measurement(monkeypatch, interleaved_s, want):
     monkeypatch.setattr(quant_probe, "probe_q8_batches",
                         lambda q, *a, **kw: ProbeResult(1.0, 0.5, (1.0, 1.0), (0.5, 0.5)))
     monkeypatch.setattr(quant_probe, "vnni_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "interleaved_available", lambda: True)
     monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4), True)))
     head = _Recorder(False)
     verdict = choose(nn.Module(), QuantisedModules(linears={"lm_head": head}), rows=(1, 4))
@@ -406,13 +408,23 @@ def test_q8_layout_follows_its_measurement(monkeypatch, interleaved_s, want):
     q4_only = choose(nn.Module(), QuantisedModules(linears={"lm_head": _Recorder(True)}),
                      rows=(1, 4))
     assert probed == [] and q4_only.q8_layout == "rows"
-    monkeypatch.setattr(quant_probe, "vnni_available", lambda: False)
+    monkeypatch.setattr(quant_probe, "vnni_available", lambda: False)  # AVX2: no lanes
+    avx2 = choose(nn.Module(), QuantisedModules(linears={"lm_head": _Recorder(False)}),
+                  rows=(1, 4))
+    assert probed == [(quant_probe.DECODE_ROWS, ["kernel"])] and avx2.q8_layout == want
+    probed.clear()
+    monkeypatch.setattr(quant_probe, "interleaved_available", lambda: False)
     assert choose(nn.Module(), QuantisedModules(linears={"lm_head": _Recorder(False)}),
                   rows=(1, 4)).q8_layout == "rows" and probed == []
 
 
 def test_the_real_setting_probes_run_and_restore_the_modules():
-    from engine.quantization.linear import QuantLinear, quant_kernels, vnni_available
+    from engine.quantization.linear import (
+        QuantLinear,
+        interleaved_available,
+        quant_kernels,
+        vnni_available,
+    )
     from engine.quantization.rtn import quantise
 
     if quant_kernels() is None:
@@ -437,6 +449,9 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
         q8 = QuantisedModules(linears={"layers.0.o_proj": lin8})
         assert REAL_KERNELS(q8, False, (1, 3), 1).quant_s > 0 and lin8.q8_kernel == "base"
         assert REAL_Q8_BATCHES(q8, (8, 9), 1).quant_s > 0 and lin8.q8_batch == "kernel"
+    if interleaved_available():
+        lin8 = QuantLinear(quantise(torch.randn(48, 64, generator=g), "int8", 32))
+        q8 = QuantisedModules(linears={"layers.0.o_proj": lin8})
         qs8 = lin8.qs.clone()
         assert REAL_Q8_LAYOUT(q8, (1, 9), 1).quant_s > 0 and lin8.q8_layout == "rows"
         assert torch.equal(lin8.qs, qs8)

@@ -219,15 +219,16 @@ void dot_q8(const int8_t* w, const float* d, const float* m, const int8_t* x, co
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; g++) {
     const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 32));
+    // maddubs needs one unsigned operand: |w| (a weight of -128 is 128 unsigned, exact) times
+    // x with w's sign (|x| <= 127: never overflows), |w| shared by the rows.
+    const __m256i wabs = _mm256_abs_epi8(wq);
     // After madd, int32 lanes 0-3 hold elements 0-15 and lanes 4-7 elements 16-31.
     const __m256 dw = kS16 ? _mm256_set_m128(_mm_set1_ps(d[2 * g + 1]), _mm_set1_ps(d[2 * g]))
                            : _mm256_set1_ps(d[g]);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + g * 32));
-      // maddubs needs one unsigned operand: |x| times w with x's sign moved onto w.
-      const __m256i p16 =
-          _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(wq, xq));
+      const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq));
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[r * G + g])), p, acc[r]);
     }

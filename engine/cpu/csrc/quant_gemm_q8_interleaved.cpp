@@ -5,7 +5,7 @@
 // scales (and mins) as [tile][scale group][16] float32, or float16 where every one of them is
 // a float16 value (a GGUF Q8_0's: 34 bytes per 32 weights read instead of 36; widened here to
 // the same float32 values). Outputs past N in the last tile have zero weights and scales and
-// are not stored. AVX-512 VNNI only.
+// are not stored.
 //
 // The same integer math as the decode kernels (each activation row rounded to int8 per group
 // of 32, dx = amax/127) and the same float order as quant_gemm_q8_batch, bit for bit: per output
@@ -18,21 +18,113 @@
 // and every output depends only on its row of x and its row of W, whatever the other rows
 // (batch-invariant serving can use it at every row count). Rows go in blocks of up to 8
 // sharing each weight load; threads split the tiles.
+//
+// AVX2 (no vpdpbusd; also where VNNI is built, with avx2=true): a register holds 8 outputs
+// (half a tile: two registers per 64-byte step), the weights' sign bit flipped back, and each
+// 32 bytes meet one row's 4 activation bytes in _mm256_maddubs_epi16(|w|, x with w's sign)
+// (|w| <= 128 unsigned, |x| <= 127: a pair of products stays within int16, and a weight of
+// -128 is exact), widened by _mm256_madd_epi16 and added as int32: the same exact sums from
+// zero, then the same float operations in the same order, so the same floats bit for bit.
+// Rows in blocks of up to 4, |w| shared by them.
 #include "torch_lite.h"
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "quant_common.h"
 #include "quant_vnni_common.h"
+#include "vec_math.h"
 
 using kvserve_quant::kGroup;
 
-#ifdef KVSERVE_VNNI
+#ifdef KVSERVE_AVX2
 namespace {
 
-constexpr int kOut = 16;     // outputs per tile: the float lanes of a register
-constexpr int kRows = 8;     // activation rows sharing each weight load
+constexpr int kOut = 16;     // outputs per tile (the float lanes of an AVX-512 register)
+constexpr int kHalf = 8;     // outputs per AVX2 register: half a tile
+constexpr int kRows = 8;     // activation rows sharing each weight load (AVX-512 VNNI)
+constexpr int kRowsAvx2 = 4; // the same on AVX2 (measured against 2 and 3, and against 4 rows
+                             // of each half tile in turn)
+
+// 8 floats of a tile's scales (or mins), float32 or float16 (widened exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// R rows against one tile on AVX2, its two halves in two registers (each 64-byte step one
+// cache line): wt, dt, mt the tile's weights, scales and mins; q the rows' int8 activations;
+// y the first row's first output, live of the tile's 16 stored.
+template <int R, bool kS16, bool kHasM, typename S>
+__attribute__((noinline)) void tile_rows_avx2(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q, const float* dx,
+               const float* sx, int64_t K, float* y, int64_t ldy, int live) {
+  constexpr int kSteps = kS16 ? 4 : 8;  // 64-byte steps per scale group
+  constexpr int P = kOut / kHalf;        // registers per tile
+  const int64_t G = K / kGroup, SG = K / (kS16 ? 16 : 32);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][P], accm[R][P];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+    for (int p = 0; p < P; p++) acc[r][p] = accm[r][p] = _mm256_setzero_ps();
+  for (int64_t h = 0; h < SG; h++) {
+    __m256i s[R][P];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+      for (int p = 0; p < P; p++) s[r][p] = _mm256_setzero_si256();
+    const int64_t i0 = h * kSteps;
+    // Not unrolled: unrolled, GCC adds a group's 8 steps as a tree and spills the products
+    // (16 registers), measured ~10% slower.
+#pragma GCC unroll 1
+    for (int j = 0; j < kSteps; j++) {
+      __m256i w[P], wabs[P];
+      for (int p = 0; p < P; p++) {
+        w[p] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                    wt + (i0 + j) * kOut * 4 + p * kHalf * 4)),
+                                flip);
+        wabs[p] = _mm256_abs_epi8(w[p]);  // -128 -> 0x80: 128 as the unsigned operand
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        int32_t quad;
+        std::memcpy(&quad, q + r * K + 4 * (i0 + j), 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        for (int p = 0; p < P; p++) {
+          const __m256i prod = _mm256_maddubs_epi16(wabs[p], _mm256_sign_epi8(xb, w[p]));
+          s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(prod, ones));
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < P; p++) {
+      const __m256 dv = load8(dt + h * kOut + p * kHalf);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * G + (kS16 ? h / 2 : h)]));
+        acc[r][p] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[r][p]), acc[r][p]);
+        if constexpr (kHasM) {
+          accm[r][p] = _mm256_fmadd_ps(load8(mt + h * kOut + p * kHalf),
+                                       _mm256_set1_ps(sx[r * SG + h]), accm[r][p]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++) {
+    float out[P * kHalf];
+    for (int p = 0; p < P; p++) {
+      _mm256_storeu_ps(out + p * kHalf, kHasM ? _mm256_add_ps(acc[r][p], accm[r][p]) : acc[r][p]);
+    }
+    std::memcpy(y + r * ldy, out, live * sizeof(float));
+  }
+}
+
+}  // namespace
+#endif
+
+#ifdef KVSERVE_VNNI
+namespace {
 
 // 16 floats of a tile's scales (or mins), stored as float32 or float16 (widened exactly).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -96,8 +188,8 @@ void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
 #endif
 
 at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
-                                     c10::optional<at::Tensor> m, int64_t N) {
-#ifdef KVSERVE_VNNI
+                                     c10::optional<at::Tensor> m, int64_t N, bool avx2) {
+#ifdef KVSERVE_AVX2
   const int64_t M = x.size(0), K = x.size(1), T = (N + kOut - 1) / kOut;
   const bool half = d.scalar_type() == at::kHalf;
   TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && qs.scalar_type() == at::kByte &&
@@ -118,6 +210,11 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
   }
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
+#ifdef KVSERVE_VNNI
+  const bool vnni = !avx2;
+#else
+  const bool vnni = false;
+#endif
   const auto rows = kvserve_quant::quantise(x);
   thread_local kvserve_vnni::RowTerms terms;
   kvserve_vnni::row_terms(rows, M, K, S, mins, terms);
@@ -134,12 +231,23 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
       const int64_t n0 = t * kOut, live_n = std::min<int64_t>(kOut, N - n0);
-      const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
-      kvserve_quant::row_tiles<kRows>(M, [&](auto block, int64_t r0) {
-        tile_rows<decltype(block)::value, kS, kM>(
-            w + t * K * kOut, dw + t * SG * kOut, kM ? mw + t * SG * kOut : nullptr,
-            qx + r0 * K, dx + r0 * G, neg + r0 * SG, kM ? sx + r0 * SG : nullptr, K,
-            yp + r0 * N + n0, N, live);
+      const auto* dt = dw + t * SG * kOut;
+      const auto* mt = kM ? mw + t * SG * kOut : nullptr;
+#ifdef KVSERVE_VNNI
+      if (vnni) {
+        const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
+        kvserve_quant::row_tiles<kRows>(M, [&](auto block, int64_t r0) {
+          tile_rows<decltype(block)::value, kS, kM>(
+              w + t * K * kOut, dt, mt, qx + r0 * K, dx + r0 * G, neg + r0 * SG,
+              kM ? sx + r0 * SG : nullptr, K, yp + r0 * N + n0, N, live);
+        });
+        continue;
+      }
+#endif
+      kvserve_quant::row_tiles<kRowsAvx2>(M, [&](auto block, int64_t r0) {
+        tile_rows_avx2<decltype(block)::value, kS, kM>(
+            w + t * K * kOut, dt, mt, qx + r0 * K, dx + r0 * G, kM ? sx + r0 * SG : nullptr, K,
+            yp + r0 * N + n0, N, static_cast<int>(live_n));
       });
     }
   };
@@ -152,8 +260,15 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
   });
   return y;
 #else
-  TORCH_CHECK(false, "quant_gemm_q8_interleaved: not built for this CPU (needs AVX-512 BW/VL and "
-                     "VNNI)");
+  TORCH_CHECK(false, "quant_gemm_q8_interleaved: not built for this CPU (needs AVX2)");
   return x;
+#endif
+}
+
+bool quant_gemm_q8_interleaved_available() {
+#ifdef KVSERVE_AVX2
+  return true;
+#else
+  return false;
 #endif
 }

@@ -8,7 +8,8 @@
 // moves onto the weight (|qx| * (sign(qx) * q)); here |qx| and the sign bits are computed once
 // per call when the rows are quantised, so each 64 weights cost one masked negate and one
 // vpdpbusd per row. Weights must lie in [-127, 127] (all q8 producers: Q8_0, Q6_K, Q5_K, int8
-// round-to-nearest), as for the AVX2 kernel's sign trick.
+// round-to-nearest): a weight of -128 cannot be negated in a byte (the AVX2 kernel and the
+// interleaved and lanes kernels multiply it exactly).
 //
 // Lane i of the int32 result sums elements 4i..4i+3 of the 64: lanes 0-7 are group g, 8-15 group
 // g+1 (and with a scale per 16, lanes 0-3, 4-7, 8-11, 12-15 its four halves), so one float FMA

@@ -46,8 +46,14 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
+}  // namespace kvserve_vnni
+#endif
+
+namespace kvserve_vnni {
+
 // The activations' per-row terms of the 8-bit kernels that add 128 to each weight (vpdpbusd
-// multiplies unsigned by signed bytes: quant_gemm_q8_batch, quant_gemm_q8_interleaved):
+// multiplies unsigned by signed bytes: quant_gemm_q8_batch, quant_gemm_q8_interleaved; plain
+// C++, so the interleaved kernel's AVX2 path takes its sx too):
 // neg [M][SG] = -128 * sum(qx) of each scale group of S (16 or 32; SG = K / S), which cancels
 // what the +128 adds, exactly; with mins, sx [M][SG] = the scale group's dx * sum(qx)
 // (QuantisedRows::s per 32, kvserve_quant::half_sums per 16).
@@ -75,4 +81,3 @@ inline void row_terms(const kvserve_quant::QuantisedRows& rows, int64_t M, int64
 }
 
 }  // namespace kvserve_vnni
-#endif
