@@ -10,7 +10,8 @@ What differs from :mod:`engine.models.llama` (HF ``modeling_gemma2`` / ``modelin
   (``post_attention_layernorm``, ``post_feedforward_layernorm``) before their residual add,
   and the MLP input by ``pre_feedforward_layernorm``.
 - Embeddings multiplied by ``sqrt(hidden)`` rounded to the model's dtype (as HF does).
-- GeGLU MLP: ``gelu_tanh(gate) * up``.
+- GeGLU MLP: ``gelu_tanh(gate) * up`` (the layer ops' ``gelu_tanh_mul``: one fused pass on
+  the CPU, ``FusedCpuOps``).
 - Gemma 3: RMSNorm over each head's q and k before RoPE; sliding-window layers use their own
   RoPE base (``arch.rope_local``), full layers the global one (with its scaling).
 - Queries scaled by ``query_pre_attn_scalar ** -0.5``.
@@ -31,7 +32,6 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.models.arch import ModelArch
@@ -49,12 +49,6 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
                     "model.multi_modal_projector.")
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
           "post_feedforward_layernorm", "q_norm", "k_norm", "norm")
-
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU: ``gelu_tanh(gate) * up`` over the fused ``[gate | up]`` projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -101,7 +95,7 @@ class GemmaDecoderLayer(DecoderLayer):
         o = self.post_attention_layernorm(o, ops)
         x, residual = ops.add_rms_norm(o, residual, self.pre_feedforward_layernorm.weight,
                                        self.pre_feedforward_layernorm.eps)
-        down = self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
+        down = self.down_proj(ops.gelu_tanh_mul(self.gate_up_proj(x)))
         if self.tp is not None:
             self.tp.all_reduce_(down)
         return self.post_feedforward_layernorm(down, ops), residual

@@ -42,6 +42,12 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma's MLP): ``gelu_tanh(gate) * up`` over the fused ``[gate | up]``."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
     def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
@@ -63,6 +69,9 @@ class FusedCpuOps(TorchLayerOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._m.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._m.gelu_tanh_mul(gate_up)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         self._m.rotary_(x, cos, sin)
@@ -112,6 +121,7 @@ def check_against_torch(ops: TorchLayerOps, device: torch.device, dtype: torch.d
         checks += [(got_n, exp_n), (got_s, exp_s)]
         gu = rand(5, 2 * hidden)
         checks.append((ops.silu_mul(gu), ref.silu_mul(gu)))
+        checks.append((ops.gelu_tanh_mul(gu), ref.gelu_tanh_mul(gu)))
         for got, exp in checks:
             torch.testing.assert_close(got.float(), exp.float(), atol=atol, rtol=rtol)
     except Exception as exc:  # noqa: BLE001 - any failure means: use the PyTorch ops

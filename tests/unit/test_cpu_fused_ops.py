@@ -47,6 +47,16 @@ def test_silu_mul(fused, rows, inter):
     torch.testing.assert_close(fused.silu_mul(gate_up), REF.silu_mul(gate_up))
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 2048), (7, 20), (64, 2048)])
+def test_gelu_tanh_mul(fused, rows, inter):
+    """GeGLU as g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)): PyTorch's tanh form to rounding,
+    both tails (exp clamped) included."""
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6
+    gate_up[0, :5] = torch.tensor([-120.0, -9.0, 9.0, 120.0, 0.0])
+    torch.testing.assert_close(fused.gelu_tanh_mul(gate_up), REF.gelu_tanh_mul(gate_up))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 18])
 def test_rotary_in_place_on_a_strided_view(fused, head_dim):
     gen = torch.Generator().manual_seed(head_dim)

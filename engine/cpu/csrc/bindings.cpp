@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU, fp32)", nogil());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (CPU, fp32)", nogil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [gate | up] (CPU, fp32)", nogil());
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up over [gate | up] (CPU, fp32)",
+        nogil());
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, fp32)", nogil());
   m.def("small_gemm_pack", &small_gemm_pack, "pack W [N, K] into 16-column panels", nogil());
   m.def("small_gemm_supported", &small_gemm_supported, "built with AVX2+FMA");

@@ -25,7 +25,6 @@
 // by its MoeBlock's routing and grouped experts, op for op (moe_forward).
 #include "torch_lite.h"
 
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 
@@ -116,12 +115,10 @@ at::Tensor int8_rows(const at::Tensor& x, double floor) {
   return at::cat({q, s16.view(at::kChar)}, -1);
 }
 
-// The MLP's activation over [gate | up], as the Python paths: FusedCpuOps.silu_mul, or
-// gemma.gelu_tanh_mul (the same ATen ops on the same views, so the same bits).
+// The MLP's activation over [gate | up], as the Python paths: FusedCpuOps.silu_mul or
+// FusedCpuOps.gelu_tanh_mul (the same kernels, so the same bits).
 at::Tensor activation(const at::Tensor& gate_up, int64_t act) {
-  if (act == 0) return silu_mul(gate_up);
-  const auto halves = gate_up.chunk(2, -1);
-  return at::gelu(halves[0], "tanh") * halves[1];
+  return act == 0 ? silu_mul(gate_up) : gelu_tanh_mul(gate_up);
 }
 
 // MoeBlock.forward with the grouped experts (engine/models/moe.py route and grouped_moe), the

@@ -3,6 +3,7 @@
 //   rms_norm        y = w * x / sqrt(mean(x^2) + eps)                    (pow, mean, rsqrt, 2 muls)
 //   add_rms_norm_   r += x;  y = rms_norm(r)                             (+ the residual add)
 //   silu_mul        y = silu(gate) * up  over a fused [gate | up] row    (silu, mul, a split copy)
+//   gelu_tanh_mul   y = gelu_tanh(gate) * up, the same (Gemma's GeGLU)    (gelu, mul, a split copy)
 //   rotary_         rotate-half RoPE on Q and K heads, in place           (cat, neg, 2 muls, add)
 // The arithmetic is HF's (float32 throughout); only summation order and FMA contraction differ.
 #include "torch_lite.h"
@@ -66,9 +67,14 @@ at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
   return y;
 }
 
-// gate_up [T, 2I] -> silu(gate) * up  [T, I]
-at::Tensor silu_mul(at::Tensor gate_up) {
-  check_f32(gate_up, "silu_mul");
+namespace {
+
+// gate_up [T, 2I] -> act(gate) * up [T, I], act(g) = g / (1 + exp(-c(g) g)): SiLU with c = 1,
+// GELU's tanh form with c = 2 sqrt(2/pi) (1 + 0.044715 g^2) (0.5 (1 + tanh(z)) is the sigmoid
+// of 2z, so gelu_tanh(g) = g sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))).
+template <bool kGelu>
+at::Tensor act_mul(at::Tensor gate_up, const char* what) {
+  check_f32(gate_up, what);
   gate_up = gate_up.contiguous();
   const int64_t two_i = gate_up.size(-1), inter = two_i / 2, rows = gate_up.numel() / two_i;
   auto sizes = gate_up.sizes().vec();
@@ -76,6 +82,8 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   auto y = at::empty(sizes, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  constexpr float kBeta = 1.5957691216057308f;  // 2 sqrt(2/pi)
+  constexpr float kKappa = 0.044715f;
 #pragma omp parallel for if (rows > 16)
   for (int64_t r = 0; r < rows; r++) {
     const float* g = gp + r * two_i;
@@ -86,14 +94,31 @@ at::Tensor silu_mul(at::Tensor gate_up) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= inter; i += 8) {
       const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 den = _mm256_add_ps(one, kvserve::exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+      __m256 z = gv;  // the sigmoid's argument
+      if constexpr (kGelu) {
+        const __m256 g2 = _mm256_mul_ps(gv, gv);
+        z = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(kBeta), gv),
+                          _mm256_fmadd_ps(_mm256_set1_ps(kKappa), g2, one));
+      }
+      const __m256 den = _mm256_add_ps(one, kvserve::exp256(_mm256_sub_ps(_mm256_setzero_ps(), z)));
       _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
 #endif
-    for (; i < inter; i++) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (; i < inter; i++) {
+      const float z = kGelu ? kBeta * g[i] * (1.0f + kKappa * g[i] * g[i]) : g[i];
+      o[i] = g[i] / (1.0f + std::exp(-z)) * u[i];
+    }
   }
   return y;
 }
+
+}  // namespace
+
+// gate_up [T, 2I] -> silu(gate) * up  [T, I]
+at::Tensor silu_mul(at::Tensor gate_up) { return act_mul<false>(gate_up, "silu_mul"); }
+
+// gate_up [T, 2I] -> gelu_tanh(gate) * up  [T, I] (equal to PyTorch's up to rounding)
+at::Tensor gelu_tanh_mul(at::Tensor gate_up) { return act_mul<true>(gate_up, "gelu_tanh_mul"); }
 
 // x: [T, heads, D] view (any row stride, heads and D contiguous); cos, sin: [T, D] contiguous.
 // x[j] = x[j] cos[j] - x[j + D/2] sin[j];  x[j + D/2] = x[j + D/2] cos[j + D/2] + x[j] sin[j + D/2]

@@ -26,6 +26,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
                             double eps);
 at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor gelu_tanh_mul(at::Tensor gate_up);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor small_gemm_pack(at::Tensor w);
 bool small_gemm_supported();
