@@ -55,10 +55,12 @@ inline __m256 load8(const c10::Half* p) {
 
 // R rows against one tile on AVX2, its two halves in two registers (each 64-byte step one
 // cache line): wt, dt, mt the tile's weights, scales and mins; q the rows' int8 activations;
-// y the first row's first output, live of the tile's 16 stored.
+// y the first row's first output, live of the tile's 16 stored. Out of line: inlined into the
+// threads' loop it kept fewer of its values in registers (measured slower).
 template <int R, bool kS16, bool kHasM, typename S>
-__attribute__((noinline)) void tile_rows_avx2(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q, const float* dx,
-               const float* sx, int64_t K, float* y, int64_t ldy, int live) {
+__attribute__((noinline)) void tile_rows_avx2(const uint8_t* wt, const S* dt, const S* mt,
+                                              const int8_t* q, const float* dx, const float* sx,
+                                              int64_t K, float* y, int64_t ldy, int live) {
   constexpr int kSteps = kS16 ? 4 : 8;  // 64-byte steps per scale group
   constexpr int P = kOut / kHalf;        // registers per tile
   const int64_t G = K / kGroup, SG = K / (kS16 ? 16 : 32);
@@ -75,7 +77,7 @@ __attribute__((noinline)) void tile_rows_avx2(const uint8_t* wt, const S* dt, co
       for (int p = 0; p < P; p++) s[r][p] = _mm256_setzero_si256();
     const int64_t i0 = h * kSteps;
     // Not unrolled: unrolled, GCC adds a group's 8 steps as a tree and spills the products
-    // (16 registers), measured ~10% slower.
+    // (16 registers), measured slower.
 #pragma GCC unroll 1
     for (int j = 0; j < kSteps; j++) {
       __m256i w[P], wabs[P];
