@@ -1,5 +1,8 @@
 """Server-sent events as OpenAI streams them: ``data: {json}\\n\\n`` per chunk, then
-``data: [DONE]\\n\\n``. JSON is compact and never holds NaN/Infinity (invalid JSON).
+``data: [DONE]\\n\\n``. JSON is compact and never holds NaN/Infinity (invalid JSON). Text is
+UTF-8 as it is, except U+0085, U+2028 and U+2029, which are written as JSON escapes: Python's
+``str.splitlines`` (and so ``httpx``'s ``iter_lines``, which many clients read streams with)
+ends a line at each of them, and a model may sample them (the same JSON value either way).
 
 :class:`SSEResponse` bounds what a client that stops reading can cost: when for
 ``send_timeout`` seconds the client has taken no byte while bytes wait for it (in the kernel's
@@ -33,8 +36,15 @@ SSE_HEADERS = {
 }
 
 
+# Line ends to str.splitlines that JSON leaves raw (it escapes those below U+0020 itself); only
+# ever inside JSON strings, so their escapes are the same value.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    """Compact JSON of ``obj``, one line to every line splitter (see the module docstring)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.translate(_LINE_BREAKERS)
 
 
 def event(obj: Any) -> str:

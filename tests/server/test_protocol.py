@@ -102,6 +102,18 @@ def test_sse_event_framing_and_round_trip():
         event({"x": math.inf})  # never emit invalid JSON
 
 
+def test_sse_events_hold_no_line_break_of_splitlines():
+    """Text holding U+0085, U+2028, U+2029 (and the ASCII controls ``splitlines`` also ends
+    lines at) stays on its ``data:`` line for a reader that splits like ``str.splitlines``
+    (``httpx``'s ``iter_lines``), and decodes to the same text."""
+    text = "a\x85b\u2028c\u2029d\x0be\x0cf\x1cg\x1dh\x1ei\u00e9\u4e2d\U0001F600"
+    body = event({"text": text})
+    lines = [line for line in body.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):]) == {"text": text}
+    assert "\u00e9\u4e2d" in body  # other text stays UTF-8 as it is
+
+
 def test_completion_logprobs_with_echo_positions_and_offsets():
     tok = FakeTokenizer()
     positions = [None, {66: Logprob(-1.0, 1, "B"), 67: Logprob(-2.0, 2, "C")},
