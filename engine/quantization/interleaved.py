@@ -31,11 +31,8 @@ QUAD = 4  # bytes of one output per 64-byte step
 def to_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rows layout ``(qs int8 [N, K], d [N, D], m [N, D] or None)`` -> interleaved."""
-    n, k = qs.shape
-    pad = -n % OUTS
-    t = (n + pad) // OUTS
-    q = (F.pad(qs, (0, 0, 0, pad)) if pad else qs).view(t, OUTS, k // QUAD, QUAD)
-    q = q.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(t, OUTS * k)
+    pad = -qs.shape[0] % OUTS
+    q = _tiles(qs).view(torch.uint8)
     q.bitwise_xor_(0x80)
     d, m = _scales_to(d, pad), None if m is None else _scales_to(m, pad)
     if all(_is_half(s) for s in (d, m) if s is not None):
@@ -80,15 +77,22 @@ def gather_interleaved(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
     k = width // OUTS
     tile, lane = rows // OUTS, rows % OUTS
     pad = -rows.numel() % OUTS
-    q = F.pad(qs.view(t, k // QUAD, OUTS, QUAD)[tile, :, lane, :], (0, 0, 0, 0, 0, pad))
-    tiles = q.shape[0] // OUTS
-    q = q.view(tiles, OUTS, k // QUAD, QUAD).permute(0, 2, 1, 3).contiguous().view(tiles, width)
+    q = _tiles(qs.view(t, k // QUAD, OUTS, QUAD)[tile, :, lane, :].reshape(rows.numel(), k))
 
     def scales(s: torch.Tensor) -> torch.Tensor:
-        picked = F.pad(s.view(t, s.shape[1] // OUTS, OUTS)[tile, :, lane], (0, 0, 0, pad))
-        return picked.view(tiles, OUTS, -1).transpose(1, 2).reshape(tiles, -1)
+        return _scales_to(_picked(s, tile, lane), pad)
 
     return q, scales(d), None if m is None else scales(m)
+
+
+def _tiles(q: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[n, K]`` in the rows layout -> ``[T, 16 K]`` tiles (zero rows pad the last),
+    the bytes as they are."""
+    n, k = q.shape
+    pad = -n % OUTS
+    t = (n + pad) // OUTS
+    q = (F.pad(q, (0, 0, 0, pad)) if pad else q).view(t, OUTS, k // QUAD, QUAD)
+    return q.permute(0, 2, 1, 3).contiguous().view(t, OUTS * k)
 
 
 def _is_half(s: torch.Tensor) -> bool:
@@ -102,6 +106,11 @@ def _scales_to(s: torch.Tensor, pad: int) -> torch.Tensor:
     return F.pad(s, (0, 0, 0, pad)).view(t, OUTS, groups).transpose(1, 2).reshape(t, groups * OUTS)
 
 
-def _scales_rows(s: torch.Tensor, tile: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+def _picked(s: torch.Tensor, tile: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """The scales (or mins) ``[len(tile), K/S]`` of outputs ``16 tile + lane``."""
     t, width = s.shape
-    return s.view(t, width // OUTS, OUTS)[tile, :, lane].float().contiguous()
+    return s.view(t, width // OUTS, OUTS)[tile, :, lane]
+
+
+def _scales_rows(s: torch.Tensor, tile: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    return _picked(s, tile, lane).float().contiguous()

@@ -219,7 +219,7 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
 #endif
   const auto rows = kvserve_quant::quantise(x);
   thread_local kvserve_vnni::RowTerms terms;
-  kvserve_vnni::row_terms(rows, M, K, S, mins, terms);
+  kvserve_vnni::row_terms(rows, M, K, S, mins, terms, /*offset=*/vnni);
   auto y = at::empty({M, N});
   const uint8_t* w = qs.data_ptr<uint8_t>();
   const int8_t* qx = rows.q;

@@ -1,7 +1,9 @@
 // Shared by the AVX-512 VNNI kernels (quant_gemm_vnni.cpp: 4-bit, quant_gemm_vnni_q8.cpp,
-// quant_gemm_q8_batch.cpp, quant_gemm_q8_interleaved.cpp: 8-bit): whether they are built (KVSERVE_VNNI: the compiler targets AVX-512 F/BW/VL and VNNI, as
-// -march=native does on such a CPU), the activations' int8 rounding of one group of 32 (the
-// base kernels' rounding, quant_gemm_cpu.cpp) and a float dot product for the mins' term.
+// quant_gemm_q8_batch.cpp, quant_gemm_q8_interleaved.cpp: 8-bit): whether they are built
+// (KVSERVE_VNNI: the compiler targets AVX-512 F/BW/VL and VNNI, as -march=native does on such
+// a CPU), the activations' int8 rounding of one group of 32 (the base kernels' rounding,
+// quant_gemm_cpu.cpp), a float dot product for the mins' term, and the 8-bit kernels' per-row
+// activation terms (RowTerms, built everywhere).
 #pragma once
 
 #include <algorithm>
@@ -55,7 +57,8 @@ namespace kvserve_vnni {
 // multiplies unsigned by signed bytes: quant_gemm_q8_batch, quant_gemm_q8_interleaved; plain
 // C++, so the interleaved kernel's AVX2 path takes its sx too):
 // neg [M][SG] = -128 * sum(qx) of each scale group of S (16 or 32; SG = K / S), which cancels
-// what the +128 adds, exactly; with mins, sx [M][SG] = the scale group's dx * sum(qx)
+// what the +128 adds, exactly (only with offset: the AVX2 path multiplies the weights
+// themselves); with mins, sx [M][SG] = the scale group's dx * sum(qx)
 // (QuantisedRows::s per 32, kvserve_quant::half_sums per 16).
 struct RowTerms {
   std::vector<int32_t> neg;
@@ -63,10 +66,10 @@ struct RowTerms {
 };
 
 inline void row_terms(const kvserve_quant::QuantisedRows& rows, int64_t M, int64_t K, int64_t S,
-                      bool mins, RowTerms& t) {
+                      bool mins, RowTerms& t, bool offset = true) {
   const int64_t SG = K / S;
-  t.neg.resize(M * SG);
-  for (int64_t i = 0; i < M * SG; i++) {
+  t.neg.resize(offset ? M * SG : 0);
+  for (int64_t i = 0; offset && i < M * SG; i++) {
     int32_t sum = 0;
     for (int64_t k = 0; k < S; k++) sum += rows.q[i * S + k];
     t.neg[i] = -128 * sum;
