@@ -29,6 +29,7 @@ import torch
 
 from engine.outputs import Logprob
 from engine.sampling import penalties
+from engine.sampling.argmax import first_argmax
 from engine.sampling.params import SamplingParams
 from engine.sampling.prompt_logprobs import add_top_entries
 from engine.sampling.row import SamplingRow
@@ -57,13 +58,6 @@ def is_greedy(p: SamplingParams) -> bool:
     # top_k == 1 keeps only the argmax; routing it to the argmax makes it equal greedy exactly,
     # ties included.
     return p.greedy or p.top_k == 1
-
-
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """Per row, the index of the first maximal value (as ``argmax``): ``max(dim=-1).indices``,
-    which returns the same index (both document the first maximum) in less time on a CPU
-    (chosen by measurement: see docs/performance.md#greedy-argmax)."""
-    return x.max(dim=-1).indices
 
 
 class Sampler:

@@ -29,6 +29,7 @@ import torch
 
 from engine.kv_cache.manager import KVCacheManager
 from engine.runner.protocol import Runner
+from engine.sampling.argmax import first_argmax
 from engine.spec_decode.proposer import DraftRequest
 from engine.step_plan import SeqChunk, StepPlan
 
@@ -110,4 +111,4 @@ class DraftModelProposer:
         """One draft forward over ``chunks`` (decodes first); the argmax of the last row of
         each chunk that samples, in order."""
         out = self.runner.execute(StepPlan(tuple(chunks), self.block_size))
-        return out.sample_logits.argmax(dim=-1).tolist() if out.sampled else []
+        return first_argmax(out.sample_logits).tolist() if out.sampled else []

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling.argmax import first_argmax
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput, is_greedy
 
@@ -93,7 +94,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, runs: Sequence[DraftRun],
     if greedy_idx:
         g = torch.tensor(greedy_idx, dtype=torch.long, device=logits.device)
         sub = [rows[i] for i in greedy_idx]
-        picks = sampler.processed(logits.index_select(0, g), sub).argmax(dim=-1).tolist()
+        picks = first_argmax(sampler.processed(logits.index_select(0, g), sub)).tolist()
         targets = dict(zip(greedy_idx, picks, strict=True))
     probs_of: dict[int, int] = {}
     probs = None

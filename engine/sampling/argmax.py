@@ -1,0 +1,76 @@
+"""The greedy token: per row, the index of the first maximal logit (``argmax``'s contract).
+
+On a CPU, PyTorch's ``max(dim=-1)`` / ``argmax`` runs each row as one thread's serial
+compare-and-track loop (~0.8 ns a logit here: 0.22 ms for one row of Gemma 3's 262,144
+logits, 1.7 ms for 16 rows on two threads), while ``amax`` without the index is vectorised
+and threaded. So a long row takes two passes: the maximum of every chunk (``amax``), then the
+first chunk holding the row's maximum and the first maximal index inside it: the same index
+as ``argmax``, ties and all (the first chunk that holds the maximum holds its first
+occurrence). The chunk length divides the row (vocabularies are highly composite: 1,024 for
+49,152 and 262,144, 1,187 for 151,936, 1,002 for 128,256), else a ragged tail is taken on
+its own. Rows whose maximum is NaN, short rows and other devices keep ``max(dim=-1)`` (NaN
+counts as the maximum there). ``PYTHONPATH=. python benchmarks/greedy_argmax.py`` measures
+both paths.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+CHUNK = 1024
+# Where the two passes are used (measured on AVX-512 and AVX2 builds of PyTorch, two threads:
+# docs/performance.md#greedy-argmax): rows of at least MIN_WIDTH logits, and at least
+# PER_THREAD logits for each thread of the single pass (which runs rows in parallel): below
+# that the handful of extra small ops (~50 us) cost what the vectorised pass saves.
+MIN_WIDTH = 16384
+PER_THREAD = 65536
+
+
+@lru_cache(maxsize=64)
+def chunk_length(width: int) -> int:
+    """The divisor of ``width`` nearest ``CHUNK`` within [CHUNK / 2, 2 CHUNK], else ``CHUNK``
+    (and a ragged tail)."""
+    best = CHUNK
+    for c in range(CHUNK // 2, 2 * CHUNK + 1):
+        if width % c == 0 and (width % best or abs(c - CHUNK) < abs(best - CHUNK)):
+            best = c
+    return best
+
+
+@lru_cache(maxsize=1)
+def _vectorised() -> bool:
+    # PyTorch's own CPU kernels, as dispatched on this machine: without AVX2 (the DEFAULT
+    # capability, or ATEN_CPU_CAPABILITY=default) amax is scalar too and two passes cost 2.5x.
+    return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+def two_passes_pay(rows: int, width: int, threads: int) -> bool:
+    """Whether ``first_argmax`` takes the two passes for a ``[rows, width]`` CPU batch."""
+    rows_per_thread = -(-rows // max(1, min(threads, rows)))
+    return width >= MIN_WIDTH and rows_per_thread * width >= PER_THREAD and _vectorised()
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D ``x`` (int64, one index per row)."""
+    rows, width = x.shape
+    if x.device.type != "cpu" or not two_passes_pay(rows, width, torch.get_num_threads()):
+        return x.max(dim=-1).indices
+    c = chunk_length(width)
+    body = width - width % c
+    chunks = x[:, :body].reshape(rows, body // c, c)
+    chunk_max = chunks.amax(dim=-1)
+    row_max = chunk_max.amax(dim=-1)
+    tail = x[:, body:]
+    if body < width:
+        row_max = torch.maximum(row_max, tail.amax(dim=-1))
+    if bool(row_max.isnan().any()):
+        return x.max(dim=-1).indices
+    holds = chunk_max == row_max.unsqueeze(1)
+    first = holds.to(torch.uint8).argmax(dim=-1)  # the first chunk holding the maximum
+    picked = chunks[torch.arange(rows), first]
+    index = first * c + picked.max(dim=-1).indices
+    if body < width:  # a row whose maximum is only in the tail
+        index = torch.where(holds.any(dim=-1), index, body + tail.max(dim=-1).indices)
+    return index
