@@ -12,7 +12,9 @@ per row, plus the raw-distribution logprobs the rows asked for. Per step:
    how many tokens it has drawn: the same in any batch. Unseeded rows share the Sampler's
    generator. (An exponential race, ``argmax(probs / Exponential(1))``, gives the same
    guarantees but needs V random numbers per row, far dearer on a CPU than one uniform plus
-   a cumsum: docs/performance.md#greedy-argmax.)
+   a cumsum: docs/performance.md#greedy-argmax.) When every sampled row truncates its
+   vocabulary (top-k, or a top-p nucleus among its largest logits), all of this runs over the
+   candidates only (engine/sampling/truncated.py): the same distribution, the same ``u``.
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits as passed in,
 before any processing: vLLM's default), and ``rank = 1 + #tokens with a strictly higher
@@ -30,9 +32,11 @@ import torch
 from engine.outputs import Logprob
 from engine.sampling import penalties
 from engine.sampling.argmax import first_argmax
+from engine.sampling.candidates import top_candidates
 from engine.sampling.params import SamplingParams
 from engine.sampling.prompt_logprobs import add_top_entries
 from engine.sampling.row import SamplingRow
+from engine.sampling.truncated import NUCLEUS_CANDIDATES, sample_truncated, truncates
 
 
 @dataclass
@@ -85,7 +89,13 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if is_greedy(r.params)]
         process = any(penalties.needs_processing(r) for r in rows)
 
-        if len(greedy) == len(rows) and not process:
+        picked, u = None, None
+        if not greedy and not process and truncates(rows, logits.shape[1]):
+            u = self._uniforms(list(rows), logits.device, logits.dtype)
+            picked = sample_truncated(logits, rows, u)  # None: the general path below
+        if picked is not None:
+            tokens = picked
+        elif len(greedy) == len(rows) and not process:
             tokens = first_argmax(logits)
         else:
             x = logits.clone(memory_format=torch.contiguous_format)
@@ -96,7 +106,9 @@ class Sampler:
                 g_idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
                 tokens.index_copy_(0, g_idx, first_argmax(x.index_select(0, g_idx)))
             sampled = [i for i in range(len(rows)) if not is_greedy(rows[i].params)]
-            if sampled:
+            if len(sampled) == len(rows):  # x is this call's own copy: no second one
+                tokens = self._sample(x, list(rows), u)
+            elif sampled:
                 s_idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
                 picked = self._sample(x.index_select(0, s_idx), [rows[i] for i in sampled])
                 tokens.index_copy_(0, s_idx, picked)
@@ -135,37 +147,49 @@ class Sampler:
     def _probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k/top-p, min-p and softmax over processed logits ``x`` (changed in
         place) of non-greedy rows."""
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype,
-                             device=x.device)
-        x.div_(temps.unsqueeze(1))
-        _top_k_top_p(x, rows)
-        _min_p(x, rows)
-        return torch.softmax(x, dim=-1)
+        _temperature(x, rows)
+        return _truncated_probs(x, rows)
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Sample one token per row of ``x`` (processed logits of non-greedy rows)."""
-        dev = x.device
-        cdf = self._probs(x, rows).cumsum_(dim=-1)
-        u = torch.empty(len(rows), dtype=cdf.dtype, device=dev)
-        shared = [k for k, r in enumerate(rows) if r.generator is None]
-        if len(shared) == len(rows):
-            u.uniform_(generator=self._generator(dev))
-        else:
-            if shared:
-                s_idx = torch.tensor(shared, dtype=torch.long, device=dev)
-                part = torch.empty(len(shared), dtype=cdf.dtype, device=dev)
-                u.index_copy_(0, s_idx, part.uniform_(generator=self._generator(dev)))
-            for k, r in enumerate(rows):
-                if r.generator is not None:
-                    g = r.generator
-                    u[k] = torch.empty(1, dtype=cdf.dtype, device=g.device).uniform_(
-                        generator=g).to(dev)[0]
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow],
+                u: torch.Tensor | None = None) -> torch.Tensor:
+        """Sample one token per row of ``x`` (processed logits of non-greedy rows, changed in
+        place) with the uniforms ``u`` (drawn here when None): within the candidates when
+        every row truncates its vocabulary (engine/sampling/truncated.py), else over the
+        masked row."""
+        if u is None:
+            u = self._uniforms(rows, x.device, x.dtype)
+            if truncates(rows, x.shape[1]):
+                picked = sample_truncated(x, rows, u)
+                if picked is not None:
+                    return picked
+        _temperature(x, rows)
+        cdf = _truncated_probs(x, rows).cumsum_(dim=-1)
         # Inverse CDF: the first index whose cdf reaches v * total, with v = 1 - u in (0, 1].
         # A token of zero probability is never that index (its cdf equals its predecessor's,
         # and v > 0 excludes a zero-probability first token); v <= 1 keeps it inside the row.
         target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
         picked = torch.searchsorted(cdf, target).squeeze(1)
         return picked.clamp_(max=x.shape[1] - 1)
+
+    def _uniforms(self, rows: list[SamplingRow], dev: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """One uniform per row: a seeded row's from its own generator, the others' from the
+        Sampler's (in one draw)."""
+        u = torch.empty(len(rows), dtype=dtype, device=dev)
+        shared = [k for k, r in enumerate(rows) if r.generator is None]
+        if len(shared) == len(rows):
+            u.uniform_(generator=self._generator(dev))
+        else:
+            if shared:
+                s_idx = torch.tensor(shared, dtype=torch.long, device=dev)
+                part = torch.empty(len(shared), dtype=dtype, device=dev)
+                u.index_copy_(0, s_idx, part.uniform_(generator=self._generator(dev)))
+            for k, r in enumerate(rows):
+                if r.generator is not None:
+                    g = r.generator
+                    u[k] = torch.empty(1, dtype=dtype, device=g.device).uniform_(
+                        generator=g).to(dev)[0]
+        return u
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
@@ -187,6 +211,18 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top)
 
 
+def _temperature(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
+    x.div_(temps.unsqueeze(1))
+
+
+def _truncated_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Top-k/top-p, min-p (``x`` masked in place) and the softmax over the whole row."""
+    _top_k_top_p(x, rows)
+    _min_p(x, rows)
+    return torch.softmax(x, dim=-1)
+
+
 def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Mask (to -inf, in place) tokens outside each row's top-k and then its top-p nucleus.
 
@@ -205,7 +241,7 @@ def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     ps = [rows[k].params.top_p for k in sel]
     if all(p >= 1.0 for p in ps):
         # top-k only: a partial selection is much cheaper than sorting the vocabulary.
-        kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+        kth = top_candidates(sub, int(ks.max()))[0].gather(1, (ks - 1).unsqueeze(1))
         sub.masked_fill_(sub < kth, float("-inf"))
     else:
         sub = _nucleus(sub, ks, torch.tensor(ps, dtype=x.dtype, device=dev))
@@ -215,16 +251,16 @@ def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
 # Sorting a whole vocabulary costs far more than an argmax on a CPU
 # (docs/performance.md#greedy-argmax). The nucleus of a language model
 # almost always lies within its few hundred most likely tokens, so top-p first looks there
-# and sorts the whole row only when those candidates hold less than top_p of the mass.
-_NUCLEUS_CANDIDATES = 512
+# (NUCLEUS_CANDIDATES) and sorts the whole row only when those candidates hold less than
+# top_p of the mass.
 
 
 def _nucleus(sub: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """Logits ``sub`` with everything outside top-k (``ks``), then top-p (``ps``), at -inf."""
     vocab = sub.shape[1]
     ks_list = ks.tolist()
-    n_cand = min(vocab, max([_NUCLEUS_CANDIDATES] + [k for k in ks_list if k < vocab]))
-    vals, order = sub.topk(n_cand, dim=-1)  # sorted, most likely first
+    n_cand = min(vocab, max([NUCLEUS_CANDIDATES] + [k for k in ks_list if k < vocab]))
+    vals, order = top_candidates(sub, n_cand)  # sorted, most likely first
     kth = vals.gather(1, (ks.clamp(max=n_cand) - 1).unsqueeze(1))
     vals.masked_fill_((vals < kth) & (ks < vocab).unsqueeze(1), float("-inf"))
     # Probabilities under the top-k-restricted distribution: for a top-k row all its mass is
