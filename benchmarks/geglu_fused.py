@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.timing import best_seconds  # noqa: E402
 from engine.cpu.kernels import load  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps  # noqa: E402
@@ -30,13 +31,7 @@ from engine.sampling.params import SamplingParams  # noqa: E402
 
 
 def _best_ms(f, reps: int = 20) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    return best_seconds(f, reps) * 1e3
 
 
 def main() -> None:

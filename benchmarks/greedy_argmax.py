@@ -29,6 +29,7 @@ from tqdm import tqdm  # noqa: E402
 import engine.sampling.argmax as argmax_module  # noqa: E402
 import engine.sampling.sampler as sampler_module  # noqa: E402
 from benchmarks.startup_time import isa  # noqa: E402
+from benchmarks.timing import best_seconds  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loading.embedded import embedded_gguf_path  # noqa: E402
 from engine.sampling.argmax import first_argmax  # noqa: E402
@@ -43,13 +44,7 @@ SIDES = {"max(dim=-1)": single_pass, "two passes": first_argmax}
 
 
 def _best_us(f, reps: int = 50) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e6
+    return best_seconds(f, reps) * 1e6
 
 
 # (rows, logits per row): the three vocabularies, and the region around the rule's border.
