@@ -2,7 +2,7 @@
 (engine/sampling/truncated.py, engine/sampling/candidates.py) against the general path over
 the masked full row (what served before), in one process, alternated.
 
-    PYTHONPATH=. python benchmarks/sampling_cost.py [--repeats 20]
+    PYTHONPATH=. python benchmarks/sampling_cost.py [--repeats 20] [--model F.gguf --rounds 5]
 
 Logits shaped like a language model's (probabilities ~ rank^-1.2 at shuffled positions), the
 vocabularies of SmolLM2 (49,152) and Gemma 3 (262,144), 1 and 16 rows, three settings:
@@ -10,6 +10,11 @@ Gemma's generation defaults (temperature 1, top-k 64, top-p 0.95, applied to eve
 that sets none), a chat client's temperature 0.7 / top-p 0.9, and top-k 40. Medians of
 ``--repeats`` calls; tokens of seeded rows compared (equal but where a uniform falls within
 float rounding of a boundary).
+
+With ``--model``: the engine's decode steps too, 16 streams (128 prompt tokens, 64 sampled
+tokens with Gemma's defaults, seeded), the sampler's rule switched between the two, medians of
+``--rounds`` per generated token (``benchmarks/gemma3_gguf.py`` writes a Gemma 3 270M-shaped
+file: 262,144 logits).
 """
 
 from __future__ import annotations
@@ -51,9 +56,50 @@ def rows_of(n: int, params: dict, seed0: int) -> list[SamplingRow]:
             for i in range(n)]
 
 
+def engine_ab(model: str, rounds: int) -> None:
+    import random
+
+    from engine.llm import LLM
+
+    llm = LLM(model, kv_cache_dtype="float16", enable_prefix_caching=False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(128)] for _ in range(16)]
+    steps = 64
+    truncates = sampler_module.truncates
+    sides = {"general": lambda *_: False, "candidates": truncates}
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    tokens: dict[str, list] = {}
+
+    def params(n: int) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=n, ignore_eos=True, seed=i,
+                               **SETTINGS["Gemma defaults (t 1, top-k 64, top-p 0.95)"])
+                for i in range(len(prompts))]
+
+    llm.generate(prompts, params(4))
+    try:
+        for r in tqdm(range(rounds), desc="engine, 16 streams, both sides in turn"):
+            for side, rule in list(sides.items())[::1 if r % 2 else -1]:
+                sampler_module.truncates = rule
+                t0 = time.perf_counter()
+                llm.generate(prompts, params(1))
+                t1 = time.perf_counter()
+                out = llm.generate(prompts, params(steps))
+                t2 = time.perf_counter()
+                times[side].append(((t2 - t1) - (t1 - t0)) / (steps - 1))
+                tokens.setdefault(side, [o.outputs[0].token_ids for o in out])
+    finally:
+        sampler_module.truncates = truncates
+    a, b = (statistics.median(times[s]) * 1e3 for s in sides)
+    same = sum(x == y for x, y in zip(tokens["general"], tokens["candidates"]))
+    print(f"engine, 16 streams, Gemma defaults, decode step: general {a:.2f} ms, candidates "
+          f"{b:.2f} ms: {a / b:.3f}x; sequences equal {same}/{len(prompts)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--model", default=None, help="a GGUF: also the engine's decode steps")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     print(f"ISA {isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     truncates = sampler_module.truncates
@@ -79,6 +125,8 @@ def main() -> None:
                 same = sum(p == q for p, q in zip(tokens["general"], tokens["candidates"]))
                 print(f"{vocab:7,d} x {n:2d} {name:42s}: general {a:7.2f} ms, candidates "
                       f"{b:6.2f} ms: {a / b:5.2f}x; tokens equal {same}/{len(tokens['general'])}")
+    if args.model:
+        engine_ab(args.model, args.rounds)
 
 
 if __name__ == "__main__":
