@@ -27,8 +27,11 @@ import torch
 from engine.sampling.candidates import top_candidates
 from engine.sampling.row import SamplingRow
 
-# The nucleus of a language model almost always lies within its few hundred most likely
-# tokens: top-p looks there first (the general path too).
+# The nucleus of a language model almost always lies within its few dozen most likely tokens,
+# nearly always within a few hundred: a top-p row without top-k looks among its NUCLEUS_FIRST
+# largest logits, then its NUCLEUS_CANDIDATES largest (the general path's first look), then
+# the general path sorts the row.
+NUCLEUS_FIRST = 64
 NUCLEUS_CANDIDATES = 512
 
 
@@ -44,31 +47,28 @@ def sample_truncated(x: torch.Tensor, rows: Sequence[SamplingRow],
     some top-p row's nucleus is not among its candidates (module docstring). The temperature
     divides the candidates only (the same floats as dividing the row, then selecting), and
     the whole rows of top-p rows without top-k (their mass)."""
-    rows_n, vocab = x.shape
+    vocab = x.shape[1]
     dev = x.device
     ks_list = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-    # a top-k row needs its k candidates; a top-p row without one, NUCLEUS_CANDIDATES
-    n = min(vocab, max(k if k < vocab else NUCLEUS_CANDIDATES for k in ks_list))
     temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype,
                          device=dev).unsqueeze(1)
-    vals, order = top_candidates(x, n)
-    vals.div_(temps)
     ks = torch.tensor(ks_list, dtype=torch.long, device=dev)
-    top_k = ks < vocab
-    kth = vals.gather(1, (ks.clamp(max=n) - 1).unsqueeze(1))
-    vals.masked_fill_((vals < kth) & top_k.unsqueeze(1), float("-inf"))
-    # Top-p's mass: within the top-k for top-k rows, over the whole row for the others.
-    lse = torch.logsumexp(vals, dim=-1)
-    for i in (~top_k).nonzero().flatten().tolist():  # a row at a time: one row's temporary
-        lse[i] = torch.logsumexp(x[i] / temps[i], dim=-1)
-    probs = (vals - lse.unsqueeze(1)).exp_()
-    cum = probs.cumsum(dim=-1)
     ps = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype, device=dev)
-    if bool(((~top_k) & (cum[:, -1] < ps)).any()):
+    # Top-p's mass: within the top-k for top-k rows, over the whole row for the others.
+    whole = torch.full((len(rows),), float("nan"), dtype=x.dtype, device=dev)
+    for i, k in enumerate(ks_list):
+        if k == vocab:  # a row at a time: one row's temporary
+            whole[i] = torch.logsumexp(x[i] / temps[i], dim=-1)
+    kept = None
+    for look in (NUCLEUS_FIRST, NUCLEUS_CANDIDATES):
+        # a top-k row needs its k candidates; a top-p row without one, ``look``
+        n = min(vocab, max(k if k < vocab else look for k in ks_list))
+        kept = _nucleus_among(x, n, temps, ks, ps, whole)
+        if kept is not None or n == vocab or all(k < vocab for k in ks_list):
+            break
+    if kept is None:
         return None  # a nucleus beyond the candidates: the general path's full sort
-    # The first candidate always stays (nothing before it); p = 1 keeps everything.
-    ps = torch.where(ps < 1.0, ps, torch.inf)
-    vals.masked_fill_(cum - probs >= ps.unsqueeze(1), float("-inf"))
+    vals, order = kept
     mins = [r.params.min_p for r in rows]
     if any(m > 0.0 for m in mins):  # below min_p x the largest kept probability
         ratio = (vals - vals[:, :1]).exp_()
@@ -78,5 +78,28 @@ def sample_truncated(x: torch.Tensor, rows: Sequence[SamplingRow],
     ids, perm = order.sort(dim=-1)
     cdf = torch.softmax(vals, dim=-1).gather(1, perm).cumsum_(dim=-1)
     target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
-    at = torch.searchsorted(cdf, target).clamp_(max=n - 1)
+    at = torch.searchsorted(cdf, target).clamp_(max=vals.shape[1] - 1)
     return ids.gather(1, at).squeeze(1)
+
+
+def _nucleus_among(x: torch.Tensor, n: int, temps: torch.Tensor, ks: torch.Tensor,
+                   ps: torch.Tensor, whole: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``n`` largest logits of each row divided by its temperature, with -inf outside its
+    top-k and then its top-p (``whole``: the log of a row's total mass where it has no top-k),
+    and their indices; None when a top-p row without top-k needs more than ``n``."""
+    vocab = x.shape[1]
+    vals, order = top_candidates(x, n)
+    vals.div_(temps)
+    top_k = ks < vocab
+    kth = vals.gather(1, (ks.clamp(max=n) - 1).unsqueeze(1))
+    vals.masked_fill_((vals < kth) & top_k.unsqueeze(1), float("-inf"))
+    lse = torch.where(top_k, torch.logsumexp(vals, dim=-1), whole)
+    probs = (vals - lse.unsqueeze(1)).exp_()
+    cum = probs.cumsum(dim=-1)
+    if bool(((~top_k) & (cum[:, -1] < ps)).any()):
+        return None
+    # The first candidate always stays (nothing before it); p = 1 keeps everything.
+    cut = torch.where(ps < 1.0, ps, torch.inf)
+    vals.masked_fill_(cum - probs >= cut.unsqueeze(1), float("-inf"))
+    return vals, order

@@ -91,3 +91,25 @@ def test_logits_unchanged_and_seeded_rows_batch_invariant():
     alone = [Sampler()(x[i:i + 1], _rows(1, seed0=7 + i, **params)).token_ids[0]
              for i in range(6)]
     assert batch == alone
+
+
+def test_nucleus_beyond_the_first_look_takes_the_second(monkeypatch):
+    """200 tokens of equal weight hold ~95% of the mass: top-p 0.9 needs ~190 of them, more
+    than NUCLEUS_FIRST and fewer than NUCLEUS_CANDIDATES."""
+    from engine.sampling.truncated import NUCLEUS_CANDIDATES, NUCLEUS_FIRST
+
+    vocab = 65_536
+    x = torch.full((8, vocab), -10.0)
+    g = torch.Generator().manual_seed(4)
+    for r in range(8):
+        x[r, torch.randperm(vocab, generator=g)[:200]] = 0.0
+    rows = _rows(8, seed0=50, temperature=1.0, top_p=0.9)
+    assert NUCLEUS_FIRST < 190 < NUCLEUS_CANDIDATES
+    assert sample_truncated(x, rows, torch.full((8,), 0.3)) is not None
+    fast = [Sampler()(x, _rows(8, seed0=50 + d, temperature=1.0, top_p=0.9)).token_ids
+            for d in range(20)]
+    assert all(x[i, t] == 0.0 for draw in fast for i, t in enumerate(draw))
+    _general(monkeypatch)
+    slow = [Sampler()(x, _rows(8, seed0=50 + d, temperature=1.0, top_p=0.9)).token_ids
+            for d in range(20)]
+    assert sum(a == b for f, s in zip(fast, slow) for a, b in zip(f, s)) >= 159
