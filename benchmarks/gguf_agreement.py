@@ -6,7 +6,11 @@ the tiny random models the tests build (their logits nearly tied), kvserve's def
 (batch-invariant serving: prompts run on the int8-activation kernels, as llama.cpp's CPU
 matmuls quantise activations to 8 bits too) lands below that while ``batch_invariant=False``
 (float prefill) and ``quantization=none`` agree fully. This puts llama.cpp on the same
-yardstick, so the figure says whether the gap is kvserve's or the files'.
+yardstick, so the figure says whether the gap is kvserve's or the files'; so does a column
+with HF's own forward pass with its linears' inputs rounded to 8 bits per 32 (the rounding
+alone, no engine). ``--trained STEPS`` trains each tiny model on the repository's docs first
+(benchmarks/tiny_training.py) and measures over English text: a model whose logits are not
+nearly tied.
 
 For each file (``tests/models/gemma_gguf.py``: Gemma 2 and Gemma 3, Q4_0 projections and a
 Q8_0 token table; ``tests/models/moe_gguf.py``: Qwen3-MoE and Mixtral, Q4_0/Q8_0 experts):
@@ -16,7 +20,8 @@ logprobs; llama-server's (``benchmarks/serving.py``'s ``find_llama_server`` unle
 ``--llama-server``) from one request per prefix (``n_predict`` 1, greedy, prompt as token ids,
 its prompt cache reusing the shared prefix).
 
-    PYTHONPATH=. python benchmarks/gguf_agreement.py [--llama-server PATH] [--json OUT]
+    PYTHONPATH=. python benchmarks/gguf_agreement.py [--trained 300] [--llama-server PATH]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -44,15 +49,24 @@ CONFIGS = {  # kvserve's configurations: LLM keyword arguments
 }
 
 
-def write_file(model: str, tmp: Path) -> tuple[Path, list[int], list[int]]:
-    """The GGUF, the token sequence and HF's argmax after each prefix."""
+def write_file(model: str, tmp: Path, trained: int = 0):
+    """The GGUF, the token sequence and the HF model over the file's weights. ``trained``: so
+    many training steps (benchmarks/tiny_training.py) from HF's own initialisation first, and
+    the sequence is then the fixed English text of the tests, else random token ids."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.loading.loader import load_tokenizer, resolve_model
+    from tests.models.teacher_forced import TEXT
 
     if model.startswith("gemma"):
         from tests.models.gemma_gguf import SOFTCAPS, tiny_gemma_hf, write_gemma_gguf
 
         path = tmp / f"tiny-{model}.Q4_0.gguf"
-        write_gemma_gguf(tiny_gemma_hf(model), path)
+        weights = tiny_gemma_hf(model)
+        write_gemma_gguf(weights, path)
+        if trained:
+            weights = _trained(weights.config, path, trained)
+            write_gemma_gguf(weights, path)
         config = AutoConfig.from_pretrained(tmp, gguf_file=path.name)
         if model == "gemma2":
             for key, value in SOFTCAPS.items():
@@ -61,16 +75,58 @@ def write_file(model: str, tmp: Path) -> tuple[Path, list[int], list[int]]:
                                                   dtype=torch.float32).eval()
         vocab, first = config.vocab_size, 6
     else:
-        from tests.models.moe_gguf import write_moe_gguf
+        from tests.models.moe_gguf import tiny_moe_model, write_moe_gguf
 
         path = tmp / f"tiny-{model}.gguf"
         _, hf = write_moe_gguf(path, model)
+        if trained:
+            _, hf = write_moe_gguf(path, model,
+                                   _trained(tiny_moe_model(model).config, path, trained))
         vocab, first = hf.config.vocab_size, 3
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(first, vocab, (96,), generator=gen).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
-    return path, ids, ref
+    if trained:
+        tok = load_tokenizer(resolve_model(str(path), progress=False))
+        ids = tok.encode(TEXT, add_special_tokens=False)[:200]
+    else:
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(first, vocab, (96,), generator=gen).tolist()
+    return path, ids, hf
+
+
+def _trained(config, path: Path, steps: int):
+    """A model of ``config`` from HF's own initialisation (seed 0), trained ``steps`` steps on
+    the docs, tokenised by the tokenizer of the GGUF at ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.tiny_training import docs_tokens, train
+    from engine.loading.loader import load_tokenizer, resolve_model
+
+    tokens = docs_tokens(load_tokenizer(resolve_model(str(path), progress=False)))
+    torch.manual_seed(0)
+    return train(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokens, steps)
+
+
+def hf_top1(hf, ids: list[int], int8_activations: bool = False) -> list[int]:
+    """HF's argmax after each prefix; ``int8_activations``: every ``nn.Linear``'s input first
+    rounded to 8 bits per 32 values as llama.cpp's Q8_0 (scale amax / 127), what kvserve's
+    default and llama.cpp's CPU matmuls compute with (transformers' MoE experts are not
+    ``nn.Linear`` modules: their inputs stay float)."""
+    linear = torch.nn.Linear.forward
+
+    def rounded(self, x):
+        if x.shape[-1] % 32:
+            return linear(self, x)
+        v = x.reshape(-1, 32)
+        d = v.abs().amax(-1, keepdim=True) / 127
+        q = torch.where(d > 0, torch.round(v / torch.where(d > 0, d, 1)), 0)
+        return linear(self, (q * d).reshape(x.shape))
+
+    if int8_activations:
+        torch.nn.Linear.forward = rounded
+    try:
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+    finally:
+        torch.nn.Linear.forward = linear
 
 
 def kvserve_top1(path: Path, ids: list[int], **kw) -> list[int]:
@@ -109,6 +165,9 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, default=None,
                     help="default: the one benchmarks/vs_llamacpp.sh builds")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
+                    help="train each tiny model so many steps on docs/*.md first (300: "
+                         "seconds to a minute each); the sequence is then English text")
     args = ap.parse_args()
     binary = args.llama_server or find_llama_server()
     rows = []
@@ -116,8 +175,11 @@ def main() -> None:
         for model in tqdm(MODELS, desc="models", unit="file"):
             sub = Path(tmp) / model
             sub.mkdir()
-            path, ids, ref = write_file(model, sub)
-            row = {"model": model, "positions": len(ref)}
+            path, ids, hf = write_file(model, sub, args.trained)
+            ref = hf_top1(hf, ids)
+            row = {"model": model, "positions": len(ref), "trained steps": args.trained}
+            got = hf_top1(hf, ids, int8_activations=True)
+            row["HF, 8-bit activations"] = sum(a == b for a, b in zip(got, ref)) / len(ref)
             for name, kw in CONFIGS.items():
                 got = kvserve_top1(path, ids, **kw)
                 row[name] = sum(a == b for a, b in zip(got, ref)) / len(ref)
@@ -126,7 +188,7 @@ def main() -> None:
                 row["llama-server"] = (got if isinstance(got, str) else
                                        sum(a == b for a, b in zip(got, ref)) / len(ref))
             rows.append(row)
-    cols = [*CONFIGS, "llama-server"]
+    cols = [*CONFIGS, "HF, 8-bit activations", "llama-server"]
     print(f"\n| model (positions) | {' | '.join(cols)} |\n|---|{'---:|' * len(cols)}")
     for r in rows:
         cells = [r.get(c, "not run") for c in cols]

@@ -48,12 +48,13 @@ def tiny_moe_model(model_type: str, seed: int = 0):
     return model
 
 
-def write_moe_gguf(path: Path, model_type: str):
-    """Write the GGUF (module docstring); returns ``(hf_model, reference)``."""
+def write_moe_gguf(path: Path, model_type: str, model=None):
+    """Write the GGUF (module docstring) of ``model`` (default: ``tiny_moe_model``'s); returns
+    ``(hf_model, reference)``."""
     import gguf
 
     q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
-    model = tiny_moe_model(model_type)
+    model = tiny_moe_model(model_type) if model is None else model
     reference = copy.deepcopy(model)
     ref = dict(reference.named_parameters())
     cfg = model.config
