@@ -9,7 +9,7 @@ matmuls quantise activations to 8 bits too) lands below that while ``batch_invar
 yardstick, so the figure says whether the gap is kvserve's or the files'; so does a column
 with HF's own forward pass with its linears' inputs rounded to 8 bits per 32 (the rounding
 alone, no engine). ``--trained STEPS`` trains each tiny model on the repository's docs first
-(benchmarks/tiny_training.py) and measures over English text: a model whose logits are not
+(tests/models/tiny_training.py) and measures over English text: a model whose logits are not
 nearly tied.
 
 For each file (``tests/models/gemma_gguf.py``: Gemma 2 and Gemma 3, Q4_0 projections and a
@@ -51,7 +51,7 @@ CONFIGS = {  # kvserve's configurations: LLM keyword arguments
 
 def write_file(model: str, tmp: Path, trained: int = 0):
     """The GGUF, the token sequence and the HF model over the file's weights. ``trained``: so
-    many training steps (benchmarks/tiny_training.py) from HF's own initialisation first, and
+    many training steps (tests/models/tiny_training.py) from HF's own initialisation first, and
     the sequence is then the fixed English text of the tests, else random token ids."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -97,8 +97,8 @@ def _trained(config, path: Path, steps: int):
     the docs, tokenised by the tokenizer of the GGUF at ``path``."""
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.tiny_training import docs_tokens, train
     from engine.loading.loader import load_tokenizer, resolve_model
+    from tests.models.tiny_training import docs_tokens, train
 
     tokens = docs_tokens(load_tokenizer(resolve_model(str(path), progress=False)))
     torch.manual_seed(0)

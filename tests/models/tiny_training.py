@@ -1,8 +1,8 @@
 """Tiny models that have learned something: a few hundred AdamW steps of next-token prediction
 on the repository's own docs (docs/*.md, ~190k tokens of English), for measurements whose
-random-weight versions are dominated by near-tied logits (benchmarks/gguf_agreement.py
-``--trained``). Seconds to a minute a model on two cores; deterministic for a seed on one
-machine."""
+random-weight versions are dominated by near-tied logits (tests/models/test_moe_gguf.py,
+benchmarks/gguf_agreement.py ``--trained``). Seconds to a minute a model on two cores;
+deterministic for a seed on one machine."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def docs_tokens(tokenizer) -> torch.Tensor:
