@@ -18,7 +18,6 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,7 +28,7 @@ from tqdm import tqdm  # noqa: E402
 import engine.sampling.argmax as argmax_module  # noqa: E402
 import engine.sampling.sampler as sampler_module  # noqa: E402
 from benchmarks.startup_time import isa  # noqa: E402
-from benchmarks.timing import best_seconds  # noqa: E402
+from benchmarks.timing import best_seconds, decode_step_seconds  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loading.embedded import embedded_gguf_path  # noqa: E402
 from engine.sampling.argmax import first_argmax  # noqa: E402
@@ -87,13 +86,8 @@ def engine_ab(model: str, steps: int, rounds: int) -> None:
             for r in tqdm(range(rounds), desc=f"{streams} stream(s), both sides in turn"):
                 for side, f in list(SIDES.items())[::1 if r % 2 else -1]:  # ABBA order
                     sampler_module.first_argmax = f
-                    t0 = time.perf_counter()
-                    llm.generate(prompts, first)
-                    t1 = time.perf_counter()
-                    out = llm.generate(prompts, params)
-                    t2 = time.perf_counter()
-                    # the prefill's cost taken out: per decode step
-                    runs[side].append(((t2 - t1) - (t1 - t0)) / (steps - 1))
+                    step, out = decode_step_seconds(llm, prompts, first, params, steps)
+                    runs[side].append(step)
                     tokens.setdefault(side, [o.outputs[0].token_ids for o in out])
         finally:
             sampler_module.first_argmax = first_argmax

@@ -32,6 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 import engine.sampling.sampler as sampler_module  # noqa: E402
 from benchmarks.startup_time import isa  # noqa: E402
+from benchmarks.timing import decode_step_seconds  # noqa: E402
 from engine.sampling.params import SamplingParams  # noqa: E402
 from engine.sampling.row import SamplingRow  # noqa: E402
 from engine.sampling.sampler import Sampler  # noqa: E402
@@ -80,12 +81,8 @@ def engine_ab(model: str, rounds: int) -> None:
         for r in tqdm(range(rounds), desc="engine, 16 streams, both sides in turn"):
             for side, rule in list(sides.items())[::1 if r % 2 else -1]:
                 sampler_module.truncates = rule
-                t0 = time.perf_counter()
-                llm.generate(prompts, params(1))
-                t1 = time.perf_counter()
-                out = llm.generate(prompts, params(steps))
-                t2 = time.perf_counter()
-                times[side].append(((t2 - t1) - (t1 - t0)) / (steps - 1))
+                step, out = decode_step_seconds(llm, prompts, params(1), params(steps), steps)
+                times[side].append(step)
                 tokens.setdefault(side, [o.outputs[0].token_ids for o in out])
     finally:
         sampler_module.truncates = truncates

@@ -16,3 +16,15 @@ def best_seconds(f: Callable[[], object], reps: int = 20) -> float:
         f()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def decode_step_seconds(llm, prompts, first, full, steps: int) -> tuple[float, list]:
+    """Seconds per decode step of ``llm.generate(prompts, full)`` (``steps`` tokens each) with
+    the prefill's cost taken out: a run of ``first`` (one token) just before is subtracted.
+    Returns it and the full run's outputs."""
+    t0 = time.perf_counter()
+    llm.generate(prompts, first)
+    t1 = time.perf_counter()
+    out = llm.generate(prompts, full)
+    t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / (steps - 1), out
