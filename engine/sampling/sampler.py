@@ -36,7 +36,13 @@ from engine.sampling.candidates import top_candidates
 from engine.sampling.params import SamplingParams
 from engine.sampling.prompt_logprobs import add_top_entries
 from engine.sampling.row import SamplingRow
-from engine.sampling.truncated import NUCLEUS_CANDIDATES, sample_truncated, truncates
+from engine.sampling.truncated import (
+    NUCLEUS_CANDIDATES,
+    inverse_cdf,
+    mask_candidates,
+    sample_truncated,
+    truncates,
+)
 
 
 @dataclass
@@ -163,13 +169,7 @@ class Sampler:
                 if picked is not None:
                     return picked
         _temperature(x, rows)
-        cdf = _truncated_probs(x, rows).cumsum_(dim=-1)
-        # Inverse CDF: the first index whose cdf reaches v * total, with v = 1 - u in (0, 1].
-        # A token of zero probability is never that index (its cdf equals its predecessor's,
-        # and v > 0 excludes a zero-probability first token); v <= 1 keeps it inside the row.
-        target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
-        picked = torch.searchsorted(cdf, target).squeeze(1)
-        return picked.clamp_(max=x.shape[1] - 1)
+        return inverse_cdf(_truncated_probs(x, rows).cumsum_(dim=-1), u)
 
     def _uniforms(self, rows: list[SamplingRow], dev: torch.device,
                   dtype: torch.dtype) -> torch.Tensor:
@@ -261,20 +261,10 @@ def _nucleus(sub: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Ten
     ks_list = ks.tolist()
     n_cand = min(vocab, max([NUCLEUS_CANDIDATES] + [k for k in ks_list if k < vocab]))
     vals, order = top_candidates(sub, n_cand)  # sorted, most likely first
-    kth = vals.gather(1, (ks.clamp(max=n_cand) - 1).unsqueeze(1))
-    vals.masked_fill_((vals < kth) & (ks < vocab).unsqueeze(1), float("-inf"))
-    # Probabilities under the top-k-restricted distribution: for a top-k row all its mass is
-    # among the candidates; otherwise normalise over the whole row.
-    lse = torch.where(ks < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(sub, dim=-1))
-    probs = (vals - lse.unsqueeze(1)).exp()
-    cum = probs.cumsum(dim=-1)
-    before = cum - probs  # mass of the strictly more likely candidates
-    # The first token always stays (before == 0 < top_p). Rows here only for their top-k must
-    # keep their whole tail: rounding can push a float cumsum to 1.0 early.
-    ps = torch.where(ps < 1.0, ps, torch.inf)
-    vals.masked_fill_(before >= ps.unsqueeze(1), float("-inf"))
+    # For a top-k row all its mass is among the candidates; otherwise the whole row's.
+    short = mask_candidates(vals, ks, ps, vocab, torch.logsumexp(sub, dim=-1))
     out = torch.full_like(sub, float("-inf")).scatter_(1, order, vals)
-    short = ((ks >= vocab) & (cum[:, -1] < ps)).nonzero().flatten()
+    short = short.nonzero().flatten()
     if short.numel():
         # Candidates hold less than top_p of the mass: the nucleus needs the full sort.
         s = sub.index_select(0, short)

@@ -77,9 +77,7 @@ def sample_truncated(x: torch.Tensor, rows: Sequence[SamplingRow],
     # The inverse CDF over the kept candidates in vocabulary order, as over the masked row.
     ids, perm = order.sort(dim=-1)
     cdf = torch.softmax(vals, dim=-1).gather(1, perm).cumsum_(dim=-1)
-    target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
-    at = torch.searchsorted(cdf, target).clamp_(max=vals.shape[1] - 1)
-    return ids.gather(1, at).squeeze(1)
+    return ids.gather(1, inverse_cdf(cdf, u).unsqueeze(1)).squeeze(1)
 
 
 def _nucleus_among(x: torch.Tensor, n: int, temps: torch.Tensor, ks: torch.Tensor,
@@ -88,18 +86,37 @@ def _nucleus_among(x: torch.Tensor, n: int, temps: torch.Tensor, ks: torch.Tenso
     """The ``n`` largest logits of each row divided by its temperature, with -inf outside its
     top-k and then its top-p (``whole``: the log of a row's total mass where it has no top-k),
     and their indices; None when a top-p row without top-k needs more than ``n``."""
-    vocab = x.shape[1]
     vals, order = top_candidates(x, n)
     vals.div_(temps)
+    if bool(mask_candidates(vals, ks, ps, x.shape[1], whole).any()):
+        return None
+    return vals, order
+
+
+def mask_candidates(vals: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, vocab: int,
+                    whole: torch.Tensor) -> torch.Tensor:
+    """Set to -inf (in place) the candidates ``vals`` ([rows, n], largest first, temperature
+    applied) outside each row's top-k (``ks``; ``vocab``: none), then outside its top-p
+    (``ps``): the smallest prefix whose mass reaches p, the mass within the top-k for a top-k
+    row, else over the whole row (``whole``: the log of its total). Returns the rows (bool)
+    whose candidates hold less than their top-p: their nucleus may extend beyond them."""
     top_k = ks < vocab
-    kth = vals.gather(1, (ks.clamp(max=n) - 1).unsqueeze(1))
+    kth = vals.gather(1, (ks.clamp(max=vals.shape[1]) - 1).unsqueeze(1))
     vals.masked_fill_((vals < kth) & top_k.unsqueeze(1), float("-inf"))
     lse = torch.where(top_k, torch.logsumexp(vals, dim=-1), whole)
     probs = (vals - lse.unsqueeze(1)).exp_()
     cum = probs.cumsum(dim=-1)
-    if bool(((~top_k) & (cum[:, -1] < ps)).any()):
-        return None
-    # The first candidate always stays (nothing before it); p = 1 keeps everything.
+    # The first candidate always stays (nothing before it). Rows here only for their top-k
+    # keep their whole tail: rounding can push a float cumsum to 1.0 early.
     cut = torch.where(ps < 1.0, ps, torch.inf)
     vals.masked_fill_(cum - probs >= cut.unsqueeze(1), float("-inf"))
-    return vals, order
+    return (~top_k) & (cum[:, -1] < ps)
+
+
+def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``cdf`` ([rows, n], non-decreasing), the first position whose value reaches
+    ``(1 - u) x`` the row's total. With v = 1 - u in (0, 1], a position of zero probability is
+    never it (its cdf equals its predecessor's, and v > 0 excludes a zero-probability first
+    position); v <= 1 keeps it inside the row."""
+    target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=cdf.shape[1] - 1)
