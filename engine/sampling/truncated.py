@@ -7,15 +7,15 @@ and the cumulative sum over the whole row and searches it for ``(1 - u) x total`
 passes and three row-sized temporaries (each a fresh allocation that faults its pages in).
 When every row keeps only part of its vocabulary (top-k below the vocabulary, or a top-p
 whose nucleus lies within the row's largest candidates, as it almost always does for a
-language model) all of that happens within the candidates: the same masks (top-k keeps what ties the k-th candidate; top-p the smallest
-prefix of the candidates, largest first, whose mass over the WHOLE row reaches p; min-p
-against the largest kept), the softmax over the kept candidates, and the inverse CDF over
-them in vocabulary order, with the same uniform ``u``: the same distribution and the same
-token as the general path except where ``u`` falls within float rounding of a boundary
-between two tokens' cumulative sums (the sums are taken over fewer terms). A row whose
-candidates hold less than its top-p of the mass returns ``None`` for the whole batch: the
-general path (a full sort) serves it. ``PYTHONPATH=. python benchmarks/sampling_cost.py``
-measures both.
+language model) all of that happens within the candidates: the same masks (top-k keeps what
+ties the k-th candidate; top-p the smallest prefix of the candidates, largest first, whose
+mass over the WHOLE row reaches p; min-p against the largest kept), the softmax over the kept
+candidates, and the inverse CDF over them in vocabulary order, with the same uniform ``u``:
+the same distribution and the same token as the general path except where ``u`` falls within
+float rounding of a boundary between two tokens' cumulative sums (the sums are taken over
+fewer terms). A row whose candidates hold less than its top-p of the mass returns ``None``
+for the whole batch: the general path (a full sort) serves it. ``PYTHONPATH=. python
+benchmarks/sampling_cost.py`` measures both.
 """
 
 from __future__ import annotations
