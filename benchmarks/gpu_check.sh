@@ -3,12 +3,14 @@
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [SECTION ...]
 #
-# Sections (default: all, in this order): env decode kernels serve parity pytest sweep
+# Sections (default: all, in this order): env decode kernels moe serve parity pytest sweep
 #   env      nvidia-smi, torch / Triton / CUDA versions
 #   kernels  benchmarks/attention_kernels.py: Triton paged decode vs SDPA vs the copy bandwidth
 #   decode   an 8B-shaped model (--load-format dummy) decode step at batch 1/16/64, graphs on/off
-#   parity   tiny Llama/Mistral/Qwen2/Qwen3: fp32 greedy identical to HF (Triton backend,
-#            graphs on and off); bf16 agreement with HF's own bf16 forward
+#   moe      benchmarks/moe_paths.py: a Qwen3-30B-A3B-shaped MoE layer on the fused Triton
+#            grouped GEMMs vs the per-expert loop vs dense, eager and in CUDA graphs
+#   parity   tiny Llama/Mistral/Qwen2/Qwen3/Gemma 3/Qwen3-MoE/Mixtral: fp32 greedy identical
+#            to HF (Triton backend, graphs on and off); bf16 agreement with HF's bf16 forward
 #   serve    `kvserve serve` on the 8B shape + `kvserve bench serve` at concurrency 1/16/64
 #   pytest   tests/kernels (compiled for the GPU, not interpreted), the graph bookkeeping and
 #            the CUDA-only unit tests (host pools, copies, memory snapshot)
@@ -18,11 +20,11 @@
 # in ./.whl (installed into /tmp/site). No model is downloaded: everything runs on tiny random
 # checkpoints made on the spot and on configs/models/llama-3.1-8b with random weights.
 # Results in OUT_DIR: summary.txt, log.txt (every section's output), kernels.json, decode.json,
-# parity.json, serve.json, server.log: 7 files, no subfolders.
+# moe.json, parity.json, serve.json, server.log: 8 files, no subfolders.
 set -uo pipefail
 OUT=${1:?usage: gpu_check.sh OUT_DIR [SECTION ...]}
 shift
-SECTIONS=${*:-env decode kernels serve parity pytest sweep}
+SECTIONS=${*:-env decode kernels moe serve parity pytest sweep}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -71,8 +73,11 @@ $PY -c 'import engine, server.app; print(\"kvserve imports ok\")'"
     decode)
         run decode 90 $PY benchmarks/gpu_check.py decode --out "$OUT"
         ;;
+    moe)
+        run moe 60 $PY benchmarks/moe_paths.py --json "$OUT/moe.json"
+        ;;
     parity)
-        run parity 75 $PY benchmarks/gpu_check.py parity --out "$OUT"
+        run parity 110 $PY benchmarks/gpu_check.py parity --out "$OUT"
         ;;
     serve)
         run serve 110 $PY benchmarks/gpu_check.py serve --out "$OUT"

@@ -140,7 +140,7 @@ class CpuDecodeStack:
                        for e, m in enumerate(experts.gate_up)]
             down = [self._spec(kernels, m, f"layer {idx} expert {e} down")
                     for e, m in enumerate(experts.down)]
-        elif getattr(experts, "path", None) == "grouped" and \
+        elif getattr(experts, "path", None) in ("auto", "grouped") and \
                 experts.gate_up_proj.dtype == torch.float32:
             gate_up = [kernels.StackLinear(_FLOAT, w, None, None, None, w.shape[0])
                        for w in experts.gate_up_proj.detach()]

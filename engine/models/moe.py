@@ -16,10 +16,17 @@ Contracts:
   one gate/up matmul and one down matmul over its own rows (llama.cpp's ``mul_mat_id`` and
   vLLM's fused-MoE kernels do the same grouping). Its shapes depend on the routing (one host
   sync for the per-expert counts), so it cannot be captured in a CUDA graph.
+* The **fused** path (``kvserve_kernels.fused_moe``, float experts on a CUDA device with
+  Triton) is the same grouping as two Triton grouped GEMMs with no host sync and fixed shapes:
+  eager and captured steps alike.
 * The **dense** path (:meth:`MoeExperts.dense`) runs every expert on every token as two
   batched matmuls and weights the results by a ``[T, E]`` combine matrix that is zero off the
   chosen experts: ``E / k`` times the FLOPs, but fixed shapes. It is used while a CUDA graph is
-  being captured (and on request, ``path="dense"``, for the benchmark).
+  being captured without Triton (and on request, ``path="dense"``, for the benchmark).
+
+``MoeExperts.path``: ``"auto"`` (the default: fused on a CUDA device where Triton imports, else
+grouped), ``"grouped"``, ``"fused"`` (on a CPU only under ``TRITON_INTERPRET=1``: the kernel
+tests) or ``"dense"``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ from engine.models.layer_ops import TorchLayerOps
 from engine.models.moe_spec import MoeSpec
 
 _TORCH_OPS = TorchLayerOps()
+
+
+def _has_triton() -> bool:
+    from kvserve_kernels import HAS_TRITON
+
+    return HAS_TRITON
 
 
 def route(logits: torch.Tensor, top_k: int, normalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,11 +91,18 @@ class MoeExperts(nn.Module):
         self.num_experts, self.intermediate = num_experts, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.path = "grouped"
+        self.path = "auto"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 ops: TorchLayerOps = _TORCH_OPS) -> torch.Tensor:
-        if self.path == "dense" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        path = self.path
+        if path == "auto":
+            path = "fused" if x.is_cuda and _has_triton() else "grouped"
+        if path == "fused":
+            from kvserve_kernels.fused_moe import fused_moe
+
+            return fused_moe(x, weights, ids, self.gate_up_proj, self.down_proj, ops.silu_mul)
+        if path == "dense" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.dense(x, weights, ids, ops)
         return grouped_moe(x, weights, ids, self.num_experts,
                            lambda e, r: F.linear(r, self.gate_up_proj[e]),
