@@ -70,7 +70,8 @@ class StackedExperts:
     """One HF tensor made of GGUF tensors stacked as HF stores it: the parts are concatenated
     along dimension 1 (gate then up), or a single part (down, router). Quacks like a
     ``GGUFReader`` tensor where the conversion needs it (``name``, ``n_elements``,
-    ``tensor_type``, ``shape``); never packable itself (its ``name`` is no GGUF name)."""
+    ``tensor_type``, ``shape``, ``parts``: ``engine.loading.packed_policy.is_packable`` counts
+    its experts among the packed tensors, whose float copies are not written when too big)."""
 
     name: str
     parts: tuple

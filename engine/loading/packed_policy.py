@@ -3,7 +3,8 @@ never made.
 
 A tensor is *packable* when it is a decoder linear, the token table or the output head
 (:func:`hf_name` maps its GGUF name), 2-D, and stored in a block type the packed kernels serve
-(``engine.quantization.gguf_blocks.SUPPORTED``). The float32 copies of a GGUF's packable tensors are
+(``engine.quantization.gguf_blocks.SUPPORTED``); so is a layer's stack of experts in such types
+(a Qwen3-30B-A3B Q4 file: ~120 GB of float32 experts, never written). The float32 copies of a GGUF's packable tensors are
 *too big* when they would take more than :data:`PACKED_ONLY_RAM_FRACTION` of the machine's
 memory (an 8B Q4_K_M: ~30 GiB as float32, ~5 GB packed): then the one-time conversion does not
 write them (the loader dequantises them from the GGUF if ``quantization="none"`` asks for them)
@@ -37,7 +38,12 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def is_packable(tensor) -> bool:
-    """Whether a ``gguf.GGUFReader`` tensor is served packed (module docstring)."""
+    """Whether a ``gguf.GGUFReader`` tensor is served packed (module docstring); a layer's
+    stacked experts (``engine.loading.gguf_moe.StackedExperts``) are when every part is a 3-D
+    expert tensor of such a block type (``gguf_moe.expert_packs`` packs them per expert)."""
+    parts = getattr(tensor, "parts", None)
+    if parts is not None:
+        return all(len(p.shape) == 3 and int(p.tensor_type) in SUPPORTED for p in parts)
     return (hf_name(tensor.name) is not None and int(tensor.tensor_type) in SUPPORTED
             and len(tensor.shape) == 2)
 

@@ -44,6 +44,20 @@ _PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
           "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 
 
+def stacked_names(names: Iterable[str]) -> set[str]:
+    """The stacked HF names (``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj``) that
+    per-expert ``names`` cover whole: a layer's gate_up when both its gate and up projections
+    are among them (for expert 0: a GGUF tensor's experts are packed all or none), its down
+    when its down is. A checkpoint's stacked float copy of such a tensor need not be read."""
+    seen: dict[tuple[int, str], set[int | None]] = {}
+    for name in names:
+        if (m := _PER_EXPERT.match(name)) and m[2] == "0":
+            param, part = _PARTS[m[3]]
+            seen.setdefault((int(m[1]), param), set()).add(part)
+    return {f"model.layers.{layer}.mlp.experts.{param}" for (layer, param), parts in seen.items()
+            if parts == ({0, 1} if param == "gate_up_proj" else {None})}
+
+
 def expert_param_name(layer: int, expert: int, proj: str) -> str:
     """HF's per-expert name (Qwen3-MoE spelling) for ``proj`` in gate_proj/up_proj/down_proj:
     the names under which packed experts are keyed (engine.loading.gguf_moe)."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.loading.loader import iter_dir_weights
+from engine.models.moe_model import stacked_names
 from engine.quantization.apply import (
     adopt,
     adopt_packed_only,
@@ -66,7 +67,8 @@ def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
     elif packed_only:  # the packed tensors' float parameters are never read nor touched
         if hasattr(weights, "close"):
             weights.close()
-        model.load_weights(iter_dir_weights(files_dir, skip=packed), skip=packed)
+        skip = {*packed, *stacked_names(packed)}  # experts: their stacked float copies too
+        model.load_weights(iter_dir_weights(files_dir, skip=skip), skip=skip)
     else:
         model.load_weights(weights)
     model.eval()

@@ -77,6 +77,47 @@ def test_auto_serves_packed_experts_and_agrees_with_hf(moe_gguf, monkeypatch):
     assert len(out[0].outputs[0].token_ids) == 8
 
 
+def test_experts_too_big_for_float_stay_in_the_gguf(moe_gguf, tmp_path, monkeypatch):
+    """A file whose packed tensors' float32 copies are too big for the machine (forced: the
+    RAM share set to 0) converts without its experts' float copies (a Qwen3-30B-A3B Q4: ~120
+    GB of them): the stacked expert tensors stay in the GGUF (named in the marker, absent
+    from the safetensors), the engine serves them packed without ever reading a float copy,
+    and ``none`` dequantises them from the GGUF: the same tokens as a full conversion."""
+    from safetensors import safe_open
+
+    from engine.loading import gguf_convert, loader, packed_policy
+    from engine.loading.loader import resolve_model
+
+    path, cache, _ = moe_gguf
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def tokens(cache_dir, **kw):
+        llm = _llm(path, cache_dir, monkeypatch, cpu_probe="off", **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    expected = {q: tokens(cache, quantization=q) for q in ("auto", "none")}
+    monkeypatch.setattr(packed_policy, "PACKED_ONLY_RAM_FRACTION", 0.0)
+    lean = resolve_model(str(path), cache_dir=tmp_path / "lean", progress=False)
+    kept = gguf_convert.in_gguf_names(lean.path)
+    stacked = [n for n in kept if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(stacked) == 2 * 2  # both layers' gate_up and down
+    with safe_open(str(lean.path / "model.safetensors"), framework="pt") as handle:
+        assert not set(handle.keys()) & set(kept)
+    read: list[str] = []
+    real = loader.iter_dir_weights
+
+    def recording(*a, **kw):
+        for name, t in real(*a, **kw):
+            read.append(name)
+            yield name, t
+
+    monkeypatch.setattr("engine.quantization.prepare.iter_dir_weights", recording)
+    assert tokens(tmp_path / "lean") == expected["auto"]
+    assert read and not set(read) & set(stacked)  # no float expert copy read
+    assert tokens(tmp_path / "lean", quantization="none") == expected["none"]
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def trained_moe_gguf(request, tmp_path_factory):
     """The tiny model of ``request.param`` trained 600 steps on docs/*.md (~20 s), as a GGUF,
@@ -107,3 +148,14 @@ def test_default_config_agrees_on_a_trained_model(trained_moe_gguf, monkeypatch)
     llm = _llm(path, cache, monkeypatch, cpu_probe="off", batch_invariant=True)
     assert llm.engine.config.batch_invariant  # as served by default
     assert _agreement(llm, reference) >= 0.97
+
+
+def test_stacked_names_need_every_part():
+    from engine.models.moe_model import expert_param_name, stacked_names
+
+    names = [expert_param_name(layer, e, proj) for layer in (0, 3) for e in range(4)
+             for proj in ("gate_proj", "up_proj", "down_proj")]
+    names.remove(expert_param_name(3, 0, "up_proj"))  # layer 3's up not packed: keep its float
+    assert stacked_names(names) == {"model.layers.0.mlp.experts.gate_up_proj",
+                                    "model.layers.0.mlp.experts.down_proj",
+                                    "model.layers.3.mlp.experts.down_proj"}
