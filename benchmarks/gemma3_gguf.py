@@ -8,13 +8,9 @@ wide, 4 query heads and 1 KV head of 256, MLP 2,048, every sixth layer global an
 rows as the real vocabulary has (the logits head is most of a 270M model's arithmetic); RMSNorm
 weights stored as ``1 + w``; projections Q4_0, the tied token table Q8_0, norms F32.
 
-The vocabulary is SmolLM2's (the embedded GGUF's BPE tokens, merges and chat template),
-padded to 262,144 rows with ordinary tokens ``<unusedN>`` (no merge makes them; each decodes to
-its own text, so a streamed token is never an empty chunk that a client could miss). The
-benchmarks send prompts as token ids (``--prompt-token-ids``): transformers' GGUF reader picks
-its tokeniser by architecture (Gemma's), llama.cpp by ``tokenizer.ggml.model`` (BPE). Weights are N(0, 0.02) (norm scales around 1), so
-activations stay finite; the text it writes is noise, and the benchmarks ask for a fixed
-number of tokens.
+The vocabulary is SmolLM2's padded to 262,144 rows (benchmarks/shaped_gguf.py; prompts go as
+token ids). Weights are N(0, 0.02) (norm scales around 1), so activations stay finite; the text
+it writes is noise, and the benchmarks ask for a fixed number of tokens.
 
     PYTHONPATH=. python benchmarks/gemma3_gguf.py OUT.gguf
 """
@@ -25,11 +21,11 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+
+from benchmarks.shaped_gguf import add_padded_vocab, write_tensors
 
 SHAPE = dict(layers=18, hidden=640, heads=4, kv_heads=1, head_dim=256, ffn=2048,
              vocab=262_144, window=512, context=32_768)
-NORMAL = 1  # llama.cpp's token type of an ordinary token
 
 
 def _tensors(rng: np.random.Generator):
@@ -54,11 +50,7 @@ def write(path: Path, seed: int = 0) -> Path:
     """Write the file (see the module docstring); returns ``path``."""
     import gguf
 
-    from engine.loading.embedded import embedded_gguf_path
-    from engine.loading.gguf_fields import gguf_field
-
     s = SHAPE
-    src = gguf.GGUFReader(embedded_gguf_path())
     w = gguf.GGUFWriter(str(path), arch="gemma3")
     w.add_name("Gemma 3 270M shape, random weights (kvserve benchmark)")
     w.add_context_length(s["context"])
@@ -72,34 +64,11 @@ def write(path: Path, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-6)
     w.add_sliding_window(s["window"])
     w.add_rope_freq_base(1e6)
-    tokens = list(gguf_field(src, "tokenizer.ggml.tokens"))
-    types = list(gguf_field(src, "tokenizer.ggml.token_type"))
-    pad = s["vocab"] - len(tokens)
-    w.add_tokenizer_model(gguf_field(src, "tokenizer.ggml.model"))
-    w.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
-    w.add_token_types(types + [NORMAL] * pad)
-    w.add_tokenizer_pre(gguf_field(src, "tokenizer.ggml.pre"))
-    w.add_token_merges(list(gguf_field(src, "tokenizer.ggml.merges")))
-    w.add_bos_token_id(gguf_field(src, "tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(gguf_field(src, "tokenizer.ggml.eos_token_id"))
-    w.add_unk_token_id(gguf_field(src, "tokenizer.ggml.unknown_token_id"))
-    w.add_pad_token_id(gguf_field(src, "tokenizer.ggml.padding_token_id"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(gguf_field(src, "tokenizer.chat_template"))
+    add_padded_vocab(w, s["vocab"])
     rng = np.random.default_rng(seed)
     q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
-    count = 2 + 13 * s["layers"]
-    for name, t in tqdm(_tensors(rng), total=count, desc="writing Gemma 3 GGUF", unit="tensor"):
-        t = t.astype(np.float32)
-        if t.ndim == 1:
-            w.add_tensor(name, t)
-            continue
-        qtype = q8 if name == "token_embd.weight" else q4
-        w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors(w, _tensors(rng), 2 + 13 * s["layers"],
+                  lambda name: q8 if name == "token_embd.weight" else q4, "writing Gemma 3 GGUF")
     return path
 
 
