@@ -39,6 +39,7 @@ CPU_MARCH = "KVSERVE_CPU_MARCH"
 KERNEL_BUILD_WAIT = "KVSERVE_KERNEL_BUILD_WAIT"
 DECODE_STACK = "KVSERVE_DECODE_STACK"
 STACK_PREFETCH = "KVSERVE_STACK_PREFETCH"
+MOE_CONCURRENT = "KVSERVE_MOE_CONCURRENT"
 PACKED_LINEAR = "KVSERVE_PACKED_LINEAR"
 QUANT_PACKED_ONLY = "KVSERVE_QUANT_PACKED_ONLY"
 QUANT_FORCE = "KVSERVE_QUANT_FORCE"
@@ -77,6 +78,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "bytes of the next linears' weights the C++ decode stack's idle thread may load "
            "ahead while a single-task attention runs (engine/cpu/csrc/weight_prefetch.h); "
            "`0` turns it off (A/B runs)"),
+    EnvVar(MOE_CONCURRENT, "1",
+           "the C++ decode stack runs a step's packed experts one per thread "
+           "(engine/cpu/csrc/decode_stack_cpu.cpp moe_forward; the same bits); `0`: one "
+           "expert at a time on every thread (A/B runs)"),
     EnvVar(PACKED_LINEAR, "auto",
            "float32 CPU linears: `0` keeps plain `nn.Linear`, `onednn`, `avx2-panels` or "
            "`hybrid` forces that packing where it is available"),
@@ -177,6 +182,11 @@ def stack_prefetch_bytes() -> int:
         raise ValueError(f"{STACK_PREFETCH} must be a number of bytes (0 turns it off); "
                          f"got {value!r}")
     return int(value)
+
+
+def moe_concurrent() -> bool:
+    """False only when ``KVSERVE_MOE_CONCURRENT=0``."""
+    return _get(MOE_CONCURRENT) != "0"
 
 
 def packed_linear_choice() -> str:

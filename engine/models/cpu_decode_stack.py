@@ -152,7 +152,7 @@ class CpuDecodeStack:
         if moe.gate.weight.dtype != torch.float32:
             raise ValueError(f"layer {idx}: {moe.gate.weight.dtype} router")
         return kernels.StackMoe(moe.gate.weight.detach(), moe.top_k, bool(moe.normalise),
-                                gate_up, down)
+                                gate_up, down, envs.moe_concurrent())
 
     def accepts(self, x: torch.Tensor, meta, backend, kv_caches, ops: TorchLayerOps) -> bool:
         """Whether this step can run here (module docstring); call after ``backend.prepare``

@@ -101,11 +101,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("moe") = py::none());
   py::class_<StackMoe>(m, "StackMoe", "a mixture-of-experts MLP of a DecodeStack layer")
       .def(py::init([](torch::Tensor router, int64_t top_k, bool normalise,
-                       std::vector<StackLinear> gate_up, std::vector<StackLinear> down) {
-             return StackMoe{router, top_k, normalise, std::move(gate_up), std::move(down)};
+                       std::vector<StackLinear> gate_up, std::vector<StackLinear> down,
+                       bool concurrent) {
+             return StackMoe{router, top_k, normalise, std::move(gate_up), std::move(down),
+                             concurrent};
            }),
            py::arg("router"), py::arg("top_k"), py::arg("normalise"), py::arg("gate_up"),
-           py::arg("down"));
+           py::arg("down"), py::arg("concurrent") = true);
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's layer stack in one call")
       .def(py::init<>())
       .def("add_layer", &DecodeStack::add_layer)

@@ -55,6 +55,7 @@ struct StackMoe {
   int64_t top_k;
   bool normalise;
   std::vector<StackLinear> gate_up, down;  // per expert
+  bool concurrent = true;  // packed experts one per thread (moe_forward); false: one at a time
 };
 
 // A Llama-style layer, or a Gemma one (sandwich norms: pre_ff_norm and post_ff_norm set;
