@@ -3,12 +3,13 @@ never made.
 
 A tensor is *packable* when it is a decoder linear, the token table or the output head
 (:func:`hf_name` maps its GGUF name), 2-D, and stored in a block type the packed kernels serve
-(``engine.quantization.gguf_blocks.SUPPORTED``); so is a layer's stack of experts in such types
-(a Qwen3-30B-A3B Q4 file: ~120 GB of float32 experts, never written). The float32 copies of a GGUF's packable tensors are
-*too big* when they would take more than :data:`PACKED_ONLY_RAM_FRACTION` of the machine's
-memory (an 8B Q4_K_M: ~30 GiB as float32, ~5 GB packed): then the one-time conversion does not
-write them (the loader dequantises them from the GGUF if ``quantization="none"`` asks for them)
-and the engine serves them packed without building a float model or probing it.
+(``engine.quantization.gguf_blocks.SUPPORTED``); so is a layer's stack of experts in such
+types (a Qwen3-30B-A3B Q4 file: ~120 GB of float32 experts, never written). The float32 copies
+of a GGUF's packable tensors are *too big* when they would take more than
+:data:`PACKED_ONLY_RAM_FRACTION` of the machine's memory (an 8B Q4_K_M: ~30 GiB as float32,
+~5 GB packed): then the one-time conversion does not write them (the loader dequantises them
+from the GGUF if ``quantization="none"`` asks for them) and the engine serves them packed
+without building a float model or probing it.
 """
 
 from __future__ import annotations

@@ -103,6 +103,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](torch::Tensor router, int64_t top_k, bool normalise,
                        std::vector<StackLinear> gate_up, std::vector<StackLinear> down,
                        bool concurrent) {
+             for (const auto* linears : {&gate_up, &down}) {
+               for (const auto& l : *linears) concurrent = concurrent && l.thread_invariant();
+             }
              return StackMoe{router, top_k, normalise, std::move(gate_up), std::move(down),
                              concurrent};
            }),

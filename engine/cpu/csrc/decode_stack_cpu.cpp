@@ -103,6 +103,16 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   return y;
 }
 
+bool StackLinear::thread_invariant() const {
+  if (kind == kConcat) {
+    for (const auto& p : parts) {
+      if (!p.thread_invariant()) return false;
+    }
+    return true;
+  }
+  return kind != kFloat && kind != kPanels;
+}
+
 namespace {
 
 // K or V rows [T, KVH, D] as int8 pool rows [T, KVH, D + 2]: engine/kv_cache/kv_quant.py
@@ -124,26 +134,14 @@ at::Tensor activation(const at::Tensor& gate_up, int64_t act) {
   return act == 0 ? silu_mul(gate_up) : gelu_tanh_mul(gate_up);
 }
 
-// Whether a linear's outputs do not depend on how many threads compute it: our packed kernels
-// give each output column to one thread whole (float GEMMs may split their sums by thread).
-bool thread_invariant(const StackLinear& l) {
-  if (l.kind == kConcat) {
-    for (const auto& p : l.parts) {
-      if (!thread_invariant(p)) return false;
-    }
-    return true;
-  }
-  return l.kind != kFloat && l.kind != kPanels;
-}
-
 // MoeBlock.forward with the grouped experts (engine/models/moe.py route and grouped_moe), the
-// same ATen ops in the same order: the same bits. Packed experts that got rows run
-// concurrently, one per thread (each kernel call then runs on its thread alone: nested OpenMP
-// regions get a team of one), instead of one after another on every thread: a decode step's
-// experts are products of 1-2 rows over ~2 MB each with a barrier after it (measured: decode
-// steps 1.05-1.20x at 16 sequences, 1.02x at one, docs/performance.md). Each output column is one thread's arithmetic
-// either way (thread_invariant), and the routed outputs are added in ascending expert order
-// afterwards, so the bits do not change. Float experts keep one expert at a time.
+// same ATen ops in the same order: the same bits. With M.concurrent the experts that got rows
+// run one per thread (each kernel call then has its thread alone: nested OpenMP regions get a
+// team of one), instead of one after another on every thread: a decode step's experts are
+// products of 1-2 rows over ~2 MB each with a barrier after it (measured: decode steps
+// 1.05-1.20x at 16 sequences, 1.02x at one, docs/performance.md). Each output column is one
+// thread's arithmetic either way (StackLinear::thread_invariant), and the routed outputs are
+// added in ascending expert order afterwards, so the bits do not change.
 at::Tensor moe_forward(const StackMoe& M, const at::Tensor& x) {
   const at::Tensor probs = at::softmax(at::linear(x, M.router), -1, at::kFloat);
   auto [weights, ids] = at::topk(probs, M.top_k, -1);
@@ -170,13 +168,10 @@ at::Tensor moe_forward(const StackMoe& M, const at::Tensor& x) {
     const at::Tensor h = M.down[e](silu_mul(M.gate_up[e](x.index_select(0, rows[i]))));
     parts[i] = (h * w_sorted.narrow(0, starts[i], n).unsqueeze(1)).to(x.scalar_type());
   };
-  bool concurrent = M.concurrent && U > 1 && !omp_in_parallel();
-  for (int64_t i = 0; concurrent && i < U; i++) {
-    concurrent = thread_invariant(M.gate_up[used[i]]) && thread_invariant(M.down[used[i]]);
-  }
   std::exception_ptr failure;
-  if (concurrent) {  // else a plain loop: inside even an inactive region each kernel call
-                     // measured 4x slower (its own team no longer the pooled one)
+  // One expert per thread, or a plain loop outside any OpenMP region: inside even an inactive
+  // region every kernel call measured ~4x slower (its team no longer the pooled one).
+  if (M.concurrent && U > 1 && !omp_in_parallel()) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < U; i++) {
       try {

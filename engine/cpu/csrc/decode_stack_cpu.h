@@ -36,6 +36,9 @@ struct StackLinear {
   at::Tensor operator()(const at::Tensor& x) const;
   // Whether x's rows take the batch kernel (tiles_from, above).
   bool batched(const at::Tensor& x) const { return tiles_from > 0 && x.size(0) >= tiles_from; }
+  // Whether the outputs do not depend on how many threads compute them: the packed kernels
+  // give each output column to one thread whole (float GEMMs may split their sums by thread).
+  bool thread_invariant() const;
 
   int64_t kind;
   at::Tensor w;
@@ -55,7 +58,9 @@ struct StackMoe {
   int64_t top_k;
   bool normalise;
   std::vector<StackLinear> gate_up, down;  // per expert
-  bool concurrent = true;  // packed experts one per thread (moe_forward); false: one at a time
+  // The experts one per thread (moe_forward), not one after another on every thread: set at
+  // construction when asked for and every expert's linears are thread_invariant.
+  bool concurrent = true;
 };
 
 // A Llama-style layer, or a Gemma one (sandwich norms: pre_ff_norm and post_ff_norm set;
