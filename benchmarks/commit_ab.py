@@ -2,11 +2,14 @@
 
     python benchmarks/commit_ab.py HEAD~1 HEAD --rounds 2
     python benchmarks/commit_ab.py ca9e610 WORKTREE      # WORKTREE: this checkout as it is
+    python benchmarks/commit_ab.py HEAD WORKTREE --model F.gguf --prefix-len 1480 --kv-cache-dtype float16
 
 For a change that must not change behaviour or speed (a refactor, a move): each commit is checked
 out once into a git worktree under ``$XDG_CACHE_HOME/kvserve/commit-ab`` (reused), and each round
-runs the same workload there in a fresh process: the embedded model, float32, 16 fixed random
-prompts of 40-200 tokens, 48 greedy tokens each, best of 3 timed ``LLM.generate`` calls. It
+runs the same workload there in a fresh process: the embedded model (or ``--model``), float32,
+16 fixed random prompts of 40-200 tokens (after a shared random prefix of ``--prefix-len``
+tokens, whose prefill is then timed in each call too: every call's prompts get a fresh prefix),
+48 greedy tokens each, best of 3 timed ``LLM.generate`` calls. It
 prints each side's best time and tokens per second, the B/A ratio of the medians over rounds, and
 whether the generated tokens were identical across every run (a hash). The workload uses only the
 public API (``from engine import LLM, SamplingParams``), so it runs on any layout.
@@ -15,6 +18,7 @@ public API (``from engine import LLM, SamplingParams``), so it runs on any layou
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -26,20 +30,24 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = r'''
-import hashlib, random, sys, time
+import hashlib, json, random, sys, time
 sys.path.insert(0, ".")
 from engine import LLM, SamplingParams
-llm = LLM(dtype="float32", kv_cache_memory="256MiB")
+opts = json.loads(sys.argv[1])
+llm = LLM(opts["model"], dtype="float32", kv_cache_memory="256MiB",
+          kv_cache_dtype=opts["kv_cache_dtype"])
 rng = random.Random(0)
 prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(40, 200))] for _ in range(16)]
 params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))
-best = float("inf")
+best, digests = float("inf"), []
 for _ in range(3):
+    prefix = [rng.randrange(100, 40000) for _ in range(opts["prefix_len"])]
     t = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate([prefix + p for p in prompts], params)
     best = min(best, time.perf_counter() - t)
-digest = hashlib.sha1(str([o.outputs[0].token_ids for o in outs]).encode()).hexdigest()[:12]
+    digests.append([o.outputs[0].token_ids for o in outs])
+digest = hashlib.sha1(str(digests).encode()).hexdigest()[:12]
 print(f"RESULT {best:.4f} {digest}")
 '''
 
@@ -56,11 +64,11 @@ def _checkout(rev: str, cache: Path) -> Path:
     return path
 
 
-def _run(path: Path) -> tuple[float, str]:
+def _run(path: Path, opts: dict) -> tuple[float, str]:
     env = {**os.environ, "PYTHONPATH": str(path)}
     if path != ROOT:  # its own CPU-kernel build cache: the sources' path is part of torch's key
         env["TORCH_EXTENSIONS_DIR"] = str(path.parent / f"{path.name}.torch_extensions")
-    out = subprocess.run([sys.executable, "-c", WORKLOAD], cwd=path, env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", WORKLOAD, json.dumps(opts)], cwd=path, env=env, check=True,
                          capture_output=True, text=True).stdout
     m = re.search(r"RESULT (\S+) (\S+)", out)
     if m is None:
@@ -73,7 +81,13 @@ def main() -> None:
     ap.add_argument("a", help="commit (or WORKTREE)")
     ap.add_argument("b", help="commit (or WORKTREE)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default=None, help="HF directory or GGUF (default: embedded)")
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="tokens of a random prefix all 16 prompts share (fresh each call)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
+    opts = {"model": str(Path(args.model).resolve()) if args.model else None,
+            "prefix_len": args.prefix_len, "kv_cache_dtype": args.kv_cache_dtype}
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "commit-ab"
     cache.mkdir(parents=True, exist_ok=True)
     sides = {name: _checkout(rev, cache) for name, rev in (("A", args.a), ("B", args.b))}
@@ -83,7 +97,7 @@ def main() -> None:
     with tqdm(total=2 * args.rounds, desc="runs") as bar:
         for _ in range(args.rounds):
             for name, path in sides.items():
-                seconds, digest = _run(path)
+                seconds, digest = _run(path, opts)
                 times[name].append(seconds)
                 digests.add(digest)
                 bar.update(1)

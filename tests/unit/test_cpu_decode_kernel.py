@@ -163,3 +163,65 @@ def test_int4_pool_of_the_wrong_width_is_refused(kernel):
     with pytest.raises(RuntimeError, match="pool rows of 40 bytes"):
         kernel.paged_decode_cpu_int4(q, rows, rows, torch.zeros(1, 1, dtype=torch.int32),
                                      torch.ones(1, dtype=torch.int32), 0.125, 0)
+
+
+def _prompt_rows_case(dtype_kind, heads, kv_heads, head_dim, window, seed):
+    """Rows as batch-invariant serving sends them: a decode row, then 19 consecutive rows of one
+    prompt after 5 cached keys (more than one group of 8), then 3 rows of another sequence. The
+    pool is float32, float16, int8 or fp8 (the last two quantised from float keys)."""
+    from engine.kv_storage.formats import byte_view, kv_format, quantize_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 4, 40
+    lens = [11] + [5 + j + 1 for j in range(19)] + [2, 3, 4]
+    seqs = [0] + [1] * 19 + [2] * 3
+    tables = torch.randperm(num_blocks, generator=gen)[:18].view(3, 6).to(torch.int32)
+    tables = tables[torch.tensor(seqs)].contiguous()
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen) * 3
+    v = torch.randn(shape, generator=gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if dtype_kind in ("float32", "float16"):
+        dt = getattr(torch, dtype_kind)
+        return q, k.to(dt), v.to(dt), tables, seq_lens, lambda kern, *a: kern.paged_decode_cpu(*a)
+    fmt = kv_format(dtype_kind, torch.float32, head_dim)
+    if fmt.kind == "int8":
+        return (q, quantize_rows(k, fmt), quantize_rows(v, fmt), tables, seq_lens,
+                lambda kern, *a: kern.paged_decode_cpu_int8(*a))
+    from engine.kv_storage.formats import fp8_table
+
+    ks, vs = torch.linspace(0.02, 0.05, kv_heads), torch.linspace(0.01, 0.03, kv_heads)
+    table = fp8_table(fmt.storage_dtype)
+    return (q, byte_view(quantize_rows(k, fmt, ks)), byte_view(quantize_rows(v, fmt, vs)),
+            tables, seq_lens, lambda kern, *a: kern.paged_decode_cpu_fp8(*a, table, ks, vs))
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (8, 2, 48),
+                                                     (2, 1, 24)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_prompt_rows_together_equal_rows_alone(kernel, kind, heads, kv_heads, head_dim, window):
+    """Consecutive rows of one prompt share their K/V reads in one task (groups of up to 8);
+    each row's output is bit for bit what the row gives alone in a call of its own, so the
+    grouping cannot make serving depend on the batch (and what a row gives alone matches the
+    float reference on the same pool in test_matches_reference and the tests above)."""
+    q, k, v, tables, seq_lens, call = _prompt_rows_case(kind, heads, kv_heads, head_dim, window,
+                                                       seed=heads + head_dim)
+    together = call(kernel, q, k, v, tables, seq_lens, 0.125, window or 0)
+    for b in range(len(seq_lens)):
+        alone = call(kernel, q[b:b + 1], k, v, tables[b:b + 1], seq_lens[b:b + 1], 0.125,
+                     window or 0)
+        assert torch.equal(together[b:b + 1].view(torch.int32), alone.view(torch.int32)), b
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (8, 2, 48)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_prompt_rows_match_reference(kernel, heads, kv_heads, head_dim, window):
+    """The grouped rows (wide heads, a head_dim that is not a multiple of the widest register
+    tile) against the PyTorch reference over the same float32 pool."""
+    q, k, v, tables, seq_lens, _ = _prompt_rows_case("float32", heads, kv_heads, head_dim,
+                                                     window, seed=3)
+    ref = paged_decode_attention(q, k, v, tables, seq_lens, 0.125, sliding_window=window)
+    got = kernel.paged_decode_cpu(q, k, v, tables, seq_lens, 0.125, window or 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
