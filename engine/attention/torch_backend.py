@@ -22,8 +22,9 @@ the prefill path.
 
 Batch-invariant (``batch_invariant = True``, set by ``engine.models.batch_invariant``): on the
 CPU every row of the step joins the decode group, whole prompts and prefix-cache hits
-included, so each query row's attention is one task of the compiled decode kernel over keys
-``0 .. its position`` read from the pool: the same reduction whether the prompt came in whole,
+included, so each query row's attention is the compiled decode kernel's over keys
+``0 .. its position`` read from the pool (a prompt's consecutive rows share a task and its K/V
+reads, each row's arithmetic the same): the same reduction whether the prompt came in whole,
 in chunks, after a prefix hit, after a recompute preemption, or alongside any other rows
 (SDPA's flash kernel blocks its queries by the chunk's length).
 """
