@@ -1,14 +1,16 @@
-"""The compiled CPU paged-attention kernel (engine/cpu/csrc/paged_decode_cpu.cpp) on serving shapes,
+"""The compiled CPU paged-attention kernel (engine/cpu/csrc/paged_decode_vec.h) on serving shapes,
 with its K/V read from memory, not cache; optionally next to another commit's kernel.
 
     python benchmarks/cpu_attention.py                       # this checkout
     python benchmarks/cpu_attention.py --against HEAD~1      # and HEAD~1's, runs alternated
 
 Shapes (``--shape gemma3``: 4 query heads and 1 KV head of 256, 18 layers; ``smollm2``: 9 and 3
-of 64, 30 layers), a float16 pool (``--kv-dtype``) in 2 MiB pages as the engine maps it, shuffled
+of 64, 30 layers), a float16 pool (``--kv-dtype``: or bfloat16, float32, and int8 or int4 rows
+through their kernels) in 2 MiB pages as the engine maps it, shuffled
 block tables of 16 tokens, one pool per layer so that a step's reads come from DRAM:
 
-* ``decode 16 x 310`` / ``16 x 1500``: one query row for each of 16 sequences;
+* ``decode 16 x 310`` / ``16 x 1500`` / ``1 x 2000``: one query row for each of 16 sequences
+  (one sequence: a single stream);
 * ``prompt 4 x 280`` / ``1 x 1480``: every row of 4 prompts of 280 tokens (one of 1,480), each
   row over keys 0 .. its position, as batch-invariant serving computes a prompt's attention.
 
@@ -33,6 +35,7 @@ SHAPES = {"gemma3": (4, 1, 256, 18), "smollm2": (9, 3, 64, 30)}  # heads, kv hea
 CASES = {  # name: (rows' key counts, rows' sequence index or None for one sequence per row)
     "decode 16 x 310": ([310] * 16, None),
     "decode 16 x 1500": ([1500] * 16, None),
+    "decode 1 x 2000": ([2000], None),
     "prompt 4 x 280": ([j + 1 for _ in range(4) for j in range(280)],
                        [s for s in range(4) for _ in range(280)]),
     "prompt 1 x 1480": ([j + 1 for j in range(1480)], [0] * 1480),
@@ -43,12 +46,15 @@ import json, sys, time
 sys.path.insert(0, ".")
 import torch
 from engine.cpu.kernels import load
+from engine.kv_storage.formats import kv_format, quantize_rows
 from engine.runner.model_runner import _zeros
 
 opts = json.loads(sys.argv[1])
 heads, kv_heads, dim, layers = opts["shape"]
-dtype = getattr(torch, opts["kv_dtype"])
+fmt = kv_format(opts["kv_dtype"], torch.float32, dim)
 kernel = load()
+attend = {"float": kernel.paged_decode_cpu, "int8": kernel.paged_decode_cpu_int8,
+          "int4": kernel.paged_decode_cpu_int4}[fmt.kind]
 torch.manual_seed(0)
 bs, results = 16, {}
 for name, (lens, seqs) in opts["cases"].items():
@@ -57,9 +63,10 @@ for name, (lens, seqs) in opts["cases"].items():
     nblocks = nseq * mb + 1
     pools = []
     for _ in range(layers):  # the engine's mapping: 2 MiB pages where the kernel allows them
-        kv = [_zeros((nblocks, bs, kv_heads, dim), dtype, torch.device("cpu")) for _ in "kv"]
+        kv = [_zeros((nblocks, bs, kv_heads, fmt.row_width), fmt.storage_dtype,
+                     torch.device("cpu")) for _ in "kv"]
         for p in kv:
-            p.copy_(torch.randn(p.shape))
+            p.copy_(quantize_rows(torch.randn(nblocks, bs, kv_heads, dim), fmt))
         pools.append(kv)
     tables = torch.randperm(nblocks)[: nseq * mb].view(nseq, mb).to(torch.int32)
     if seqs is not None:
@@ -69,7 +76,7 @@ for name, (lens, seqs) in opts["cases"].items():
 
     def step():
         for k, v in pools:
-            kernel.paged_decode_cpu(q, k, v, tables, seq_lens, dim ** -0.5, 0)
+            attend(q, k, v, tables, seq_lens, dim ** -0.5, 0)
 
     step()
     times = []
@@ -98,7 +105,8 @@ def _measure(path: Path, opts: dict) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gemma3")
-    ap.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--kv-dtype", default="float16",
+                    choices=["float16", "bfloat16", "float32", "int8", "int4"])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--against", default=None, help="a commit to run side by side")
     ap.add_argument("--rounds", type=int, default=3)
@@ -124,13 +132,18 @@ def main() -> None:
             for name, path in sides.items():
                 runs[name].append(_measure(path, opts))
                 bar.update(1)
-    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[args.kv_dtype]
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from engine.kv_storage.formats import kv_format
+
+    row_bytes = kv_format(args.kv_dtype, torch.float32, dim).row_bytes
     print(f"{args.shape}: {heads} heads, {kv_heads} KV heads of {dim}, {layers} layers, "
           f"{args.kv_dtype} pool; median ms per layer")
     for case, (lens, _) in CASES.items():
         keys = sum(lens)
         macs = keys * heads * dim * 2
-        kv_bytes = keys * kv_heads * dim * 2 * itemsize
+        kv_bytes = keys * kv_heads * row_bytes * 2
         cells = []
         med = {}
         for name in sides:

@@ -3,8 +3,9 @@
 * ``paged_decode_cpu``: decode attention reading K/V once, straight from the block pool through
   the block table. Decode attention on a CPU is bound by that read; the PyTorch route gathers
   the blocks into a padded copy and runs SDPA over it, touching the data three times.
-  ``paged_decode_cpu_int8`` / ``_fp8`` / ``_int4``: the same over 8-bit and 4-bit pools, rows
-  unpacked in registers (int4: the rows as stored, rotated; ``int4_rotate_cpu`` and
+  ``paged_decode_cpu_int8`` / ``_fp8`` / ``_int4``: the same kernel (csrc/paged_decode_vec.h)
+  over 8-bit and 4-bit pools, rows unpacked in registers or once per block of keys into an L1
+  buffer (int4: the rows as stored, rotated; ``int4_rotate_cpu`` and
   ``int4_quantize_rows_cpu`` are formats.py's rotation and int4 rows, bit for bit).
 * ``quant_gemm_q4`` / ``quant_gemm_q8``: linears over weights kept in 4-bit / 8-bit groups of 32
   (GGUF Q4_0, Q4_1, Q4_K / Q8_0, Q5_K, Q6_K, and int4/int8 quantised on load), int8 dot

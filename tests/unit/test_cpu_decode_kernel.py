@@ -168,7 +168,7 @@ def test_int4_pool_of_the_wrong_width_is_refused(kernel):
 def _prompt_rows_case(dtype_kind, heads, kv_heads, head_dim, window, seed):
     """Rows as batch-invariant serving sends them: a decode row, then 19 consecutive rows of one
     prompt after 5 cached keys (more than one group of 8), then 3 rows of another sequence. The
-    pool is float32, float16, int8 or fp8 (the last two quantised from float keys)."""
+    pool is float32, float16, int8, int4 or fp8 (the last three quantised from float keys)."""
     from engine.kv_storage.formats import byte_view, kv_format, quantize_rows
 
     gen = torch.Generator().manual_seed(seed)
@@ -189,6 +189,9 @@ def _prompt_rows_case(dtype_kind, heads, kv_heads, head_dim, window, seed):
     if fmt.kind == "int8":
         return (q, quantize_rows(k, fmt), quantize_rows(v, fmt), tables, seq_lens,
                 lambda kern, *a: kern.paged_decode_cpu_int8(*a))
+    if fmt.kind == "int4":
+        return (q, quantize_rows(k, fmt), quantize_rows(v, fmt), tables, seq_lens,
+                lambda kern, *a: kern.paged_decode_cpu_int4(*a))
     from engine.kv_storage.formats import fp8_table
 
     ks, vs = torch.linspace(0.02, 0.05, kv_heads), torch.linspace(0.01, 0.03, kv_heads)
@@ -197,7 +200,7 @@ def _prompt_rows_case(dtype_kind, heads, kv_heads, head_dim, window, seed):
             tables, seq_lens, lambda kern, *a: kern.paged_decode_cpu_fp8(*a, table, ks, vs))
 
 
-@pytest.mark.parametrize("kind", ["float32", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", ["float32", "float16", "int8", "int4", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (8, 2, 48),
                                                      (2, 1, 24)])
 @pytest.mark.parametrize("window", [None, 5])
@@ -215,13 +218,19 @@ def test_prompt_rows_together_equal_rows_alone(kernel, kind, heads, kv_heads, he
         assert torch.equal(together[b:b + 1].view(torch.int32), alone.view(torch.int32)), b
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (8, 2, 48)])
+@pytest.mark.parametrize("kind", ["float32", "int4"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (8, 2, 48), (9, 3, 64)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_prompt_rows_match_reference(kernel, heads, kv_heads, head_dim, window):
+def test_prompt_rows_match_reference(kernel, kind, heads, kv_heads, head_dim, window):
     """The grouped rows (wide heads, a head_dim that is not a multiple of the widest register
-    tile) against the PyTorch reference over the same float32 pool."""
-    q, k, v, tables, seq_lens, _ = _prompt_rows_case("float32", heads, kv_heads, head_dim,
-                                                     window, seed=3)
-    ref = paged_decode_attention(q, k, v, tables, seq_lens, 0.125, sliding_window=window)
-    got = kernel.paged_decode_cpu(q, k, v, tables, seq_lens, 0.125, window or 0)
+    tile) against the PyTorch reference over the same pool: float32, or int4 as
+    ``dequantize_int4_plain`` reads it (the rows as stored; the kernel rotates nothing)."""
+    from engine.kv_storage.formats import dequantize_int4_plain
+
+    q, k, v, tables, seq_lens, call = _prompt_rows_case(kind, heads, kv_heads, head_dim,
+                                                        window, seed=3)
+    kf, vf = (k, v) if kind == "float32" else (dequantize_int4_plain(k, head_dim),
+                                               dequantize_int4_plain(v, head_dim))
+    ref = paged_decode_attention(q, kf, vf, tables, seq_lens, 0.125, sliding_window=window)
+    got = call(kernel, q, k, v, tables, seq_lens, 0.125, window or 0)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

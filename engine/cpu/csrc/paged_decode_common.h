@@ -1,4 +1,4 @@
-// Pieces the paged-decode kernels share (paged_decode_cpu.cpp, paged_decode_cpu_int4.cpp): the
+// Pieces the paged-decode kernel shares (paged_decode_vec.h and its formats' sources): the
 // prefetch distances, an 8-way horizontal sum and the softmax numerators of one query head's
 // scores, all on AVX2+FMA.
 #pragma once
