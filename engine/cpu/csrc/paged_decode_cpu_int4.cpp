@@ -45,8 +45,6 @@ inline bool vector_head_dim(const Int4*, int64_t D) { return D % 32 == 0; }
 constexpr bool direct_keys(const Int4*) { return false; }
 constexpr bool direct_values(const Int4*) { return true; }
 
-inline float row_scale(const Int4*, int64_t) { return 1.0f; }  // per group, applied as it widens
-
 // The float32 scale of group gi of a row (its float16 bits after the D/2 nibble bytes; the
 // conversion is exact, F16C's instruction where the build has it).
 inline float group_scale(const uint8_t* row, int64_t D, int64_t gi) {
@@ -74,7 +72,6 @@ inline __m256 nibbles8(__m128i x, __m256 s) {
 }
 
 #ifndef __AVX512F__
-
 // A row of D (a multiple of 32) elements as floats into out.
 inline void dequant_row32(const uint8_t* row, int64_t D, float* out) {
   for (int64_t gi = 0; gi < D / 32; gi++) {

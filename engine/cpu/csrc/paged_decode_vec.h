@@ -14,8 +14,8 @@
 //
 // A source includes this header after defining, for its pool element type T (inside the
 // anonymous namespace; ordinary lookup finds them):
-//   float row_scale(const T* row, int64_t D)     a row's dequantisation scale (int8: its own;
-//                                                else 1)
+//   float row_scale(const T* row, int64_t D)     (8-bit rows) a row's dequantisation scale
+//                                                (int8: its own; fp8: 1, the head's is apart)
 //   int64_t row_width(const T*, int64_t D)       elements of T in one pool row
 //   bool vector_head_dim(const T*, int64_t D)    whether the vector path takes this head_dim
 //   constexpr bool direct_keys(const T*)         whether a lone row's scores read K rows as
@@ -270,16 +270,14 @@ void run_avx2(const Group<T>& t) {
     }
   }
   std::vector<float> kscale(kScaled ? npad : 0), vscale_rows(kScaled ? n : 0);
-  if (kScaled) {
+  if constexpr (kScaled) {
     for (int64_t i = 0; i < n; i++) {
       kscale[i] = row_scale(krows[i], D) * t.k_head * t.scale;
       vscale_rows[i] = row_scale(vrows[i], D) * t.v_head;
     }
+    std::fill(kscale.begin() + n, kscale.end(), 0.0f);  // padded lanes: ignored below
   }
-  for (int64_t i = n; i < npad; i++) {  // padded lanes: ignored below
-    krows[i] = krows[n - 1];
-    if (kScaled) kscale[i] = 0.0f;
-  }
+  for (int64_t i = n; i < npad; i++) krows[i] = krows[n - 1];
   // Scores of row r, head g: key start[r] + j at sc[(r * G + g) * SR + 8 + j], j in [0, n_r),
   // room for n_r rounded up to 8 after it and 8 floats of slack before (blocks of 8 keys are
   // aligned at lo, not at the row's first key; lanes outside the row are overwritten below).
