@@ -7,9 +7,10 @@
 For a change that must not change behaviour or speed (a refactor, a move): each commit is checked
 out once into a git worktree under ``$XDG_CACHE_HOME/kvserve/commit-ab`` (reused), and each round
 runs the same workload there in a fresh process: the embedded model (or ``--model``), float32,
-16 fixed random prompts of 40-200 tokens (after a shared random prefix of ``--prefix-len``
-tokens, whose prefill is then timed in each call too: every call's prompts get a fresh prefix),
-48 greedy tokens each, best of 3 timed ``LLM.generate`` calls. It
+16 fixed random prompts of 40-200 tokens (``--sequences``; 1: a single stream; after a shared
+random prefix of ``--prefix-len`` tokens, whose prefill is then timed in each call too: every
+call's prompts get a fresh prefix), 48 greedy tokens each (``--max-tokens``), best of 3 timed
+``LLM.generate`` calls. It
 prints each side's best time and tokens per second, the B/A ratio of the medians over rounds, and
 whether the generated tokens were identical across every run (a hash). The workload uses only the
 public API (``from engine import LLM, SamplingParams``), so it runs on any layout.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -37,8 +37,9 @@ opts = json.loads(sys.argv[1])
 llm = LLM(opts["model"], dtype="float32", kv_cache_memory="256MiB",
           kv_cache_dtype=opts["kv_cache_dtype"])
 rng = random.Random(0)
-prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(40, 200))] for _ in range(16)]
-params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(40, 200))]
+           for _ in range(opts["sequences"])]
+params = SamplingParams(max_tokens=opts["max_tokens"], temperature=0, ignore_eos=True)
 llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))
 best, digests = float("inf"), []
 for _ in range(3):
@@ -64,16 +65,30 @@ def _checkout(rev: str, cache: Path) -> Path:
     return path
 
 
-def _run(path: Path, opts: dict) -> tuple[float, str]:
+def checkout(rev: str) -> Path:
+    """``rev``'s checkout (a git worktree under the cache, reused), or this one for WORKTREE."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "commit-ab"
+    cache.mkdir(parents=True, exist_ok=True)
+    return _checkout(rev, cache)
+
+
+def run_script(path: Path, script: str, opts: dict) -> str:
+    """``script`` run in a fresh Python in the checkout at ``path`` with ``opts`` (JSON) as its
+    argument: the text after ``RESULT `` on its output's line that starts so."""
     env = {**os.environ, "PYTHONPATH": str(path)}
     if path != ROOT:  # its own CPU-kernel build cache: the sources' path is part of torch's key
         env["TORCH_EXTENSIONS_DIR"] = str(path.parent / f"{path.name}.torch_extensions")
-    out = subprocess.run([sys.executable, "-c", WORKLOAD, json.dumps(opts)], cwd=path, env=env, check=True,
-                         capture_output=True, text=True).stdout
-    m = re.search(r"RESULT (\S+) (\S+)", out)
-    if m is None:
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(opts)], cwd=path, env=env,
+                         check=True, capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
         raise SystemExit(f"no result from {path}:\n{out[-2000:]}")
-    return float(m.group(1)), m.group(2)
+    return line[len("RESULT "):]
+
+
+def _run(path: Path, opts: dict) -> tuple[float, str]:
+    seconds, digest = run_script(path, WORKLOAD, opts).split()
+    return float(seconds), digest
 
 
 def main() -> None:
@@ -83,17 +98,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None, help="HF directory or GGUF (default: embedded)")
     ap.add_argument("--prefix-len", type=int, default=0,
-                    help="tokens of a random prefix all 16 prompts share (fresh each call)")
+                    help="tokens of a random prefix all prompts share (fresh each call)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--sequences", type=int, default=16, help="prompts per call (1: one stream)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per prompt")
     args = ap.parse_args()
     opts = {"model": str(Path(args.model).resolve()) if args.model else None,
-            "prefix_len": args.prefix_len, "kv_cache_dtype": args.kv_cache_dtype}
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "commit-ab"
-    cache.mkdir(parents=True, exist_ok=True)
-    sides = {name: _checkout(rev, cache) for name, rev in (("A", args.a), ("B", args.b))}
+            "prefix_len": args.prefix_len, "kv_cache_dtype": args.kv_cache_dtype,
+            "sequences": args.sequences, "max_tokens": args.max_tokens}
+    sides = {name: checkout(rev) for name, rev in (("A", args.a), ("B", args.b))}
     times: dict[str, list[float]] = {"A": [], "B": []}
     digests: set[str] = set()
-    tokens = 16 * 48
+    tokens = args.sequences * args.max_tokens
     with tqdm(total=2 * args.rounds, desc="runs") as bar:
         for _ in range(args.rounds):
             for name, path in sides.items():

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -90,18 +88,6 @@ print("RESULT " + json.dumps(results))
 '''
 
 
-def _measure(path: Path, opts: dict) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(path)}
-    if path != ROOT:  # its own CPU-kernel build (as commit_ab.py)
-        env["TORCH_EXTENSIONS_DIR"] = str(path.parent / f"{path.name}.torch_extensions")
-    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(opts)], cwd=path, env=env,
-                         check=True, capture_output=True, text=True).stdout
-    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"no result from {path}:\n{out[-2000:]}")
-    return json.loads(line[len("RESULT "):])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gemma3")
@@ -114,15 +100,10 @@ def main() -> None:
     heads, kv_heads, dim, layers = SHAPES[args.shape]
     opts = {"shape": SHAPES[args.shape], "kv_dtype": args.kv_dtype, "repeats": args.repeats,
             "cases": CASES}
-    sides = {"here": ROOT}
-    if args.against:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from commit_ab import _checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from commit_ab import checkout, run_script
 
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / \
-            "commit-ab"
-        cache.mkdir(parents=True, exist_ok=True)
-        sides = {args.against: _checkout(args.against, cache), "here": ROOT}
+    sides = {args.against: checkout(args.against), "here": ROOT} if args.against else {"here": ROOT}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     from tqdm import tqdm
 
@@ -130,7 +111,7 @@ def main() -> None:
     with tqdm(total=rounds * len(sides), desc="runs") as bar:
         for _ in range(rounds):
             for name, path in sides.items():
-                runs[name].append(_measure(path, opts))
+                runs[name].append(json.loads(run_script(path, MEASURE, opts)))
                 bar.update(1)
     sys.path.insert(0, str(ROOT))
     import torch
