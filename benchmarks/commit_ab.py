@@ -86,6 +86,20 @@ def run_script(path: Path, script: str, opts: dict) -> str:
     return line[len("RESULT "):]
 
 
+def here_and_against(script: str, opts: dict, against: str | None,
+                     rounds: int) -> dict[str, list[dict]]:
+    """``script``'s JSON results (run_script) per side: "here" (this checkout) once, or with
+    ``against`` (a commit) ``rounds`` times each, the two alternated (``against`` first)."""
+    sides = {against: checkout(against), "here": ROOT} if against else {"here": ROOT}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    with tqdm(total=(rounds if against else 1) * len(sides), desc="runs") as bar:
+        for _ in range(rounds if against else 1):
+            for name, path in sides.items():
+                runs[name].append(json.loads(run_script(path, script, opts)))
+                bar.update(1)
+    return runs
+
+
 def _run(path: Path, opts: dict) -> tuple[float, str]:
     seconds, digest = run_script(path, WORKLOAD, opts).split()
     return float(seconds), digest

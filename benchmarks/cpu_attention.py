@@ -23,7 +23,6 @@ in alternating fresh processes (``--rounds``), and the ratio of the medians is p
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -101,18 +100,10 @@ def main() -> None:
     opts = {"shape": SHAPES[args.shape], "kv_dtype": args.kv_dtype, "repeats": args.repeats,
             "cases": CASES}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from commit_ab import checkout, run_script
+    from commit_ab import here_and_against
 
-    sides = {args.against: checkout(args.against), "here": ROOT} if args.against else {"here": ROOT}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
-    from tqdm import tqdm
-
-    rounds = args.rounds if args.against else 1
-    with tqdm(total=rounds * len(sides), desc="runs") as bar:
-        for _ in range(rounds):
-            for name, path in sides.items():
-                runs[name].append(json.loads(run_script(path, MEASURE, opts)))
-                bar.update(1)
+    runs = here_and_against(MEASURE, opts, args.against, args.rounds)
+    sides = list(runs)
     sys.path.insert(0, str(ROOT))
     import torch
 

@@ -18,7 +18,6 @@ of the medians is printed per case. The two threads of the engine's default are 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -73,21 +72,14 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from commit_ab import checkout, run_script
-    from tqdm import tqdm
+    from commit_ab import here_and_against
 
     from engine.loading.embedded import embedded_gguf_path
 
     model = str(Path(args.model).resolve()) if args.model else str(embedded_gguf_path())
     opts = {"model": model, "rows": ROWS, "repeats": args.repeats}
-    sides = {args.against: checkout(args.against), "here": ROOT} if args.against else {"here": ROOT}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
-    rounds = args.rounds if args.against else 1
-    with tqdm(total=rounds * len(sides), desc="runs") as bar:
-        for _ in range(rounds):
-            for name, path in sides.items():
-                runs[name].append(json.loads(run_script(path, MEASURE, opts)))
-                bar.update(1)
+    runs = here_and_against(MEASURE, opts, args.against, args.rounds)
+    sides = list(runs)
     first = runs["here"][0]
     print(f"{Path(model).name}: {first['linears']} blocked linears, "
           f"{first['bytes'] / 1e6:.1f} MB; median ms per pass")
