@@ -12,7 +12,8 @@ Gemma 3 270M-shaped Q4_0 file of benchmarks/gemma3_gguf.py: 56 MB; SmolLM2's Q4_
 Each case reports the median time of a pass over ``--repeats`` and its weight bytes per second.
 With ``--against REV`` that commit is checked out into a worktree (benchmarks/commit_ab.py),
 the same cases run there and here in alternating fresh processes (``--rounds``), and the ratio
-of the medians is printed per case. The two threads of the engine's default are used.
+of the medians is printed per case. The kernels run on as many threads as the engine
+sets (its default: every core this process may use).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ opts = json.loads(sys.argv[1])
 kernel = load()
 llm = LLM(opts["model"], kv_cache_memory="64MiB")
 model = llm.engine.runner.model
-torch.set_num_threads(2)
 layers = getattr(model, "model", model).layers
 mods = [getattr(layer, name) for layer in layers
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]

@@ -186,12 +186,10 @@ def _prompt_rows_case(dtype_kind, heads, kv_heads, head_dim, window, seed):
         dt = getattr(torch, dtype_kind)
         return q, k.to(dt), v.to(dt), tables, seq_lens, lambda kern, *a: kern.paged_decode_cpu(*a)
     fmt = kv_format(dtype_kind, torch.float32, head_dim)
-    if fmt.kind == "int8":
+    if fmt.kind in ("int8", "int4"):  # paged_decode_cpu_int8 / _int4
+        name = f"paged_decode_cpu_{fmt.kind}"
         return (q, quantize_rows(k, fmt), quantize_rows(v, fmt), tables, seq_lens,
-                lambda kern, *a: kern.paged_decode_cpu_int8(*a))
-    if fmt.kind == "int4":
-        return (q, quantize_rows(k, fmt), quantize_rows(v, fmt), tables, seq_lens,
-                lambda kern, *a: kern.paged_decode_cpu_int4(*a))
+                lambda kern, *a: getattr(kern, name)(*a))
     from engine.kv_storage.formats import fp8_table
 
     ks, vs = torch.linspace(0.02, 0.05, kv_heads), torch.linspace(0.01, 0.03, kv_heads)
