@@ -14,6 +14,8 @@
   ``quant_gemm_q4_blocked``, that math over weights stored blocked (no repack), at any row count.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
   one pass each (PyTorch runs each as 3-5 separate passes over the activations).
+* ``first_argmax_rows``: the greedy token's argmax per row in one call (one pass, threads over
+  segments of the row): engine/sampling/argmax.py.
 * ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (what
   the Python loop costs around them: docs/performance.md#decode-stack); see
   engine/models/cpu_decode_stack.py.
@@ -47,7 +49,7 @@ _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_
             "quant_gemm_q8_interleaved.cpp", "quant_dequant_cpu.cpp",
             "quant_gemm_q5.cpp",
             "kv_store_cpu.cpp", "decode_stack_cpu.cpp", "paged_decode_cpu_int4.cpp",
-            "int4_rows_cpu.cpp"]
+            "int4_rows_cpu.cpp", "argmax_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
 _module = None
 _failed = False

@@ -1,6 +1,8 @@
-"""engine.sampling.argmax.first_argmax: the two-pass CPU argmax returns ``argmax``'s index
-(the first maximal one) in every case the single pass would: ties within and across chunks,
-a maximum only in the ragged tail, NaN, all -inf rows (a grammar's mask), strided input."""
+"""engine.sampling.argmax.first_argmax: both CPU paths, the C++ kernel (``first_argmax_rows``,
+taken where the CPU kernels are built) and the two passes of PyTorch ops (taken without them),
+return ``argmax``'s index (the first maximal one) in every case the single pass would: ties
+within and across chunks and the kernel's segments and lanes, a maximum only in a ragged tail,
+NaN, all -inf rows (a grammar's mask), strided input."""
 
 from __future__ import annotations
 
@@ -11,11 +13,18 @@ import engine.sampling.argmax as argmax_module
 from engine.sampling.argmax import CHUNK, chunk_length, first_argmax, two_passes_pay
 
 
-@pytest.fixture(autouse=True)
-def two_passes(monkeypatch):
-    """The two-pass path at every shape here, whatever this machine's threads and PyTorch
-    build (the rule that picks it is tested on its own below)."""
-    monkeypatch.setattr(argmax_module, "two_passes_pay", lambda *_: True)
+@pytest.fixture(autouse=True, params=["kernel", "two passes"])
+def path(request, monkeypatch):
+    """Each path at every shape here: the kernel where it is built; the two passes whatever
+    this machine's threads and PyTorch build (the rule that picks them is tested on its own
+    below)."""
+    if request.param == "kernel":
+        if argmax_module._kernel() is None:
+            pytest.skip("the CPU kernels are not built here")
+    else:
+        monkeypatch.setattr(argmax_module, "_kernel", lambda: None)
+        monkeypatch.setattr(argmax_module, "two_passes_pay", lambda *_: True)
+    return request.param
 
 
 def _check(x: torch.Tensor) -> None:
@@ -56,6 +65,36 @@ def test_nan_and_minus_inf_rows_as_max():
     x[2, 99] = float("inf")
     assert torch.equal(first_argmax(x), x.max(dim=-1).indices)
     assert first_argmax(x[1:]).tolist() == [0, 99]
+
+
+@pytest.mark.parametrize("width", [1, 7, 31, 32, 33, 1000, 32_767, 32_768, 32_769, 65_537])
+def test_short_and_ragged_rows_and_segment_borders(width, path, monkeypatch):
+    if path == "two passes" and width < CHUNK:  # shorter than a chunk: the rule's single pass
+        monkeypatch.setattr(argmax_module, "two_passes_pay", two_passes_pay)
+    g = torch.Generator().manual_seed(width)
+    _check(torch.randn(5, width, generator=g))
+    _check(torch.randint(-3, 3, (17, width), generator=g).float())  # ties everywhere
+    x = torch.zeros(2, width)
+    x[:, : width // 2] = -0.0  # -0.0 and 0.0 are equal: the first zero wins
+    _check(x)
+
+
+def test_ties_across_kernel_segments_and_lanes():
+    x = torch.zeros(3, 3 * 32_768 + 40)
+    x[0, [2 * 32_768 + 5, 32_768 + 31, 32_768 + 1]] = 9.0  # the same segment, lanes apart
+    x[1, [32_767, 32_768]] = 9.0  # on both sides of a segment border
+    x[2, [3 * 32_768 + 39, 3 * 32_768 + 3]] = 9.0  # only in the last, short segment
+    _check(x)
+    assert first_argmax(x).tolist() == [32_768 + 1, 32_767, 3 * 32_768 + 3]
+
+
+def test_nan_in_a_later_segment_and_in_the_tail():
+    x = torch.randn(3, 2 * 32_768 + 7, generator=torch.Generator().manual_seed(4))
+    x[0, [40_000, 50_000]] = float("nan")
+    x[0, 5] = float("inf")
+    x[1, -1] = float("nan")
+    assert first_argmax(x).tolist() == [40_000, 2 * 32_768 + 6, int(x[2].argmax())]
+    assert torch.equal(first_argmax(x), x.max(dim=-1).indices)
 
 
 def test_strided_rows():

@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_cpu_int4", &paged_decode_cpu_int4,
         "paged decode attention over an int4 pool (q4_0 nibbles, float16 scale per group; no rotation)",
         nogil());
+  m.def("first_argmax_rows", &first_argmax_rows,
+        "per row the first maximal index of a float32 matrix (argmax; NaN the maximum)", nogil());
   m.def("int4_rotate_cpu", &int4_rotate_cpu, "formats.int4_rotate, bit for bit (float32)", nogil());
   m.def("int4_quantize_rows_cpu", &int4_quantize_rows_cpu,
         "formats.quantize_rows for an int4 pool, bit for bit (uint8 rows)", nogil());

@@ -22,6 +22,8 @@ at::Tensor paged_decode_cpu_int4(at::Tensor q, at::Tensor k_cache, at::Tensor v_
 // int4 rows (int4_rows_cpu.cpp): formats.int4_rotate and quantize_rows(int4), bit for bit.
 at::Tensor int4_rotate_cpu(at::Tensor x);
 at::Tensor int4_quantize_rows_cpu(at::Tensor x);
+// argmax_cpu.cpp: per row the first maximal index (a NaN counting as the maximum).
+at::Tensor first_argmax_rows(at::Tensor x);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
                             double eps);
