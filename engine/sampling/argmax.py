@@ -6,9 +6,9 @@ ties and NaN included. It measured faster than both paths below at every shape, 
 all cold: in a decode step the argmax runs right after the logits head has flushed the caches,
 where each PyTorch op costs several times its warm time (docs/performance.md#greedy-argmax).
 
-Without the kernels (or for a non-contiguous or non-float32 input), PyTorch's ``max(dim=-1)`` / ``argmax`` runs each row as one thread's serial
-compare-and-track loop (~0.8 ns a logit here: 0.22 ms for one row of Gemma 3's 262,144
-logits, 1.7 ms for 16 rows on two threads), while ``amax`` without the index is vectorised
+Without the kernels (or for a non-contiguous or non-float32 input): PyTorch's ``max(dim=-1)``
+/ ``argmax`` runs each row as one thread's serial compare-and-track loop (~0.8 ns a logit
+here: 0.22 ms for one row of Gemma 3's 262,144 logits, 1.7 ms for 16 rows on two threads), while ``amax`` without the index is vectorised
 and threaded. So a long row takes two passes: the maximum of every chunk (``amax``), then the
 first chunk holding the row's maximum and the first maximal index inside it: the same index
 as ``argmax``, ties and all (the first chunk that holds the maximum holds its first

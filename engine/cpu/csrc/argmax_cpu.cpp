@@ -12,8 +12,7 @@
 // -0.0 and 0.0 compare equal, as in argmax.
 #include "torch_lite.h"
 
-#include <omp.h>
-
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
