@@ -6,17 +6,17 @@ ties and NaN included. It measured faster than both paths below at every shape, 
 all cold: in a decode step the argmax runs right after the logits head has flushed the caches,
 where each PyTorch op costs several times its warm time (docs/performance.md#greedy-argmax).
 
-Without the kernels (or for a non-contiguous or non-float32 input): PyTorch's ``max(dim=-1)``
-/ ``argmax`` runs each row as one thread's serial compare-and-track loop (~0.8 ns a logit
-here: 0.22 ms for one row of Gemma 3's 262,144 logits, 1.7 ms for 16 rows on two threads), while ``amax`` without the index is vectorised
-and threaded. So a long row takes two passes: the maximum of every chunk (``amax``), then the
-first chunk holding the row's maximum and the first maximal index inside it: the same index
-as ``argmax``, ties and all (the first chunk that holds the maximum holds its first
-occurrence). The chunk length divides the row (vocabularies are highly composite: 1,024 for
-49,152 and 262,144, 1,187 for 151,936, 1,002 for 128,256), else a ragged tail is taken on
-its own. Rows whose maximum is NaN, short rows and other devices keep ``max(dim=-1)`` (NaN
-counts as the maximum there). ``PYTHONPATH=. python benchmarks/greedy_argmax.py`` measures
-both paths.
+Without the kernels (or for a non-contiguous or non-float32 input): PyTorch's ``max(dim=-1)`` /
+``argmax`` runs each row as one thread's serial compare-and-track loop (~0.8 ns a logit here:
+0.22 ms for one row of Gemma 3's 262,144 logits, 1.7 ms for 16 rows on two threads), while
+``amax`` without the index is vectorised and threaded. So a long row takes two passes: the
+maximum of every chunk (``amax``), then the first chunk holding the row's maximum and the first
+maximal index inside it: the same index as ``argmax``, ties and all (the first chunk that holds
+the maximum holds its first occurrence). The chunk length divides the row (vocabularies are
+highly composite: 1,024 for 49,152 and 262,144, 1,187 for 151,936, 1,002 for 128,256), else a
+ragged tail is taken on its own. Rows whose maximum is NaN, short rows and other devices keep
+``max(dim=-1)`` (NaN counts as the maximum there). ``PYTHONPATH=. python
+benchmarks/greedy_argmax.py`` measures the three paths.
 """
 
 from __future__ import annotations
