@@ -6,13 +6,14 @@ this writes one with ``gguf``'s own writer, laid out as llama.cpp's ``convert_hf
 wide, 4 query heads and 1 KV head of 256, MLP 2,048, every sixth layer global and the others a
 512-token sliding window (llama.cpp's fixed 5:1 pattern), RoPE bases 1e6 / 1e4; 262,144 token
 rows as the real vocabulary has (the logits head is most of a 270M model's arithmetic); RMSNorm
-weights stored as ``1 + w``; projections Q4_0, the tied token table Q8_0, norms F32.
+weights stored as ``1 + w``; projections Q4_0 (``--type`` picks another block type), the tied
+token table Q8_0, norms F32.
 
 The vocabulary is SmolLM2's padded to 262,144 rows (benchmarks/shaped_gguf.py; prompts go as
 token ids). Weights are N(0, 0.02) (norm scales around 1), so activations stay finite; the text
 it writes is noise, and the benchmarks ask for a fixed number of tokens.
 
-    PYTHONPATH=. python benchmarks/gemma3_gguf.py OUT.gguf
+    PYTHONPATH=. python benchmarks/gemma3_gguf.py [--type Q4_1] OUT.gguf
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def _tensors(rng: np.random.Generator):
             yield p + name + ".weight", 1.0 + rng.normal(0, 0.1, n)
 
 
-def write(path: Path, seed: int = 0) -> Path:
-    """Write the file (see the module docstring); returns ``path``."""
+def write(path: Path, seed: int = 0, block_type: str = "Q4_0") -> Path:
+    """Write the file (see the module docstring), its projections in ``block_type`` (a GGUF
+    type ``gguf.quants`` can write: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); returns ``path``."""
     import gguf
 
     s = SHAPE
@@ -66,7 +68,7 @@ def write(path: Path, seed: int = 0) -> Path:
     w.add_rope_freq_base(1e6)
     add_padded_vocab(w, s["vocab"])
     rng = np.random.default_rng(seed)
-    q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
+    q4, q8 = gguf.GGMLQuantizationType[block_type], gguf.GGMLQuantizationType.Q8_0
     write_tensors(w, _tensors(rng), 2 + 13 * s["layers"],
                   lambda name: q8 if name == "token_embd.weight" else q4, "writing Gemma 3 GGUF")
     return path
@@ -76,8 +78,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"),
+                    help="the projections' block type (the token table stays Q8_0)")
     args = ap.parse_args()
-    print(write(args.out, args.seed))
+    print(write(args.out, args.seed, args.type))
 
 
 if __name__ == "__main__":

@@ -130,9 +130,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def _local_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                        max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self.rotary.cos
-        if not self._local_rotary or self._local_rotary[0].cos.device != table.device or \
-                self._local_rotary[0].cos.shape != table.shape:
+        table = self.rotary.cos_half
+        if not self._local_rotary or self._local_rotary[0].cos_half.device != table.device or \
+                self._local_rotary[0].cos_half.shape != table.shape:
             with torch.device(table.device):
                 self._local_rotary[:] = [RotaryEmbedding(self.arch.rope_local, self.arch.head_dim,
                                                          table.shape[0])]

@@ -367,7 +367,7 @@ class ModelRunner:
         with torch.inference_mode():
             for sh in shifts:
                 idx = torch.tensor(sh.block_ids, dtype=torch.long, device=self.device)
-                cos, sin = rot.cos[sh.delta], rot.sin[sh.delta]
+                cos, sin = rot.rows(sh.delta)
                 for layer, (k, _) in zip(self.model.layers, self.kv_caches):
                     scale = layer.kv_scales[0] if layer.kv_scales is not None else None
                     shift_block_keys(k, idx, cos, sin, self.kv_format, scale)

@@ -61,7 +61,7 @@ def _rope(d=16, n=64):
 
 
 def _rotated(rot, x, pos):
-    return apply_rotary(x, rot.cos[pos][:, None, :], rot.sin[pos][:, None, :])
+    return apply_rotary(x, *(t[:, None, :] for t in rot.rows(pos)))
 
 
 @pytest.mark.parametrize("kind, tol", [("auto", 1e-5), ("int8", 0.03), ("fp8_e4m3", 0.15)])
@@ -78,7 +78,7 @@ def test_shifted_keys_equal_keys_rotated_at_the_new_position(kind, tol):
     scale = torch.full((kvh,), 0.05) if fmt.kind == "fp8" else None
     pool = quantize_rows(stored, fmt, scale)
     before = pool.clone()
-    shift_block_keys(pool, torch.tensor([3, 5]), rot.cos[8], rot.sin[8], fmt, scale)
+    shift_block_keys(pool, torch.tensor([3, 5]), *rot.rows(8), fmt, scale)
     got = dequantize_rows(pool, fmt, torch.float32, scale)
     for b in (3, 5):
         want = _rotated(rot, raw[b], pos[b] - 8)
@@ -96,9 +96,9 @@ def test_shift_composes():
     pool = torch.randn(3, 4, 2, 16)
     a, b = pool.clone(), pool.clone()
     idx = torch.tensor([0, 2])
-    shift_block_keys(a, idx, rot.cos[4], rot.sin[4], fmt)
-    shift_block_keys(a, idx, rot.cos[4], rot.sin[4], fmt)
-    shift_block_keys(b, idx, rot.cos[8], rot.sin[8], fmt)
+    shift_block_keys(a, idx, *rot.rows(4), fmt)
+    shift_block_keys(a, idx, *rot.rows(4), fmt)
+    shift_block_keys(b, idx, *rot.rows(8), fmt)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
