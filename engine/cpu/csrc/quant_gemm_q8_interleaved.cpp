@@ -18,6 +18,9 @@
 // and every output depends only on its row of x and its row of W, whatever the other rows
 // (batch-invariant serving can use it at every row count). Rows go in blocks of up to 8
 // sharing each weight load; threads split the tiles.
+// With a block of rows or fewer (a decode step), each tile prefetches into L2 the weights and
+// scales of the tile kLead ahead, spread over its scale groups (prefetch_ahead.h): the one-row
+// 262k-row head of a Gemma 3 270M-shaped model ~1.15x faster (SPR, 2 threads), same floats.
 //
 // AVX2 (no vpdpbusd; also where VNNI is built, with avx2=true): a register holds 8 outputs
 // (half a tile: two registers per 64-byte step), the weights' sign bit flipped back, and each
@@ -32,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "prefetch_ahead.h"
 #include "quant_common.h"
 #include "quant_vnni_common.h"
 #include "vec_math.h"
@@ -44,6 +48,7 @@ namespace {
 constexpr int kOut = 16;     // outputs per tile (the float lanes of an AVX-512 register)
 constexpr int kHalf = 8;     // outputs per AVX2 register: half a tile
 constexpr int kRows = 8;     // activation rows sharing each weight load (AVX-512 VNNI)
+constexpr int64_t kLead = 2;  // tiles ahead that a few rows' tile prefetches (VNNI)
 constexpr int kRowsAvx2 = 4; // the same on AVX2 (measured against 2 and 3, and against 4 rows
                              // of each half tile in turn)
 
@@ -138,7 +143,7 @@ inline __m512 load16(const c10::Half* p) {
 template <int R, bool kS16, bool kHasM, typename S>
 void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
                const float* dx, const int32_t* neg, const float* sx, int64_t K, float* y,
-               int64_t ldy, __mmask16 live) {
+               int64_t ldy, __mmask16 live, const kvserve_prefetch::Ahead& ahead) {
   constexpr int kSteps = kS16 ? 4 : 8;  // 64-byte steps per scale group
   const int64_t G = K / kGroup, SG = K / (kS16 ? 16 : 32);
   __m512 acc[R], accm[R];
@@ -155,6 +160,9 @@ void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
       for (int c = 1; c < kChains; c++) s[r][c] = _mm512_setzero_si512();
     }
     const int64_t i0 = h * kSteps;
+    kvserve_prefetch::prefetch_share(ahead.q, ahead.q_bytes, h, SG);
+    kvserve_prefetch::prefetch_share(ahead.d, ahead.d_bytes, h, SG);
+    kvserve_prefetch::prefetch_share(ahead.m, ahead.m_bytes, h, SG);
 #pragma GCC unroll 8
     for (int j = 0; j < kSteps; j++) {
       const __m512i w = _mm512_loadu_si512(wt + (i0 + j) * 64);
@@ -238,10 +246,21 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
 #ifdef KVSERVE_VNNI
       if (vnni) {
         const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
+        // A few rows: the tile two ahead (this thread's next but one) into L2 meanwhile.
+        kvserve_prefetch::Ahead ahead;
+        const int64_t ta = t + kLead;
+        if (M <= kRows && ta < T) {
+          const int64_t sbytes = SG * kOut * static_cast<int64_t>(sizeof(*dw));
+          ahead = {w + ta * K * kOut, K * kOut,
+                   reinterpret_cast<const uint8_t*>(dw + ta * SG * kOut), sbytes,
+                   kM ? reinterpret_cast<const uint8_t*>(mw + ta * SG * kOut) : nullptr,
+                   kM ? sbytes : 0};
+        }
         kvserve_quant::row_tiles<kRows>(M, [&](auto block, int64_t r0) {
           tile_rows<decltype(block)::value, kS, kM>(
               w + t * K * kOut, dt, mt, qx + r0 * K, dx + r0 * G, neg + r0 * SG,
-              kM ? sx + r0 * SG : nullptr, K, yp + r0 * N + n0, N, live);
+              kM ? sx + r0 * SG : nullptr, K, yp + r0 * N + n0, N, live,
+              r0 == 0 ? ahead : kvserve_prefetch::Ahead{});
         });
         continue;
       }

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "prefetch_ahead.h"
 #include "quant_common.h"
 #include "quant_vnni_common.h"
 #include "vec_math.h"
@@ -38,21 +39,10 @@ constexpr int64_t kBlockBytes = 128;  // packed bytes per block and group
 // How d and m are stored (see the header comment).
 enum Scales : int { kF32 = 0, kF16 = 1, kF16Q40 = 2 };
 
-// Weight bytes a tile loads into L2 for a later tile while it computes (contiguous ranges of
-// packed nibbles, scales and mins; 0 bytes: none). Each of the tile's G groups prefetches its
-// share of the lines, so the loads spread over the tile's arithmetic. Without them a one-row
-// tile waits on memory: a tile's 4 blocks are 4 short streams (G x 128 bytes each) that the
-// hardware prefetchers do not learn before they end (measured: the one-row linears of Gemma 3
-// 270M and SmolLM2 streamed ~13 GB/s from DRAM with two threads, where a plain sequential
-// read reaches ~31).
-struct Ahead {
-  const uint8_t* q = nullptr;
-  int64_t q_bytes = 0;
-  const uint8_t* d = nullptr;
-  int64_t d_bytes = 0;
-  const uint8_t* m = nullptr;
-  int64_t m_bytes = 0;
-};
+// Ahead and prefetch_share: prefetch_ahead.h (a tile's weights are too short a stream for
+// the hardware prefetchers; there measured ~13 GB/s from DRAM without them, ~31 reachable).
+using kvserve_prefetch::Ahead;
+using kvserve_prefetch::prefetch_share;
 
 // The weights a tile reads: packed nibbles (qs of block b0 on, 128 bytes per block and group)
 // or, for tiles of several rows, the same blocks unpacked once per call into bytes (256 per
@@ -66,17 +56,6 @@ struct TileWeights {
   Ahead ahead = {};
 };
 
-// Group g's share (of G) of the cache lines of bytes [p, p + n), prefetched into L2; n = 0:
-// none. (No test of p against null: with one, GCC 12 at -O1 and above deleted the prefetches,
-// as the assembly shows; so an empty range is told by n.)
-inline void prefetch_share(const uint8_t* p, int64_t n, int64_t g, int64_t G) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-  const int64_t lines =
-      n > 0 ? static_cast<int64_t>((reinterpret_cast<uintptr_t>(p) + n - first + 63) / 64) : 0;
-  for (int64_t l = g * lines / G, end = (g + 1) * lines / G; l < end; l++) {
-    __builtin_prefetch(reinterpret_cast<const void*>(first + 64 * l), 0, 2);
-  }
-}
 
 // Scale i of a Scales-format array, as float32 (exact).
 template <int SC>
