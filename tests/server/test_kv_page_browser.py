@@ -126,14 +126,19 @@ async def _drive(binary: str, url: str, shots: Path) -> None:
         })()""", 60)
         assert any("careful assistant" in t and t in SHARED for t in texts), texts
 
-        # Idle now: the page's counts equal /kv/state's (the page updates within its interval).
-        want = _expected(_state(url))
-        got = None
-        for _ in range(100):
-            got = await page.eval(COUNTS_JS)
-            if got and {k: got[k] for k in want} == want:
-                break
+        # Idle once the server has seen both disconnects and freed their blocks (it may still
+        # hold them for a step when the streams return): then the page's counts equal
+        # /kv/state's (the page updates within its interval; the state is read again each
+        # try, so a free landing between the two reads is caught up, not compared stale).
+        want, got = _expected(_state(url)), None
+        for _ in range(300):
+            if want["used"] == 0:
+                got = await page.eval(COUNTS_JS)
+                if got and {k: got[k] for k in want} == want:
+                    break
             await asyncio.sleep(0.2)
+            want = _expected(_state(url))
+        assert want["used"] == 0, want
         assert {k: got[k] for k in want} == want, (got, want)
         assert got["f"] + got["c"] + got["u"] + got["s"] == want["num_blocks"]
         path = await page.screenshot(shots / "kv-page.png")
