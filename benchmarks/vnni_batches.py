@@ -1,7 +1,9 @@
 """The AVX-512 VNNI batch kernels against what served before them, in one process, on the same
 model. ``--compare vnni`` (the default): the 4-bit int8 tiles on VNNI (``q4_tiles``) and the
 8-bit lanes kernel (``q8_batch``); ``--compare q8-layout``: the 8-bit weights interleaved
-(``q8_layout``) against the rows layout with those two kernels.
+(``q8_layout``) against the rows layout with those two kernels; ``--compare amx``: the
+interleaved 8-bit weights' batches on AMX int8 tiles from 8 rows (``q8_tiles``,
+``q8_amx_from``) against their VNNI lanes.
 
 * ``q4_tiles``: ``avx2`` (maddubs) against ``vnni`` (dpbusd). The same floats bit for bit
   (engine/cpu/csrc/quant_q4_tile.h).
@@ -17,6 +19,9 @@ model. ``--compare vnni`` (the default): the 4-bit int8 tiles on VNNI (``q4_tile
   against the decode kernel greedy tokens are compared, not required equal. Without VNNI (an
   AVX2 CPU, or kernels built with ``KVSERVE_CPU_MARCH=x86-64-v3``) both sides run the AVX2
   tiles and no lanes: the decode kernel against the interleaved kernel's AVX2 path.
+* ``q8_tiles``: ``vnni`` against ``amx`` (engine/cpu/csrc/quant_gemm_q8_amx.cpp; where the
+  AMX tiles are built and granted: Sapphire Rapids and later). The same floats bit for bit, so
+  greedy tokens must be equal. (The C++ decode stack's own 8-bit layer linears stay on VNNI.)
 
 First each kernel family alone: every 4-bit layer linear (``QuantLinear.tiles``) and every
 8-bit module (the logits head among them) at 1, 16 and 256 / 1, 6 and 16 rows, the two
@@ -27,11 +32,12 @@ prompts of 280 tokens, 64 generated each), prefix caching off, float16 KV; prefi
 decode-only steps timed apart.
 
     PYTHONPATH=. python benchmarks/vnni_batches.py [--model F.gguf] [--repeats 3]
-        [--compare vnni|q8-layout]
+        [--compare vnni|q8-layout|amx]
 
 (the model defaults to the embedded SmolLM2 Q4_1 GGUF, its token table and head Q8_0;
 benchmarks/gemma3_gguf.py writes the Gemma 3 270M-shaped Q4_0 file with a 262,144-row Q8_0
-head). ``--compare vnni`` needs a CPU with AVX-512 VNNI, ``q8-layout`` AVX2. Prints the ISA.
+head). ``--compare vnni`` needs a CPU with AVX-512 VNNI, ``q8-layout`` AVX2, ``amx`` AMX-INT8.
+Prints the ISA.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from engine.models.cpu_decode_stack import build_decode_stack  # noqa: E402
 from engine.quantization.linear import (  # noqa: E402
     LANES_ROWS,
     QuantLinear,
+    amx_available,
     quant_kernels,
     vnni_available,
 )
@@ -64,6 +71,8 @@ COMPARISONS = {
              "after": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "rows"}},
     "q8-layout": {"before": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "rows"},
                   "after": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "interleaved"}},
+    "amx": {"before": {"q8_layout": "interleaved", "q8_tiles": "vnni"},
+            "after": {"q8_layout": "interleaved", "q8_tiles": "amx", "q8_amx_from": "8"}},
 }
 # q8-layout where VNNI is not built: no VNNI tiles, no lanes
 AVX2_Q8_LAYOUT = {"before": {"q4_tiles": "avx2", "q8_batch": "kernel", "q8_layout": "rows"},
@@ -138,6 +147,8 @@ def main() -> None:
                     help="which settings to compare (see the docstring)")
     args = ap.parse_args()
     sides = COMPARISONS[args.compare]
+    if args.compare == "amx" and not amx_available():
+        sys.exit("the AMX tiles are not available on this CPU: nothing to compare")
     if not vnni_available():
         if args.compare == "vnni":
             sys.exit("the AVX-512 VNNI kernels are not built on this CPU: nothing to compare")
@@ -157,7 +168,8 @@ def main() -> None:
           f"({', '.join(f'{m.out_features}x{m.in_features}' for m in q8[:3])}"
           f"{', ...' if len(q8) > 3 else ''}); the probe chose "
           f"q4_tiles {mods[0].q4_tiles}, q8_batch {q8[0].q8_batch if q8 else '-'}, "
-          f"q8_layout {q8[0].q8_layout if q8 else '-'}; comparing {args.compare}: "
+          f"q8_layout {q8[0].q8_layout if q8 else '-'}, "
+          f"q8_tiles {q8[0].q8_tiles if q8 else '-'}; comparing {args.compare}: "
           + "; ".join(f"{side} {settings}" for side, settings in sides.items()))
     if q4 and args.compare == "vnni":
         print("4-bit layer linears on the tiles, one pass (median), avx2 vs vnni:")
@@ -168,10 +180,10 @@ def main() -> None:
                   f"{t['before'] / t['after']:.2f}x  outputs identical: {same}")
     if q8:
         print("8-bit modules at decode sizes, one pass (median), before vs after:")
-        for rows in (1, LANES_ROWS, 16):
-            t, _ = _kernels(sides, q8, lambda m, x: m(x), rows, 9)
+        for rows in (1, LANES_ROWS, 8, 16):
+            t, same = _kernels(sides, q8, lambda m, x: m(x), rows, 9)
             print(f"  {rows:4d} rows  {t['before'] * 1e3:8.3f} ms  {t['after'] * 1e3:8.3f} ms  "
-                  f"{t['before'] / t['after']:.2f}x")
+                  f"{t['before'] / t['after']:.2f}x  outputs identical: {same}")
     rng = random.Random(0)
     vocab = llm.engine.tokenizer.vocab_size
     work = {"one stream": ([[rng.randrange(100, vocab - 100) for _ in range(128)]],

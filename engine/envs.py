@@ -36,6 +36,7 @@ class EnvVar:
 CACHE_DIR = "KVSERVE_CACHE_DIR"
 CPU_KERNELS = "KVSERVE_CPU_KERNELS"
 CPU_MARCH = "KVSERVE_CPU_MARCH"
+CPU_AMX = "KVSERVE_CPU_AMX"
 KERNEL_BUILD_WAIT = "KVSERVE_KERNEL_BUILD_WAIT"
 DECODE_STACK = "KVSERVE_DECODE_STACK"
 STACK_PREFETCH = "KVSERVE_STACK_PREFETCH"
@@ -51,7 +52,7 @@ API_KEY = "KVSERVE_API_KEY"
 # What limits the instructions the measured paths use: our kernels' build target and the caps
 # on PyTorch's own (ATen's vectorised ops, oneDNN's matmuls, MKL's dense float32 matmuls). The
 # quantisation probe's verdicts are keyed by their values.
-ISA_CAP_VARIABLES = (CPU_MARCH, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+ISA_CAP_VARIABLES = (CPU_MARCH, CPU_AMX, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                      "MKL_ENABLE_INSTRUCTIONS")
 # torchrun's rendezvous variables (engine/distributed/launcher.py reads them).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -68,6 +69,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(CPU_MARCH, "native",
            "the `-march` the CPU kernels are built for, under their own name (e.g. `haswell` "
            "runs the AVX2 paths on an AVX-512 machine, for their correctness)"),
+    EnvVar(CPU_AMX, "1",
+           "`0` keeps the 8-bit kernel's AMX int8 tiles out of the start-up probe's choices "
+           "(they are used only where built, granted by the OS and measured faster); part of "
+           "the probe verdict's key"),
     EnvVar(KERNEL_BUILD_WAIT, "900",
            "seconds to wait for another live process building the CPU kernels before the "
            "start fails naming the folder"),
@@ -158,6 +163,11 @@ def cpu_march() -> str:
     """``$KVSERVE_CPU_MARCH``, ``native`` when unset."""
     value = _get(CPU_MARCH)
     return "native" if value is None else value
+
+
+def cpu_amx_enabled() -> bool:
+    """False only when ``KVSERVE_CPU_AMX=0``."""
+    return _get(CPU_AMX) != "0"
 
 
 def kernel_build_wait_s() -> float | None:

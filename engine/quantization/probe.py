@@ -25,6 +25,7 @@ from engine.quantization.linear import (
     DENSE_ROWS,
     LANES_ROWS,
     QuantisedModules,
+    amx_available,
     interleaved_available,
     vnni_available,
 )
@@ -127,6 +128,14 @@ class Verdict:
     def q8_layout(self) -> str:
         return self.setting("q8_layout")
 
+    @property
+    def q8_tiles(self) -> str:
+        return self.setting("q8_tiles")
+
+    @property
+    def q8_amx_from(self) -> str:
+        return self.setting("q8_amx_from")
+
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
                          f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
@@ -169,7 +178,9 @@ SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q4_layout": ("4-bit layout", ("rows", "blocked")),
             "q4_tiles": ("4-bit tiles", ("avx2", "vnni")),
             "q8_batch": ("8-bit decode batches", ("kernel", "lanes")),
-            "q8_layout": ("8-bit layout", ("rows", "interleaved"))}
+            "q8_layout": ("8-bit layout", ("rows", "interleaved")),
+            "q8_tiles": ("8-bit interleaved batches", ("vnni", "amx")),
+            "q8_amx_from": ("AMX tiles from rows", ("16", "8"))}
 
 
 @dataclass
@@ -228,7 +239,10 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     (:func:`probe_decode_kernels`), and then the 8-bit decode kernel against the lanes kernel
     on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`); where the interleaved 8-bit
     kernel is built (AVX2), all of that (the rows layout) against the interleaved layout at
-    ``DECODE_ROWS`` (:func:`probe_q8_layout`); last, with 4-bit weights, their decode kernel
+    ``DECODE_ROWS`` (:func:`probe_q8_layout`); where the AMX tiles are available and weights
+    are interleaved, their VNNI lanes against AMX tiles at ``AMX_ROWS[-1]`` rows
+    (:func:`probe_q8_tiles`), and with AMX, the rows from which they serve
+    (:func:`probe_q8_amx_from`); last, with 4-bit weights, their decode kernel
     against the int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all
     of that (the rows layout) against the blocked layout at ``DECODE_ROWS``
     (:func:`probe_q4_layout`)."""
@@ -259,6 +273,14 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
         settings["q8_layout"] = Setting.measured("q8_layout", confirmed_probe(
             lambda repeats: probe_q8_layout(q, repeats=repeats), 3))
         apply_settings(q, Verdict("quant", None, {}, settings))
+    if amx_available() and _interleaved_leaves(q):  # on that layout
+        settings["q8_tiles"] = Setting.measured("q8_tiles", confirmed_probe(
+            lambda repeats: probe_q8_tiles(q, repeats=repeats), 3))
+        apply_settings(q, Verdict("quant", None, {}, settings))
+        if settings["q8_tiles"].value == "amx":
+            settings["q8_amx_from"] = Setting.measured("q8_amx_from", confirmed_probe(
+                lambda repeats: probe_q8_amx_from(q, repeats=repeats), 3))
+            apply_settings(q, Verdict("quant", None, {}, settings))
     if any(m.is_q4 for m in _leaf_modules(q)):  # against the decode kernel just chosen
         settings["q4_batch"] = Setting.measured("q4_batch", confirmed_probe(
             lambda repeats: probe_q4_batches(q, repeats=repeats), 3))
@@ -282,6 +304,8 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
         m.set_q4_tiles(verdict.q4_tiles)
         m.set_q8_batch(verdict.q8_batch)
         m.set_q8_layout(verdict.q8_layout)
+        m.set_q8_tiles(verdict.q8_tiles)
+        m.set_q8_amx_from(verdict.q8_amx_from)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -440,6 +464,33 @@ def probe_q8_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     the decode kernel, the lanes on batches where chosen) against the interleaved layout
     (``quant_s``: ``quant_gemm_q8_interleaved`` at both). Left in the rows layout."""
     return _toggle(_q8_leaves(q), rows, "set_q8_layout", "rows", "interleaved", repeats)
+
+
+AMX_ROWS = (8, 16)  # the batches the AMX row threshold and the AMX tiles are probed at
+
+
+def _interleaved_leaves(q: QuantisedModules) -> list[nn.Module]:
+    """The 8-bit ``QuantLinear``s of ``q`` stored interleaved."""
+    return [m for m in _q8_leaves(q) if m.interleaved]
+
+
+def probe_q8_tiles(q: QuantisedModules, rows: tuple[int, ...] = AMX_ROWS[-1:],
+                   repeats: int = 3) -> ProbeResult:
+    """The interleaved 8-bit modules (the logits head among them, if 8-bit) on a decode batch
+    of ``rows``: the kernel's VNNI lanes (``float_s``) against its AMX tiles (``quant_s``),
+    from ``AMX_ROWS[-1]`` rows. Both give the same floats, bit for bit. Left on VNNI."""
+    mods = _interleaved_leaves(q)
+    for m in mods:
+        m.set_q8_amx_from(str(AMX_ROWS[-1]))
+    return _toggle(mods, rows, "set_q8_tiles", "vnni", "amx", repeats)
+
+
+def probe_q8_amx_from(q: QuantisedModules, rows: tuple[int, ...] = AMX_ROWS[:1],
+                      repeats: int = 3) -> ProbeResult:
+    """With ``q8_tiles == "amx"``, the interleaved 8-bit modules on a batch of ``rows``
+    (``AMX_ROWS[0]``): AMX tiles from 16 rows, so VNNI here (``float_s``), against AMX tiles
+    from 8 rows (``quant_s``). Left from 16."""
+    return _toggle(_interleaved_leaves(q), rows, "set_q8_amx_from", "16", "8", repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,

@@ -22,6 +22,7 @@ from engine.quantization.linear import (
     QuantConcat,
     QuantEmbedding,
     QuantLinear,
+    amx_available,
     interleaved_available,
     quant_kernels,
     vnni_available,
@@ -166,3 +167,59 @@ def test_linear_serves_every_size_on_the_interleaved_layout():
     q4 = QuantLinear(quantise(torch.randn(40, 64, generator=g), "int4", 32))
     q4.set_q8_layout("interleaved")
     assert q4.q8_layout == "rows"
+
+
+needs_amx = pytest.mark.skipif(quant_kernels() is None or not amx_available(),
+                               reason="no AMX-INT8 tiles on this CPU (or the OS refused them)")
+
+
+@needs_amx
+@pytest.mark.parametrize(("s", "mins"), LAYOUTS)
+@pytest.mark.parametrize("n", [1, 15, 37])
+@pytest.mark.parametrize("rows", [1, 7, 8, 16, 17, 40])  # an A tile's 16 rows, padded, several
+@pytest.mark.parametrize("half", [False, True])
+def test_the_amx_tiles_give_the_vnni_floats(s, mins, n, rows, half):
+    """``amx=True``: the VNNI path's floats bit for bit at every row count (the tile multiply's
+    exact int32 sums, the same float epilogue in the same order), a row alone the same bits as
+    in the batch."""
+    qs, d, m = _q8(n, 96, s, mins, seed=n + rows, half=half)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 2
+    kern = quant_kernels()
+    qi, di, mi = to_interleaved(qs, d, m)
+    want = kern.quant_gemm_q8_interleaved(x, qi, di, mi, n)
+    assert torch.equal(kern.quant_gemm_q8_interleaved(x, qi, di, mi, n, amx=True), want)
+    alone = kern.quant_gemm_q8_interleaved(x[-1:], qi, di, mi, n, amx=True)
+    assert torch.equal(alone[0], want[-1])
+
+
+def test_amx_tiles_are_refused_where_unavailable_and_serve_from_their_threshold():
+    """``set_q8_tiles("amx")`` is refused where the tiles are not available; where they are, an
+    interleaved weight runs batches from ``amx_from`` (16 or 8) rows on them, the same floats;
+    a weight in the rows layout never does."""
+    g = torch.Generator().manual_seed(1)
+    lin = QuantLinear(quantise(torch.randn(40, 64, generator=g), "int8", 32))
+    with pytest.raises(ValueError, match="8-bit tiles"):
+        lin.set_q8_tiles("avx2")
+    with pytest.raises(ValueError, match="AMX row threshold"):
+        lin.set_q8_amx_from("4")
+    if quant_kernels() is None or not amx_available():
+        with pytest.raises(ValueError, match="AMX tiles are not available"):
+            lin.set_q8_tiles("amx")
+        if quant_kernels() is not None and interleaved_available():
+            qi, di, _ = to_interleaved(lin.qs, lin.d, None)
+            with pytest.raises(RuntimeError, match="AMX"):
+                quant_kernels().quant_gemm_q8_interleaved(torch.randn(2, 64), qi, di, None, 40,
+                                                          amx=True)
+        return
+    x = torch.randn(DENSE_ROWS, 64, generator=g)
+    lin.set_q8_tiles("amx")
+    assert lin.amx_from is None  # rows layout
+    lin.set_q8_layout("interleaved")
+    want = {n: lin(x[:n]) for n in (1, 8, 16, DENSE_ROWS)}
+    assert lin.amx_from == 16
+    lin.set_q8_amx_from("8")
+    assert lin.amx_from == 8 and lin._on_amx(8) and not lin._on_amx(7)
+    for n, y in want.items():
+        assert torch.equal(lin(x[:n]), y)
+    lin.set_q8_tiles("vnni")
+    assert lin.amx_from is None

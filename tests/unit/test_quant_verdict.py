@@ -26,6 +26,7 @@ REAL_PANELS, REAL_KERNELS = quant_probe.probe_panels, quant_probe.probe_decode_k
 REAL_Q4_PREFILL, REAL_Q4_BATCHES = quant_probe.probe_q4_prefill, quant_probe.probe_q4_batches
 REAL_Q4_LAYOUT, REAL_Q4_TILES = quant_probe.probe_q4_layout, quant_probe.probe_q4_tiles
 REAL_Q8_BATCHES, REAL_Q8_LAYOUT = quant_probe.probe_q8_batches, quant_probe.probe_q8_layout
+REAL_Q8_TILES, REAL_Q8_AMX_FROM = quant_probe.probe_q8_tiles, quant_probe.probe_q8_amx_from
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +42,9 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     monkeypatch.setattr(quant_probe, "probe_q4_tiles", slower)
     monkeypatch.setattr(quant_probe, "probe_q8_batches", slower)
     monkeypatch.setattr(quant_probe, "probe_q8_layout", slower)
+    monkeypatch.setattr(quant_probe, "probe_q8_tiles", slower)
+    monkeypatch.setattr(quant_probe, "probe_q8_amx_from", slower)
+    monkeypatch.setattr(quant_probe, "amx_available", lambda: False)  # a test sets it
 
 
 class _Recorder(nn.Module):
@@ -418,9 +422,50 @@ def test_q8_layout_follows_its_measurement(monkeypatch, interleaved_s, want):
                   rows=(1, 4)).q8_layout == "rows" and probed == []
 
 
+@pytest.mark.parametrize(("amx_s", "from8_s", "want"),
+                         [(0.5, 0.5, ("amx", "8")), (0.5, 1.5, ("amx", "16")),
+                          (1.5, 0.5, ("vnni", "16"))])
+def test_q8_tiles_follow_their_measurements(monkeypatch, amx_s, from8_s, want):
+    """Where the AMX tiles are available and 8-bit weights are stored interleaved, their VNNI
+    lanes are measured against AMX tiles, and with AMX, AMX from 16 rows against from 8 (the
+    second probe only then); elsewhere neither is measured (vnni, 16)."""
+    probed = []
+
+    def timed(name, s):
+        def probe(q, *a, **kw):
+            probed.append(name)
+            return ProbeResult(1.0, s, (1.0, 1.0), (s, s))
+        return probe
+
+    monkeypatch.setattr(quant_probe, "probe_q8_tiles", timed("tiles", amx_s))
+    monkeypatch.setattr(quant_probe, "probe_q8_amx_from", timed("from", from8_s))
+    monkeypatch.setattr(quant_probe, "probe_q8_layout",
+                        lambda q, *a, **kw: ProbeResult(1.0, 0.5, (1.0, 1.0), (0.5, 0.5)))
+    monkeypatch.setattr(quant_probe, "interleaved_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "amx_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4), True)))
+    head = _Recorder(False)
+    head.interleaved = True  # what set_q8_layout("interleaved") does to a real module
+    verdict = choose(nn.Module(), QuantisedModules(linears={"lm_head": head}), rows=(1, 4))
+    assert probed == (["tiles", "from"] if want[0] == "amx" else ["tiles"])
+    assert (verdict.q8_tiles, verdict.q8_amx_from) == want
+    assert (head.set_to["q8_tiles"][-1], head.set_to["q8_amx_from"][-1]) == want
+    back = Verdict.from_dict(verdict.to_dict())
+    assert (back.q8_tiles, back.q8_amx_from) == want
+    probed.clear()
+    head.interleaved = False  # the rows layout: nothing to measure
+    rows = choose(nn.Module(), QuantisedModules(linears={"lm_head": head}), rows=(1, 4))
+    assert probed == [] and (rows.q8_tiles, rows.q8_amx_from) == ("vnni", "16")
+    head.interleaved = True
+    monkeypatch.setattr(quant_probe, "amx_available", lambda: False)
+    assert choose(nn.Module(), QuantisedModules(linears={"lm_head": head}),
+                  rows=(1, 4)).q8_tiles == "vnni" and probed == []
+
+
 def test_the_real_setting_probes_run_and_restore_the_modules():
     from engine.quantization.linear import (
         QuantLinear,
+        amx_available,
         interleaved_available,
         quant_kernels,
         vnni_available,
@@ -455,3 +500,8 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
         qs8 = lin8.qs.clone()
         assert REAL_Q8_LAYOUT(q8, (1, 9), 1).quant_s > 0 and lin8.q8_layout == "rows"
         assert torch.equal(lin8.qs, qs8)
+    if amx_available():
+        lin8.set_q8_layout("interleaved")
+        assert REAL_Q8_TILES(q8, (16,), 1).quant_s > 0 and lin8.q8_tiles == "vnni"
+        lin8.set_q8_tiles("amx")
+        assert REAL_Q8_AMX_FROM(q8, (8,), 1).quant_s > 0 and lin8.q8_amx_from == "16"

@@ -62,11 +62,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quant_gemm_q8's math for decode batches on AVX-512 VNNI (16 rows in the lanes)", nogil());
   m.def("quant_gemm_q8_interleaved", &quant_gemm_q8_interleaved,
         "quant_gemm_q8_batch's floats over an interleaved 8-bit weight (16 outputs in the lanes; "
-        "every row count; AVX-512 VNNI where built unless avx2, else AVX2: the same floats)",
+        "every row count; AVX-512 VNNI where built unless avx2, else AVX2; amx: AMX int8 "
+        "tiles, where quant_gemm_q8_amx_available(): the same floats)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("N"),
-        py::arg("avx2") = false, nogil());
+        py::arg("avx2") = false, py::arg("amx") = false, nogil());
   m.def("quant_gemm_q8_interleaved_available", &quant_gemm_q8_interleaved_available,
         "whether quant_gemm_q8_interleaved was built (AVX2 targeted)");
+  m.def("quant_gemm_q8_amx_available", &quant_gemm_q8_amx_available,
+        "whether quant_gemm_q8_interleaved's AMX tiles were built (AMX-INT8 targeted) and the "
+        "OS grants this process the tile state");
   m.def("store_kv_cpu", &store_kv_cpu, "k/v rows into pool slots (negative: skipped), as bytes",
         nogil());
   m.def("quant_gemm_q4_vnni_available", &quant_gemm_q4_vnni_available,

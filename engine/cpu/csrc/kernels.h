@@ -59,8 +59,10 @@ bool quant_gemm_q4_vnni_available();
 at::Tensor quant_gemm_q8_batch(at::Tensor x, at::Tensor qs, at::Tensor d,
                                c10::optional<at::Tensor> m);
 at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
-                                     c10::optional<at::Tensor> m, int64_t N, bool avx2 = false);
+                                     c10::optional<at::Tensor> m, int64_t N, bool avx2 = false,
+                                     bool amx = false);
 bool quant_gemm_q8_interleaved_available();
+bool quant_gemm_q8_amx_available();
 at::Tensor quant_gemm_q8_vnni(at::Tensor x, at::Tensor qs, at::Tensor d,
                                  c10::optional<at::Tensor> m);
 void store_kv_cpu(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "prefetch_ahead.h"
+#include "quant_amx.h"
 #include "quant_common.h"
 #include "quant_vnni_common.h"
 #include "vec_math.h"
@@ -198,7 +199,8 @@ void tile_rows(const uint8_t* wt, const S* dt, const S* mt, const int8_t* q,
 #endif
 
 at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
-                                     c10::optional<at::Tensor> m, int64_t N, bool avx2) {
+                                     c10::optional<at::Tensor> m, int64_t N, bool avx2,
+                                     bool amx) {
 #ifdef KVSERVE_AVX2
   const int64_t M = x.size(0), K = x.size(1), T = (N + kOut - 1) / kOut;
   const bool half = d.scalar_type() == at::kHalf;
@@ -225,6 +227,8 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
 #else
   const bool vnni = false;
 #endif
+  TORCH_CHECK(!amx || (vnni && kvserve_amx::ready()),
+              "quant_gemm_q8_interleaved: AMX tiles are not available on this CPU");
   const auto rows = kvserve_quant::quantise(x);
   thread_local kvserve_vnni::RowTerms terms;
   kvserve_vnni::row_terms(rows, M, K, S, mins, terms, /*offset=*/vnni);
@@ -236,6 +240,11 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
   const float* sx = mins ? terms.sx.data() : nullptr;
   const int64_t G = K / kGroup;
   float* yp = y.data_ptr<float>();
+  if (amx) {
+    kvserve_amx::q8_interleaved({w, d.data_ptr(), mins ? m->data_ptr() : nullptr, half, M, K, N,
+                                 S, qx, dx, neg, sx, yp});
+    return y;
+  }
   auto tiles = [&](auto s16, auto has_m, const auto* dw, const auto* mw) {
     constexpr bool kS = decltype(s16)::value, kM = decltype(has_m)::value;
 #pragma omp parallel for schedule(static)
@@ -285,6 +294,8 @@ at::Tensor quant_gemm_q8_interleaved(at::Tensor x, at::Tensor qs, at::Tensor d,
   return x;
 #endif
 }
+
+bool quant_gemm_q8_amx_available() { return kvserve_amx::ready(); }
 
 bool quant_gemm_q8_interleaved_available() {
 #ifdef KVSERVE_AVX2
