@@ -78,7 +78,8 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
         else:
             kind = _Q8_VNNI if mod.q8_kernel == "vnni" else _Q8
         return _Linear(kernels.StackLinear(kind, mod.qs, mod.d, mod.m, mod.bias,
-                                           mod.out_features, mod.tiles_from or mod.lanes_from or 0,
+                                           mod.out_features,
+                                           mod.tiles_from or mod.lanes_from or mod.amx_from or 0,
                                            mod.q4_tiles == "vnni"), rows)
     if isinstance(mod, PackedLinear):
         if mod.panels is None or mod.small_rows <= 0:

@@ -20,6 +20,7 @@ from engine.models.cpu_decode_stack import CpuDecodeStack, build_decode_stack
 from engine.quantization.linear import (
     BATCH_TILE_ROWS,
     QuantLinear,
+    amx_available,
     interleaved_available,
     quant_kernels,
     vnni_available,
@@ -180,6 +181,17 @@ def test_stack_serves_interleaved_8bit_weights(model_dirs, invariant):
     ``quant_gemm_q8_interleaved`` in the stack as in Python, bit-identically (batch-invariant
     or per-size)."""
     _q8_one_and_seventeen_rows(model_dirs, invariant, {"q8_layout": "interleaved"}, vnni=False)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_stack_serves_interleaved_8bit_batches_on_amx_tiles(model_dirs, invariant):
+    """``q8_tiles = "amx"`` from 8 rows: the stack's interleaved linears run a step of 17 rows
+    on the AMX tiles (one row on VNNI), bit-identically to the Python loop."""
+    if not amx_available():
+        pytest.skip("no AMX tiles on this CPU")
+    _q8_one_and_seventeen_rows(model_dirs, invariant, {"q8_layout": "interleaved",
+                                                       "q8_tiles": "amx", "q8_amx_from": "8"},
+                               vnni=True)
 
 
 @pytest.mark.parametrize("tiles", ["avx2", "vnni"])

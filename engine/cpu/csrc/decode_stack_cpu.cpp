@@ -93,8 +93,8 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
     case kQ5:
       y = quant_gemm_q5(x, w, *d, *m);
       break;
-    case kQ8Interleaved:
-      y = quant_gemm_q8_interleaved(x, w, *d, m, out_features);
+    case kQ8Interleaved:  // batched: on AMX tiles (the same floats)
+      y = quant_gemm_q8_interleaved(x, w, *d, m, out_features, /*avx2=*/false, batched(x));
       break;
     default:  // kQ8
       y = batched(x) ? quant_gemm_q8_batch(x, w, *d, m) : quant_gemm_q8(x, w, *d, m);
