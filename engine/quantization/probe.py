@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from engine.quantization.linear import (
+    AMX_FROM,
     BATCH_TILE_ROWS,
     DENSE_ROWS,
     LANES_ROWS,
+    Q8_TILES,
     QuantisedModules,
     amx_available,
     interleaved_available,
@@ -179,8 +181,8 @@ SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q4_tiles": ("4-bit tiles", ("avx2", "vnni")),
             "q8_batch": ("8-bit decode batches", ("kernel", "lanes")),
             "q8_layout": ("8-bit layout", ("rows", "interleaved")),
-            "q8_tiles": ("8-bit interleaved batches", ("vnni", "amx")),
-            "q8_amx_from": ("AMX tiles from rows", ("16", "8"))}
+            "q8_tiles": ("8-bit interleaved batches", Q8_TILES),
+            "q8_amx_from": ("AMX tiles from rows", AMX_FROM)}
 
 
 @dataclass
@@ -240,7 +242,7 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     on batches of ``LANES_BATCH_ROWS`` (:func:`probe_q8_batches`); where the interleaved 8-bit
     kernel is built (AVX2), all of that (the rows layout) against the interleaved layout at
     ``DECODE_ROWS`` (:func:`probe_q8_layout`); where the AMX tiles are available and weights
-    are interleaved, their VNNI lanes against AMX tiles at ``AMX_ROWS[-1]`` rows
+    are interleaved, their VNNI lanes against AMX tiles at ``AMX_FROM[0]`` rows
     (:func:`probe_q8_tiles`), and with AMX, the rows from which they serve
     (:func:`probe_q8_amx_from`); last, with 4-bit weights, their decode kernel
     against the int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all
@@ -466,31 +468,28 @@ def probe_q8_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     return _toggle(_q8_leaves(q), rows, "set_q8_layout", "rows", "interleaved", repeats)
 
 
-AMX_ROWS = (8, 16)  # the batches the AMX row threshold and the AMX tiles are probed at
-
-
 def _interleaved_leaves(q: QuantisedModules) -> list[nn.Module]:
     """The 8-bit ``QuantLinear``s of ``q`` stored interleaved."""
     return [m for m in _q8_leaves(q) if m.interleaved]
 
 
-def probe_q8_tiles(q: QuantisedModules, rows: tuple[int, ...] = AMX_ROWS[-1:],
+def probe_q8_tiles(q: QuantisedModules, rows: tuple[int, ...] = (int(AMX_FROM[0]),),
                    repeats: int = 3) -> ProbeResult:
     """The interleaved 8-bit modules (the logits head among them, if 8-bit) on a decode batch
     of ``rows``: the kernel's VNNI lanes (``float_s``) against its AMX tiles (``quant_s``),
-    from ``AMX_ROWS[-1]`` rows. Both give the same floats, bit for bit. Left on VNNI."""
+    from ``AMX_FROM[0]`` rows. Both give the same floats, bit for bit. Left on VNNI."""
     mods = _interleaved_leaves(q)
     for m in mods:
-        m.set_q8_amx_from(str(AMX_ROWS[-1]))
-    return _toggle(mods, rows, "set_q8_tiles", "vnni", "amx", repeats)
+        m.set_q8_amx_from(AMX_FROM[0])
+    return _toggle(mods, rows, "set_q8_tiles", *Q8_TILES, repeats)
 
 
-def probe_q8_amx_from(q: QuantisedModules, rows: tuple[int, ...] = AMX_ROWS[:1],
+def probe_q8_amx_from(q: QuantisedModules, rows: tuple[int, ...] = (int(AMX_FROM[1]),),
                       repeats: int = 3) -> ProbeResult:
     """With ``q8_tiles == "amx"``, the interleaved 8-bit modules on a batch of ``rows``
-    (``AMX_ROWS[0]``): AMX tiles from 16 rows, so VNNI here (``float_s``), against AMX tiles
-    from 8 rows (``quant_s``). Left from 16."""
-    return _toggle(_interleaved_leaves(q), rows, "set_q8_amx_from", "16", "8", repeats)
+    (``AMX_FROM[1]``): AMX tiles from ``AMX_FROM[0]`` rows, so VNNI here (``float_s``),
+    against AMX tiles from ``AMX_FROM[1]`` rows (``quant_s``). Left from ``AMX_FROM[0]``."""
+    return _toggle(_interleaved_leaves(q), rows, "set_q8_amx_from", *AMX_FROM, repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,

@@ -104,10 +104,7 @@ inline void store(int set, int32_t* sums) {
   }
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using kvserve_vnni::load16;
 
 template <bool kS16, bool kHasM, typename Sc>
 void run(const Q8Problem& p, const Sc* dw, const Sc* mw) {

@@ -134,11 +134,7 @@ __attribute__((noinline)) void tile_rows_avx2(const uint8_t* wt, const S* dt, co
 #ifdef KVSERVE_VNNI
 namespace {
 
-// 16 floats of a tile's scales (or mins), stored as float32 or float16 (widened exactly).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using kvserve_vnni::load16;
 
 // R rows (from q, K int8 each) against one tile; y: the first row's first output of the tile.
 template <int R, bool kS16, bool kHasM, typename S>

@@ -36,6 +36,13 @@ inline float scaled_sum(float dx, __m512i lo, __m512i hi) {
   return dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi)));
 }
 
+// 16 floats of a tile's scales (or mins), stored as float32 or float16 (widened exactly): the
+// interleaved 8-bit weight's (quant_gemm_q8_interleaved.cpp, quant_gemm_q8_amx.cpp).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // sum_k a[k] * b[k], k < n, 16 lanes at a time (the last step masked).
 inline float dot_f32(const float* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
