@@ -48,6 +48,11 @@ settings below leave them alone:
   later Xeons) where the start-up probe measured them faster, ``q8_amx_from`` (16 or 8 rows)
   measured too: the same kernel's floats, bit for bit (engine/cpu/csrc/quant_gemm_q8_amx.cpp:
   a Gemma 3 270M-shaped model's 262k-row Q8_0 head ~1.5x faster at 16 rows).
+* blocked 4-bit weights run inputs of ``q4_amx_from`` rows and more (a prefill; with
+  ``q4_amx_from`` 16, decode batches of 16 too) on AMX int8 tiles (``q4_amx`` ``on``, where
+  built and granted) where the start-up probe measured them faster: the same floats as the
+  int8 tiles, bit for bit, so batch-invariant mode keeps them (engine/cpu/csrc/
+  quant_gemm_q4_amx.cpp: a 2,048-row prefill chunk's projections ~1.5-2x faster than VNNI).
 * with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
   quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
   go to the fallback instead, so every row count runs on the path measured faster (what
@@ -98,6 +103,8 @@ LANES_ROWS = 6  # the smallest batch the lanes kernel serves (a block of 16 rows
 Q8_LAYOUTS = ("rows", "interleaved")  # an 8-bit weight's storage (quantization/interleaved.py)
 Q8_TILES = ("vnni", "amx")  # an interleaved 8-bit weight's batches: VNNI's lanes or AMX tiles
 AMX_FROM = ("16", "8")  # the row counts from which AMX tiles may serve (a measured choice)
+Q4_AMX = ("off", "on")  # a blocked 4-bit weight's rows from q4_amx_from on: VNNI/AVX2 or AMX
+Q4_AMX_FROM = (str(DENSE_ROWS + 1), "16")  # from which rows (prefill only, or decode batches too)
 
 
 def quant_kernels():
@@ -161,6 +168,8 @@ class QuantLinear(nn.Module):
         self.q8_layout = "rows"
         self.q8_tiles = "vnni"
         self.q8_amx_from = AMX_FROM[0]
+        self.q4_amx = Q4_AMX[0]
+        self.q4_amx_from = Q4_AMX_FROM[0]
         self.batch_invariant = False
 
     def set_batch_invariant(self) -> None:
@@ -265,11 +274,32 @@ class QuantLinear(nn.Module):
         to the AMX tiles."""
         self.q8_amx_from = _one_of(rows, AMX_FROM, "AMX row threshold")
 
+    def set_q4_amx(self, name: str) -> None:
+        """A blocked 4-bit weight's inputs of :attr:`amx_from` rows and more: ``off`` (the
+        int8 tiles of ``q4_tiles``) or ``on`` (AMX int8 tiles, where :func:`amx_available`).
+        The same floats either way, bit for bit (batch-invariant included): only the speed
+        differs. Other weights (and the rows layout) ignore it."""
+        _one_of(name, Q4_AMX, "4-bit AMX tiles")
+        if name == "on" and not amx_available():
+            raise ValueError("the AMX tiles are not available on this CPU (they need AMX-INT8 "
+                             "and the OS's permission)")
+        self.q4_amx = name
+
+    def set_q4_amx_from(self, rows: str) -> None:
+        """The smallest row count (one of :data:`Q4_AMX_FROM`) that ``q4_amx == "on"`` sends
+        to the AMX tiles."""
+        self.q4_amx_from = _one_of(rows, Q4_AMX_FROM, "4-bit AMX row threshold")
+
     @property
     def amx_from(self) -> int | None:
-        """The row count from which an interleaved 8-bit weight runs on AMX tiles (None:
-        never)."""
-        return int(self.q8_amx_from) if self.interleaved and self.q8_tiles == "amx" else None
+        """The row count from which this weight runs on AMX tiles (None: never): an
+        interleaved 8-bit weight's ``q8_amx_from`` (``q8_tiles == "amx"``), a blocked 4-bit
+        weight's ``q4_amx_from`` (``q4_amx == "on"``)."""
+        if self.interleaved and self.q8_tiles == "amx":
+            return int(self.q8_amx_from)
+        if self.is_q4 and self.blocked and self.q4_amx == "on":
+            return int(self.q4_amx_from)
+        return None
 
     def _on_amx(self, rows: int) -> bool:
         return self.amx_from is not None and rows >= self.amx_from
@@ -409,11 +439,13 @@ class QuantLinear(nn.Module):
 
     def tiles(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, in] @ W.T`` (float32, no bias) on the 4-bit int8 tiles over this weight's
-        layout (blocked, or repacked per call), on the instructions of ``q4_tiles``."""
+        layout (blocked, or repacked per call), on the instructions of ``q4_tiles`` (a blocked
+        weight's inputs from :attr:`amx_from` rows on AMX tiles)."""
         vnni = self.q4_tiles == "vnni"
         if self.blocked:
             return self._kernels.quant_gemm_q4_blocked(x2, self.qs, self.d, self.m,
-                                                       self.out_features, vnni)
+                                                       self.out_features, vnni,
+                                                       self._on_amx(x2.shape[0]))
         return self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m, vnni)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
@@ -525,6 +557,14 @@ class QuantConcat(nn.Module):
     def set_q8_amx_from(self, rows: str) -> None:
         for part in self.parts:
             part.set_q8_amx_from(rows)
+
+    def set_q4_amx(self, name: str) -> None:
+        for part in self.parts:
+            part.set_q4_amx(name)
+
+    def set_q4_amx_from(self, rows: str) -> None:
+        for part in self.parts:
+            part.set_q4_amx_from(rows)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

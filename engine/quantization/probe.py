@@ -25,6 +25,8 @@ from engine.quantization.linear import (
     BATCH_TILE_ROWS,
     DENSE_ROWS,
     LANES_ROWS,
+    Q4_AMX,
+    Q4_AMX_FROM,
     Q8_TILES,
     QuantisedModules,
     amx_available,
@@ -138,6 +140,14 @@ class Verdict:
     def q8_amx_from(self) -> str:
         return self.setting("q8_amx_from")
 
+    @property
+    def q4_amx(self) -> str:
+        return self.setting("q4_amx")
+
+    @property
+    def q4_amx_from(self) -> str:
+        return self.setting("q4_amx_from")
+
     def describe(self) -> str:
         text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
                          f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
@@ -182,7 +192,9 @@ SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
             "q8_batch": ("8-bit decode batches", ("kernel", "lanes")),
             "q8_layout": ("8-bit layout", ("rows", "interleaved")),
             "q8_tiles": ("8-bit interleaved batches", Q8_TILES),
-            "q8_amx_from": ("AMX tiles from rows", AMX_FROM)}
+            "q8_amx_from": ("AMX tiles from rows", AMX_FROM),
+            "q4_amx": ("4-bit AMX tiles", Q4_AMX),
+            "q4_amx_from": ("4-bit AMX tiles from rows", Q4_AMX_FROM)}
 
 
 @dataclass
@@ -247,7 +259,10 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     (:func:`probe_q8_amx_from`); last, with 4-bit weights, their decode kernel
     against the int8 tiles on batches of ``BATCH_ROWS`` (:func:`probe_q4_batches`), then all
     of that (the rows layout) against the blocked layout at ``DECODE_ROWS``
-    (:func:`probe_q4_layout`)."""
+    (:func:`probe_q4_layout`); and where the AMX tiles are available, the blocked 4-bit
+    layers (what batch-invariant mode serves) on a prefill chunk, int8 tiles against AMX
+    tiles (:func:`probe_q4_amx`), and with AMX, whether decode batches of 16 take them too
+    (:func:`probe_q4_amx_from`)."""
     settings: dict[str, Setting] = {}
     dense = [n for n in rows if n > DENSE_ROWS]
     if vnni_available() and any(m.is_q4 for m in _layer_leaves(q)):
@@ -290,6 +305,15 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
         settings["q4_layout"] = Setting.measured("q4_layout", confirmed_probe(
             lambda repeats: probe_q4_layout(q, repeats=repeats), 3))
         apply_settings(q, Verdict("quant", None, {}, settings))
+    if amx_available() and any(m.is_q4 for m in _layer_leaves(q)):
+        prefill = max(dense, default=2 * DENSE_ROWS)
+        settings["q4_amx"] = Setting.measured("q4_amx", confirmed_probe(
+            lambda repeats: probe_q4_amx(q, prefill, repeats), 2))
+        apply_settings(q, Verdict("quant", None, {}, settings))
+        if settings["q4_amx"].value == "on":
+            settings["q4_amx_from"] = Setting.measured("q4_amx_from", confirmed_probe(
+                lambda repeats: probe_q4_amx_from(q, repeats=repeats), 3))
+            apply_settings(q, Verdict("quant", None, {}, settings))
     return settings
 
 
@@ -308,6 +332,8 @@ def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
         m.set_q8_layout(verdict.q8_layout)
         m.set_q8_tiles(verdict.q8_tiles)
         m.set_q8_amx_from(verdict.q8_amx_from)
+        m.set_q4_amx(verdict.q4_amx)
+        m.set_q4_amx_from(verdict.q4_amx_from)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -520,3 +546,37 @@ def probe_q4_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     (``float_s``) against the blocked layout (``quant_s``). Left in the rows layout."""
     mods = [m for m in _leaf_modules(q) if m.is_q4]
     return _toggle(mods, rows, "set_q4_layout", "rows", "blocked", repeats)
+
+
+def _blocked_q4_toggle(q: QuantisedModules, rows: tuple[int, ...], setter: str,
+                       options: tuple[str, str], repeats: int) -> ProbeResult:
+    """The layers' 4-bit projections stored blocked (converted for the measurement, their
+    layout restored after) on their int8 tiles (``QuantLinear.tiles``) at ``rows``:
+    ``setter(options[0])`` (``float_s``) against ``setter(options[1])`` (``quant_s``)."""
+    mods = [m for m in _layer_leaves(q) if m.is_q4]
+    layouts = [m.q4_layout for m in mods]
+    try:
+        for m in mods:
+            m.set_q4_layout("blocked")
+        return _toggle(mods, rows, setter, *options, repeats, call=lambda m, x: m.tiles(x))
+    finally:
+        for m, layout in zip(mods, layouts):
+            m.set_q4_layout(layout)
+
+
+def probe_q4_amx(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResult:
+    """The layers' blocked 4-bit projections on a prefill chunk of ``rows`` rows: the int8
+    tiles of ``q4_tiles`` (``float_s``) against AMX tiles (``quant_s``), from
+    ``Q4_AMX_FROM[0]`` rows. Both give the same floats, bit for bit. Left off."""
+    for m in _layer_leaves(q):
+        m.set_q4_amx_from(Q4_AMX_FROM[0])
+    return _blocked_q4_toggle(q, (rows,), "set_q4_amx", Q4_AMX, repeats)
+
+
+def probe_q4_amx_from(q: QuantisedModules, rows: tuple[int, ...] = (int(Q4_AMX_FROM[1]),),
+                      repeats: int = 3) -> ProbeResult:
+    """With ``q4_amx == "on"``, the layers' blocked 4-bit projections on a decode batch of
+    ``rows`` (``Q4_AMX_FROM[1]``): AMX tiles from ``Q4_AMX_FROM[0]`` rows, so the int8 tiles
+    here (``float_s``), against AMX tiles from ``Q4_AMX_FROM[1]`` (``quant_s``). Left from
+    ``Q4_AMX_FROM[0]``."""
+    return _blocked_q4_toggle(q, rows, "set_q4_amx_from", Q4_AMX_FROM, repeats)

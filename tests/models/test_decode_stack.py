@@ -194,23 +194,30 @@ def test_stack_serves_interleaved_8bit_batches_on_amx_tiles(model_dirs, invarian
                                vnni=True)
 
 
-@pytest.mark.parametrize("tiles", ["avx2", "vnni"])
+@pytest.mark.parametrize("tiles", ["avx2", "vnni", "amx"])
 def test_stack_serves_blocked_4bit_weights(model_dirs, tiles):
     """``q4_layout = "blocked"``: every decode step, one row or a batch, runs the blocked
-    kernel (on either tiles, ``q4_tiles``) in the stack as in Python, bit-identically."""
-    if tiles == "vnni" and not vnni_available():
+    kernel (on either tiles, ``q4_tiles``; ``amx``: on VNNI, AMX tiles from 16 rows) in the
+    stack as in Python, bit-identically."""
+    if tiles != "avx2" and not vnni_available():
         pytest.skip("no AVX-512 VNNI kernels on this CPU")
+    if tiles == "amx" and not amx_available():
+        pytest.skip("no AMX tiles on this CPU")
     llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization="int4")
     model = llm.engine.runner.model
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             mod.set_q4_layout("blocked")
-            mod.set_q4_tiles(tiles)
+            mod.set_q4_tiles("avx2" if tiles == "avx2" else "vnni")
+            if tiles == "amx":
+                mod.set_q4_amx("on")
+                mod.set_q4_amx_from("16")
     model.decode_stack, why = build_decode_stack(model)
     assert why == ""
     counts = _checked(llm)
     llm.generate(PROMPTS[:1], PARAMS)  # one row per step
-    outs = llm.generate(PROMPTS + [PROMPTS[0] + [7]], PARAMS)  # four
+    batch = 17 if tiles == "amx" else 4  # AMX tiles from 16 rows
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] + [i] for i in range(batch)], PARAMS)
     assert counts["stack"] >= 2 * (PARAMS.max_tokens - 1)
     assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 

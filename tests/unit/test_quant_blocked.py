@@ -17,9 +17,11 @@ from engine.quantization.blocked import from_blocked, to_blocked
 from engine.quantization.gguf_blocks import from_gguf_blocks
 from engine.quantization.linear import (
     DENSE_ROWS,
+    Q4_AMX_FROM,
     QuantConcat,
     QuantEmbedding,
     QuantLinear,
+    amx_available,
     quant_kernels,
     vnni_available,
 )
@@ -147,6 +149,77 @@ def test_tiles_instructions_are_a_setting_of_the_module():
     assert lin.q4_tiles == "vnni" and torch.equal(lin.tiles(x), want)
     lin.set_q4_layout("blocked")
     assert torch.equal(lin.tiles(x), want)
+
+
+@pytest.mark.skipif(not amx_available(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("n", [1, 8, 13, 16, 37, 100])  # one block, an odd count, partial tiles
+@pytest.mark.parametrize("k", [32, 96, 640])
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, DENSE_ROWS + 1, 300])  # 300: two chunks
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_tiles_give_the_same_floats(n, k, rows, fmt):
+    """``amx=True`` (one TDPBSUD per scale group, the int8 tiles' float epilogue) gives the
+    tiles' outputs bit for bit, for every scale format, whole and partial tiles of 16 columns
+    and blocks of 16 rows; each row's output is its own (the last row alone gives the same)."""
+    packed, _ = _q4(n, k, seed=n + k + rows, fmt=fmt)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    kern = quant_kernels()
+    blocked = to_blocked(packed.qs, packed.d, packed.m)
+    want = kern.quant_gemm_q4_blocked(x, *blocked, n, vnni=vnni_available())
+    got = kern.quant_gemm_q4_blocked(x, *blocked, n, amx=True)
+    assert torch.equal(got, want)
+    assert torch.equal(kern.quant_gemm_q4_blocked(x[-1:], *blocked, n, amx=True), want[-1:])
+
+
+class _AmxCalls:
+    """The CPU kernels, recording the ``amx`` argument of each ``quant_gemm_q4_blocked``."""
+
+    def __init__(self, kernels) -> None:
+        self._k, self.amx = kernels, []
+
+    def __getattr__(self, name):
+        return getattr(self._k, name)
+
+    def quant_gemm_q4_blocked(self, *args):
+        self.amx.append(args[-1])
+        return self._k.quant_gemm_q4_blocked(*args)
+
+
+def test_amx_tiles_are_a_setting_of_the_module():
+    """``set_q4_amx("on")`` (only where the AMX tiles are available; elsewhere a ValueError and
+    the kernel refuses ``amx=True``) sends a blocked weight's inputs from ``q4_amx_from`` rows
+    (a prefill; with 16, decode batches of 16 too) to them, with unchanged outputs; the rows
+    layout ignores it; a QuantConcat forwards both settings."""
+    packed, _ = _q4(40, 64)
+    lin = QuantLinear(packed)
+    x = torch.randn(DENSE_ROWS + 9, 64, generator=torch.Generator().manual_seed(4))
+    assert (lin.q4_amx, lin.q4_amx_from, lin.amx_from) == ("off", Q4_AMX_FROM[0], None)
+    with pytest.raises(ValueError, match="4-bit AMX tiles"):
+        lin.set_q4_amx("maybe")
+    with pytest.raises(ValueError, match="4-bit AMX row threshold"):
+        lin.set_q4_amx_from("4")
+    if not amx_available():
+        with pytest.raises(ValueError, match="not available"):
+            lin.set_q4_amx("on")
+        with pytest.raises(RuntimeError, match="AMX tiles are not available"):
+            quant_kernels().quant_gemm_q4_blocked(
+                x, *to_blocked(packed.qs, packed.d, packed.m), 40, amx=True)
+        return
+    lin.set_batch_invariant()  # blocked, every row count on the tiles
+    want = {n: lin(x[:n]) for n in (15, 16, DENSE_ROWS + 9)}
+    cat = QuantConcat([lin])
+    cat.set_q4_amx("on")
+    assert lin.q4_amx == "on" and lin.amx_from == DENSE_ROWS + 1
+    lin._kernels = calls = _AmxCalls(lin._kernels)
+    for n in (15, 16, DENSE_ROWS + 9):
+        assert torch.equal(lin(x[:n]), want[n])
+    assert calls.amx == [False, False, True]
+    cat.set_q4_amx_from("16")
+    calls.amx.clear()
+    for n in (15, 16, DENSE_ROWS + 9):
+        assert torch.equal(lin(x[:n]), want[n])
+    assert lin.amx_from == 16 and calls.amx == [False, True, True]
+    lin.set_q4_layout("rows")
+    assert lin.amx_from is None
 
 
 @pytest.mark.parametrize("bf16", [False, True])

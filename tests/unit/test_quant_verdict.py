@@ -27,6 +27,7 @@ REAL_Q4_PREFILL, REAL_Q4_BATCHES = quant_probe.probe_q4_prefill, quant_probe.pro
 REAL_Q4_LAYOUT, REAL_Q4_TILES = quant_probe.probe_q4_layout, quant_probe.probe_q4_tiles
 REAL_Q8_BATCHES, REAL_Q8_LAYOUT = quant_probe.probe_q8_batches, quant_probe.probe_q8_layout
 REAL_Q8_TILES, REAL_Q8_AMX_FROM = quant_probe.probe_q8_tiles, quant_probe.probe_q8_amx_from
+REAL_Q4_AMX, REAL_Q4_AMX_FROM = quant_probe.probe_q4_amx, quant_probe.probe_q4_amx_from
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +45,8 @@ def _settings_measure_the_first_option_faster(monkeypatch):
     monkeypatch.setattr(quant_probe, "probe_q8_layout", slower)
     monkeypatch.setattr(quant_probe, "probe_q8_tiles", slower)
     monkeypatch.setattr(quant_probe, "probe_q8_amx_from", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_amx", slower)
+    monkeypatch.setattr(quant_probe, "probe_q4_amx_from", slower)
     monkeypatch.setattr(quant_probe, "amx_available", lambda: False)  # a test sets it
 
 
@@ -462,6 +465,42 @@ def test_q8_tiles_follow_their_measurements(monkeypatch, amx_s, from8_s, want):
                   rows=(1, 4)).q8_tiles == "vnni" and probed == []
 
 
+@pytest.mark.parametrize(("amx_s", "from16_s", "want"),
+                         [(0.5, 0.5, ("on", "16")), (0.5, 1.5, ("on", "33")),
+                          (1.5, 0.5, ("off", "33"))])
+def test_q4_amx_follows_its_measurements(monkeypatch, amx_s, from16_s, want):
+    """Where the AMX tiles are available and the layers have 4-bit weights, their blocked
+    tiles are measured against AMX tiles on a prefill chunk (the largest probed row count),
+    and with AMX, AMX from 33 rows against from 16 (the second probe only then); elsewhere
+    neither is measured (off, 33)."""
+    probed = []
+
+    def timed(name, s):
+        def probe(q, *a, **kw):
+            probed.append((name, a[0] if a else kw.get("rows")))
+            return ProbeResult(1.0, s, (1.0, 1.0), (s, s))
+        return probe
+
+    monkeypatch.setattr(quant_probe, "probe_q4_amx", timed("amx", amx_s))
+    monkeypatch.setattr(quant_probe, "probe_q4_amx_from", timed("from", from16_s))
+    monkeypatch.setattr(quant_probe, "amx_available", lambda: True)
+    monkeypatch.setattr(quant_probe, "probe", _fake_probe(dict.fromkeys((1, 4, 256), True)))
+    layer = _Recorder(True)
+    q = QuantisedModules(linears={"layers.0.o_proj": layer})
+    verdict = choose(nn.Module(), q, rows=(1, 4, 256))
+    assert probed == ([("amx", 256), ("from", None)] if want[0] == "on" else [("amx", 256)])
+    assert (verdict.q4_amx, verdict.q4_amx_from) == want
+    assert (layer.set_to["q4_amx"][-1], layer.set_to["q4_amx_from"][-1]) == want
+    back = Verdict.from_dict(verdict.to_dict())
+    assert (back.q4_amx, back.q4_amx_from) == want
+    assert "4-bit AMX tiles " + want[0] in verdict.describe()
+    probed.clear()
+    head = QuantisedModules(linears={"lm_head": _Recorder(True)})  # no 4-bit layers
+    assert choose(nn.Module(), head, rows=(1, 4)).q4_amx == "off" and probed == []
+    monkeypatch.setattr(quant_probe, "amx_available", lambda: False)
+    assert choose(nn.Module(), q, rows=(1, 4, 256)).q4_amx == "off" and probed == []
+
+
 def test_the_real_setting_probes_run_and_restore_the_modules():
     from engine.quantization.linear import (
         QuantLinear,
@@ -505,3 +544,9 @@ def test_the_real_setting_probes_run_and_restore_the_modules():
         assert REAL_Q8_TILES(q8, (16,), 1).quant_s > 0 and lin8.q8_tiles == "vnni"
         lin8.set_q8_tiles("amx")
         assert REAL_Q8_AMX_FROM(q8, (8,), 1).quant_s > 0 and lin8.q8_amx_from == "16"
+        # the 4-bit layers measured blocked, their rows layout restored
+        assert REAL_Q4_AMX(q, 40, 1).quant_s > 0 and lin.q4_amx == "off"
+        assert lin.q4_layout == "rows" and torch.equal(lin.qs, qs)
+        lin.set_q4_amx("on")
+        assert REAL_Q4_AMX_FROM(q, (16,), 1).quant_s > 0 and lin.q4_amx_from == "33"
+        assert lin.q4_layout == "rows" and torch.equal(lin.qs, qs)

@@ -51,9 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("vnni") = false, nogil());
   m.def("quant_gemm_q4_blocked", &quant_gemm_q4_blocked,
         "quant_gemm_q4's math over the blocked 4-bit layout (engine/quantization/blocked.py), any "
-        "rows (vnni=True: on the AVX-512 VNNI tiles, the same floats)",
+        "rows (vnni=True: on the AVX-512 VNNI tiles; amx=True: on AMX int8 tiles, where "
+        "quant_gemm_q8_amx_available(); the same floats)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("N"),
-        py::arg("vnni") = false, nogil());
+        py::arg("vnni") = false, py::arg("amx") = false, nogil());
   m.def("quant_dequant_q4_blocked", &quant_dequant_q4_blocked,
         "float32 (bf16=True: bfloat16) rows of a blocked 4-bit weight", nogil());
   m.def("quant_gemm_q4_vnni", &quant_gemm_q4_vnni, "quant_gemm_q4 on AVX-512 VNNI (two groups per step)", nogil());

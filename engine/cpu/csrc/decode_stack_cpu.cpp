@@ -87,8 +87,8 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
     case kQ8Vnni:
       y = batched(x) ? quant_gemm_q8_batch(x, w, *d, m) : quant_gemm_q8_vnni(x, w, *d, m);
       break;
-    case kQ4Blocked:
-      y = quant_gemm_q4_blocked(x, w, *d, *m, out_features, tiles_vnni);
+    case kQ4Blocked:  // batched: on AMX tiles (the same floats)
+      y = quant_gemm_q4_blocked(x, w, *d, *m, out_features, tiles_vnni, batched(x));
       break;
     case kQ5:
       y = quant_gemm_q5(x, w, *d, *m);

@@ -25,7 +25,7 @@ enum Kind : int64_t {
 // mins of packed weights; bias: for kPanels the panel-padded copy the kernel adds itself;
 // tiles_from (0: never): inputs of at least that many rows run quant_gemm_q4_tiled (4-bit
 // kinds) or quant_gemm_q8_batch (8-bit kinds) instead of the decode kernel, or for
-// kQ8Interleaved quant_gemm_q8_interleaved's AMX tiles, as QuantLinear does (its tiles_from,
+// kQ8Interleaved and kQ4Blocked their kernel's AMX tiles, as QuantLinear does (its tiles_from,
 // lanes_from, amx_from); tiles_vnni: the 4-bit tiles (those and
 // quant_gemm_q4_blocked's) run on VNNI (QuantLinear.q4_tiles; the same floats).
 struct StackLinear {

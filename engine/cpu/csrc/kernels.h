@@ -51,7 +51,7 @@ at::Tensor quant_gemm_q4_tiled(at::Tensor x, at::Tensor qs, at::Tensor d, at::Te
                                bool vnni = false);
 at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
                                     at::Tensor m, int64_t N,
-                                    bool vnni = false);
+                                    bool vnni = false, bool amx = false);
 at::Tensor quant_dequant_q4_blocked(at::Tensor qs, at::Tensor d, at::Tensor m,
                                        at::Tensor rows, bool bf16);
 at::Tensor quant_gemm_q4_vnni(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m);

@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_amx.h"
 #include "quant_common.h"
 #include "quant_q4_tile.h"
 #include "vec_math.h"
@@ -216,12 +217,18 @@ void dequant_rows(const Blocked& w, const int64_t* ids, int64_t R, T* out) {
 }  // namespace
 
 at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
-                                    at::Tensor m, int64_t N, bool vnni) {
+                                    at::Tensor m, int64_t N, bool vnni, bool amx) {
   const Blocked w = check_blocked(x, qs, d, m, N);
   const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(!amx || kvserve_amx::ready(),
+              "quant_gemm_q4_blocked: AMX tiles are not available on this CPU");
   const auto rows = kvserve_quant::quantise(x);
   auto y = at::empty({M, N});
   float* yp = y.data_ptr<float>();
+  if (amx) {  // quant_gemm_q4_amx.cpp: the same floats
+    kvserve_amx::q4_blocked({w.qs, w.d, w.m, w.scales, w.G, M, K, N, rows.q, rows.d, rows.s, yp});
+    return y;
+  }
   with_scales(w.scales, [&](auto sc) {
     constexpr int SC = decltype(sc)::value;
     kvserve_q4_tile::with_vnni(vnni, "quant_gemm_q4_blocked", [&](auto v) {

@@ -35,8 +35,7 @@
 #include "quant_common.h"
 #include "quant_vnni_common.h"
 
-#if defined(KVSERVE_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define KVSERVE_AMX 1
+#ifdef KVSERVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -46,63 +45,12 @@ namespace kvserve_amx {
 #ifdef KVSERVE_AMX
 namespace {
 
-constexpr int kOut = 16;      // outputs per tile (the C tile's int32 columns)
-constexpr int kTileRows = 16;  // activation rows per A tile
 constexpr int64_t kLead = 2;  // tiles ahead prefetched into L2
 
 // Linux: a process asks once for the AMX tile data state (arch/x86/include/uapi/asm/prctl.h).
 constexpr int kArchGetXcompPerm = 0x1022;
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Two sets of tiles, so that one scale group's multiply runs while the last one's sums are
-// scaled: set 0 is C 0 (16 rows x 16 int32), A 1 (16 rows x S int8), B 2 (S/4 rows x 64
-// bytes); set 1 is 3, 4, 5.
-TileConfig config(int64_t S) {
-  TileConfig c;
-  for (int set = 0; set < 2; set++) {
-    const int t0 = 3 * set;
-    c.rows[t0] = kTileRows;
-    c.colsb[t0] = kOut * 4;
-    c.rows[t0 + 1] = kTileRows;
-    c.colsb[t0 + 1] = static_cast<uint16_t>(S);
-    c.rows[t0 + 2] = static_cast<uint8_t>(S / 4);
-    c.colsb[t0 + 2] = kOut * 4;
-  }
-  return c;
-}
-
-// One scale group's 16 x 16 sums into set `set`'s C tile (GCC's tile intrinsics take literal
-// tile numbers): b the weights' S/4 steps of 64 bytes, a the 16 rows' S bytes (stride lda).
-inline void multiply(int set, const uint8_t* b, const int8_t* a, int64_t lda) {
-  if (set) {
-    _tile_loadd(5, b, kOut * 4);
-    _tile_loadd(4, a, lda);
-    _tile_zero(3);
-    _tile_dpbsud(3, 4, 5);
-  } else {
-    _tile_loadd(2, b, kOut * 4);
-    _tile_loadd(1, a, lda);
-    _tile_zero(0);
-    _tile_dpbsud(0, 1, 2);
-  }
-}
-
-inline void store(int set, int32_t* sums) {
-  if (set) {
-    _tile_stored(3, sums, kOut * 4);
-  } else {
-    _tile_stored(0, sums, kOut * 4);
-  }
-}
 
 using kvserve_vnni::load16;
 
