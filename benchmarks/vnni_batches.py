@@ -3,7 +3,9 @@ model. ``--compare vnni`` (the default): the 4-bit int8 tiles on VNNI (``q4_tile
 8-bit lanes kernel (``q8_batch``); ``--compare q8-layout``: the 8-bit weights interleaved
 (``q8_layout``) against the rows layout with those two kernels; ``--compare amx``: the
 interleaved 8-bit weights' batches on AMX int8 tiles from 8 rows (``q8_tiles``,
-``q8_amx_from``) against their VNNI lanes.
+``q8_amx_from``) against their VNNI lanes; ``--compare q4-amx``: the blocked 4-bit weights'
+prefill (and decode batches from 16 rows) on AMX int8 tiles (``q4_amx``, ``q4_amx_from``)
+against their int8 tiles.
 
 * ``q4_tiles``: ``avx2`` (maddubs) against ``vnni`` (dpbusd). The same floats bit for bit
   (engine/cpu/csrc/quant_q4_tile.h).
@@ -22,6 +24,10 @@ interleaved 8-bit weights' batches on AMX int8 tiles from 8 rows (``q8_tiles``,
 * ``q8_tiles``: ``vnni`` against ``amx`` (engine/cpu/csrc/quant_gemm_q8_amx.cpp; where the
   AMX tiles are built and granted: Sapphire Rapids and later). The same floats bit for bit, so
   greedy tokens must be equal. (The C++ decode stack's own 8-bit layer linears stay on VNNI.)
+* ``q4_amx``: ``off`` against ``on`` from 16 rows, every 4-bit weight stored blocked
+  (engine/cpu/csrc/quant_gemm_q4_amx.cpp; where the AMX tiles are built and granted). The same
+  floats bit for bit, so greedy tokens must be equal. Batch-invariant engines run their prefill
+  on these tiles; per-size engines keep the panels for it (only decode batches change).
 
 First each kernel family alone: every 4-bit layer linear (``QuantLinear.tiles``) and every
 8-bit module (the logits head among them) at 1, 16 and 256 / 1, 6 and 16 rows, the two
@@ -32,11 +38,12 @@ prompts of 280 tokens, 64 generated each), prefix caching off, float16 KV; prefi
 decode-only steps timed apart.
 
     PYTHONPATH=. python benchmarks/vnni_batches.py [--model F.gguf] [--repeats 3]
-        [--compare vnni|q8-layout|amx]
+        [--compare vnni|q8-layout|amx|q4-amx]
 
 (the model defaults to the embedded SmolLM2 Q4_1 GGUF, its token table and head Q8_0;
 benchmarks/gemma3_gguf.py writes the Gemma 3 270M-shaped Q4_0 file with a 262,144-row Q8_0
-head). ``--compare vnni`` needs a CPU with AVX-512 VNNI, ``q8-layout`` AVX2, ``amx`` AMX-INT8.
+head). ``--compare vnni`` needs a CPU with AVX-512 VNNI, ``q8-layout`` AVX2, ``amx`` and
+``q4-amx`` AMX-INT8.
 Prints the ISA.
 """
 
@@ -73,6 +80,8 @@ COMPARISONS = {
                   "after": {"q4_tiles": "vnni", "q8_batch": "lanes", "q8_layout": "interleaved"}},
     "amx": {"before": {"q8_layout": "interleaved", "q8_tiles": "vnni"},
             "after": {"q8_layout": "interleaved", "q8_tiles": "amx", "q8_amx_from": "8"}},
+    "q4-amx": {"before": {"q4_layout": "blocked", "q4_amx": "off"},
+               "after": {"q4_layout": "blocked", "q4_amx": "on", "q4_amx_from": "16"}},
 }
 # q8-layout where VNNI is not built: no VNNI tiles, no lanes
 AVX2_Q8_LAYOUT = {"before": {"q4_tiles": "avx2", "q8_batch": "kernel", "q8_layout": "rows"},
@@ -147,7 +156,7 @@ def main() -> None:
                     help="which settings to compare (see the docstring)")
     args = ap.parse_args()
     sides = COMPARISONS[args.compare]
-    if args.compare == "amx" and not amx_available():
+    if args.compare in ("amx", "q4-amx") and not amx_available():
         sys.exit("the AMX tiles are not available on this CPU: nothing to compare")
     if not vnni_available():
         if args.compare == "vnni":
@@ -167,13 +176,14 @@ def main() -> None:
           f"threads; {len(q4)} 4-bit and {len(q8)} 8-bit modules "
           f"({', '.join(f'{m.out_features}x{m.in_features}' for m in q8[:3])}"
           f"{', ...' if len(q8) > 3 else ''}); the probe chose "
-          f"q4_tiles {mods[0].q4_tiles}, q8_batch {q8[0].q8_batch if q8 else '-'}, "
+          f"q4_tiles {mods[0].q4_tiles}, q4_amx {q4[0].q4_amx if q4 else '-'}, "
+          f"q8_batch {q8[0].q8_batch if q8 else '-'}, "
           f"q8_layout {q8[0].q8_layout if q8 else '-'}, "
           f"q8_tiles {q8[0].q8_tiles if q8 else '-'}; comparing {args.compare}: "
           + "; ".join(f"{side} {settings}" for side, settings in sides.items()))
-    if q4 and args.compare == "vnni":
-        print("4-bit layer linears on the tiles, one pass (median), avx2 vs vnni:")
-        for rows in (1, 16, 256):
+    if q4 and args.compare in ("vnni", "q4-amx"):
+        print("4-bit layer linears on the tiles, one pass (median), before vs after:")
+        for rows in (1, 16, 256) + ((2048,) if args.compare == "q4-amx" else ()):
             t, same = _kernels(sides, q4, lambda m, x: m.tiles(x), rows,
                                15 if rows < 64 else 5)
             print(f"  {rows:4d} rows  {t['before'] * 1e3:8.3f} ms  {t['after'] * 1e3:8.3f} ms  "

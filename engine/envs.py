@@ -70,7 +70,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "the `-march` the CPU kernels are built for, under their own name (e.g. `haswell` "
            "runs the AVX2 paths on an AVX-512 machine, for their correctness)"),
     EnvVar(CPU_AMX, "1",
-           "`0` keeps the 8-bit kernel's AMX int8 tiles out of the start-up probe's choices "
+           "`0` keeps the AMX int8 tiles (interleaved 8-bit and blocked 4-bit weights) out of "
+           "the start-up probe's choices "
            "(they are used only where built, granted by the OS and measured faster); part of "
            "the probe verdict's key"),
     EnvVar(KERNEL_BUILD_WAIT, "900",
