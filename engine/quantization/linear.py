@@ -264,9 +264,8 @@ class QuantLinear(nn.Module):
         :func:`amx_available`). The same floats either way, bit for bit (batch-invariant
         included): only the speed differs. Other weights ignore it."""
         _one_of(name, Q8_TILES, "8-bit tiles")
-        if name == "amx" and not amx_available():
-            raise ValueError("the AMX tiles are not available on this CPU (they need AMX-INT8 "
-                             "and the OS's permission)")
+        if name == "amx":
+            _require_amx()
         self.q8_tiles = name
 
     def set_q8_amx_from(self, rows: str) -> None:
@@ -280,9 +279,8 @@ class QuantLinear(nn.Module):
         The same floats either way, bit for bit (batch-invariant included): only the speed
         differs. Other weights (and the rows layout) ignore it."""
         _one_of(name, Q4_AMX, "4-bit AMX tiles")
-        if name == "on" and not amx_available():
-            raise ValueError("the AMX tiles are not available on this CPU (they need AMX-INT8 "
-                             "and the OS's permission)")
+        if name == "on":
+            _require_amx()
         self.q4_amx = name
 
     def set_q4_amx_from(self, rows: str) -> None:
@@ -481,6 +479,13 @@ def _require_vnni() -> None:
     """A ValueError where the AVX-512 VNNI kernels are not built (a setting that needs them)."""
     if not vnni_available():
         raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
+
+
+def _require_amx() -> None:
+    """A ValueError where the AMX tiles are not available (a setting that needs them)."""
+    if not amx_available():
+        raise ValueError("the AMX tiles are not available on this CPU (they need AMX-INT8 and "
+                         "the OS's permission)")
 
 
 def _one_of(name: str, options: tuple[str, ...], what: str) -> str:
