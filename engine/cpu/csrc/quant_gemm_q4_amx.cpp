@@ -4,24 +4,28 @@
 // meets 2,048 activation rows).
 //
 // A tile is 16 output columns (two of the layout's 8-column blocks). Its weights are unpacked
-// once per call into AMX's B operand, one scale group at a time: 8 rows of 64 bytes, row j
-// (k = 4j .. 4j+3 of the group: the low nibbles of the blocked layout's quad j for j < 4, the
-// high nibbles of quad j - 4 after) holding both blocks' 4 bytes of each column side by side,
-// as the blocked layout already keeps them per block. The activations' int8 rows (padded with
-// zeros to a multiple of 16) are the A tile, 16 rows x 32 bytes; TDPBSUD (signed activations x
-// unsigned nibbles 0..15) gives the group's 16 x 16 exact int32 sums, the sums the VNNI tiles
-// (quant_q4_tile.h) take. The float epilogue is theirs, operation for operation and in group
-// order, 16 columns a register: acc = fma(float(sum), d * dx, acc), then acc = fma(m, sx, acc).
-// So the outputs are quant_gemm_q4_blocked's floats bit for bit, each from its own row of x
-// and of W whatever the other rows (batch-invariant).
+// into AMX's B operand, one scale group at a time: 8 rows of 64 bytes, row j (k = 4j .. 4j+3
+// of the group: the low nibbles of the blocked layout's quad j for j < 4, the high nibbles of
+// quad j - 4 after) holding both blocks' 4 bytes of each column side by side, as the blocked
+// layout already keeps them per block. The activations' int8 rows (padded with zeros to a
+// multiple of 16) are packed group by group, a block of 16 rows' group contiguous (16 x 32
+// bytes: one tile load reads 8 whole cache lines; ~10% faster than the rows' own stride), and
+// are the A tile; TDPBSUD (signed activations x unsigned nibbles 0..15) gives the group's
+// 16 x 16 exact int32 sums, the sums the VNNI tiles (quant_q4_tile.h) take. The float epilogue
+// is theirs, operation for operation and in group order, 16 columns a register:
+// acc = fma(float(sum), d * dx, acc), then acc = fma(m, sx, acc). So the outputs are
+// quant_gemm_q4_blocked's floats bit for bit, each from its own row of x and of W whatever the
+// other rows (batch-invariant).
 //
-// The columns go in slabs of 64 tiles (1,024 columns): threads first unpack the slab's tiles (a
-// static split; the buffer, 1,024 x K bytes, bounds the memory a big head would take), then
-// split (chunk of 256 rows, tile) pairs chunk by chunk: a chunk's activations (256 x K bytes)
-// stay in L2 while a thread runs the slab's tiles over them, and the slab's unpacked weights
-// are read once per chunk. Within a
-// block of 16 rows, group g + 1's multiply is issued into the second set of tiles before
-// group g's sums are stored and scaled; the block's 16 accumulators stay in registers.
+// Up to 256 rows (a decode batch, a short prefill) each thread unpacks a tile into its own
+// buffer just before running its rows (1.47 -> ~1.6x VNNI at 16 rows against unpacking the
+// whole weight first). More rows go in slabs of 64 tiles (1,024 columns): threads first unpack
+// the slab's tiles (a static split; the buffer, 1,024 x K bytes, bounds the memory a big head
+// would take), then split (chunk of 256 rows, tile) pairs chunk by chunk: a chunk's
+// activations (256 x K bytes) stay in L2 while a thread runs the slab's tiles over them, and
+// the slab's unpacked weights are read once per chunk. Within a block of 16 rows, group
+// g + 1's multiply is issued into the second set of tiles before group g's sums are stored and
+// scaled; the block's 16 accumulators stay in registers.
 #include "quant_amx.h"
 
 #include "torch_lite.h"
@@ -48,6 +52,14 @@ constexpr int64_t kS = 32;                    // k per scale group (one B tile: 
 constexpr int64_t kGroupTile = kS * kOut;     // one group's B tile: 512 bytes
 constexpr int64_t kChunkBlocks = 16;          // row blocks of 16 per chunk (256 rows)
 constexpr int64_t kSlabTiles = 64;            // tiles unpacked at a time (1,024 columns)
+
+// n bytes of v from a 64-byte boundary (tile rows then start on a cache line).
+template <typename T>
+T* aligned64(std::vector<T>& v, int64_t n) {
+  v.resize(n + 64);
+  const auto at = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<T*>((at + 63) & ~static_cast<uintptr_t>(63));
+}
 
 // Tile t's (blocks 2t, 2t + 1) groups into B tiles at out (G x 512 bytes); a missing second
 // block (an odd block count) gives zero weights.
@@ -134,11 +146,9 @@ void run(const Q4Problem& p) {
   // The A tiles: each block of 16 rows (the last padded with zeros) stored group by group,
   // a group's 16 rows x 32 bytes contiguous (one tile load reads 8 whole cache lines).
   thread_local std::vector<int8_t> packed;
-  packed.resize(Mp * K);
-  int8_t* qa = packed.data();
+  int8_t* qa = aligned64(packed, Mp * K);
   thread_local std::vector<uint8_t> unpacked;  // the calling thread's; shared by the team
-  unpacked.resize(std::min(T, kSlabTiles) * G * kGroupTile);
-  uint8_t* wb = unpacked.data();
+  uint8_t* wb = aligned64(unpacked, std::min(T, kSlabTiles) * G * kGroupTile);
   const TileConfig cfg = config(kS);
 #pragma omp parallel
   {
@@ -158,7 +168,18 @@ void run(const Q4Problem& p) {
     }
     _tile_loadconfig(&cfg);
     alignas(64) int32_t sums[kTileRows * kOut];
-    for (int64_t slab = 0; slab < T; slab += kSlabTiles) {
+    if (chunks == 1) {  // a decode batch: each thread unpacks a tile just before its rows
+      thread_local std::vector<uint8_t> own;
+      uint8_t* mine = aligned64(own, G * kGroupTile);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; t++) {
+        unpack_tile(p.qs, 2 * t, 2 * t + 1 < blocks, G, mine);
+        for (int64_t rb = 0; rb < rblocks; rb++) {
+          block<SC>(p, qa, mine, t, blocks, rb * kTileRows, sums);
+        }
+      }
+    }
+    for (int64_t slab = 0; chunks > 1 && slab < T; slab += kSlabTiles) {
       const int64_t ts = std::min(kSlabTiles, T - slab);
 #pragma omp for schedule(static)
       for (int64_t t = slab; t < slab + ts; t++) {
