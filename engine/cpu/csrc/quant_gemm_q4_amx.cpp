@@ -148,7 +148,8 @@ void run(const Q4Problem& p) {
   thread_local std::vector<int8_t> packed;
   int8_t* qa = aligned64(packed, Mp * K);
   thread_local std::vector<uint8_t> unpacked;  // the calling thread's; shared by the team
-  uint8_t* wb = aligned64(unpacked, std::min(T, kSlabTiles) * G * kGroupTile);
+  uint8_t* wb = chunks > 1 ? aligned64(unpacked, std::min(T, kSlabTiles) * G * kGroupTile)
+                           : nullptr;
   const TileConfig cfg = config(kS);
 #pragma omp parallel
   {
