@@ -44,9 +44,6 @@ namespace {
 
 using kvserve_q4_tile::kBlockBytes;
 using kvserve_q4_tile::kCols;
-using kvserve_q4_tile::kF16;
-using kvserve_q4_tile::kF16Q40;
-using kvserve_q4_tile::kF32;
 
 constexpr int64_t kS = 32;                    // k per scale group (one B tile: 8 rows)
 constexpr int64_t kGroupTile = kS * kOut;     // one group's B tile: 512 bytes
@@ -80,22 +77,23 @@ void unpack_tile(const uint8_t* qs, int64_t b0, bool two, int64_t G, uint8_t* ou
   }
 }
 
-// The 16 columns' scales (or mins) of group g: block b0's 8 then block b0 + 1's (zeros if
-// missing), widened as quant_q4_tile.h's load_scales / load_mins widen them.
-template <int SC>
-inline __m512 scales16(const void* p, int64_t i0, int64_t i1, bool two) {
-  const __m256 lo = kvserve_q4_tile::load_scales<SC>(p, i0);
-  const __m256 hi = two ? kvserve_q4_tile::load_scales<SC>(p, i1) : _mm256_setzero_ps();
+// Block b0's 8 columns, then block b0 + 1's, in one register.
+inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+// The 16 columns' scales and mins of group g (first scale index i0 of block b0, i1 of b0 + 1),
+// widened by quant_q4_tile.h's own loads.
+template <int SC>
+inline __m512 scales16(const void* d, int64_t i0, int64_t i1, bool two) {
+  return join(kvserve_q4_tile::load_scales<SC>(d, i0),
+              two ? kvserve_q4_tile::load_scales<SC>(d, i1) : _mm256_setzero_ps());
 }
 
 template <int SC>
 inline __m512 mins16(const void* d, const void* m, int64_t i0, int64_t i1, bool two) {
-  if constexpr (SC == kF16Q40) {
-    return _mm512_mul_ps(scales16<SC>(d, i0, i1, two), _mm512_set1_ps(-8.0f));
-  } else {
-    return scales16<SC>(m, i0, i1, two);
-  }
+  return join(kvserve_q4_tile::load_mins<SC>(d, m, i0),
+              two ? kvserve_q4_tile::load_mins<SC>(d, m, i1) : _mm256_setzero_ps());
 }
 
 // One block of up to 16 rows (r0 ..) against tile t's unpacked weights wt.
@@ -179,19 +177,20 @@ void run(const Q4Problem& p) {
           block<SC>(p, qa, mine, t, blocks, rb * kTileRows, sums);
         }
       }
-    }
-    for (int64_t slab = 0; chunks > 1 && slab < T; slab += kSlabTiles) {
-      const int64_t ts = std::min(kSlabTiles, T - slab);
+    } else {  // slabs of tiles, chunks of rows
+      for (int64_t slab = 0; slab < T; slab += kSlabTiles) {
+        const int64_t ts = std::min(kSlabTiles, T - slab);
 #pragma omp for schedule(static)
-      for (int64_t t = slab; t < slab + ts; t++) {
-        unpack_tile(p.qs, 2 * t, 2 * t + 1 < blocks, G, wb + (t - slab) * G * kGroupTile);
-      }
+        for (int64_t t = slab; t < slab + ts; t++) {
+          unpack_tile(p.qs, 2 * t, 2 * t + 1 < blocks, G, wb + (t - slab) * G * kGroupTile);
+        }
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < chunks * ts; i++) {
-        const int64_t c = i / ts, t = slab + i % ts;
-        const int64_t last = std::min(rblocks, (c + 1) * kChunkBlocks);
-        for (int64_t rb = c * kChunkBlocks; rb < last; rb++) {
-          block<SC>(p, qa, wb + (t - slab) * G * kGroupTile, t, blocks, rb * kTileRows, sums);
+        for (int64_t i = 0; i < chunks * ts; i++) {
+          const int64_t c = i / ts, t = slab + i % ts;
+          const int64_t last = std::min(rblocks, (c + 1) * kChunkBlocks);
+          for (int64_t rb = c * kChunkBlocks; rb < last; rb++) {
+            block<SC>(p, qa, wb + (t - slab) * G * kGroupTile, t, blocks, rb * kTileRows, sums);
+          }
         }
       }
     }
@@ -203,13 +202,7 @@ void run(const Q4Problem& p) {
 
 void q4_blocked(const Q4Problem& p) {
   TORCH_CHECK(ready(), "quant_gemm_q4_blocked: AMX tiles are not available");
-  if (p.scales == kF16Q40) {
-    run<kF16Q40>(p);
-  } else if (p.scales == kF16) {
-    run<kF16>(p);
-  } else {
-    run<kF32>(p);
-  }
+  kvserve_q4_tile::with_scales(p.scales, [&](auto sc) { run<decltype(sc)::value>(p); });
 }
 
 #else

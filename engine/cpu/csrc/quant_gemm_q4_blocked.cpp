@@ -50,6 +50,7 @@ using kvserve_q4_tile::TileWeights;
 using kvserve_q4_tile::kF16;
 using kvserve_q4_tile::kF16Q40;
 using kvserve_q4_tile::kF32;
+using kvserve_q4_tile::with_scales;
 
 struct Blocked {
   const uint8_t* qs;
@@ -71,18 +72,6 @@ void column_tile(const TileWeights& w, int nb, int64_t G, const int8_t* x, const
 
 // Scales' element size in bytes (their offsets advance in elements).
 inline int64_t scale_bytes(int sc) { return sc == kF32 ? 4 : 2; }
-
-// f(std::integral_constant<int, SC>) for the weight's runtime scale format.
-template <typename F>
-void with_scales(int sc, F&& f) {
-  if (sc == kF16Q40) {
-    f(std::integral_constant<int, kF16Q40>{});
-  } else if (sc == kF16) {
-    f(std::integral_constant<int, kF16>{});
-  } else {
-    f(std::integral_constant<int, kF32>{});
-  }
-}
 
 // nb blocks of packed nibbles -> the unpacked bytes of TileWeights (the same 8 steps a packed
 // tile derives per row tile, derived once).

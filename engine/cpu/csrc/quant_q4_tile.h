@@ -57,6 +57,18 @@ struct TileWeights {
 };
 
 
+// f(std::integral_constant<int, SC>) for a weight's runtime scale format (Scales).
+template <typename F>
+void with_scales(int sc, F&& f) {
+  if (sc == kF16Q40) {
+    f(std::integral_constant<int, kF16Q40>{});
+  } else if (sc == kF16) {
+    f(std::integral_constant<int, kF16>{});
+  } else {
+    f(std::integral_constant<int, kF32>{});
+  }
+}
+
 // Scale i of a Scales-format array, as float32 (exact).
 template <int SC>
 inline float scale_at(const void* p, int64_t i) {
