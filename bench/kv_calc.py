@@ -298,7 +298,10 @@ def main_from_args(args: Any) -> int:
     disk = None
     if getattr(args, "kv_disk_size", None) is not None:
         try:
-            disk = disk_report(report.per_token, args.kv_disk_size, args.block_size)
+            from engine.kv_cache.groups import plan_kv_groups
+
+            disk = disk_report(report.per_token, args.kv_disk_size, args.block_size,
+                               plan_kv_groups(shape.sliding_windows).num_groups)
         except ValueError as e:
             print(f"kv-calc: {e}", file=sys.stderr)
             return 2
@@ -312,20 +315,23 @@ def main_from_args(args: Any) -> int:
         if disk is not None:
             print(f"\ndisk tier {human_bytes(disk['bytes'])}: {disk['tokens']:,} tokens "
                   f"({disk['blocks']:,} blocks of {disk['block_size']} tokens, "
-                  f"{disk['bytes_per_block']:,} bytes each on disk with its record header)")
+                  f"{disk['bytes_per_block']:,} bytes each on disk with the record headers)")
     return 0
 
 
-def disk_report(per_token: int, size: int | str, block_size: int) -> dict[str, int]:
+def disk_report(per_token: int, size: int | str, block_size: int,
+                num_groups: int = 1) -> dict[str, int]:
     """How many tokens a disk KV tier of ``size`` holds: whole blocks, each stored with its
-    record header (engine/kv_cache/disk/segment.py), segment headers neglected."""
+    record header (engine/kv_cache/disk/segment.py), segment headers neglected. A hybrid KV
+    cache's ``num_groups`` groups store a block of tokens as one record each (one group's
+    layers; every group's blocks are written, a window group's too)."""
     from engine.kv_cache.disk.config import parse_size
     from engine.kv_cache.disk.segment import RECORD_HEADER_BYTES
 
     if block_size < 1:
         raise ValueError(f"block size must be >= 1; got {block_size}")
     n = parse_size(size)
-    per_block = per_token * block_size + RECORD_HEADER_BYTES
+    per_block = per_token * block_size + num_groups * RECORD_HEADER_BYTES
     blocks = n // per_block
     return {"bytes": n, "block_size": block_size, "bytes_per_block": per_block,
             "blocks": blocks, "tokens": blocks * block_size}

@@ -102,9 +102,10 @@ class EngineCore:
             self._calibrate_kv_scales()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
         if config.kv_disk_dir is not None and num_host_blocks == 0:
-            # The disk tier loads through host memory: a staging area of one context's blocks.
+            # The disk tier loads through host memory: a staging area of one context's blocks
+            # (every KV group's, for a hybrid cache).
             num_host_blocks = self.runner.allocate_host_kv_cache(
-                -(-self.max_model_len // config.block_size) + 8)
+                self.runner.kv_layout.blocks_for(self.max_model_len, config.block_size) + 8)
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
         self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
         cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,

@@ -31,15 +31,15 @@ from engine.kv_cache.host.blocks import BlockCopies, OffloadStats, SwapCostModel
 from engine.kv_cache.host.tier import CopyFn, HostTier
 from engine.kv_cache.manager import KVCacheManager, KVCacheStats, PrefixHit
 
-_ON_HOST = object()  # find_prefix: a block only the host tier holds
+ON_HOST = object()  # find_prefix: a block only the host tier holds (or a tier below it)
 
 
 def _device_then_host(flags: list) -> bool:
     """Whether ``flags`` are device blocks followed by host-only blocks (none missing)."""
     i = 0
-    while i < len(flags) and flags[i] is not None and flags[i] is not _ON_HOST:
+    while i < len(flags) and flags[i] is not None and flags[i] is not ON_HOST:
         i += 1
-    while i < len(flags) and flags[i] is _ON_HOST:
+    while i < len(flags) and flags[i] is ON_HOST:
         i += 1
     return i == len(flags)
 
@@ -141,23 +141,16 @@ class HybridKVCacheManager:
             hashes = state.hashes[:max_blocks]
             hashes_by_group.append(hashes)
             flags = [self.pool.cached.get(h) for h in hashes]
-            if host is not None:  # blocks only the host holds: _ON_HOST
-                flags = [_ON_HOST if b is None and host.lookup(h) is not None else b
+            if host is not None:  # blocks only the host holds: ON_HOST
+                flags = [ON_HOST if b is None and host.lookup(h) is not None else b
                          for b, h in zip(flags, hashes)]
             cached_flags.append(flags)
-        k = max_blocks
-        order = sorted(range(len(self.groups)), key=lambda g: self.windows[g] is not None)
-        while True:  # full groups first: they cut k to their first gap at once
-            before = k
-            for g in order:
-                k = self._group_hit(cached_flags[g], k, self.windows[g])
-            if k == before:
-                break
+        k = self.longest_hit(cached_flags, max_blocks)
         hits = []
         for g, w in enumerate(self.windows):
             skip = self._first_needed(k, w)
             blocks = cached_flags[g][skip:k]
-            dev = next((i for i, b in enumerate(blocks) if b is _ON_HOST), len(blocks))
+            dev = next((i for i, b in enumerate(blocks) if b is ON_HOST), len(blocks))
             names = hashes_by_group[g][skip:k]
             hits.append(PrefixHit([b.block_id for b in blocks[:dev]], k * bs,
                                   tuple(names[:dev]), tuple(names[dev:]), skip))
@@ -165,6 +158,29 @@ class HybridKVCacheManager:
         if record_stats:
             self.record_prefix_stats(len(token_ids), hit.num_tokens)
         return hit
+
+    def longest_hit(self, flags: Sequence[list], max_blocks: int) -> int:
+        """The longest hit in blocks (at most ``max_blocks``) every group accepts, given each
+        group's flags per block of its chain: a device block, :data:`ON_HOST` (only a lower
+        tier holds it: ``allocate`` loads it) or None (no tier does)."""
+        k = max_blocks
+        order = sorted(range(len(self.groups)), key=lambda g: self.windows[g] is not None)
+        while True:  # full groups first: they cut k to their first gap at once
+            before = k
+            for g in order:
+                k = self._group_hit(flags[g], k, self.windows[g])
+            if k == before:
+                return k
+
+    def needed_blocks(self, num_blocks: int, group: int) -> range:
+        """The chain positions group ``group`` must hold to resume after ``num_blocks``
+        blocks: all of them in a full group, the window's in a window group."""
+        return range(self._first_needed(num_blocks, self.windows[group]), num_blocks)
+
+    def prompt_chains(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> tuple:
+        """Every group's chained block hashes of ``token_ids``' full blocks before its last
+        token (what ``find_prefix`` looks up), group order."""
+        return tuple(m.prompt_chains(token_ids, extra_keys)[0] for m in self.groups)
 
     def _first_needed(self, k: int, window: int | None) -> int:
         """The first block a query at position ``k * block_size`` sees through ``window``."""
@@ -177,9 +193,9 @@ class HybridKVCacheManager:
         blocks followed by host-only blocks (``allocate`` loads those back)."""
         if window is None:  # every block from the first: the longest device-then-host run
             n = 0
-            while n < k and cached[n] is not None and cached[n] is not _ON_HOST:
+            while n < k and cached[n] is not None and cached[n] is not ON_HOST:
                 n += 1
-            while n < k and cached[n] is _ON_HOST:
+            while n < k and cached[n] is ON_HOST:
                 n += 1
             return n
         run = 0  # held blocks ending at kk - 1, counted once left to right: O(k) in all
@@ -249,11 +265,15 @@ class HybridKVCacheManager:
                 got = m.allocate(group_key(seq_id, g), device.num_tokens, device)
                 assert got == [], "a device hit needs no fresh block"
         new: list[int] = []
+        # host hits are each group's tail of the hit: the longest one's tokens came from the
+        # host (in some group), counted once
+        counted = max(map(len, loads)) * self.block_size if loads else 0
         for g, (m, hit, load) in enumerate(zip(self.groups, hits, loads)):
             ids = m.allocate(group_key(seq_id, g), num_tokens)
             assert ids is not None, "the summed need was checked"
             if load:  # the first fresh blocks take the host blocks' KV and names
-                self.host.load(load, ids[:len(load)])
+                self.host.load(load, ids[:len(load)], hit_tokens=counted)
+                counted = 0
                 for name, dev in zip(hit.host_hashes, ids):
                     self.pool.register(self.pool.blocks[dev], name)  # may stay private
             new += ids

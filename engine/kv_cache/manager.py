@@ -185,6 +185,21 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         return state.num_committed if state else 0
 
+    def prompt_chains(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> tuple:
+        """``(chain,)``: the chained block hashes of ``token_ids``' full blocks before its last
+        token, as ``find_prefix`` looks them up (this manager's salt included). No state."""
+        chain: list[BlockHash] = []
+        extend_block_hashes(chain, token_ids, self.block_size,
+                            max(0, (len(token_ids) - 1) // self.block_size),
+                            encode_extra_keys(extra_keys) + self._salt)
+        return (chain,)
+
+    def block_hashes(self, seq_id: str) -> list[BlockHash]:
+        """A copy of ``seq_id``'s chained hashes of its full blocks, as far as computed (a
+        released window block's name, too)."""
+        state = self._seqs.get(seq_id)
+        return list(state.hashes) if state else []
+
     # ------------------------------------------------------------ prefix lookup
     def find_prefix(
         self,

@@ -104,7 +104,8 @@ def test_prefix_hits_and_both_preemption_modes_match_hf(qwen2):
     # The host tier kept the blocks evicted from the device: a repeat hits them there (each
     # group loads back what it needs) and the tokens stay HF's.
     assert _run_checked(tight, prompts[:2], params) == expected[:2]
-    assert tight.stats()["prefix_cache_host_hits"] > 0
+    s = tight.stats()  # host hits are hit tokens counted once, not once per group
+    assert 0 < s["prefix_cache_host_hits"] <= s["prefix_cache_hits"]
 
 
 def test_manager_random_ops_keep_integrity():

@@ -272,3 +272,6 @@ def test_kv_calc_counts_the_tokens_a_disk_size_holds():
     r = disk_report(1000, "1MiB", 16)
     assert r["bytes_per_block"] == 16 * 1000 + RECORD_HEADER_BYTES
     assert r["blocks"] == 2**20 // r["bytes_per_block"] and r["tokens"] == 16 * r["blocks"]
+    # a hybrid KV cache of 6 groups: a block of tokens is 6 records (one group's layers each)
+    h = disk_report(1000, "1MiB", 16, num_groups=6)
+    assert h["bytes_per_block"] == 16 * 1000 + 6 * RECORD_HEADER_BYTES

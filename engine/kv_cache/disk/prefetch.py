@@ -25,6 +25,7 @@ class PrefetchJob:
     seq_id: str
     hashes: list[bytes]
     host_blocks: list  # KVBlock of the host pool, one reference each held by the job
+    positions: list[int] = field(default_factory=list)  # chain place of each (ReadPlan's)
     num_loaded: int = 0  # leading blocks read, verified and copied
     done: threading.Event = field(default_factory=threading.Event)
 

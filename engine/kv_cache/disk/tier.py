@@ -3,10 +3,11 @@
 The flow, by the engine thread unless said otherwise:
 
 * **Arrival** (``on_arrival``, from ``EngineCore.add_request``): the prompt's chained hashes are
-  looked up device -> host -> disk. The run of blocks after what the device and host hold that
-  the disk holds gets host blocks (at most half of the free host blocks, one reference each) and
-  a read job for the reader thread: the load overlaps other requests' steps while the request
-  waits in the queue.
+  looked up device -> host -> disk. The blocks of the longest hit that only the disk holds
+  (``engine.kv_cache.disk.plan``: the run after what memory holds; with a hybrid KV cache, each
+  group's chain and the blocks its window needs) get host blocks (at most half of the free host
+  blocks, one reference each) and a read job for the reader thread: the load overlaps other
+  requests' steps while the request waits in the queue.
 * **At the gate** the prompt is looked up again (at most ``_GATE_LOOKUPS`` times): blocks the
   device or host held on arrival may have been evicted by the requests that ran meanwhile, and
   blocks the staging area could not take then (many arrivals at once, a small host tier) may
@@ -25,32 +26,35 @@ The flow, by the engine thread unless said otherwise:
   cost model says recomputing its tokens is cheaper than reading them, it is admitted at once
   (blocks that arrive later still go to the host cache).
 * **Writes**, by ``--kv-disk-write-policy``. ``write-through`` (``after_step``, after every
-  step's commit): blocks a sequence has just committed are copied out of the device pools and
-  queued for the writer thread. ``on-evict`` (``_on_host_evict``, the host pool's eviction
-  hook): a named host block about to be reused is queued from host memory, and so is a
-  device block whose spill to the host was dropped (no host block free); at a clean
-  shutdown every named block still in host or device memory is written back. Either way a
-  full queue drops the block, and a hash the disk already holds is skipped.
+  step's commit): blocks a sequence has just committed, in every KV group (a window group's
+  blocks that slid out in the same step too: still named in the device cache), are copied out
+  of the device pools and queued for the writer thread. ``on-evict`` (``_on_host_evict``, the
+  host pool's eviction hook): a named host block about to be reused is queued from host
+  memory, and so is a device block whose spill to the host was dropped (no host block free);
+  at a clean shutdown every named block still in host or device memory is written back.
+  Either way a full queue drops the block, and a hash the disk already holds is skipped.
 
-Block bytes on disk: the K then V block of layer 0, then layer 1, ... as stored in the pools
-(scales included for int8), ``block_bytes`` in all.
+Block bytes on disk: the K then V block of the pool's first tensor, then its second, ... as
+stored (scales included for int8), ``block_bytes`` in all: every layer's, or with a hybrid KV
+cache one group's layers (a pool block is one group's page; its hash is salted by the group).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from engine.kv_cache.disk.plan import ReadPlan, plan_chain, plan_groups
 from engine.kv_cache.disk.prefetch import Prefetcher, PrefetchJob
 from engine.kv_cache.disk.segment import RECORD_HEADER_BYTES
 from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.disk.store import DiskStore
-from engine.kv_cache.hashing import encode_extra_keys, extend_block_hashes
 from engine.kv_cache.host.blocks import SwapCostModel
+from engine.kv_cache.hybrid import HybridKVCacheManager, group_key
 from engine.kv_cache.snapshot import TierState
 from engine.request import SeqStatus
 from engine.request import Sequence as Seq
@@ -67,7 +71,7 @@ class _Prompt:
     """A request's prompt as the admission gate looks it up again."""
 
     seq: Seq  # its status says whether it still waits
-    hashes: list[bytes]  # its full blocks' chained hashes
+    chains: tuple  # its full blocks' chained hashes, one chain per KV group
     lookups_left: int = _GATE_LOOKUPS
 
 
@@ -80,7 +84,9 @@ class DiskTier:
     def __init__(self, store: DiskStore, kv, device_pools: KVPools, host_pools: KVPools,
                  cost: SwapCostModel | None = None,
                  settle_host: Callable[[], None] | None = None) -> None:
-        """``kv``: the engine's ``KVCacheManager``, with a host tier (the staging area).
+        """``kv``: the engine's ``KVCacheManager`` or ``HybridKVCacheManager``, with a host
+        tier (the staging area). ``device_pools``: the distinct pool tensors (a hybrid cache's
+        slots, not one entry per layer), ``host_pools`` likewise.
         ``settle_host``: lands deferred device->host write-backs (CUDA) before host blocks are
         handed to the reader thread: a block reserved for a read may have been the target of
         the last step's spill, whose bytes must not land after the read's."""
@@ -103,7 +109,10 @@ class DiskTier:
         self.cost = cost
         self._settle_host = settle_host
         self._jobs: dict[str, PrefetchJob] = {}
-        self._written: dict[str, int] = {}  # seq id -> table entries already considered
+        self._written: dict[str, int] = {}  # group key -> table entries already considered
+        # (group key, manager) of a sequence's tables: one, or one per group of a hybrid cache
+        self._groups = (list(enumerate(kv.groups)) if isinstance(kv, HybridKVCacheManager)
+                        else [(0, kv)])
         self._recent: set[bytes] = set()  # queued for writing lately (not yet in the index)
         self._prompts: dict[str, _Prompt] = {}  # seq id -> its prompt (until it ends)
         # seq id -> host blocks its finished reads filled: referenced (so that spills cannot
@@ -128,36 +137,35 @@ class DiskTier:
         seq_id = seq.seq_id
         if not kv.enable_prefix_caching or seq_id in self._jobs:
             return 0
-        bs = self.block_size
-        max_blocks = max(0, (len(token_ids) - 1) // bs)
-        hashes: list[bytes] = []
-        extend_block_hashes(hashes, token_ids, bs, max_blocks, encode_extra_keys(extra_keys))
-        self._prompts[seq_id] = _Prompt(seq, hashes)
-        return self._stage(seq_id, hashes, at_gate=False)[0]
+        chains = kv.prompt_chains(token_ids, extra_keys)
+        self._prompts[seq_id] = _Prompt(seq, chains)
+        return self._stage(seq_id, chains, at_gate=False)[0]
 
-    def _stage(self, seq_id: str, hashes: list[bytes], at_gate: bool,
+    def _plan(self, chains: tuple, budget: int | None = None) -> ReadPlan:
+        """What to read (``engine.kv_cache.disk.plan``); ``budget``: at most this many blocks
+        (one group: the chain's first ones are as useful as all of them, up to their end)."""
+        if len(self._groups) > 1:
+            return plan_groups(self.kv, chains, self.store, budget)
+        plan = plan_chain(self.kv, chains[0], self.store)
+        if budget is not None:
+            plan = replace(plan, to_read=plan.to_read[:budget], positions=plan.positions[:budget])
+        return plan
+
+    def _stage(self, seq_id: str, chains: tuple, at_gate: bool,
                busy: bool = True) -> tuple[int, int]:
-        """Look ``hashes`` up device -> host -> disk and queue a read of the disk run after
-        the device and host hits into host blocks; returns (blocks queued, blocks the disk has
-        there). On arrival it takes at most half of the free host blocks and counts the
-        misses; at the gate, every free host block but its own free host hits (after the
+        """Look the prompt's ``chains`` up device -> host -> disk (``_plan``) and queue a read
+        of the blocks only the disk holds into host blocks; returns (blocks queued, blocks the
+        disk has there). On arrival it takes at most half of the free host blocks and counts
+        the misses; at the gate, every free host block but its own free host hits (after the
         requests behind it gave up theirs; with nothing else to run, once their reads in
         flight have landed)."""
-        kv = self.kv
-        host = kv.host
-        cached = kv.pool.cached
-        i = in_host = 0
-        while i < len(hashes):
-            if hashes[i] not in cached:
-                if not host.lookup(hashes[i:i + 1]):
-                    break
-                in_host += 1
-            i += 1
-        if i == len(hashes):
-            return 0, 0
-        found = self.store.lookup(hashes[i:])
+        host = self.kv.host
+        plan = self._plan(chains)
+        in_host, found = plan.in_host, len(plan.to_read)
         if not at_gate:
-            self.stats.miss_blocks += len(hashes) - i - found
+            self.stats.miss_blocks += plan.misses
+        if not found:
+            return 0, 0
         free = host.pool.num_free_blocks
         # at the gate, spare its own host hits that are free (those its reads filled are
         # held, off the free queue) from the allocation's LRU eviction
@@ -176,10 +184,15 @@ class DiskTier:
         n = min(found, free - own_free if at_gate else free // 2)
         if n <= 0:
             return 0, found
+        if n < found:  # a shorter hit whose reads fit
+            plan = self._plan(chains, budget=n)
+            n = len(plan.to_read)
+            if n == 0:
+                return 0, found
         if self._settle_host is not None:
             self._settle_host()
         blocks = host.pool.get_new_blocks(n)  # one reference each, held by the job
-        job = PrefetchJob(seq_id, hashes[i:i + n], blocks)
+        job = PrefetchJob(seq_id, plan.to_read, blocks, plan.positions)
         self._jobs[seq_id] = job
         self._prefetcher.submit(job)
         return n, found
@@ -199,15 +212,17 @@ class DiskTier:
         for job in self._prefetcher.take_done():
             if self._jobs.get(job.seq_id) is job:
                 del self._jobs[job.seq_id]
-            kept, unused = [], []
+            kept, unused, places = [], [], set()
             for j, (h, hb) in enumerate(zip(job.hashes, job.host_blocks)):
                 if j < job.num_loaded and pool.register(hb, h):
                     self.stats.hit_blocks += 1
-                    self.stats.hit_tokens += self.block_size
                     self.stats.prefetched_blocks += 1
                     kept.append(hb)
+                    places.add(job.positions[j])
                 else:
                     unused.append(hb)
+            # prompt tokens: a hybrid cache's groups read pages of the same tokens
+            self.stats.hit_tokens += len(places) * self.block_size
             for hb in reversed(unused):
                 pool.free(hb)
             if kept:
@@ -240,15 +255,18 @@ class DiskTier:
                 if prompt is None or prompt.lookups_left <= 0:
                     return True
                 prompt.lookups_left -= 1
-                queued, found = self._stage(seq.seq_id, prompt.hashes, at_gate=True, busy=busy)
+                queued, found = self._stage(seq.seq_id, prompt.chains, at_gate=True, busy=busy)
                 if not queued:
                     # the disk has blocks but no host block is free: while others run, wait
                     # a step (blocks held for requests admitted this step are released next)
                     return not (found and busy and prompt.lookups_left > 0)
                 job = self._jobs[seq.seq_id]
             pending = len(job.hashes) - job.num_loaded
+            # a record holds block_size tokens of one group's layers: of every layer's with
+            # one group, a share of them in a hybrid cache
+            tokens = pending * self.block_size / len(self._groups)
             if self.cost is not None and pending * self.block_bytes / _DISK_BYTES_PER_S > \
-                    pending * self.block_size * self.cost.seconds_per_token:
+                    tokens * self.cost.seconds_per_token:
                 return True  # recomputing is cheaper than waiting for the disk
             if busy:
                 return False
@@ -266,7 +284,8 @@ class DiskTier:
         return out
 
     def forget(self, seq_id: str) -> None:
-        self._written.pop(seq_id, None)
+        for g, _ in self._groups:
+            self._written.pop(group_key(seq_id, g), None)
         self._prompts.pop(seq_id, None)
         self._release(seq_id)
 
@@ -274,27 +293,34 @@ class DiskTier:
     def after_step(self, seq_ids: Sequence[str]) -> int:
         """Queue the blocks ``seq_ids`` committed since the last call (``write-through``;
         nothing under ``on-evict``); returns how many."""
-        kv = self.kv
         if self.on_evict_policy:
             return 0
         todo: list[tuple[int, bytes]] = []
-        blocks = kv.pool.blocks
+        pool = self.kv.pool
         for seq_id in seq_ids:
-            n = kv.num_committed_blocks(seq_id)
-            w = self._written.get(seq_id, 0)
-            if n <= w:
-                if n < w:  # rolled back or recomputed from scratch
-                    self._written[seq_id] = n
-                continue
-            table = kv.block_table(seq_id)
-            for b in table[w:n]:
-                if b < 0:
+            for g, m in self._groups:
+                key = group_key(seq_id, g)
+                n = m.num_committed_blocks(key)
+                w = self._written.get(key, 0)
+                if n <= w:
+                    if n < w:  # rolled back or recomputed from scratch
+                        self._written[key] = n
                     continue
-                h = blocks[b].block_hash
-                if h is None or self._on_disk(h):
-                    continue
-                todo.append((b, h))
-            self._written[seq_id] = n
+                table, names = m.block_table(key), None
+                for i in range(w, n):
+                    if table[i] >= 0:
+                        h = pool.blocks[table[i]].block_hash
+                        b = table[i]
+                    else:  # released behind a window this step: still named in the cache
+                        names = m.block_hashes(key) if names is None else names
+                        held = pool.cached.get(names[i]) if i < len(names) else None
+                        if held is None:
+                            continue
+                        h, b = names[i], held.block_id
+                    if h is None or self._on_disk(h):
+                        continue
+                    todo.append((b, h))
+                self._written[key] = n
         return self._submit_device(todo)
 
     def _on_disk(self, h: bytes) -> bool:
@@ -377,8 +403,10 @@ class DiskTier:
 
     def describe(self) -> str:
         s = self.store
+        groups = len(self._groups)  # a block of tokens is one record per KV group
+        pages = f", one per KV group and {self.block_size} tokens" if groups > 1 else ""
         return (f"disk KV tier: {s.dir} | {s.config.size_bytes / 2**30:.2f} GiB | "
-                f"{len(s)} blocks found ({len(s) * self.block_size} tokens) | "
+                f"{len(s)} blocks found{pages} ({len(s) * self.block_size // groups} tokens) | "
                 f"{self.block_bytes} bytes/block")
 
     def close(self) -> None:

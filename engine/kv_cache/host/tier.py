@@ -99,12 +99,15 @@ class HostTier:
             self.cache.pin(hb)
         return blocks
 
-    def load(self, host_blocks: Sequence[KVBlock], device_blocks: Sequence[int]) -> None:
-        """Order the copy of each pinned host block into its device block (counted as host
-        prefix hits)."""
+    def load(self, host_blocks: Sequence[KVBlock], device_blocks: Sequence[int],
+             hit_tokens: int | None = None) -> None:
+        """Order the copy of each pinned host block into its device block; counted as
+        ``hit_tokens`` host prefix hits (default: the blocks' tokens; a hybrid cache's groups
+        load pages of the same tokens and count them once)."""
         for hb, dev in zip(host_blocks, device_blocks, strict=True):
             self.cache.record_h2d(hb, dev)
-        self._hit_tokens += len(host_blocks) * self.block_size
+        self._hit_tokens += (len(host_blocks) * self.block_size if hit_tokens is None
+                             else hit_tokens)
 
     def prepare_store(self, device_block: int, block_hash: BlockHash) -> None:
         """Keep the KV of an evicted device block about to be reused (see
