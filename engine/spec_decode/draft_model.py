@@ -2,7 +2,10 @@
 
 It runs its own runner (``engine.runner.protocol.Runner``: a ``ModelRunner`` with weights and
 a paged KV pool of as many blocks as the target's) and its own ``KVCacheManager`` (no prefix
-caching), in the engine's thread, inside the scheduler's ``propose`` call. Per sequence it
+caching; a ``HybridKVCacheManager`` for a draft whose layers mix sliding-window and full
+attention, such as Gemma 3 270M drafting for a larger Gemma 3: one table per KV group, the
+window groups giving back the blocks behind their window, never ones a rollback can reach),
+in the engine's thread, inside the scheduler's ``propose`` call. Per sequence it
 remembers the tokens whose K/V its pool holds (``_fed``). One ``propose`` call, batched over
 the sequences asking for drafts:
 
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.kv_cache.manager import KVCacheManager
 from engine.runner.protocol import Runner
 from engine.sampling.argmax import first_argmax
@@ -43,7 +47,11 @@ class DraftModelProposer:
         self.max_step_tokens = max_step_tokens
         self.block_size = block_size
         self.k = num_speculative_tokens
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        layout = runner.kv_layout
+        self.kv = (HybridKVCacheManager(num_blocks, block_size, layout,
+                                        enable_prefix_caching=False) if layout.is_hybrid
+                   else KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
+        self._hybrid = layout.is_hybrid
         self._fed: dict[str, list[int]] = {}  # tokens whose K/V the draft pool holds
         self._checked: dict[str, int] = {}  # a prefix of _fed known to equal the context
 
@@ -51,6 +59,13 @@ class DraftModelProposer:
         self.kv.free(seq_id)
         self._fed.pop(seq_id, None)
         self._checked.pop(seq_id, None)
+
+    def _chunk(self, seq_id: str, token_ids: list[int], start: int, sample: bool) -> SeqChunk:
+        """A step's share for ``seq_id``: its tables (every KV group's, for a hybrid draft)."""
+        if not self._hybrid:
+            return SeqChunk(token_ids, start, self.kv.block_table(seq_id), sample)
+        tables = self.kv.group_tables(seq_id)
+        return SeqChunk(token_ids, start, tables[0], sample, extra_tables=tables[1:])
 
     def propose(self, batch: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch]
@@ -60,11 +75,13 @@ class DraftModelProposer:
         for i, r in enumerate(batch):
             ctx = r.token_ids
             n = self._sync(r.seq_id, ctx)
+            if self._hybrid:  # no later rollback goes below n: what its window left is free
+                self.kv.release_outside_window(r.seq_id, n)
             end = min(len(ctx), n + budget)
             if end == n or self.kv.allocate(r.seq_id, len(ctx) + r.max_tokens - 1) is None:
                 continue
             whole = end == len(ctx)
-            chunks.append((SeqChunk(list(ctx[n:end]), n, self.kv.block_table(r.seq_id), whole),
+            chunks.append((self._chunk(r.seq_id, list(ctx[n:end]), n, whole),
                            i if whole else None))
             budget -= end - n
             self._fed[r.seq_id] = list(ctx[:end])
@@ -85,7 +102,7 @@ class DraftModelProposer:
             for i in want:
                 seq_id, tok = batch[i].seq_id, drafts[i][-1]
                 fed = self._fed[seq_id]
-                step_chunks.append(SeqChunk([tok], len(fed), self.kv.block_table(seq_id), True))
+                step_chunks.append(self._chunk(seq_id, [tok], len(fed), True))
                 fed.append(tok)
             for i, tok in zip(want, self._step(step_chunks), strict=True):
                 drafts[i].append(tok)

@@ -15,7 +15,8 @@ def build_proposer(config: EngineConfig, *, max_model_len: int, vocab_size: int,
                    num_blocks: int) -> Proposer:
     """The proposer of ``config.speculative_config``. A draft model is loaded here with the
     target's device, dtype, block size and quantization, its pool given ``num_blocks`` blocks
-    (as the target's); ValueError when its vocabulary differs from the target's
+    (as the target's; times its KV groups for a draft whose layers mix window and full
+    attention, whose blocks are one group's pages); ValueError when its vocabulary differs from the target's
     ``vocab_size`` or its context is shorter than ``max_model_len``."""
     spec = config.speculative_config
     if spec.method == "ngram":
@@ -39,10 +40,9 @@ def build_proposer(config: EngineConfig, *, max_model_len: int, vocab_size: int,
                                swap_space=0.0, preemption_mode="recompute")
     runner = ModelRunner(draft_cfg, hf_config, iter_weights(files), max_model_len,
                          files_dir=files.path)
-    if runner.kv_layout.is_hybrid:  # its proposer keeps one block table per sequence
-        raise ValueError(f"the draft model {spec.model} mixes sliding-window and full-attention "
-                         "layers: a draft model needs one attention type (use the n-gram "
-                         "method or another draft)")
+    # a hybrid draft's blocks are pages of one of its KV groups: as many of them per group,
+    # the same bytes as a one-group draft's pool
+    num_blocks *= runner.kv_layout.num_groups
     runner.allocate_kv_cache(num_blocks)
     runner.prepare_for_serving()
     logger.info("draft model %s: %.1f MiB of weights, %d KV blocks (%.2f GiB)", files.name,

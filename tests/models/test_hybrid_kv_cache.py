@@ -204,3 +204,56 @@ def test_admission_counts_blocks_per_group():
         _check_fits_pool(limits, 20, 21, 1)
     with pytest.raises(ValueError, match="samples need 26 KV blocks"):
         _check_fits_pool(limits, 20, 20, 2)
+
+
+def _draft(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "disable_by_batch_size": None}
+
+
+@pytest.mark.parametrize("draft", ["itself", "other-weights"])
+def test_a_hybrid_draft_model_keeps_greedy_exact_and_its_window_groups_flat(qwen2, tmp_path,
+                                                                          draft):
+    """A draft whose layers mix window and full attention (Gemma 3 270M drafting for a larger
+    Gemma 3): one table per KV group in the draft's own pool, its window groups giving back
+    the blocks behind the window as it catches up, never one a rollback reaches. The target as
+    its own draft: every draft accepted; another hybrid model of the same vocabulary: often
+    rejected, rolled back in every group. Either way the output is HF's greedy."""
+    path, hf = qwen2
+    other = path if draft == "itself" else make_tiny_model_dir(
+        tmp_path / "draft", "qwen2", seed=5, sliding_window=WINDOW, use_sliding_window=True,
+        max_window_layers=4, num_hidden_layers=4, layer_types=LAYER_TYPES)
+    prompts = [list(range(20, 20 + 3 * WINDOW)), [7, 8, 9] * 3]
+    new = 4 * WINDOW
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm = _llm(path, speculative_config=_draft(other))
+    proposer = llm.engine.scheduler.proposer
+    assert isinstance(proposer.kv, HybridKVCacheManager)
+    peak: list[int] = []
+    core = llm.engine
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    done = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        core.kv.check_integrity()
+        proposer.kv.check_integrity()
+        for seq_id in list(proposer._fed):
+            tables = proposer.kv.group_tables(seq_id)
+            peak += [sum(b >= 0 for b in t) for t, w in zip(tables, proposer.kv.windows) if w]
+    assert [done[f"r{i}"] for i in range(len(prompts))] == [hf_greedy(hf, p, new)
+                                                             for p in prompts]
+    s = llm.stats()
+    assert s["spec_decode_num_drafts"] > 0
+    if draft == "itself":
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+    else:
+        assert s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    # once caught up, a window group holds its window, the block being filled and the
+    # lookahead's: flat while the sequences grow to 3 windows and more (a whole prompt's
+    # catch-up holds it all until the next propose)
+    assert max(peak[len(peak) // 2:]) <= -(-WINDOW // BS) + 1 + -(-3 // BS) + 1 < max(peak)
+    assert proposer.kv.num_window_released > 0
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks  # draft state released
