@@ -61,12 +61,22 @@ def main() -> int:
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)]
                for _ in range(args.prompts)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    times, tokens = interleave(engines, prompts, params)
+    report(args.a, args.b, times, tokens, f"{args.prompts} prompts x {args.input_len} tokens, "
+           f"{args.output_len} output tokens")
+    return 0
+
+
+def interleave(engines: dict, prompts: list[list[int]], params: SamplingParams):
+    """Every prompt into every engine, then step i of each engine in turn until all finish.
+    Returns per engine the summed seconds of prefill and of decode-only steps, and the
+    generated tokens per request."""
     for eng in engines.values():
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, params)
     times: dict[str, dict[str, float]] = {s: {"prefill": 0.0, "decode": 0.0} for s in engines}
     tokens: dict[str, dict[str, list[int]]] = {s: {} for s in engines}
-    bar = tqdm(total=args.prompts * len(engines), desc="requests")
+    bar = tqdm(total=len(prompts) * len(engines), desc="requests")
     while any(e.has_unfinished_requests() for e in engines.values()):
         for s, eng in engines.items():
             if not eng.has_unfinished_requests():
@@ -81,9 +91,12 @@ def main() -> int:
                     tokens[s][o.request_id] = list(o.outputs[0].token_ids)
                     bar.update(1)
     bar.close()
-    a, b = args.a, args.b
-    print(f"{args.prompts} prompts x {args.input_len} tokens, {args.output_len} output tokens, "
-          f"{torch.get_num_threads()} threads, steps interleaved")
+    return times, tokens
+
+
+def report(a: str, b: str, times, tokens, workload: str) -> None:
+    """Print both sides' step times, the B/A speed ratios and whether the tokens agree."""
+    print(f"{workload}, {torch.get_num_threads()} threads, steps interleaved")
     for s in (a, b):
         print(f"  {s:<40} prefill steps {times[s]['prefill']:7.2f} s   "
               f"decode steps {times[s]['decode']:7.2f} s")
@@ -92,8 +105,6 @@ def main() -> int:
             print(f"  {phase}: B is {times[a][phase] / times[b][phase]:.2f}x A")
     same = sum(tokens[a][k] == tokens[b].get(k) for k in tokens[a])
     print(f"  identical generated tokens: {same}/{len(tokens[a])} requests")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,11 +59,14 @@ def attention_mask(q_len: int, seq_len: int, sliding_window: int | None,
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the last ``q_len`` tokens of each sequence over its cached keys.
 
     ``query`` is ``[T, H, D]`` with sequences packed back to back as ``cu_seqlens_q`` says;
     returns ``[T, H, D]`` in ``query``'s dtype. K/V of the query tokens must already be stored.
+    ``softcap`` (Gemma 2): each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``
+    before the mask and softmax.
     """
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -81,6 +84,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [q_len, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         mask = attention_mask(q_len, seq_len, sliding_window, query.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -91,7 +96,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence (``query`` ``[B, H, D]``), at position ``seq_lens[b] - 1``.
 
     ``num_splits`` only shapes the Triton kernel's work; the result does not depend on it.
@@ -99,7 +105,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     batch = query.shape[0]
     cu = torch.arange(batch + 1, dtype=torch.int32, device=query.device)
     return paged_attention(query, k_cache, v_cache, block_tables, cu, seq_lens, scale,
-                           sliding_window)
+                           sliding_window, softcap)
 
 
 def copy_blocks(src: torch.Tensor | Sequence[torch.Tensor],

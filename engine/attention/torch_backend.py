@@ -140,8 +140,9 @@ class TorchAttentionBackend:
                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         """The backend contract's ``forward``; ``softcap`` (Gemma 2) caps each scaled score
-        ``s`` to ``softcap * tanh(s / softcap)`` before the mask and softmax (then the
-        compiled CPU decode kernel and SDPA are bypassed for an explicit softmax)."""
+        ``s`` to ``softcap * tanh(s / softcap)`` before the mask and softmax (the compiled CPU
+        decode kernel does it in registers; elsewhere SDPA is bypassed for an explicit
+        softmax)."""
         state = meta.backend_state
         fmt = format_of(k_cache, q.shape[-1])
         ks, vs = kv_scales if kv_scales is not None else (None, None)
@@ -153,10 +154,10 @@ class TorchAttentionBackend:
         group = state["decode"]
         if group is not None:
             nd = group.num_rows
-            kernel = self._decode_kernel(q, fmt) if softcap is None else None
+            kernel = self._decode_kernel(q, fmt)
             if kernel is not None:
                 out[:nd] = _cpu_decode(kernel, fmt, q[:nd], k_cache, v_cache, group,
-                                       scale, sliding_window or 0, ks, vs)
+                                       scale, sliding_window or 0, ks, vs, softcap or 0.0)
             else:
                 out[:nd] = self._decode(q[:nd], k_cache, v_cache, group, masks,
                                         scale, sliding_window, kv, softcap)
@@ -229,20 +230,22 @@ class TorchAttentionBackend:
 
 
 def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup, scale, window,
-                k_scale, v_scale) -> torch.Tensor:
-    """The compiled CPU decode kernel for the pool's format (module docstring)."""
+                k_scale, v_scale, softcap: float = 0.0) -> torch.Tensor:
+    """The compiled CPU decode kernel for the pool's format (module docstring); ``softcap``
+    > 0 soft-caps the scores (Gemma 2)."""
     args = (group.tables_i32, group.lens_i32, scale, window)
     if fmt.kind == "float":
-        return kernel.paged_decode_cpu(q, k_cache, v_cache, *args)
+        return kernel.paged_decode_cpu(q, k_cache, v_cache, *args, softcap=softcap)
     if fmt.kind == "int8":
-        return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args)
+        return kernel.paged_decode_cpu_int8(q, k_cache, v_cache, *args, softcap=softcap)
     if fmt.kind == "int4":  # rows hold (K/s)·R and V·R: fold s and R into the query, R back
         # (the compiled rotation: bit-identical to int4_rotate, without its ~10 torch ops)
         rotate = kernel.int4_rotate_cpu
         group = q.shape[1] // k_cache.shape[2]
         if k_scale is not None:  # calibrated per-channel key smoothing [KVH, D]
             q = q * k_scale.repeat_interleave(group, dim=0)
-        out = rotate(kernel.paged_decode_cpu_int4(rotate(q), k_cache, v_cache, *args))
+        out = rotate(kernel.paged_decode_cpu_int4(rotate(q), k_cache, v_cache, *args,
+                                                  softcap=softcap))
         if v_scale is not None:
             out = out * v_scale.repeat_interleave(group, dim=0)
         return out
@@ -250,7 +253,8 @@ def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup,
     ones = torch.ones(kvh)
     return kernel.paged_decode_cpu_fp8(
         q, byte_view(k_cache), byte_view(v_cache), *args, fp8_table(fmt.storage_dtype),
-        ones if k_scale is None else k_scale, ones if v_scale is None else v_scale)
+        ones if k_scale is None else k_scale, ones if v_scale is None else v_scale,
+        softcap=softcap)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ layer loop with the fused CPU ops and the torch backend's CPU decode kernel.
 ``build_decode_stack(model)`` returns one when the model can use it (no tensor parallelism, the
 fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of them (Q4_K_M
 files), a panel ``PackedLinear`` or a plain ``nn.Linear``; Llama-style layers, Gemma 3's
-(sandwich norms, GeGLU, a local RoPE table) or mixture-of-experts MLPs (packed experts, or
-float ones on the grouped path), not soft-capped attention (Gemma 2)),
+(sandwich norms, GeGLU, a local RoPE table), Gemma 2's (the same, with soft-capped attention
+scores) or mixture-of-experts MLPs (packed experts, or float ones on the grouped path)),
 else None and the reason. ``accepts`` then decides per step: every row of the step a decode
 row of the torch backend's decode group in every KV group (no prefill), no more rows than the
 linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
@@ -222,8 +222,6 @@ def _layer(kernels, layer: nn.Module, specs: dict) -> object:
     if layer.q_norm is not None:
         norms += [layer.q_norm, layer.k_norm]
     if sandwich:
-        if getattr(layer, "softcap", None) is not None:
-            raise ValueError(f"layer {layer.layer_idx}: soft-capped attention")
         norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
     if len({n.eps for n in norms}) != 1:
         raise ValueError(f"layer {layer.layer_idx}: norms with different epsilons")
@@ -239,7 +237,7 @@ def _layer(kernels, layer: nn.Module, specs: dict) -> object:
         pre_ff_norm=weight(getattr(layer, "pre_feedforward_layernorm", None)),
         post_ff_norm=weight(getattr(layer, "post_feedforward_layernorm", None)),
         act=1 if sandwich else 0, rope=1 if getattr(layer, "local_rope", False) else 0,
-        moe=specs.get("moe"))
+        moe=specs.get("moe"), softcap=getattr(layer, "softcap", None) or 0.0)
 
 
 def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:

@@ -17,8 +17,8 @@ What differs from :mod:`engine.models.llama` (HF ``modeling_gemma2`` / ``modelin
 - Queries scaled by ``query_pre_attn_scalar ** -0.5``.
 - Gemma 2: attention logits soft-capped (``cap * tanh(s / cap)`` before the mask) and final
   logits too. Only the torch attention backend soft-caps (:meth:`GemmaForCausalLM.
-  attention_backend_refusal` tells the runner to use it), and the C++ decode stack does not
-  (:attr:`GemmaForCausalLM.decode_stack_refusal`); Gemma 3's layers run in it
+  attention_backend_refusal` tells the runner to use it; on the CPU its compiled decode
+  kernel caps in registers). Gemma 2's and Gemma 3's layers run in the C++ decode stack
   (engine/models/cpu_decode_stack.py), bit-identical to :meth:`GemmaDecoderLayer.forward`.
 
 Weights load from HF names, also a ``Gemma3ForConditionalGeneration`` checkpoint's text part
@@ -103,14 +103,6 @@ class GemmaDecoderLayer(DecoderLayer):
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 / Gemma 3 text model (module docstring); the Llama model's interface."""
-
-    @property
-    def decode_stack_refusal(self) -> str:
-        """Why the C++ decode stack does not run this model ("": it can; the runner logs it)."""
-        if self.arch.attn_softcap is not None:
-            return ("soft-capped attention (Gemma 2) takes the torch backend's explicit "
-                    "softmax, not the compiled CPU decode kernel")
-        return ""
 
     def __init__(self, arch: ModelArch, max_positions: int | None = None,
                  tp: TPGroup | None = None) -> None:

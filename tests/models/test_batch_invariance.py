@@ -146,3 +146,21 @@ def test_flag_and_yaml_key(tmp_path):
     f.write_text("batch_invariant: false\n")
     assert parse("--config", str(f)).batch_invariant is False
     assert parse("--config", str(f), "--batch-invariant").batch_invariant is True
+
+
+def test_gemma2_softcapped_attention_does_not_depend_on_the_batch(tmp_path):
+    """Gemma 2's soft-capped scores run in the compiled decode kernel for every row (prompt
+    rows included), each row's arithmetic the same in any group: a prompt's greedy tokens
+    alone equal its tokens in a batch of 10 prompts chunked by a 48-token budget."""
+    _kernels_or_skip()
+    from engine.loading.tiny import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path / "gemma2", "gemma2")
+    kw = dict(dtype="float32", cpu_probe="off", block_size=4, quantization="int4",
+              kv_cache_memory="4MiB")
+    prompts = _prompts()[:10]
+    alone_llm = LLM(str(path), enable_prefix_caching=False, **kw)
+    assert alone_llm.engine.runner.model.arch.attn_softcap
+    alone = [_generate(alone_llm, [p])[0] for p in prompts]
+    llm = LLM(str(path), max_num_batched_tokens=48, **kw)
+    assert _generate(llm, prompts) == alone

@@ -329,11 +329,20 @@ def test_one_kv_head_attention_loads_the_next_weights_meanwhile(tmp_path, monkey
         assert loaded["4194304"] > 0
 
 
-def test_gemma2_softcap_keeps_the_python_loop(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
+def test_gemma2_softcapped_attention(tmp_path, kv_cache_dtype):
+    """Gemma 2 (sandwich norms, GeGLU, soft-capped attention scores, every layer one window):
+    every decode step in the stack, the compiled kernel capping the scores as the Python
+    loop's backend call does: hidden states and pools equal to the Python loop's."""
     path = make_tiny_model_dir(tmp_path / "gemma2", "gemma2")
-    llm = LLM(str(path), kv_cache_memory="16MiB", quantization="int4")
-    stack, why = build_decode_stack(llm.engine.runner.model)
-    assert stack is None and "soft-capped" in why
+    llm = LLM(str(path), kv_cache_memory="16MiB", block_size=4, quantization="int4",
+              kv_cache_dtype=kv_cache_dtype)
+    model = llm.engine.runner.model
+    assert model.arch.attn_softcap and build_decode_stack(model)[1] == ""
+    counts = _checked(llm)
+    outs = llm.generate([p * 2 for p in PROMPTS], PARAMS)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])

@@ -96,7 +96,6 @@ def test_gemma2_refuses_backends_without_softcap():
     assert model.attention_backend_refusal("torch") is None
     assert "soft-capping" in model.attention_backend_refusal("triton")
     assert build_model(tiny_config("gemma3_text")).attention_backend_refusal("triton") is None
-    assert model.decode_stack_refusal
 
 
 def test_multimodal_checkpoint_names_load_text_model():

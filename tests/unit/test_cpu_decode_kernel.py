@@ -184,35 +184,39 @@ def _prompt_rows_case(dtype_kind, heads, kv_heads, head_dim, window, seed):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     if dtype_kind in ("float32", "float16"):
         dt = getattr(torch, dtype_kind)
-        return q, k.to(dt), v.to(dt), tables, seq_lens, lambda kern, *a: kern.paged_decode_cpu(*a)
+        return q, k.to(dt), v.to(dt), tables, seq_lens, lambda kern, *a, **kw: kern.paged_decode_cpu(*a, **kw)
     fmt = kv_format(dtype_kind, torch.float32, head_dim)
     if fmt.kind in ("int8", "int4"):  # paged_decode_cpu_int8 / _int4
         name = f"paged_decode_cpu_{fmt.kind}"
         return (q, quantize_rows(k, fmt), quantize_rows(v, fmt), tables, seq_lens,
-                lambda kern, *a: getattr(kern, name)(*a))
+                lambda kern, *a, **kw: getattr(kern, name)(*a, **kw))
     from engine.kv_storage.formats import fp8_table
 
     ks, vs = torch.linspace(0.02, 0.05, kv_heads), torch.linspace(0.01, 0.03, kv_heads)
     table = fp8_table(fmt.storage_dtype)
     return (q, byte_view(quantize_rows(k, fmt, ks)), byte_view(quantize_rows(v, fmt, vs)),
-            tables, seq_lens, lambda kern, *a: kern.paged_decode_cpu_fp8(*a, table, ks, vs))
+            tables, seq_lens, lambda kern, *a, **kw: kern.paged_decode_cpu_fp8(*a, table, ks, vs,
+                                                                    **kw))
 
 
 @pytest.mark.parametrize("kind", ["float32", "float16", "int8", "int4", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (8, 2, 48),
                                                      (2, 1, 24)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_prompt_rows_together_equal_rows_alone(kernel, kind, heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_prompt_rows_together_equal_rows_alone(kernel, kind, heads, kv_heads, head_dim, window,
+                                               softcap):
     """Consecutive rows of one prompt share their K/V reads in one task (groups of up to 8);
     each row's output is bit for bit what the row gives alone in a call of its own, so the
     grouping cannot make serving depend on the batch (and what a row gives alone matches the
-    float reference on the same pool in test_matches_reference and the tests above)."""
+    float reference on the same pool in test_matches_reference and the tests above); with
+    soft-capped scores (Gemma 2) too."""
     q, k, v, tables, seq_lens, call = _prompt_rows_case(kind, heads, kv_heads, head_dim, window,
                                                        seed=heads + head_dim)
-    together = call(kernel, q, k, v, tables, seq_lens, 0.125, window or 0)
+    together = call(kernel, q, k, v, tables, seq_lens, 0.125, window or 0, softcap=softcap)
     for b in range(len(seq_lens)):
         alone = call(kernel, q[b:b + 1], k, v, tables[b:b + 1], seq_lens[b:b + 1], 0.125,
-                     window or 0)
+                     window or 0, softcap=softcap)
         assert torch.equal(together[b:b + 1].view(torch.int32), alone.view(torch.int32)), b
 
 
@@ -232,3 +236,35 @@ def test_prompt_rows_match_reference(kernel, kind, heads, kv_heads, head_dim, wi
     ref = paged_decode_attention(q, kf, vf, tables, seq_lens, 0.125, sliding_window=window)
     got = call(kernel, q, k, v, tables, seq_lens, 0.125, window or 0)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "int8", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (2, 1, 24)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcapped_scores_match_reference(kernel, kind, heads, kv_heads, head_dim, window):
+    """Gemma 2's soft-capped scores (``cap * tanh(s / cap)`` before the softmax) on the vector
+    path and the portable loop (head_dim 24), decode rows and grouped prompt rows, every pool
+    format: the reference over the same pool dequantised, capped in float32."""
+    from engine.kv_storage.formats import dequantize_int4_plain, dequantize_rows, kv_format
+
+    q, k, v, tables, seq_lens, call = _prompt_rows_case(kind, heads, kv_heads, head_dim,
+                                                        window, seed=11)
+    q = q * 4  # scores of several units: the cap of 2 bends most of them
+    if kind.startswith("fp8"):
+        fmt = kv_format(kind, torch.float32, head_dim)
+        ks, vs = torch.linspace(0.02, 0.05, kv_heads), torch.linspace(0.01, 0.03, kv_heads)
+        kf = dequantize_rows(k.view(fmt.storage_dtype), fmt, torch.float32, ks)
+        vf = dequantize_rows(v.view(fmt.storage_dtype), fmt, torch.float32, vs)
+    elif kind == "int8":
+        fmt = kv_format(kind, torch.float32, head_dim)
+        kf, vf = (dequantize_rows(x, fmt, torch.float32) for x in (k, v))
+    elif kind == "int4":
+        kf, vf = (dequantize_int4_plain(x, head_dim) for x in (k, v))
+    else:
+        kf, vf = k.float(), v.float()
+    ref = paged_decode_attention(q, kf, vf, tables, seq_lens, 0.125, sliding_window=window,
+                                 softcap=2.0)
+    got = call(kernel, q, k, v, tables, seq_lens, 0.125, window or 0, softcap=2.0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5)
+    uncapped = call(kernel, q, k, v, tables, seq_lens, 0.125, window or 0)
+    assert (uncapped - got).abs().max() > 0.05  # the cap changed the answer

@@ -12,14 +12,24 @@
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_cpu", &paged_decode_cpu, "paged decode attention (CPU, fp32 queries; fp32/fp16/bf16 pool)", nogil());
+  // The paged decode kernels; softcap (Gemma 2's soft-capped scores) optional, 0 = off.
+#define KVSERVE_PAGED_ARGS                                                                  \
+  py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),         \
+      py::arg("seq_lens"), py::arg("scale"), py::arg("window")
+  m.def("paged_decode_cpu", &paged_decode_cpu,
+        "paged decode attention (CPU, fp32 queries; fp32/fp16/bf16 pool)", KVSERVE_PAGED_ARGS,
+        py::arg("softcap") = 0.0, nogil());
   m.def("paged_decode_cpu_int8", &paged_decode_cpu_int8,
-        "paged decode attention over an int8 pool (rows: int8 x D, float16 scale)", nogil());
+        "paged decode attention over an int8 pool (rows: int8 x D, float16 scale)",
+        KVSERVE_PAGED_ARGS, py::arg("softcap") = 0.0, nogil());
   m.def("paged_decode_cpu_fp8", &paged_decode_cpu_fp8,
-        "paged decode attention over an fp8 pool (uint8 view, byte table, per-head scales)", nogil());
+        "paged decode attention over an fp8 pool (uint8 view, byte table, per-head scales)",
+        KVSERVE_PAGED_ARGS, py::arg("lut"), py::arg("k_scales"), py::arg("v_scales"),
+        py::arg("softcap") = 0.0, nogil());
   m.def("paged_decode_cpu_int4", &paged_decode_cpu_int4,
-        "paged decode attention over an int4 pool (q4_0 nibbles, float16 scale per group; no rotation)",
-        nogil());
+        "paged decode attention over an int4 pool (q4_0 nibbles, float16 scale per group; no "
+        "rotation)", KVSERVE_PAGED_ARGS, py::arg("softcap") = 0.0, nogil());
+#undef KVSERVE_PAGED_ARGS
   m.def("first_argmax_rows", &first_argmax_rows,
         "per row the first maximal index of a float32 matrix (argmax; NaN the maximum)", nogil());
   m.def("int4_rotate_cpu", &int4_rotate_cpu, "formats.int4_rotate, bit for bit (float32)", nogil());
@@ -95,17 +105,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::optional<torch::Tensor> k_norm,
                        std::optional<torch::Tensor> pre_ff_norm,
                        std::optional<torch::Tensor> post_ff_norm, int64_t act, int64_t rope,
-                       std::optional<StackMoe> moe) {
+                       std::optional<StackMoe> moe, double softcap) {
              return StackLayer{input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads,
                                num_kv_heads, head_dim, window, scale, q_norm, k_norm,
-                               pre_ff_norm, post_ff_norm, act, rope, moe};
+                               pre_ff_norm, post_ff_norm, act, rope, moe, softcap};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("window"), py::arg("scale"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("pre_ff_norm") = py::none(),
            py::arg("post_ff_norm") = py::none(), py::arg("act") = 0, py::arg("rope") = 0,
-           py::arg("moe") = py::none());
+           py::arg("moe") = py::none(), py::arg("softcap") = 0.0);
   py::class_<StackMoe>(m, "StackMoe", "a mixture-of-experts MLP of a DecodeStack layer")
       .def(py::init([](torch::Tensor router, int64_t top_k, bool normalise,
                        std::vector<StackLinear> gate_up, std::vector<StackLinear> down,

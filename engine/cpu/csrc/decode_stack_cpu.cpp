@@ -354,14 +354,14 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
     auto attend = [&] {
       if (int8_) {
         attn = paged_decode_cpu_int8(q, k_caches_[i], v_caches_[i], block_tables, seq_lens,
-                                     L.scale, L.window);
+                                     L.scale, L.window, L.softcap);
       } else if (int4_) {  // as the torch backend: rows of K R and V R; q rotated in, out back
         attn = int4_rotate_cpu(paged_decode_cpu_int4(int4_rotate_cpu(q), k_caches_[i],
                                                      v_caches_[i], block_tables, seq_lens,
-                                                     L.scale, L.window));
+                                                     L.scale, L.window, L.softcap));
       } else {
         attn = paged_decode_cpu(q, k_caches_[i], v_caches_[i], block_tables, seq_lens, L.scale,
-                                L.window);
+                                L.window, L.softcap);
       }
     };
     if (block_tables.size(0) * KVH <= 1) {

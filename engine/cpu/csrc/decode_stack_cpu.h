@@ -68,6 +68,7 @@ struct StackMoe {
 // post_norm then normalises the attention output). act: 0 SiLU x up, 1 GeGLU (gelu_tanh x up).
 // rope: which of forward's cos/sin tables the layer rotates with (Gemma 3's local layers: 1).
 // moe: the layer's MLP is a mixture of experts (then gate_up and down are unset).
+// softcap > 0: attention scores soft-capped, softcap * tanh(s / softcap) (Gemma 2).
 struct StackLayer {
   at::Tensor input_norm, post_norm;
   double eps;
@@ -80,6 +81,7 @@ struct StackLayer {
   int64_t act = 0;
   int64_t rope = 0;
   std::optional<StackMoe> moe;
+  double softcap = 0.0;
 };
 
 }  // namespace kvserve_stack

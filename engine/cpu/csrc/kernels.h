@@ -6,19 +6,23 @@
 
 #include <string>
 
+// softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
+// (Gemma 2's attention logit soft-capping); 0: off.
 at::Tensor paged_decode_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                               int64_t window);
+                               int64_t window, double softcap = 0.0);
 at::Tensor paged_decode_cpu_int8(at::Tensor q, at::Tensor k_cache,
                                     at::Tensor v_cache, at::Tensor block_tables,
-                                    at::Tensor seq_lens, double scale, int64_t window);
+                                    at::Tensor seq_lens, double scale, int64_t window,
+                                    double softcap = 0.0);
 at::Tensor paged_decode_cpu_fp8(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                    at::Tensor block_tables, at::Tensor seq_lens,
                                    double scale, int64_t window, at::Tensor lut,
-                                   at::Tensor k_scales, at::Tensor v_scales);
+                                   at::Tensor k_scales, at::Tensor v_scales,
+                                   double softcap = 0.0);
 at::Tensor paged_decode_cpu_int4(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                 int64_t window);
+                                 int64_t window, double softcap = 0.0);
 // int4 rows (int4_rows_cpu.cpp): formats.int4_rotate and quantize_rows(int4), bit for bit.
 at::Tensor int4_rotate_cpu(at::Tensor x);
 at::Tensor int4_quantize_rows_cpu(at::Tensor x);

@@ -9,6 +9,13 @@
 
 #include "vec_math.h"
 
+namespace kvserve {
+
+// A soft-capped score (Gemma 2): cap * tanh(s / cap), the portable paths' way.
+inline float softcap(float s, float cap) { return cap * std::tanh(s / cap); }
+
+}  // namespace kvserve
+
 #ifdef KVSERVE_AVX2
 namespace kvserve {
 
@@ -22,6 +29,15 @@ inline __m256 hsum8(const __m256* a) {
   const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// sg[0, n) (room for n rounded up to 8 floats) soft-capped in place: cap * tanh(s / cap), the
+// vector paths' way (tanh256); the lanes past n take whatever comes, softmax_numerators
+// overwrites them.
+inline void softcap_scores(float* sg, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(sg + i, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(sg + i), inv))));
 }
 
 // sg[0, n) (npad = n rounded up to 8 floats of room): the scores of one query head become

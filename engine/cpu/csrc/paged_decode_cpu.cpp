@@ -99,7 +99,7 @@ void run_generic(const Task<T>& t) {
       const float* qg = t.q + g * t.D;
       float s = 0.0f;
       for (int64_t d = 0; d < t.D; d++) s += qg[d] * to_float(kr[d], t.lut);
-      scores[g * n + i] = s * ks;
+      scores[g * n + i] = t.softcap > 0.0f ? kvserve::softcap(s * ks, t.softcap) : s * ks;
     }
   }
   for (int64_t g = 0; g < t.G; g++) {
@@ -121,18 +121,19 @@ void run_generic(const Task<T>& t) {
 
 at::Tensor paged_decode_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                               int64_t window) {
+                               int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == v_cache.dtype(),
               "paged_decode_cpu: float32 queries, K and V pools of one dtype");
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+      return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                      softcap);
     case at::kHalf:
       return paged_decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                          window);
+                                          window, softcap);
     case at::kBFloat16:
       return paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                              window);
+                                              window, softcap);
     default:
       TORCH_CHECK(false, "paged_decode_cpu: float32, float16 or bfloat16 pools; got ",
                   k_cache.scalar_type());
@@ -141,17 +142,19 @@ at::Tensor paged_decode_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 
 at::Tensor paged_decode_cpu_int8(at::Tensor q, at::Tensor k_cache,
                                     at::Tensor v_cache, at::Tensor block_tables,
-                                    at::Tensor seq_lens, double scale, int64_t window) {
+                                    at::Tensor seq_lens, double scale, int64_t window,
+                                    double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kChar &&
               v_cache.dtype() == at::kChar,
               "paged_decode_cpu_int8: float32 queries over an int8 pool");
-  return paged_decode_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  return paged_decode_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                   softcap);
 }
 
 at::Tensor paged_decode_cpu_fp8(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                    at::Tensor block_tables, at::Tensor seq_lens,
                                    double scale, int64_t window, at::Tensor lut,
-                                   at::Tensor k_scales, at::Tensor v_scales) {
+                                   at::Tensor k_scales, at::Tensor v_scales, double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kByte &&
               v_cache.dtype() == at::kByte,
               "paged_decode_cpu_fp8: float32 queries over an fp8 pool's uint8 view");
@@ -162,6 +165,6 @@ at::Tensor paged_decode_cpu_fp8(at::Tensor q, at::Tensor k_cache, at::Tensor v_c
   TORCH_CHECK(k_scales.numel() == k_cache.size(2) && v_scales.numel() == k_cache.size(2),
               "paged_decode_cpu_fp8: one K and one V scale per KV head");
   return paged_decode_impl<uint8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                    lut.data_ptr<float>(), k_scales.data_ptr<float>(),
+                                    softcap, lut.data_ptr<float>(), k_scales.data_ptr<float>(),
                                     v_scales.data_ptr<float>());
 }

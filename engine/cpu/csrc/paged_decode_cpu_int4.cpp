@@ -202,7 +202,8 @@ void run_generic<Int4>(const Task<Int4>& t) {
       const float* qg = t.q + g * D;
       float s = 0.0f;
       for (int64_t d = 0; d < D; d++) s += qg[d] * row[d];
-      scores[g * n + i] = s * t.scale;
+      scores[g * n + i] = t.softcap > 0.0f ? kvserve::softcap(s * t.scale, t.softcap)
+                                           : s * t.scale;
     }
   }
   for (int64_t g = 0; g < t.G; g++) {
@@ -230,7 +231,7 @@ void run_generic<Int4>(const Task<Int4>& t) {
 
 at::Tensor paged_decode_cpu_int4(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                 int64_t window) {
+                                 int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kByte &&
                   v_cache.dtype() == at::kByte,
               "paged_decode_cpu_int4: float32 queries over an int4 (uint8) pool");
@@ -239,5 +240,6 @@ at::Tensor paged_decode_cpu_int4(at::Tensor q, at::Tensor k_cache, at::Tensor v_
   TORCH_CHECK(W == row_width(static_cast<const Int4*>(nullptr), D),
               "paged_decode_cpu_int4: pool rows of ", W, " bytes for head_dim ", D);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_decode_cpu_int4: K and V pools differ");
-  return paged_decode_impl<Int4>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  return paged_decode_impl<Int4>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                 softcap);
 }

@@ -53,6 +53,7 @@ struct Task {
   float scale;
   const float* lut;      // fp8 pools: the 256 byte values as floats (else unused)
   float k_head, v_head;  // fp8 pools: this KV head's scales (else 1)
+  float softcap;         // > 0: scores soft-capped, cap * tanh(s / cap) (Gemma 2)
 };
 
 template <typename T>
@@ -94,6 +95,7 @@ struct Group {
   float scale;
   const float* lut;
   float k_head, v_head;
+  float softcap;  // > 0: scores soft-capped (Task's)
 };
 
 // Register tiles: with AVX-512VL's 32 vector registers, 4 heads x 4 keys of scores and 4 heads
@@ -346,6 +348,7 @@ void run_avx2(const Group<T>& t) {
     if (nr <= 0) continue;
     for (int64_t g = 0; g < G; g++) {
       float* sg = sc.data() + (r * G + g) * SR + 8;
+      if (t.softcap > 0.0f) kvserve::softcap_scores(sg, nr, t.softcap);
       inv[r * G + g] = kvserve::softmax_numerators(sg, nr, nrpad);
       if (kScaled)  // a V row's scale rides on its weight (after the sum, which it must not touch)
         for (int64_t i = 0; i < nr; i++) sg[i] *= vscale_rows[t.start[r] - lo + i];
@@ -393,8 +396,9 @@ void run_avx2(const Group<T>& t) {
 template <typename T>
 at::Tensor paged_decode_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                 at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                int64_t window, const float* lut = nullptr,
+                                int64_t window, double softcap, const float* lut = nullptr,
                                 const float* k_heads = nullptr, const float* v_heads = nullptr) {
+  TORCH_CHECK(softcap >= 0.0, "paged_decode_cpu: a soft-cap > 0 (0: off); got ", softcap);
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt,
               "paged_decode_cpu: int32 block tables and seq lens");
   q = q.contiguous();
@@ -446,7 +450,8 @@ at::Tensor paged_decode_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
       Group<T> t{qp + (b * H + h * G) * D, op + (b * H + h * G) * D, H * D, kp + h * W,
                  vp + h * W, btp + b * MB, starts.data() + b, lens.data() + b,
                  first_row[gi + 1] - b, G, D, BS, KVH * W, static_cast<float>(scale), lut,
-                 k_heads ? k_heads[h] : 1.0f, v_heads ? v_heads[h] : 1.0f};
+                 k_heads ? k_heads[h] : 1.0f, v_heads ? v_heads[h] : 1.0f,
+                 static_cast<float>(softcap)};
       run_avx2(t);
       continue;
     }
@@ -454,7 +459,8 @@ at::Tensor paged_decode_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
     const int64_t b = gi;
     Task<T> t{qp + (b * H + h * G) * D, op + (b * H + h * G) * D, kp + h * W, vp + h * W,
               btp + b * MB, starts[b], lens[b], G, D, BS, KVH * W, static_cast<float>(scale),
-              lut, k_heads ? k_heads[h] : 1.0f, v_heads ? v_heads[h] : 1.0f};
+              lut, k_heads ? k_heads[h] : 1.0f, v_heads ? v_heads[h] : 1.0f,
+              static_cast<float>(softcap)};
     if (lens[b] <= starts[b]) {
       std::fill(t.out, t.out + G * D, 0.0f);
       continue;
