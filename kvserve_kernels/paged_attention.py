@@ -20,7 +20,14 @@ import triton.language as tl
 
 from kvserve_kernels.kv_quant_layout import kv_quant_kind
 from kvserve_kernels.launch_config import prefill_launch_config
-from kvserve_kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
+from kvserve_kernels.tiles import (
+    LOG2E,
+    attend_kv_tile,
+    check_kv_layout,
+    dot_options,
+    quant_args,
+    softcap_args,
+)
 
 
 # Kept out of Triton's per-value specialisation (see kvserve_kernels/paged_decode.py): the window, the
@@ -33,10 +40,11 @@ def _paged_attention_kernel(
     scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_blk, stride_slot, stride_kvh, stride_bt,
-    head_dim, k_scale_ptr, v_scale_ptr,
+    head_dim, k_scale_ptr, v_scale_ptr, cap_in, cap_out,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SINGLE_PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr, GROUP: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -88,7 +96,8 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, mask, j_valid, start, hi, k_cache_ptr, v_cache_ptr, bt_row,
             head_off, d, d_valid, stride_blk, stride_slot, scale_log2,
             k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
-            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT, GROUP)
+            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT, GROUP,
+            cap_in, cap_out, SOFTCAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -102,7 +111,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     *, max_query_len: int | None = None,
                     out: torch.Tensor | None = None,
-                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of packed query tokens over the paged cache (see kvserve_kernels/reference.py).
 
     ``query`` ``[T, H, D]`` (last dim contiguous; other strides free) holds the last ``q_len``
@@ -114,9 +124,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     8-bit and int4 pools (kvserve_kernels/kv_quant_layout.py) are dequantised in registers and the dots
     run in the query's dtype; ``kv_scales`` are an fp8 pool's per-head K/V scales (None: 1.0).
     An int4 pool holds rotated rows: the query must be rotated too, and the output comes out
-    rotated (engine/attention/triton_backend.py does both).
+    rotated (engine/attention/triton_backend.py does both). ``softcap`` (Gemma 2): scores
+    soft-capped, ``cap * tanh(s / cap)``, before the mask and softmax.
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
+    cap_in, cap_out, soft = softcap_args(scale, softcap)
     num_tokens, num_heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape[0] != batch + 1:
@@ -146,10 +158,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        head_dim, k_scale, v_scale,
+        head_dim, k_scale, v_scale, cap_in, cap_out,
         G=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         SINGLE_PAGE=block_n <= block_size, USE_WINDOW=sliding_window is not None,
-        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant, GROUP=kv_group,
+        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant, GROUP=kv_group, SOFTCAP=soft,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

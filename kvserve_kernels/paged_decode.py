@@ -21,7 +21,14 @@ import triton.language as tl
 
 from kvserve_kernels.kv_quant_layout import kv_quant_kind
 from kvserve_kernels.launch_config import decode_launch_config
-from kvserve_kernels.tiles import LOG2E, attend_kv_tile, check_kv_layout, dot_options, quant_args
+from kvserve_kernels.tiles import (
+    LOG2E,
+    attend_kv_tile,
+    check_kv_layout,
+    dot_options,
+    quant_args,
+    softcap_args,
+)
 
 # A split shorter than this spends more on its launch share and merge than it saves.
 MIN_KEYS_PER_SPLIT = 256
@@ -46,11 +53,11 @@ def _decode_kernel(
     scale_log2, window, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_blk, stride_slot, stride_kvh, stride_bt,
-    head_dim, k_scale_ptr, v_scale_ptr,
+    head_dim, k_scale_ptr, v_scale_ptr, cap_in, cap_out,
     G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SINGLE_PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
     ONE_PASS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-    KV_QUANT: tl.constexpr, GROUP: tl.constexpr,
+    KV_QUANT: tl.constexpr, GROUP: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -95,7 +102,8 @@ def _decode_kernel(
             acc, m_i, l_i, q, mask, j_valid, start, end_key, k_cache_ptr, v_cache_ptr, bt_row,
             head_off, d, d_valid, stride_blk, stride_slot, scale_log2,
             k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
-            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT, GROUP)
+            BLOCK_SIZE, BLOCK_N, SINGLE_PAGE, DOT_F32, PREC, KV_QUANT, GROUP,
+            cap_in, cap_out, SOFTCAP)
 
     if ONE_PASS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0: no keys, output zeros
@@ -181,8 +189,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            num_splits: int | None = None, sliding_window: int | None = None,
                            *, max_seq_len: int | None = None,
                            out: torch.Tensor | None = None,
-                           kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                           ) -> torch.Tensor:
+                           kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Attention of one new token per sequence (``query`` ``[B, H, D]``, at position
     ``seq_lens[b] - 1``, its K/V already stored) over the paged cache; returns ``[B, H, D]``.
 
@@ -196,8 +204,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     (kvserve_kernels/kv_quant_layout.py) are dequantised in registers; ``kv_scales`` are an fp8 pool's
     per-head K/V scales (None: 1.0). An int4 pool holds rotated rows: the query must be
     rotated too, and the output comes out rotated (engine/attention/triton_backend.py).
+    ``softcap`` (Gemma 2): scores soft-capped, ``cap * tanh(s / cap)``, before the softmax.
     """
     group = check_kv_layout(query, k_cache, v_cache, block_tables)
+    cap_in, cap_out, soft = softcap_args(scale, softcap)
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if seq_lens.shape[0] != batch:
@@ -240,11 +250,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         scale * LOG2E, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        head_dim, k_scale, v_scale,
+        head_dim, k_scale, v_scale, cap_in, cap_out,
         G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, BLOCK_D=block_d, SINGLE_PAGE=block_n <= block_size,
         USE_WINDOW=sliding_window is not None, ONE_PASS=one_pass,
-        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant, GROUP=kv_group,
+        DOT_F32=dot_f32, PREC=prec, KV_QUANT=kv_quant, GROUP=kv_group, SOFTCAP=soft,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not one_pass:

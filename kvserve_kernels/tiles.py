@@ -25,7 +25,7 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
                    k_scale_ptr, v_scale_ptr, k_head_scale, v_head_scale, head_dim,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PAGE: tl.constexpr,
                    DOT_F32: tl.constexpr, PREC: tl.constexpr, KV_QUANT: tl.constexpr,
-                   GROUP: tl.constexpr):
+                   GROUP: tl.constexpr, cap_in, cap_out, SOFTCAP: tl.constexpr):
     """Load keys/values ``start .. start+BLOCK_N-1`` of one sequence and KV head and fold them
     into the running online softmax (``acc`` ``[M, D]``, max ``m_i``, sum ``l_i``, fp32) of the
     query rows ``q`` ``[M, D]``. ``mask`` ``[M, N]`` says which row sees which key;
@@ -47,6 +47,10 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
     inside the row) dequantises each element in float32 (kvserve_kernels/int4_rows.py) and converts it
     to the queries' dtype (exact for float32 queries; the one rounding a 16-bit model's
     PyTorch path also makes).
+
+    ``SOFTCAP`` (Gemma 2): each scaled score ``s`` becomes ``cap * tanh(s / cap)`` before the
+    mask; the caller passes ``cap_in = scale / cap`` and ``cap_out = cap * log2 e``, and tanh
+    is computed as ``1 - 2 / (e^(2x) + 1)`` (exact limits at both ends, float32).
     """
     offs = tl.arange(0, BLOCK_N)
     if SINGLE_PAGE:
@@ -80,7 +84,12 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
         qk = qk * ks.to(tl.float32)[None, :]
     elif KV_QUANT == 2:
         qk = qk * k_head_scale
-    qk = tl.where(mask, qk * scale_log2, float("-inf"))
+    if SOFTCAP:
+        x = qk * cap_in
+        qk = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * cap_out
+    else:
+        qk = qk * scale_log2
+    qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(qk - m_safe[:, None])
@@ -97,6 +106,16 @@ def attend_kv_tile(acc, m_i, l_i, q, mask, j_valid, start, n_limit,
         pv = tl.dot(p.to(v.dtype), v, input_precision=PREC)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+def softcap_args(scale: float, softcap: float | None) -> tuple[float, float, bool]:
+    """``attend_kv_tile``'s ``cap_in``, ``cap_out`` and ``SOFTCAP`` for a soft-cap (None or
+    0: off)."""
+    if not softcap:
+        return 0.0, 0.0, False
+    if softcap < 0:
+        raise ValueError(f"softcap must be > 0 or None; got {softcap}")
+    return scale / softcap, softcap * LOG2E, True
 
 
 def check_kv_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -102,4 +102,5 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...

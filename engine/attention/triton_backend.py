@@ -82,9 +82,11 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None,
-                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Store this step's K/V (quantised into an 8-bit or int4 pool), then attend; returns a
-        fresh contiguous ``[T, H, D]``."""
+        fresh contiguous ``[T, H, D]``. ``softcap`` (Gemma 2): scores soft-capped in the
+        kernels."""
         state: _TritonStepState = meta.backend_state["triton"]
         int4 = kv_quant_kind(k_cache) == 3
         v_smooth = None
@@ -107,13 +109,14 @@ class TritonAttentionBackend:
             paged_decode_attention(
                 q[:dec.num_tokens], k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
                 num_splits=dec.num_splits, sliding_window=sliding_window,
-                max_seq_len=dec.max_seq_len, out=out[:dec.num_tokens], kv_scales=kv_scales)
+                max_seq_len=dec.max_seq_len, out=out[:dec.num_tokens], kv_scales=kv_scales,
+                softcap=softcap)
         if state.prefill is not None:
             pre = state.prefill
             paged_attention(
                 q[pre.token_start:], k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q,
                 pre.seq_lens, scale, sliding_window, max_query_len=pre.max_query_len,
-                out=out[pre.token_start:], kv_scales=kv_scales)
+                out=out[pre.token_start:], kv_scales=kv_scales, softcap=softcap)
         if not int4:
             return out
         out = int4_rotate(out)

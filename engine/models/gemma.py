@@ -15,10 +15,9 @@ What differs from :mod:`engine.models.llama` (HF ``modeling_gemma2`` / ``modelin
 - Gemma 3: RMSNorm over each head's q and k before RoPE; sliding-window layers use their own
   RoPE base (``arch.rope_local``), full layers the global one (with its scaling).
 - Queries scaled by ``query_pre_attn_scalar ** -0.5``.
-- Gemma 2: attention logits soft-capped (``cap * tanh(s / cap)`` before the mask) and final
-  logits too. Only the torch attention backend soft-caps (:meth:`GemmaForCausalLM.
-  attention_backend_refusal` tells the runner to use it; on the CPU its compiled decode
-  kernel caps in registers). Gemma 2's and Gemma 3's layers run in the C++ decode stack
+- Gemma 2: attention logits soft-capped (``cap * tanh(s / cap)`` before the mask: the
+  backends' ``softcap``, in the Triton kernels' tiles and the compiled CPU decode kernel's
+  registers) and final logits too. Gemma 2's and Gemma 3's layers run in the C++ decode stack
   (engine/models/cpu_decode_stack.py), bit-identical to :meth:`GemmaDecoderLayer.forward`.
 
 Weights load from HF names, also a ``Gemma3ForConditionalGeneration`` checkpoint's text part
@@ -112,13 +111,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         # The local layers' RoPE table, built on first use where the global one lives (kept
         # out of the module tree: the runner rebuilds ``self.rotary`` after allocation).
         self._local_rotary: list[RotaryEmbedding] = []
-
-    def attention_backend_refusal(self, backend_name: str) -> str | None:
-        """Why ``backend_name`` cannot serve this model (None: it can)."""
-        if self.arch.attn_softcap is not None and backend_name != "torch":
-            return (f"attention logit soft-capping ({self.arch.attn_softcap:g}) runs only in "
-                    f"the torch attention backend, not {backend_name}")
-        return None
 
     def _local_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                        max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

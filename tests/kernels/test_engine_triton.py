@@ -28,6 +28,8 @@ PROMPTS = [[7, 3, 250, 11, 42], list(range(40, 61)), [99], list(range(200, 213))
     ("llama", {}, {"block_size": 8, "kv_cache_dtype": "int8", "max_num_batched_tokens": 16}),
     # int4: the backend rotates K/V/Q into the pool's basis and the output back.
     ("llama", {}, {"block_size": 8, "kv_cache_dtype": "int4", "max_num_batched_tokens": 16}),
+    # Gemma 2: soft-capped scores in both Triton kernels (a window of 8 over longer prompts).
+    ("gemma2", {}, {"block_size": 4, "max_num_batched_tokens": 16}),
     pytest.param("llama", {}, {"block_size": 8, "kv_cache_dtype": "fp8_e4m3"},
                  marks=pytest.mark.skipif(
                      DEVICE.type == "cpu", reason="the Triton interpreter's float -> fp8 cast "

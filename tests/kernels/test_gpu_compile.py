@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED_VARIANTS = 16
+EXPECTED_VARIANTS = 18
 
 
 def _compile_all() -> None:  # runs in the subprocess
@@ -118,6 +118,13 @@ def _compile_all() -> None:  # runs in the subprocess
     pa.paged_attention(q, kc, vc, bt, cu, sl, 0.1, max_query_len=3)
     pd.paged_decode_attention(q[:2], kc, vc, bt, sl, 0.1, num_splits=3)
     sk(q[:, :8], q[:, :8], kc, vc, torch.zeros(5, dtype=torch.int64))
+
+    model[0] = "bf16 D=256 G=2 softcap"  # Gemma 2 2B's heads, soft-capped scores, a window
+    q, kc, vc, bt, sl = case(torch.bfloat16, 4, 2, 256, 16)
+    pa.paged_attention(q, kc, vc, bt, cu, sl, 0.0625, sliding_window=4096, max_query_len=3,
+                       softcap=50.0)
+    pd.paged_decode_attention(q[:2], kc, vc, bt, sl, 0.0625, num_splits=1,
+                              sliding_window=4096, softcap=50.0)
 
     model[0] = "int4 fp16 D=96 G=4"  # uint8 rows: 3 groups of nibbles + scales, masked tail
     q, _, _, bt, sl = case(torch.float16, 8, 4, 96, 16)

@@ -21,11 +21,12 @@ BATCHES = {
 GQA = [(2, 2), (6, 2), (4, 1), (8, 1)]  # ratios 1, 3, 4, 8
 
 
-def _check(case, scale=0.125, window=None, **kwargs):
+def _check(case, scale=0.125, window=None, softcap=None, **kwargs):
     out = paged_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                          case.cu_seqlens_q, case.seq_lens, scale, window, **kwargs)
+                          case.cu_seqlens_q, case.seq_lens, scale, window, softcap=softcap,
+                          **kwargs)
     expect = ref.paged_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                 case.cu_seqlens_q, case.seq_lens, scale, window)
+                                 case.cu_seqlens_q, case.seq_lens, scale, window, softcap)
     tol = TOLERANCE[case.k_cache.dtype]
     assert out.shape == case.query.shape and out.dtype == case.query.dtype
     torch.testing.assert_close(out.float(), expect.float(), atol=tol, rtol=tol)
@@ -96,3 +97,12 @@ def test_paged_attention_rejects_bad_shapes():
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         paged_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
                         case.cu_seqlens_q[:1], case.seq_lens, 0.1)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_attention_softcap(window):
+    """Gemma 2's soft-capped scores over mixed decodes, prompts and chunks (scale 1, cap 2:
+    most scores bent)."""
+    seq_lens, q_lens = BATCHES["mixed"]
+    _check(make_paged_case(seq_lens, q_lens, 8, 1, 64, 8), scale=1.0, window=window,
+           softcap=2.0)

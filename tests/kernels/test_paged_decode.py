@@ -22,14 +22,15 @@ def _decode_case(seq_lens, heads, kv_heads, head_dim=64, block_size=16, dtype=to
                            block_size, dtype=dtype, seed=seed, strided_query=True)
 
 
-def _check(case, num_splits, window=None, scale=0.125):
+def _check(case, num_splits, window=None, scale=0.125, softcap=None):
     out = paged_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                 case.seq_lens, scale, num_splits, window)
+                                 case.seq_lens, scale, num_splits, window, softcap=softcap)
     expect = ref.paged_decode_attention(case.query, case.k_cache, case.v_cache,
-                                        case.block_tables, case.seq_lens, scale)
+                                        case.block_tables, case.seq_lens, scale,
+                                        softcap=softcap)
     if window is not None:
         expect = ref.paged_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                     case.cu_seqlens_q, case.seq_lens, scale, window)
+                                     case.cu_seqlens_q, case.seq_lens, scale, window, softcap)
     tol = TOLERANCE[case.k_cache.dtype]
     assert out.shape == case.query.shape and out.dtype == case.query.dtype
     torch.testing.assert_close(out.float(), expect.float(), atol=tol, rtol=tol)
@@ -71,6 +72,15 @@ def test_decode_head_dims(head_dim):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_half_precision(dtype, num_splits):
     _check(_decode_case([70, 16], 8, 2, dtype=dtype), num_splits)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_softcap(num_splits, window):
+    """Gemma 2's soft-capped scores (cap * tanh(s / cap)), split or not: scale 1 and a cap of
+    2 bend most scores, so a kernel that skipped the cap would fail."""
+    _check(_decode_case([97, 5, 40], 8, 1, block_size=8), num_splits, window, scale=1.0,
+           softcap=2.0)
 
 
 def test_decode_more_splits_than_tiles_and_block_size_4():
