@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 MODEL_8B = ROOT / "configs" / "models" / "llama-3.1-8b"
 TINY_TYPES = {"llama": {}, "mistral": {"sliding_window": 6}, "qwen2": {}, "qwen3": {},
-              "gemma3_text": {}, "qwen3_moe": {}, "mixtral": {}}
+              "gemma2": {}, "gemma3_text": {}, "qwen3_moe": {}, "mixtral": {}}
 
 
 def _write(out: Path, name: str, payload: dict) -> None:

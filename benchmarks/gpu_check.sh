@@ -9,7 +9,7 @@
 #   decode   an 8B-shaped model (--load-format dummy) decode step at batch 1/16/64, graphs on/off
 #   moe      benchmarks/moe_paths.py: a Qwen3-30B-A3B-shaped MoE layer on the fused Triton
 #            grouped GEMMs vs the per-expert loop vs dense, eager and in CUDA graphs
-#   parity   tiny Llama/Mistral/Qwen2/Qwen3/Gemma 3/Qwen3-MoE/Mixtral: fp32 greedy identical
+#   parity   tiny Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Qwen3-MoE/Mixtral: fp32 greedy identical
 #            to HF (Triton backend, graphs on and off); bf16 agreement with HF's bf16 forward
 #   serve    `kvserve serve` on the 8B shape + `kvserve bench serve` at concurrency 1/16/64
 #   pytest   tests/kernels (compiled for the GPU, not interpreted), the graph bookkeeping and
