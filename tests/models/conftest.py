@@ -8,6 +8,8 @@
   quantised=True)`` writes the linears as Q4_0 and the token table (and an untied output) as
   Q8_0, with gguf's own quantiser; ``kquants=True`` writes a 256-wide model in Q4_K/Q5_K/Q6_K
   (``KQUANT_TYPES``).
+- ``make_hybrid_qwen2``: a tiny Qwen2 whose layers mix full and sliding-window attention (the
+  hybrid KV cache's test model).
 """
 
 from __future__ import annotations
@@ -205,3 +207,16 @@ def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf"
     return path, _make_llama_gguf(path, tied=True)
 
+
+HYBRID_LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention",
+                      "full_attention"]
+
+
+def make_hybrid_qwen2(path: Path, window: int, **overrides) -> Path:
+    """A tiny random Qwen2 of 4 layers, full / window / window / full (two KV groups of two
+    layers: a full one and one of ``window`` tokens), written into ``path``."""
+    from engine.loading.tiny import make_tiny_model_dir
+
+    return make_tiny_model_dir(path, "qwen2", sliding_window=window, use_sliding_window=True,
+                               max_window_layers=4, num_hidden_layers=4,
+                               layer_types=HYBRID_LAYER_TYPES, **overrides)

@@ -15,18 +15,16 @@ from engine.kv_cache.disk.build import engine_fingerprint
 from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.loading.hf_reference import hf_greedy, load_hf
 from engine.loading.tiny import make_tiny_model_dir
+from tests.models.conftest import make_hybrid_qwen2
 
 BS = 4
 WINDOW = 8
 NEW = 5
-LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("hyb"), "qwen2", sliding_window=WINDOW,
-                               use_sliding_window=True, max_window_layers=4,
-                               num_hidden_layers=4, layer_types=LAYER_TYPES)
+    path = make_hybrid_qwen2(tmp_path_factory.mktemp("hyb"), WINDOW)
     hf = load_hf(path)
     rng = random.Random(11)
     long = [rng.randrange(0, 256) for _ in range(41)]

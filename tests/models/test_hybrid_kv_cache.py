@@ -15,18 +15,15 @@ from engine import LLM, SamplingParams
 from engine.kv_cache.groups import plan_kv_groups
 from engine.kv_cache.hybrid import HybridKVCacheManager
 from engine.loading.hf_reference import hf_greedy, load_hf
-from engine.loading.tiny import make_tiny_model_dir
+from tests.models.conftest import make_hybrid_qwen2
 
 BS = 4
 WINDOW = 8
-LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("hyb"), "qwen2", sliding_window=WINDOW,
-                               use_sliding_window=True, max_window_layers=4,
-                               num_hidden_layers=4, layer_types=LAYER_TYPES)
+    path = make_hybrid_qwen2(tmp_path_factory.mktemp("hyb"), WINDOW)
     return path, load_hf(path)
 
 
@@ -154,9 +151,7 @@ def test_manager_random_ops_keep_integrity():
 def test_speculative_rollback_and_int8_pool(tmp_path):
     """n-gram drafts are rolled back in every group (greedy output unchanged by speculating);
     an int8 pool works per group too."""
-    path = make_tiny_model_dir(tmp_path / "loopy", "qwen2", seed=2, initializer_range=0.05,
-                               sliding_window=WINDOW, use_sliding_window=True,
-                               max_window_layers=4, num_hidden_layers=4, layer_types=LAYER_TYPES)
+    path = make_hybrid_qwen2(tmp_path / "loopy", WINDOW, seed=2, initializer_range=0.05)
     prompts = [([5, 9, 33] * 5)[:13], list(range(40, 40 + WINDOW + 3))]
     params = SamplingParams(temperature=0, max_tokens=2 * WINDOW, ignore_eos=True)
     exact = _run_checked(_llm(path), prompts, params)
@@ -220,9 +215,8 @@ def test_a_hybrid_draft_model_keeps_greedy_exact_and_its_window_groups_flat(qwen
     its own draft: every draft accepted; another hybrid model of the same vocabulary: often
     rejected, rolled back in every group. Either way the output is HF's greedy."""
     path, hf = qwen2
-    other = path if draft == "itself" else make_tiny_model_dir(
-        tmp_path / "draft", "qwen2", seed=5, sliding_window=WINDOW, use_sliding_window=True,
-        max_window_layers=4, num_hidden_layers=4, layer_types=LAYER_TYPES)
+    other = path if draft == "itself" else make_hybrid_qwen2(tmp_path / "draft", WINDOW,
+                                                                  seed=5)
     prompts = [list(range(20, 20 + 3 * WINDOW)), [7, 8, 9] * 3]
     new = 4 * WINDOW
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
