@@ -36,8 +36,10 @@ inline __m256 hsum8(const __m256* a) {
 // overwrites them.
 inline void softcap_scores(float* sg, int64_t n, float cap) {
   const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(sg + i, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(sg + i), inv))));
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sg + i), inv);
+    _mm256_storeu_ps(sg + i, _mm256_mul_ps(c, tanh256(x)));
+  }
 }
 
 // sg[0, n) (npad = n rounded up to 8 floats of room): the scores of one query head become
