@@ -83,7 +83,7 @@ def test_16bit_pool_halves_float32_and_decodes_on_the_kernel(tiny, kind, monkeyp
             fn = getattr(kernel, name)
             if name != "paged_decode_cpu":
                 return fn
-            return lambda *a: calls.append(a[1].dtype) or fn(*a)
+            return lambda *a, **kw: calls.append(a[1].dtype) or fn(*a, **kw)
 
     backend._cpu_kernel = Spy()
     half.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4))
