@@ -246,9 +246,6 @@ def build_decode_stack(model: nn.Module) -> tuple[CpuDecodeStack | None, str]:
         return None, "KVSERVE_DECODE_STACK=0"
     if not isinstance(model, LlamaForCausalLM):
         return None, f"{type(model).__name__} model"
-    refusal = getattr(model, "decode_stack_refusal", None)
-    if refusal:
-        return None, refusal
     if getattr(model, "tp", None) is not None:
         return None, "tensor parallel"
     ops = getattr(model, "ops", None)

@@ -126,11 +126,6 @@ class ModelRunner:
         self.quant_verdict = prepared.verdict
         self.linear_backend = prepared.linear_backend
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        refusal = getattr(self.model, "attention_backend_refusal", lambda _name: None)(
-            self.backend.name)
-        if refusal:  # e.g. Gemma 2's soft-capping: only the torch backend computes it
-            logger.warning("attention backend: %s; the torch backend serves instead", refusal)
-            self.backend = get_attention_backend("torch", self.device)
         self.invariance = None
         if config.batch_invariant and self.device.type == "cpu":  # before the decode stack
             self.invariance = make_batch_invariant(self.model, self.backend)

@@ -296,32 +296,31 @@ class DiskTier:
         if self.on_evict_policy:
             return 0
         todo: list[tuple[int, bytes]] = []
-        pool = self.kv.pool
         for seq_id in seq_ids:
             for g, m in self._groups:
-                key = group_key(seq_id, g)
-                n = m.num_committed_blocks(key)
-                w = self._written.get(key, 0)
-                if n <= w:
-                    if n < w:  # rolled back or recomputed from scratch
-                        self._written[key] = n
-                    continue
-                table, names = m.block_table(key), None
-                for i in range(w, n):
-                    if table[i] >= 0:
-                        h = pool.blocks[table[i]].block_hash
-                        b = table[i]
-                    else:  # released behind a window this step: still named in the cache
-                        names = m.block_hashes(key) if names is None else names
-                        held = pool.cached.get(names[i]) if i < len(names) else None
-                        if held is None:
-                            continue
-                        h, b = names[i], held.block_id
-                    if h is None or self._on_disk(h):
-                        continue
-                    todo.append((b, h))
-                self._written[key] = n
+                todo += self._newly_committed(m, group_key(seq_id, g))
         return self._submit_device(todo)
+
+    def _newly_committed(self, m, key: str) -> list[tuple[int, bytes]]:
+        """``(block id, hash)`` of the blocks table ``key`` of manager ``m`` committed since
+        the last call that the disk lacks; marks them considered."""
+        n = m.num_committed_blocks(key)
+        w = self._written.get(key, 0)
+        self._written[key] = n  # below w: rolled back or recomputed from scratch
+        pool = self.kv.pool
+        table, names, out = m.block_table(key), None, []
+        for i in range(w, n):
+            if table[i] >= 0:
+                b, h = table[i], pool.blocks[table[i]].block_hash
+            else:  # released behind a window this step: still named in the cache
+                names = m.block_hashes(key) if names is None else names
+                held = pool.cached.get(names[i]) if i < len(names) else None
+                if held is None:
+                    continue
+                b, h = held.block_id, names[i]
+            if h is not None and not self._on_disk(h):
+                out.append((b, h))
+        return out
 
     def _on_disk(self, h: bytes) -> bool:
         """Held by the store, or queued for it lately."""
