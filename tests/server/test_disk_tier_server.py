@@ -1,6 +1,8 @@
 """The disk KV tier through a real server (the embedded model): after SIGTERM and a start on
 the same --kv-disk-dir, a prompt seen before reports >= 90 % of its tokens as cached, greedy
-output is identical to a device prefix-cache hit's, /metrics counts the disk hits and the start-up log states the tier."""
+output is identical to a device prefix-cache hit's, /metrics counts the disk hits and the
+start-up log states the tier. A --kv-disk-dir that cannot be used does not stop the server: it
+serves without the tier."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from tests.server.helpers import start_server_process
+from tests.server.helpers import sample, scrape, start_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -59,3 +61,26 @@ def test_restart_serves_the_prefix_from_disk(tmp_path):
     assert texts[0] == texts[1]
     log = (tmp_path / "server1.log").read_text()
     assert "disk KV tier:" in log and "blocks found" in log
+
+
+def test_an_unusable_disk_dir_serves_without_the_tier(tmp_path):
+    """``--kv-disk-dir`` under a regular file (cannot be created, by root either): the server
+    starts and answers (it used to exit with status 2: a crash loop under a supervisor), logs
+    one WARNING naming the directory, and /metrics says the tier is down."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    disk = blocker / "kv"
+    proc, url = _serve(tmp_path, disk, "unusable")
+    try:
+        text, prompt_tokens, _ = _complete(url, "The disk tier is optional: " * 20)
+        assert text and prompt_tokens > 0
+        metrics = scrape(url)
+        assert sample(metrics, "kvserve:disk_kv_cache_available") == 0
+        assert sample(metrics, "kvserve:disk_kv_cache_full") == 0
+        assert sample(metrics, "kvserve:disk_kv_cache_write_errors_total") >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) in (0, -signal.SIGTERM)
+    log = (tmp_path / "serverunusable.log").read_text()
+    warned = [line for line in log.splitlines() if "WARNING" in line and str(disk) in line]
+    assert len(warned) == 1, log

@@ -21,19 +21,12 @@ from engine.kv_cache.disk import store as store_mod
 from engine.kv_cache.disk.config import DiskTierConfig, parse_size
 from engine.kv_cache.disk.segment import HEADER_BYTES, RECORD_HEADER_BYTES
 from engine.kv_cache.disk.store import DiskStore
+from tests.unit.disk_blocks import BLOCK, block_hash, fill, payload, readable
 
-BLOCK = 1000
 FP_A = hashlib.sha256(b"model-a").digest()
 FP_B = hashlib.sha256(b"model-b").digest()
 
 
-def _h(i: int) -> bytes:
-    return hashlib.sha256(f"block-{i}".encode()).digest()
-
-
-def _payload(h: bytes) -> bytes:
-    """The truth for a hash: its bytes repeated (any wrong block would differ)."""
-    return (h * (BLOCK // 32 + 1))[:BLOCK]
 
 
 def _store(d: Path, fp: bytes = FP_A, size: str = "8MiB", seg: int = 8192,
@@ -42,21 +35,6 @@ def _store(d: Path, fp: bytes = FP_A, size: str = "8MiB", seg: int = 8192,
     return DiskStore(cfg, fp, fp.hex()[:24], BLOCK)
 
 
-def _fill(s: DiskStore, ids) -> None:
-    for i in ids:
-        assert s.submit(_h(i), _payload(_h(i)))
-    s.flush()
-
-
-def _check_all(s: DiskStore, ids) -> int:
-    """Every block read is the right one; returns how many were found."""
-    found = 0
-    for i in ids:
-        got = s.read(_h(i))
-        if got is not None:
-            assert got == _payload(_h(i))
-            found += 1
-    return found
 
 
 def _segments(s: DiskStore) -> list[Path]:
@@ -65,82 +43,87 @@ def _segments(s: DiskStore) -> list[Path]:
 
 def test_round_trip_and_index_rebuilt_without_manifest(tmp_path):
     s = _store(tmp_path)
-    _fill(s, range(20))
-    assert _check_all(s, range(20)) == 20
+    fill(s, range(20))
+    assert readable(s, range(20)) == 20
     s.close()
     assert (s.dir / "manifest.json").is_file()
     s2 = _store(tmp_path)  # from the manifest
-    assert len(s2) == 20 and _check_all(s2, range(20)) == 20
+    assert len(s2) == 20 and readable(s2, range(20)) == 20
     s2.close()
     (s2.dir / "manifest.json").unlink()
     s3 = _store(tmp_path)  # rebuilt from the segments
-    assert s3.stats.blocks_at_start == 20 and _check_all(s3, range(20)) == 20
+    assert s3.stats.blocks_at_start == 20 and readable(s3, range(20)) == 20
     s3.close()
 
 
 def test_truncated_segment_loses_only_its_tail(tmp_path):
     s = _store(tmp_path, seg=1 << 20)  # one segment
-    _fill(s, range(6))
+    fill(s, range(6))
     s.close()
     (s.dir / "manifest.json").unlink()
     seg = _segments(s)[0]
     size = seg.stat().st_size
     os.truncate(seg, size - 10)  # the last record is cut
     s2 = _store(tmp_path, seg=1 << 20)
-    assert _check_all(s2, range(6)) == 5 and s2.read(_h(5)) is None
+    assert readable(s2, range(6)) == 5 and s2.read(block_hash(5)) is None
     s2.close()
 
 
 def test_stale_manifest_and_truncation_never_serve_wrong_bytes(tmp_path):
     s = _store(tmp_path, seg=1 << 20)
-    _fill(s, range(6))
+    fill(s, range(6))
     s.close()
     seg = _segments(s)[0]
     os.truncate(seg, HEADER_BYTES + 2 * (RECORD_HEADER_BYTES + BLOCK) + 7)
     s2 = _store(tmp_path, seg=1 << 20)  # the manifest's size no longer matches: rescanned
-    assert _check_all(s2, range(6)) == 2
+    assert readable(s2, range(6)) == 2
     s2.close()
 
 
 def test_flipped_bytes_are_a_miss_counted_and_dropped(tmp_path):
     s = _store(tmp_path, seg=1 << 20)
-    _fill(s, range(4))
+    fill(s, range(4))
     s.close()
     seg = _segments(s)[0]
     data = bytearray(seg.read_bytes())
     data[HEADER_BYTES + (RECORD_HEADER_BYTES + BLOCK) * 2 + RECORD_HEADER_BYTES + 123] ^= 0x40
     seg.write_bytes(bytes(data))
     s2 = _store(tmp_path, seg=1 << 20)
-    assert s2.read(_h(2)) is None
-    assert s2.stats.checksum_failures == 1 and _h(2) not in s2
-    assert _check_all(s2, [0, 1, 3]) == 3
+    assert s2.read(block_hash(2)) is None
+    assert s2.stats.checksum_failures == 1 and block_hash(2) not in s2
+    assert readable(s2, [0, 1, 3]) == 3
     s2.close()
 
 
 def test_another_fingerprint_is_never_read(tmp_path):
     a = _store(tmp_path, FP_A)
-    _fill(a, range(5))
+    fill(a, range(5))
     a.close()
     b = _store(tmp_path, FP_B)
-    assert len(b) == 0 and b.read(_h(0)) is None
+    assert len(b) == 0 and b.read(block_hash(0)) is None
     # a segment of A's copied into B's directory: its header names A, it is ignored
     for seg in _segments(a):
         (b.dir / seg.name).write_bytes(seg.read_bytes())
     b.refresh(force=True)
-    assert len(b) == 0 and b.read(_h(0)) is None
+    assert len(b) == 0 and b.read(block_hash(0)) is None
     b.close()
 
 
-def test_read_only_dir_is_a_clear_start_up_error(tmp_path):
+def test_read_only_dir_starts_the_store_down(tmp_path, caplog):
+    """An optional cache never stops the server: the store starts without writing, says so
+    naming the directory (recovery: tests/unit/test_disk_tier_health.py)."""
     target = "/proc/kvserve-disk-tier-test" if os.geteuid() == 0 else str(tmp_path / "ro")
     if os.geteuid() != 0:
         os.mkdir(target, 0o555)
-    with pytest.raises(ValueError, match="not a writable directory"):
-        _store(Path(target))
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match="not a writable directory"):
-        _store(blocker)
+    for d in (Path(target), blocker):
+        s = _store(d)
+        try:
+            assert not s.stats.available and not s.submit(block_hash(0), payload(block_hash(0)))
+            assert str(d) in caplog.text
+        finally:
+            s.close()
 
 
 def test_disk_full_stops_writing_and_keeps_serving(tmp_path, monkeypatch, caplog):
@@ -158,31 +141,31 @@ def test_disk_full_stops_writing_and_keeps_serving(tmp_path, monkeypatch, caplog
     monkeypatch.setattr(store_mod, "_write_all", limited)
     s = _store(tmp_path, seg=1 << 20)
     for i in range(6):
-        s.submit(_h(i), _payload(_h(i)))
+        s.submit(block_hash(i), payload(block_hash(i)))
     s.flush()
     assert s.stats.disk_full and "disk is full" in caplog.text
-    assert not s.submit(_h(99), _payload(_h(99)))
+    assert not s.submit(block_hash(99), payload(block_hash(99)))
     assert s.stats.dropped_writes >= 3
-    assert _check_all(s, range(6)) == 3
+    assert readable(s, range(6)) == 3
     s.close()
     monkeypatch.setattr(store_mod, "_write_all", real)
     (s.dir / "manifest.json").unlink()
     s2 = _store(tmp_path, seg=1 << 20)  # the partial record was cut off
-    assert len(s2) == 3 and _check_all(s2, range(6)) == 3
+    assert len(s2) == 3 and readable(s2, range(6)) == 3
     s2.close()
 
 
 def test_two_servers_share_one_dir(tmp_path):
     a, b = _store(tmp_path), _store(tmp_path)
-    threads = [threading.Thread(target=_fill, args=(a, range(0, 30))),
-               threading.Thread(target=_fill, args=(b, range(30, 60)))]
+    threads = [threading.Thread(target=fill, args=(a, range(0, 30))),
+               threading.Thread(target=fill, args=(b, range(30, 60)))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     a.refresh(force=True)
     b.refresh(force=True)
-    assert _check_all(a, range(60)) == 60 and _check_all(b, range(60)) == 60
+    assert readable(a, range(60)) == 60 and readable(b, range(60)) == 60
     for st in (a, b):  # one writer per segment: the active one is locked against others
         fd = os.open(st.dir / st._active[1], os.O_RDONLY)
         with pytest.raises(BlockingIOError):
@@ -193,19 +176,19 @@ def test_two_servers_share_one_dir(tmp_path):
     a.close()
     b.close()
     c = _store(tmp_path)
-    assert _check_all(c, range(60)) == len(c) > 0
+    assert readable(c, range(60)) == len(c) > 0
     c.close()
 
 
 def test_lru_eviction_keeps_the_size_and_recent_blocks(tmp_path):
     s = _store(tmp_path, size=str(6 * 8192), seg=8192)
-    _fill(s, range(10))
+    fill(s, range(10))
     for i in range(5):
-        assert s.read(_h(i)) is not None  # used again: newer than 5..9
-    _fill(s, range(10, 60))
+        assert s.read(block_hash(i)) is not None  # used again: newer than 5..9
+    fill(s, range(10, 60))
     assert s.used_bytes() <= 6 * 8192
     assert s.stats.evicted_blocks > 0
-    assert _check_all(s, range(60)) == len(s)
+    assert readable(s, range(60)) == len(s)
     s.close()
 
 
@@ -214,11 +197,11 @@ def test_full_queue_drops_instead_of_blocking(tmp_path, monkeypatch):
     gate = threading.Event()
     real = s._write
     monkeypatch.setattr(s, "_write", lambda h, p: (gate.wait(10), real(h, p)))
-    results = [s.submit(_h(i), _payload(_h(i))) for i in range(5)]
+    results = [s.submit(block_hash(i), payload(block_hash(i))) for i in range(5)]
     assert results.count(False) >= 3 and s.stats.dropped_writes >= 3
     gate.set()
     s.flush()
-    assert _check_all(s, range(5)) == results.count(True)
+    assert readable(s, range(5)) == results.count(True)
     s.close()
 
 
@@ -248,7 +231,7 @@ def test_sigkill_during_writes_loses_at_most_the_tail(tmp_path):
     proc.wait()
     s = _store(tmp_path)
     assert len(s) >= 50
-    assert _check_all(s, range(len(s) + 200)) == len(s)  # everything indexed reads right
+    assert readable(s, range(len(s) + 200)) == len(s)  # everything indexed reads right
     s.close()
 
 

@@ -32,8 +32,10 @@ WRITE_POLICIES = ("write-through", "on-evict")
 
 @dataclass(frozen=True)
 class DiskTierConfig:
-    """``directory``: where the segments live (created if missing; must be writable).
-    ``size_bytes``: the most bytes of segments kept for this fingerprint (LRU eviction).
+    """``directory``: where the segments live (created if missing; one that cannot be used
+    leaves the tier down and retried, never the server stopped: ``health``).
+    ``size_bytes``: the most bytes the directory holds, every fingerprint's files together
+    (LRU eviction, other fingerprints first: ``budget``).
     ``segment_bytes``: a segment file is closed and a new one started past this size.
     ``queue_blocks``: blocks the writer may have queued; more are dropped, never waited for.
     ``write_policy``: ``write-through`` writes the blocks a request has just committed (a crash

@@ -42,6 +42,19 @@ def segment_header(fingerprint: bytes) -> bytes:
     return SEGMENT_MAGIC + fingerprint
 
 
+def header_problem(header: bytes, fingerprint: bytes | str) -> str | None:
+    """Why ``header`` (a file's first bytes) does not begin a segment of ``fingerprint`` (the
+    digest, or the hex prefix a fingerprint directory is named by); None when it does."""
+    if len(header) < HEADER_BYTES:
+        return f"shorter than a segment header ({len(header)} of {HEADER_BYTES} bytes)"
+    if not header.startswith(SEGMENT_MAGIC):
+        return "not a segment file (bad magic)"
+    digest = header[len(SEGMENT_MAGIC):HEADER_BYTES]
+    ours = (digest == fingerprint if isinstance(fingerprint, bytes)
+            else digest.hex().startswith(fingerprint))
+    return None if ours else "its header names another fingerprint"
+
+
 def encode_record(block_hash: bytes, payload: bytes | memoryview) -> bytes:
     """One record's bytes (header and payload)."""
     if len(block_hash) != 32:

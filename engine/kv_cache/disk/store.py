@@ -2,26 +2,35 @@
 
 Contract:
 
-* Start-up: the directory is created if needed and proven writable (``ValueError`` naming it
-  otherwise); the index (block hash -> record) is rebuilt from the segments themselves, helped
-  by ``manifest.json`` (written at close) only for segments whose size it states exactly. A
-  segment whose header is not this fingerprint's is ignored; a torn tail ends its segment.
+* Start-up: the directory is created if needed and proven writable; if it cannot be (full,
+  read-only, not creatable) the store starts all the same, without writing (below). The index
+  (block hash -> record) is rebuilt from the segments themselves, helped by ``manifest.json``
+  (written at close) only for segments whose size it states exactly. A segment whose header is
+  not this fingerprint's is skipped and a torn tail ends its segment, each said by one WARNING
+  naming the file. Then orphans are pruned and the directory brought under its size
+  (``engine.kv_cache.disk.budget``).
 * ``submit(hash, payload)`` queues a write and never blocks: with the queue full, or after the
   disk filled up, the block is dropped and counted. One writer thread appends records to this
   server's active segment (created exclusively, held under ``flock``) and starts a new one
   past ``segment_bytes``; other servers' segments are never written (one writer per segment).
 * ``read(hash)`` returns verified payload bytes or None; a record failing its checks is logged,
   counted and removed from the index (never returned).
-* LRU eviction by whole segments (a read refreshes its segment) keeps the directory's segments
-  under ``size_bytes``; a segment another writer holds is skipped; an ``evict.lock`` ``flock``
-  keeps two servers from evicting at once. Segments other servers add or delete are picked up
-  by :meth:`refresh` (called by look-ups at most once a second, and before evicting).
-* Disk full (ENOSPC, EDQUOT, EFBIG): the partial record is cut off, the tier stops writing and
-  says so once in the log and in ``stats().disk_full``; reads go on.
+* ``size_bytes`` bounds the whole directory, every fingerprint's files together: before a new
+  segment is started, other fingerprints nobody uses are evicted first (least recently used
+  first), then this one's least recently used whole segments (a read refreshes its segment); a
+  segment another writer holds is skipped; ``DIR/kv-evict.lock`` keeps two servers from
+  evicting at once (``engine.kv_cache.disk.budget``). Segments other servers add or delete are
+  picked up by :meth:`refresh` (called by look-ups at most once a second, and before evicting).
+* A failed write (disk full, read-only, an I/O error, the directory deleted) cuts the partial
+  record off and marks the tier down (``engine.kv_cache.disk.health``: one WARNING, counted in
+  ``stats.write_errors``; ``stats.disk_full`` only when the disk is full); while down, blocks
+  are dropped, reads go on, and the writer thread retries with backoff, recreating the
+  directory; a retry that finds it usable resumes writing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -30,17 +39,30 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.kv_cache.disk.budget import (
+    directory_bytes,
+    evict_lock,
+    evict_others,
+    held,
+    hold_in_use,
+    prune_orphans,
+    release_in_use,
+)
 from engine.kv_cache.disk.config import DiskTierConfig
+from engine.kv_cache.disk.health import DiskHealth, RetryPolicy
 from engine.kv_cache.disk.manifest import load_manifest, save_manifest
 from engine.kv_cache.disk.segment import (
     HEADER_BYTES,
+    RECORD_HEADER_BYTES,
     SUFFIX,
     CorruptRecord,
     RecordRef,
     encode_record,
+    header_problem,
     read_record,
     scan,
     segment_header,
@@ -48,7 +70,6 @@ from engine.kv_cache.disk.segment import (
 from engine.kv_cache.disk.stats import DiskTierStats
 
 logger = logging.getLogger("kvserve.engine")
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _STOP = object()
 REFRESH_INTERVAL_S = 1.0
 
@@ -60,41 +81,53 @@ class _Segment:
     hashes: list[bytes] = field(default_factory=list)
 
 
-def check_writable(directory: Path) -> None:
-    """Create ``directory`` if needed and prove a file can be written there (ValueError)."""
+def _probe(directory: Path) -> None:
+    """Prove a file can be written in ``directory`` (``OSError`` otherwise)."""
+    path = directory / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"kv_disk_dir {str(directory)!r} is not a writable directory "
-                         f"({exc.strerror or exc}); give a directory this server may write, "
-                         f"or leave --kv-disk-dir unset") from None
+        _write_all(fd, b"x")
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 class DiskStore:
     def __init__(self, config: DiskTierConfig, fingerprint: bytes, fingerprint_hex: str,
-                 block_bytes: int) -> None:
+                 block_bytes: int, retry: RetryPolicy = RetryPolicy(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Never raises for the directory's sake: one that cannot be used starts the store
+        down (module docstring). ``retry``: the backoff; ``clock``: its time (tests)."""
         self.config = config
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
-        self.dir = Path(config.directory) / f"kv-{fingerprint_hex}"
-        check_writable(Path(config.directory))
-        check_writable(self.dir)
+        self.base = Path(config.directory)
+        self.dir = self.base / f"kv-{fingerprint_hex}"
+        self.health = DiskHealth(self.base, retry, clock)
+        # before a new segment: room for it and the record that may take it past its size
+        self._room = max(0, config.size_bytes - config.segment_bytes - RECORD_HEADER_BYTES
+                         - block_bytes)
         self._lock = threading.Lock()
         self._index: dict[bytes, RecordRef] = {}
         self._segments: dict[str, _Segment] = {}
         self._fds: dict[str, int] = {}
         self._tick = 0
         self._last_refresh = 0.0
-        self.stats = DiskTierStats(enabled=True, capacity_bytes=config.size_bytes)
+        self.stats = DiskTierStats(enabled=True, capacity_bytes=config.size_bytes,
+                                   available=True)
         self._active: tuple[int, str] | None = None  # (fd, name) of our segment
         self._active_end = 0
-        self._load_manifest()
-        self.refresh(force=True)
+        self._in_use: int | None = None  # our shared lock on the fingerprint directory
+        try:
+            self._open_dir()
+        except OSError as exc:
+            self._failed("opening the directory", exc)
+        self._load_manifest()  # what a directory we cannot write still holds is read
+        self.refresh(force=True, warn=True)
         self.stats.blocks_at_start = len(self._index)
+        if self.health.available:
+            self._tidy()
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_blocks)
         self._thread = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)
@@ -162,11 +195,60 @@ class DiskStore:
                 fd = old
         return fd
 
+    # ---- the directory: claimed, proven writable, tidied ----------------------------------
+    def _open_dir(self) -> None:
+        """Create the directories, hold our fingerprint's ``in-use.lock`` and write a probe
+        file (``OSError`` when any of it fails)."""
+        if self._in_use is not None:  # a retry: the directory may have been recreated
+            release_in_use(self._in_use)
+            self._in_use = None
+        self.base.mkdir(parents=True, exist_ok=True)
+        self._in_use = hold_in_use(self.dir)
+        _probe(self.dir)
+
+    def _tidy(self) -> None:
+        """Start-up: prune orphans, bring the directory under its size."""
+        with evict_lock(self.base) as mine:
+            if not mine:
+                return
+            removed = prune_orphans(self.base)
+            if removed:
+                self.stats.pruned_files += len(removed)
+                logger.info("kv disk tier: pruned %d orphaned files (temporary files, files "
+                            "without a segment header, unused fingerprint directories with "
+                            "no segment) from %s", len(removed), self.base)
+            self._evict_locked(self.config.size_bytes)
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        self.health.failed(what, exc)
+        self._sync_health()
+
+    def _sync_health(self) -> None:
+        h = self.health
+        self.stats.available, self.stats.disk_full = h.available, h.full and not h.available
+        self.stats.write_errors = h.errors
+
+    def _retry(self) -> None:
+        """Writer thread, a retry being due: writes resume if the directory is usable."""
+        try:
+            self._open_dir()
+        except OSError as exc:
+            self._failed("retrying", exc)
+            return
+        self.health.usable()
+        self._sync_health()
+        self.refresh(force=True)  # a deleted directory's segments are forgotten
+
+    @property
+    def writable(self) -> bool:
+        """Writes are accepted (the tier is not down)."""
+        return self.health.available
+
     # ---- writes (engine thread queues, the writer thread writes) -----------------------
     def submit(self, block_hash: bytes, payload: bytes) -> bool:
         """Queue one block for writing; False (counted as dropped) when the queue is full or
-        the disk is full. Never blocks."""
-        if self.stats.disk_full:
+        the tier is down. Never blocks."""
+        if not self.health.available:
             self.stats.dropped_writes += 1
             return False
         try:
@@ -197,10 +279,31 @@ class DiskStore:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+        if self._in_use is not None:
+            release_in_use(self._in_use)
+            self._in_use = None
+
+    def _wait_s(self) -> float | None:
+        """How long the writer may sleep waiting for work: for ever while up, until the next
+        retry while down."""
+        if self.health.available:
+            return None
+        return min(max(self.health.seconds_to_retry(), 0.05), self.health.policy.max_s)
 
     def _write_loop(self) -> None:
         while True:
-            block_hash, payload = self._queue.get()
+            try:
+                block_hash, payload = self._queue.get(timeout=self._wait_s())
+            except queue.Empty:
+                block_hash = payload = None
+            if self.health.retry_due():
+                try:
+                    self._retry()
+                except Exception as exc:  # noqa: BLE001 - as for a write: the writer lives on
+                    logger.exception("kv disk tier: retrying the directory failed")
+                    self._failed("retrying", OSError(f"{type(exc).__name__}: {exc}"))
+            if block_hash is None and payload is None:
+                continue
             if block_hash is _STOP:
                 return
             if block_hash is None:
@@ -212,7 +315,7 @@ class DiskStore:
                 logger.exception("kv disk tier: writing a block failed")
 
     def _write(self, block_hash: bytes, payload: bytes) -> None:
-        if self.stats.disk_full:
+        if not self.health.available:
             self.stats.dropped_writes += 1
             return
         if block_hash in self._index:
@@ -226,10 +329,14 @@ class DiskStore:
         record = encode_record(block_hash, payload)
         offset = self._active_end
         try:
+            if os.fstat(fd).st_nlink == 0:  # deleted under us: the bytes would go nowhere
+                raise FileNotFoundError(errno.ENOENT, "the segment file was deleted",
+                                        str(self.dir / name))
             _write_all(fd, record)
         except OSError as exc:
-            self._stop_writing(exc, fd, offset)
+            self._write_failed("writing a block", exc, offset)
             return
+        self.health.wrote()
         self._active_end = offset + len(record)
         with self._lock:
             self._tick += 1
@@ -243,23 +350,24 @@ class DiskStore:
             self.stats.write_seconds += time.perf_counter() - t0
         if self._active_end >= self.config.segment_bytes:
             self._close_active()
-            self._evict(self.config.size_bytes - self.config.segment_bytes)
+            self._evict(self._room)
 
     def _open_active(self) -> None:
-        self._evict(self.config.size_bytes - self.config.segment_bytes)
+        self._evict(self._room)
         name = f"{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}"
         try:
             fd = os.open(self.dir / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except OSError as exc:
-            self._stop_writing(exc, None, 0)
+            self._write_failed("creating a segment", exc)
             return
         fcntl.flock(fd, fcntl.LOCK_EX)  # ours alone: no other server evicts or writes it
         try:
             _write_all(fd, segment_header(self.fingerprint))
         except OSError as exc:
-            self._stop_writing(exc, fd, 0)
             os.close(fd)
-            os.unlink(self.dir / name)
+            with contextlib.suppress(OSError):
+                os.unlink(self.dir / name)
+            self._write_failed("writing a segment header", exc)
             return
         self._active, self._active_end = (fd, name), HEADER_BYTES
         with self._lock:
@@ -271,23 +379,24 @@ class DiskStore:
             os.close(self._active[0])
             self._active = None
 
-    def _stop_writing(self, exc: OSError, fd: int | None, good_end: int) -> None:
-        if fd is not None and good_end:
-            try:
-                os.ftruncate(fd, good_end)  # no partial record left behind
-            except OSError:
-                pass
-        self.stats.disk_full = True
+    def _write_failed(self, what: str, exc: OSError, good_end: int = 0) -> None:
+        """A write failed: the active segment (if any) is cut back to its last whole record
+        and closed (a directory gone or read-only needs a new one), the block dropped, the
+        tier down until a retry."""
+        if self._active is not None:
+            if good_end:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._active[0], good_end)  # no partial record left behind
+            self._close_active()
         self.stats.dropped_writes += 1
-        what = "the disk is full" if exc.errno in _FULL_ERRNOS else "a write failed"
-        logger.error("kv disk tier: %s in %s (%s): the tier stops writing; it keeps serving "
-                     "the %d blocks it holds", what, self.dir, exc.strerror or exc,
-                     len(self._index))
+        self._failed(what, exc)
 
     # ---- index maintenance ------------------------------------------------------------
-    def refresh(self, force: bool = False) -> bool:
+    def refresh(self, force: bool = False, warn: bool = False) -> bool:
         """Pick up segments other servers wrote or deleted since the last call (at most once
-        a second unless ``force``). Returns True if the index gained blocks."""
+        a second unless ``force``). Returns True if the index gained blocks. ``warn`` (start):
+        one WARNING for each segment skipped (its header) or cut short (a torn tail that no
+        writer is appending to)."""
         now = time.monotonic()
         if not force and now - self._last_refresh < REFRESH_INTERVAL_S:
             return False
@@ -312,7 +421,14 @@ class DiskStore:
             except OSError:
                 continue
             if not ok:
+                if warn:
+                    logger.warning("kv disk tier: segment %s skipped: %s", self.dir / name,
+                                   self._header_problem(name))
                 continue
+            if warn and end < size and not held(self.dir / name):
+                logger.warning("kv disk tier: segment %s has a torn tail (a record cut short "
+                               "or garbled at byte %d of %d): its %d whole records are kept, "
+                               "the rest is ignored", self.dir / name, end, size, len(records))
             with self._lock:
                 self._tick += 1
                 seg = self._segments.setdefault(name, _Segment(HEADER_BYTES, self._tick))
@@ -323,6 +439,14 @@ class DiskStore:
                         gained = True
                 seg.end = end
         return gained
+
+    def _header_problem(self, name: str) -> str:
+        try:
+            with open(self.dir / name, "rb") as f:
+                header = f.read(HEADER_BYTES)
+        except OSError as exc:
+            return f"unreadable ({exc.strerror or exc})"
+        return header_problem(header, self.fingerprint) or "its header changed while read"
 
     def _forget_segment(self, name: str) -> None:
         with self._lock:
@@ -337,53 +461,51 @@ class DiskStore:
             os.close(fd)
 
     def _evict(self, target: int) -> None:
-        """Delete least recently used segments until the directory's segments take at most
-        ``target`` bytes. Another server evicting at the moment: skip this time."""
-        try:
-            lock = os.open(self.dir / "evict.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError:
+        """Evict until the directory (every fingerprint's files) takes at most ``target``
+        bytes: other fingerprints nobody uses first, then this one's least recently used
+        segments. Another server evicting at the moment: skip this time."""
+        with evict_lock(self.base) as mine:
+            if mine:
+                self._evict_locked(target)
+
+    def _evict_locked(self, target: int) -> None:
+        total = directory_bytes(self.base)
+        if total <= target:
             return
-        try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                return
-            total = self.used_bytes()
+        others = evict_others(self.base, self.dir, total - target)
+        self.stats.evicted_foreign_segments += others.segments
+        total -= others.bytes
+        if total <= target:
+            return
+        self.refresh(force=True)
+        active = self._active[1] if self._active is not None else None
+        order = sorted((s.last_use, n) for n, s in self._segments.items() if n != active)
+        for _, name in order:
             if total <= target:
-                return
-            self.refresh(force=True)
-            active = self._active[1] if self._active is not None else None
-            order = sorted((s.last_use, n) for n, s in self._segments.items() if n != active)
-            for _, name in order:
-                if total <= target:
-                    break
-                path = self.dir / name
-                try:
-                    size = path.stat().st_size
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError:
-                    self._forget_segment(name)
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a writer holds it: skip
-                except OSError:
-                    os.close(fd)
-                    continue
-                nblocks = len(self._segments[name].hashes) if name in self._segments else 0
-                path.unlink(missing_ok=True)
-                os.close(fd)
+                break
+            path = self.dir / name
+            try:
+                size = path.stat().st_size
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
                 self._forget_segment(name)
-                self.stats.evicted_blocks += nblocks
-                total -= size
-        finally:
-            os.close(lock)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a writer holds it: skip
+            except OSError:
+                os.close(fd)
+                continue
+            nblocks = len(self._segments[name].hashes) if name in self._segments else 0
+            path.unlink(missing_ok=True)
+            os.close(fd)
+            self._forget_segment(name)
+            self.stats.evicted_blocks += nblocks
+            total -= size
 
     def used_bytes(self) -> int:
-        """Bytes of every segment file under this fingerprint (every server's)."""
-        try:
-            return sum(e.stat().st_size for e in os.scandir(self.dir) if e.name.endswith(SUFFIX))
-        except OSError:
-            return 0
+        """Bytes of the whole directory's fingerprint sub-directories (every fingerprint's,
+        every server's): what ``size_bytes`` bounds."""
+        return directory_bytes(self.base)
 
     def snapshot(self) -> DiskTierStats:
         s = DiskTierStats(**vars(self.stats))

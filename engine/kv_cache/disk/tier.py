@@ -336,7 +336,7 @@ class DiskTier:
 
     def _submit_device(self, todo: list[tuple[int, bytes]]) -> int:
         """Queue device blocks ``(block id, hash)``; returns how many were queued."""
-        if not todo or self.stats.disk_full:
+        if not todo or not self.store.writable:
             return 0
         ids = torch.tensor([b for b, _ in todo], dtype=torch.int64,
                            device=self._device[0].device)
@@ -351,7 +351,7 @@ class DiskTier:
     def _on_host_evict(self, host_block: int, block_hash: bytes) -> None:
         """``on-evict``: a named host block is about to be reused: its bytes go to the disk
         (dropped when the writer's queue is full, as every write)."""
-        if self.stats.disk_full or self._on_disk(block_hash):
+        if not self.store.writable or self._on_disk(block_hash):
             return
         if self._settle_host is not None:
             self._settle_host()  # a spill into this block may still be in flight
@@ -360,7 +360,7 @@ class DiskTier:
     def _on_spill_dropped(self, device_block: int, block_hash: bytes) -> None:
         """``on-evict``: a named device block leaves memory without a host copy (every host
         block in use): its bytes go to the disk straight from the device pools."""
-        if not self.stats.disk_full and not self._on_disk(block_hash):
+        if self.store.writable and not self._on_disk(block_hash):
             self._submit_device([(device_block, block_hash)])
 
     def _write_back_memory(self) -> int:
@@ -404,9 +404,11 @@ class DiskTier:
         s = self.store
         groups = len(self._groups)  # a block of tokens is one record per KV group
         pages = f", one per KV group and {self.block_size} tokens" if groups > 1 else ""
-        return (f"disk KV tier: {s.dir} | {s.config.size_bytes / 2**30:.2f} GiB | "
-                f"{len(s)} blocks found{pages} ({len(s) * self.block_size // groups} tokens) | "
-                f"{self.block_bytes} bytes/block")
+        down = "" if s.writable else f" | not writing ({s.health.reason}), retrying"
+        return (f"disk KV tier: {s.dir} | {s.config.size_bytes / 2**30:.2f} GiB for the "
+                f"directory | {len(s)} blocks found{pages} "
+                f"({len(s) * self.block_size // groups} tokens) | "
+                f"{self.block_bytes} bytes/block{down}")
 
     def close(self) -> None:
         """Stop the threads; under ``on-evict`` the blocks in memory are written first, then
