@@ -3,10 +3,20 @@
 Only with ``--profiler-dir DIR`` (vLLM reads ``VLLM_TORCH_PROFILER_DIR``); without it neither
 route exists (404). With ``--api-key`` both need the key. ``start`` begins a torch.profiler
 session on the engine thread (:class:`engine.profiling.StepProfiler`: CPU and, when present,
-CUDA activity, shapes, memory); ``stop`` ends it and answers
-``{"status": "stopped", "trace": PATH, "num_steps": N, "seconds": S}``, PATH a Chrome/Perfetto
-JSON trace of every engine step in between. Starting twice, or stopping what never started, is
-a 409.
+CUDA activity) and answers ``{"status": "started", "session": N, "max_seconds": S,
+"max_iters": I}``. A session stops by itself after ``--profiler-max-iters`` engine steps or
+``--profiler-max-seconds`` (a timer here stops an idle one).
+
+``stop`` stops the session, or reports the one that stopped itself since the last ``stop``, and
+answers ``{"status": "stopped", "trace": PATH, "num_steps": N, "seconds": S, "stopped_by":
+"request" | "max_iters" | "max_seconds"}``, PATH a Chrome/Perfetto JSON trace of every engine
+step of the session. The engine thread only stops torch's profiler (that must run there); the
+trace is written on a writer thread, and this route waits for it on the event loop, so the
+file is complete when the answer comes. (torch's exporter holds the GIL: the engine steps
+little while it writes. The caps are what bound that pause: engine/profiling.py.) If writing takes longer than ``STOP_TIMEOUT`` the
+answer is ``"status": "writing"`` instead: the file appears at PATH once complete (it is
+written under ``PATH.partial`` and renamed). Starting while a session records or while its
+trace is being written, or stopping when there is nothing to report, is a 409.
 """
 
 from __future__ import annotations
@@ -18,21 +28,24 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from engine.async_engine import EngineDeadError
+from engine.profiling import DEFAULT_MAX_ITERS, DEFAULT_MAX_SECONDS
 from server.errors import APIError
 
-# Writing a trace of a long session takes a while (seconds per thousand steps).
+# Seconds /stop_profile waits for torch's stop on the engine thread, then for the writer.
 STOP_TIMEOUT = 300.0
 
 
-def add_routes(app: FastAPI, engine: Any, directory: str) -> None:
+def add_routes(app: FastAPI, engine: Any, directory: str,
+               max_seconds: float = DEFAULT_MAX_SECONDS,
+               max_iters: int = DEFAULT_MAX_ITERS) -> None:
     from engine.profiling import StepProfiler
 
     def profiler() -> StepProfiler:  # engine thread
         if engine.profiler is None:
-            engine.profiler = StepProfiler(directory)
+            engine.profiler = StepProfiler(directory, max_seconds, max_iters)
         return engine.profiler
 
-    async def on_engine(fn, timeout: float) -> dict[str, Any]:
+    async def on_engine(fn, timeout: float) -> Any:
         if not engine.is_healthy:
             raise APIError(503, "the engine is not running", code="engine_dead")
         fut = engine.call_on_engine_thread(fn)
@@ -43,12 +56,30 @@ def add_routes(app: FastAPI, engine: Any, directory: str) -> None:
         except RuntimeError as exc:
             raise APIError(409, str(exc), code="profiler_state") from None
 
+    def expire(session: int) -> None:  # event loop, max_seconds after a start
+        if engine.is_healthy:
+            engine.call_on_engine_thread(lambda: profiler().expire(session))
+
     @app.post("/start_profile")
     async def start_profile() -> JSONResponse:
-        """Start a torch.profiler session over the engine's steps."""
-        return JSONResponse(await on_engine(lambda: profiler().start(), 60.0))
+        """Start a torch.profiler session over the engine's steps (capped)."""
+        body = await on_engine(lambda: profiler().start(), 60.0)
+        if max_seconds:
+            asyncio.get_running_loop().call_later(max_seconds, expire, body["session"])
+        return JSONResponse(body)
 
     @app.post("/stop_profile")
     async def stop_profile() -> JSONResponse:
-        """Stop the session and write its trace (the answer names the file)."""
-        return JSONResponse(await on_engine(lambda: profiler().stop(), STOP_TIMEOUT))
+        """Stop the session (or report the one that stopped at its cap) and write its trace
+        off the engine thread; the answer names the file."""
+        done = await on_engine(lambda: profiler().stop(), STOP_TIMEOUT)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done.written)),
+                                   STOP_TIMEOUT)
+        except asyncio.TimeoutError:
+            return JSONResponse({"status": "writing", **done.info})
+        except Exception as exc:  # noqa: BLE001 - disk full, directory gone
+            raise APIError(500, f"writing the trace {done.info['trace']} failed: "
+                                f"{type(exc).__name__}: {exc}",
+                           code="profiler_write_failed") from None
+        return JSONResponse({"status": "stopped", **done.info})

@@ -5,11 +5,20 @@
 - ``GET /kv/state``: the JSON document of :mod:`server.kv_page.state`, from a snapshot taken on
   the engine thread for this request;
 - ``GET /kv/events``: server-sent events, ``event: state`` with the same document whenever it
-  changed (polled every ``interval`` seconds, 0.1..10, default 0.5).
+  changed (polled every ``interval`` seconds, 0.1..10, default 0.5). Each stream ends by itself
+  after :data:`STREAM_LIFETIME` seconds with ``retry: RETRY_MS``: an EventSource reconnects
+  after that many milliseconds and gets the current state at once.
 
 With ``--api-key`` all three need the key (a header, or ``?key=`` since a browser cannot send a
 header for a page or an EventSource: server/auth.py). A snapshot costs the engine thread about
 a millisecond per few thousand blocks, once per interval per open page.
+
+Why a bounded lifetime rather than exempting the stream from ``--limit-concurrency`` as
+``/health`` is: an open stream is a request in flight *and* an open connection, and each costs
+the engine thread a snapshot per interval, so an exempt stream would be an unbounded cost that
+the limit no longer caps. Bounded, a page holds its slot for at most :data:`STREAM_LIFETIME`
+seconds at a time; when the server is at its limit the reconnect gets the 503, the EventSource
+closes and the page falls back to polling ``/kv/state``, which holds no slot between polls.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from server.sse import SSE_HEADERS
 STATIC = {"kv.css": "text/css; charset=utf-8", "kv.js": "text/javascript; charset=utf-8",
           "kv.html": "text/html; charset=utf-8"}
 SNAPSHOT_TIMEOUT = 10.0  # seconds: a step longer than this is a stuck engine
+STREAM_LIFETIME = 60.0  # seconds a /kv/events stream stays open (read per stream)
+RETRY_MS = 1000  # the reconnection delay the stream's last line asks of an EventSource
 
 
 def _static(name: str) -> bytes:
@@ -79,8 +90,13 @@ def add_routes(app: FastAPI, engine: Any) -> None:
         async def stream():
             last = None
             idle = 0.0
+            loop = asyncio.get_running_loop()
+            ends = loop.time() + STREAM_LIFETIME
             while True:
                 if await raw.is_disconnected() or app.state.ctx.draining_since is not None:
+                    return
+                if loop.time() >= ends:  # frees its --limit-concurrency slot; the client
+                    yield f"retry: {RETRY_MS}\n\n"  # reconnects after RETRY_MS
                     return
                 try:
                     doc = await document()

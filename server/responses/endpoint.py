@@ -7,12 +7,15 @@ no stored response has that id: never stored, evicted, deleted, or the server re
 ``store`` (the default) the finished response is kept (server.responses.store) under its id;
 its conversation is the predecessor's, then this request's input, then its output, so a chain
 of ``previous_response_id`` renders the same growing prompt and the prefix cache serves what
-the turns before computed.
+the turns before computed. ``DELETE`` of a response still being generated succeeds: its
+client still gets all of it, and it is not stored when it finishes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -24,11 +27,12 @@ from server.errors import APIError, bad_request, format_validation_errors
 from server.protocol import ChatCompletionRequest
 from server.responses.items import chat_messages, item_id
 from server.responses.request import ResponsesRequest
-from server.responses.store import ResponseStore, StoredResponse
+from server.responses.store import Pending, ResponseStore, StoredResponse
 from server.responses.writer import ResponseDraft, ResponseEvents
 from server.serving import (
     ServingContext,
     aborted_on_error,
+    client_of,
     request_id_of,
     respond,
     stream_events,
@@ -62,7 +66,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         raise bad_request(message, _as_input(param)) from None
     rid = item_id("resp")
     try:
-        prompt = await chat_prompt(ctx, chat, xrid)
+        prompt = await chat_prompt(ctx, chat, xrid, client_of(raw))
         streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, rid,
                                   chat.priority, xrid)
     except APIError as exc:
@@ -74,19 +78,39 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
                     bool(req.stream), req.previous_response_id)
         keep = req.store is not False and store.enabled
         draft = ResponseDraft(rid, model, req.echo(), keep, prompt.tools, ctx.tool_format)
+        # Held by `finish` (so by the stream) until the response is stored: a DELETE meanwhile
+        # succeeds and the response is then not stored.
+        pending = store.begin(rid) if keep else None
 
         def finish(final: dict[str, Any]) -> dict[str, Any]:
-            if keep:
-                store.put(StoredResponse(final, req.items, history + req.items + final["output"]))
+            if pending is not None:
+                store.put(StoredResponse(final, req.items, history + req.items + final["output"]),
+                          pending)
             return final
 
         if req.stream:
             events = ResponseEvents(draft, finish)
-            return await respond(raw, streams, ctx, xrid, lambda: stream_events(
+            return await respond(raw, streams, ctx, xrid, lambda: _released(stream_events(
                 ctx, raw, streams, xrid, deltas=events.deltas, closing=events.closing,
-                opening=events.opening(), failed=events.failed, done=False), None)
-        return await respond(raw, streams, ctx, xrid, None,
-                             lambda finals: finish(draft.response(finals[0])))
+                opening=events.opening(), failed=events.failed, done=False), store, pending),
+                None)
+        try:
+            return await respond(raw, streams, ctx, xrid, None,
+                                 lambda finals: finish(draft.response(finals[0])))
+        finally:
+            store.release(pending)
+
+
+async def _released(events: AsyncIterator[str], store: ResponseStore, pending: Pending | None
+                    ) -> AsyncIterator[str]:
+    """``events``, then the response's pending entry is released however the stream ended
+    (stored, failed, the client gone)."""
+    try:
+        async with contextlib.aclosing(events) as it:
+            async for e in it:
+                yield e
+    finally:
+        store.release(pending)
 
 
 def _as_input(param: str | None) -> str | None:
