@@ -211,10 +211,13 @@ class AsyncEngine:
 
     # ---- event-loop side ----------------------------------------------------------------
 
-    def compile_structured(self, spec: Any, timeout: float | None = None) -> None:
+    def compile_structured(self, spec: Any, timeout: float | None = None,
+                           client: str = "") -> None:
         """Compile a request's constraint (blocking: call it on a worker thread) into the
-        engine's grammar cache; raises ``ValueError`` naming the problem. Thread-safe."""
-        self.core.structured.compile(spec, timeout)
+        engine's grammar cache; raises ``ValueError`` naming the problem, or
+        ``CompileQueueFullError`` (engine.structured.cache) when too many constraints wait.
+        ``client`` names whose queue it waits in. Thread-safe."""
+        self.core.structured.compile(spec, timeout, client)
 
     def start(self) -> None:
         """Drive the engine on its own thread (tests, embedding in another program)."""
@@ -258,10 +261,13 @@ class AsyncEngine:
             return len(self._streams)
 
     def stats(self) -> EngineStats:
-        """The engine counters as of the last step, waiting count including the inbox."""
+        """The engine counters as of the last step, waiting count including the inbox, the
+        structured-output compile counters as of now (refusals never reach a step)."""
         with self._cond:
             # _waiting also covers requests taken from the inbox since the last snapshot.
-            return self._stats.replace(num_requests_waiting=self._waiting + len(self._inbox))
+            snap = self._stats.replace(num_requests_waiting=self._waiting + len(self._inbox))
+        fresh = getattr(getattr(self.core, "structured", None), "with_compile_stats", None)
+        return snap if fresh is None else snap.replace(structured=fresh(snap.structured))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                       priority: int = 0) -> None:

@@ -75,7 +75,12 @@ from engine.step_output import StepOutput
 from engine.structured.head_columns import GrammarColumns, RowSource
 from engine.structured.jump_forward import JumpForward
 from engine.structured.masking import FilledRows
-from engine.structured.outputs import PendingMask, StructuredOutputs
+from engine.structured.outputs import (
+    ConstraintFailedError,
+    PendingMask,
+    StructuredOutputs,
+    failure_error,
+)
 from engine.structured.stats import StructuredStats
 
 logger = logging.getLogger("kvserve.engine")
@@ -156,7 +161,7 @@ class EngineCore:
         # Constrained decoding; requests whose grammar is still compiling wait here, outside
         # the scheduler, while the others run.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            config.structured_outputs_config.backend)
+                                            config.structured_outputs_config)
         # Constrained rows' logits computed only at their allowed tokens, where the runner
         # can (engine/runner/logit_columns.py); benchmarks/jump_forward.py turns it off to
         # compare.
@@ -281,6 +286,7 @@ class EngineCore:
         exc = req.grammar.exception()
         if exc is not None:
             req.error = str(exc)
+            req.error_code = "invalid_constraint" if isinstance(exc, ValueError) else None
             self.scheduler.abort_request(req)
             return
         compiled = req.grammar.result()
@@ -408,12 +414,20 @@ class EngineCore:
 
     def _fail_request(self, req: Request, exc: BaseException,
                       touched: dict[str, Request]) -> None:
-        """End ``req`` after an internal error in its own work: finish_reason "abort", ``error``
-        set, blocks freed (once: in a step by ``update_from_output``, after it at once),
-        traceback logged. The engine goes on."""
-        logger.error("request %s failed inside the engine step and is aborted: %s: %s",
-                     req.request_id, type(exc).__name__, exc, exc_info=exc)
-        req.error = req.error or f"internal error: {type(exc).__name__}: {exc}"
+        """End ``req`` after an error in its own work: finish_reason "abort", ``error`` set,
+        blocks freed (once: in a step by ``update_from_output``, after it at once). An internal
+        error logs its traceback; a constraint that failed (the request's own input) logs one
+        line and sets ``error_code``. The engine goes on."""
+        if isinstance(exc, ConstraintFailedError):
+            logger.warning("request %s aborted: %s", req.request_id, exc)
+            req.error = req.error or str(exc)
+            req.error_code = req.error_code or "constraint_failed"
+            if req.params.structured is not None:
+                self.structured.refuse(req.params.structured, str(exc))
+        else:
+            logger.error("request %s failed inside the engine step and is aborted: %s: %s",
+                         req.request_id, type(exc).__name__, exc, exc_info=exc)
+            req.error = req.error or f"internal error: {type(exc).__name__}: {exc}"
         if self._result is not None:
             self._result.abort(req)
         else:
@@ -444,6 +458,7 @@ class EngineCore:
             self.scheduler.complete_copies()
 
     def _grammar_rows(self, out: SchedulerOutput, pending: PendingMask | None,
+                      touched: dict[str, Request],
                       ) -> tuple[dict[int, FilledRows], GrammarColumns | None]:
         """The speculating constrained sequences' verification bitmasks (by entry of
         ``out.scheduled``), filled before the forward pass, and the step's sampled rows as
@@ -461,6 +476,8 @@ class EngineCore:
                 if matcher is not None:
                     try:
                         drafts[i] = filled = self.structured.fill_draft(matcher, s.draft)
+                    except ConstraintFailedError as exc:  # this request ends; the step goes on
+                        self._fail_request(s.seq.request, exc, touched)
                     except Exception:  # noqa: BLE001  (refilled in _verify_one, guarded there)
                         logger.exception("filling a draft's bitmasks failed")
                 if filled is not None:
@@ -468,7 +485,7 @@ class EngineCore:
                 else:
                     rows += [None] * (len(s.draft) + 1)
             else:
-                rows.append((pending.future.result, plain)
+                rows.append((pending.result, plain)
                             if matcher is not None and pending is not None else None)
                 plain += 1
         restrict = self.restrict_logits_head and any(r is not None for r in rows)
@@ -488,7 +505,7 @@ class EngineCore:
         pending = self.structured.start_mask([
             s.seq.matcher for s, c in zip(out.scheduled, out.plan.seqs, strict=True)
             if c.sample and not s.draft]) if self.structured.in_use else None
-        drafts, columns = (self._grammar_rows(out, pending) if self.structured.in_use
+        drafts, columns = (self._grammar_rows(out, pending, touched) if self.structured.in_use
                            else ({}, None))
         result = self._execute(out, columns)  # a failure here is the engine's, not a request's
         self._result.kv_written = True
@@ -577,7 +594,9 @@ class EngineCore:
         # Constrained rows (bitmasks filled by start_mask, one per entry of ``seqs``):
         # forbidden tokens to -inf before penalties, temperature, top-k/p, min-p and logprobs.
         # Unconstrained batches have nothing pending.
-        self.structured.finish_mask(logits, pending, restricted)
+        for i, failure in self.structured.finish_mask(logits, pending, restricted).items():
+            self._fail_request(seqs[i].request, ConstraintFailedError(failure_error(failure)),
+                               touched)
         try:
             sampled = self.sampler(logits, rows)
             return [(sampled, i) for i in range(len(rows))]

@@ -60,3 +60,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine could not finish the request
+    # With ``error``: a code when the request's own input was at fault (e.g.
+    # "constraint_failed", a 400 for the server), None for an internal error (a 500).
+    error_code: str | None = None

@@ -75,6 +75,9 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cache_extra_keys: tuple = ()
     error: str | None = None  # why the engine ended it, when an internal error did
+    # Set with ``error`` when the request's own input is at fault (e.g. "constraint_failed":
+    # its grammar failed while it ran); None: an internal error.
+    error_code: str | None = None
     # Per-request scratch of the logit processors (engine.sampling.penalties), e.g. the logit-bias
     # tensors, built once instead of every step.
     sampler_cache: dict = field(default_factory=dict)

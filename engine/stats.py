@@ -95,7 +95,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     structured: StructuredStats = field(default_factory=StructuredStats)
 
-    def replace(self, **changes: int | float) -> EngineStats:
+    def replace(self, **changes: object) -> EngineStats:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict[str, int | float]:

@@ -182,8 +182,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw)
 
-    add_responses_routes(app, ctx, ResponseStore(settings.responses_store_max_items,
-                                                 settings.responses_store_max_bytes))
+    app.state.responses_store = ResponseStore(settings.responses_store_max_items,
+                                              settings.responses_store_max_bytes)
+    add_responses_routes(app, ctx, app.state.responses_store)
     if settings.kv_page:
         from server.kv_page.routes import add_routes as add_kv_page_routes
 
@@ -191,7 +192,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     if settings.profiler_dir:
         from server.profile_routes import add_routes as add_profile_routes
 
-        add_profile_routes(app, engine, settings.profiler_dir)
+        add_profile_routes(app, engine, settings.profiler_dir, settings.profiler_max_seconds,
+                           settings.profiler_max_iters)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

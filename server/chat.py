@@ -37,6 +37,7 @@ from server.serving import (
     ServingContext,
     aborted_on_error,
     check_constraint,
+    client_of,
     new_id,
     request_id_of,
     respond,
@@ -110,7 +111,8 @@ class ChatPrompt:
     tools: ToolSet | None
 
 
-async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str) -> ChatPrompt:
+async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str,
+                      client: str = "") -> ChatPrompt:
     """Render, tokenise and constrain a chat request (400 on anything wrong with it): what
     ``/v1/chat/completions`` and ``/v1/responses`` share up to submitting."""
     top = req.top_logprobs or 0
@@ -144,7 +146,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str
         params = params.clone(structured=spec)
         if ctx.tool_format.special_marker:  # the call marker is a special token: keep it
             params = params.clone(skip_special_tokens=False)
-    await check_constraint(ctx, params, xrid)
+    await check_constraint(ctx, params, xrid, client)
     expected = tools if tools is not None and tools.calls_expected else None
     return ChatPrompt(text, ids, params, expected)
 
@@ -153,7 +155,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  ) -> Response:
     xrid = request_id_of(raw)
     model = ctx.check_model(req.model)
-    prompt = await chat_prompt(ctx, req, xrid)
+    prompt = await chat_prompt(ctx, req, xrid, client_of(raw))
     cid = new_id("chatcmpl")
     streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, cid,
                               req.priority, xrid)

@@ -157,7 +157,8 @@ def run_server(app: Any, engine: Any, settings: ServerSettings,
         bar = "!" * 78
         logger.warning("%s\n%s\n%s", bar, warning, bar)
 
-    server = GracefulServer(uvicorn_config(app, settings), app, engine, settings)
+    server = GracefulServer(uvicorn_config(app, settings), app, engine, settings,
+                            exit_watchdog=True)
     # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
     # process: frozen, the cyclic collector's scans skip them and look at per-request objects
     # only (docs/performance.md#small-cpu-costs; vLLM freezes likewise).

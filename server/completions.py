@@ -26,6 +26,7 @@ from server.serving import (
     ServingContext,
     aborted_on_error,
     check_constraint,
+    client_of,
     new_id,
     request_id_of,
     respond,
@@ -68,7 +69,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             defaults=ctx.sampling_defaults)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    await check_constraint(ctx, params, xrid)
+    await check_constraint(ctx, params, xrid, client_of(raw))
     cid = new_id("cmpl")
     streams = submit_or_error(ctx, prompts, params, cid, req.priority, xrid)
     with aborted_on_error(streams):

@@ -50,7 +50,9 @@ class ServerSettings:
     ``responses_store_max_items`` / ``responses_store_max_bytes`` bound the Responses API's
     in-memory store (least recently used first out; 0 items: nothing is stored).
     ``kv_page`` serves the live KV page (``/kv``, ``/kv/state``, ``/kv/events``: server/kv_page/);
-    ``profiler_dir`` enables ``/start_profile`` and ``/stop_profile`` (server/profile_routes.py).
+    ``profiler_dir`` enables ``/start_profile`` and ``/stop_profile`` (server/profile_routes.py);
+    a session stops by itself after ``profiler_max_seconds`` or ``profiler_max_iters`` engine
+    steps (0: no such cap; why the defaults: engine/profiling.py).
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +74,8 @@ class ServerSettings:
     responses_store_max_bytes: int | str = 256 * MIB
     kv_page: bool = True
     profiler_dir: str | None = None
+    profiler_max_seconds: float = 30.0
+    profiler_max_iters: int = 1000
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -111,6 +115,12 @@ class ServerSettings:
             raise ValueError(f"responses-store-max-bytes must be a size such as 256MiB; got "
                              f"{self.responses_store_max_bytes!r}")
         object.__setattr__(self, "responses_store_max_bytes", store_bytes)
+        if not self.profiler_max_seconds >= 0:  # also refuses NaN
+            raise ValueError(f"profiler-max-seconds cannot be negative (0: no cap); got "
+                             f"{self.profiler_max_seconds}")
+        if self.profiler_max_iters < 0:
+            raise ValueError(f"profiler-max-iters cannot be negative (0: no cap); got "
+                             f"{self.profiler_max_iters}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log-level must be one of {', '.join(LOG_LEVELS)}; "
                              f"got {self.log_level!r}")
@@ -247,7 +257,9 @@ ENGINE_OPTIONS = [
     Option("structured-outputs-config", "structured_outputs_config", "engine", _json_object,
            'structured outputs as a JSON object (vLLM\'s format): \'{"backend": "auto"}\' '
            "serves each constraint with the grammar library measured faster for it (xgrammar "
-           "or llguidance); \"xgrammar\" or \"llguidance\" (\"guidance\") forces one",
+           "or llguidance); \"xgrammar\" or \"llguidance\" (\"guidance\") forces one; "
+           "kvserve's bounds: compile_timeout (5 s of CPU), max_pending_compiles (8), mask_timeout "
+           "(1 s), isolation (process)",
            nullable=True),
     Option("tensor-parallel-size", "tensor_parallel_size", "engine", int,
            "ranks that each hold 1/N of the weights (torch.distributed: gloo on CPUs, NCCL on "
@@ -309,6 +321,12 @@ SERVER_OPTIONS = [
            "enable POST /start_profile and /stop_profile, writing torch.profiler traces "
            "(Chrome/Perfetto JSON) of the engine's steps into this directory (default: off, "
            "the routes answer 404)", nullable=True),
+    Option("profiler-max-seconds", "profiler_max_seconds", "server", float,
+           "a profiling session stops by itself after this many seconds; /stop_profile then "
+           "reports it (0: no cap: the trace and the engine's pause at stop grow with it)"),
+    Option("profiler-max-iters", "profiler_max_iters", "server", int,
+           "a profiling session stops by itself after this many engine steps (vLLM's "
+           "VLLM_PROFILER_MAX_ITERS; 0: no cap)"),
     Option("enable-auto-tool-choice", "enable_auto_tool_choice", "server", bool,
            "allow tool_choice 'auto' (the model chooses between text and calls; vLLM's flag, "
            "on here by default: --no-enable-auto-tool-choice refuses it)", boolean=True),

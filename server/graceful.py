@@ -16,6 +16,10 @@ running: streams were cut mid-body, with no ending, an incomplete chunked body a
    :data:`CUT_GRACE` seconds to write it. A connection still busy after that (a client that
    does not read) is dropped, and any request left is cancelled.
 4. The socket stops listening, and the application's lifespan shutdown stops the engine.
+
+With ``exit_watchdog`` (``kvserve serve``: the process is the server's own), the drain's start
+also arms server/exit_watchdog.py: whatever a thread or a library is doing, the process ends ``shutdown_timeout + CUT_GRACE + EXIT_GRACE`` seconds after
+the signal.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import uvicorn
 
+from server import exit_watchdog
 from server.app import begin_drain, drain_time_left, end_drain
 from server.config_file import ServerSettings
 from server.exit_status import ENGINE_DIED_EXIT_STATUS
@@ -41,8 +46,9 @@ class GracefulServer(uvicorn.Server):
     docstring. ``engine_died`` tells the caller to exit non-zero."""
 
     def __init__(self, config: uvicorn.Config, app: Any, engine: Any,
-                 settings: ServerSettings) -> None:
+                 settings: ServerSettings, exit_watchdog: bool = False) -> None:
         super().__init__(config)
+        self.exit_watchdog = exit_watchdog  # only in a process of its own (kvserve serve)
         self.app = app
         self.engine = engine
         self.settings = settings
@@ -52,8 +58,15 @@ class GracefulServer(uvicorn.Server):
         if not self.should_exit:
             logger.info("signal %d: draining requests in flight (up to %.0fs)", sig,
                         self.settings.shutdown_timeout)
+        self._arm_watchdog()
         begin_drain(self.app)
         super().handle_exit(sig, frame)
+
+    def _arm_watchdog(self) -> None:
+        if not self.exit_watchdog:
+            return
+        exit_watchdog.arm(self.settings.shutdown_timeout + CUT_GRACE + exit_watchdog.EXIT_GRACE,
+                          lambda: ENGINE_DIED_EXIT_STATUS if self.engine_died else 0)
 
     async def on_tick(self, counter: int) -> bool:
         # Every 0.1 s on the server's loop: a dead engine can serve nothing again.
@@ -71,6 +84,7 @@ class GracefulServer(uvicorn.Server):
         return bool(self.server_state.tasks) and not self.force_exit
 
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        self._arm_watchdog()
         begin_drain(self.app)
         state = self.server_state
         for connection in list(state.connections):  # idle ones close now, busy ones later

@@ -66,13 +66,17 @@ _GAUGES = [
      "Sequences of max_model_len tokens the device pool holds at once (per-group block "
      "accounting)."),
     (lambda s: s.disk.used_bytes, "kvserve:local_storage_usage",
-     "Bytes of disk-tier segment files (LMCache's name; 0 without --kv-disk-dir)."),
+     "Bytes of the disk tier's directory, every fingerprint's files (LMCache's name; 0 "
+     "without --kv-disk-dir)."),
     (lambda s: s.disk.capacity_bytes, "kvserve:disk_kv_cache_capacity_bytes",
      "The disk tier's size (--kv-disk-size)."),
     (lambda s: s.disk.blocks, "kvserve:disk_kv_cache_num_blocks",
      "Blocks the disk tier's index holds."),
     (lambda s: int(s.disk.disk_full), "kvserve:disk_kv_cache_full",
-     "1 once the disk tier stopped writing because the disk is full."),
+     "1 while the disk tier is not writing because the disk is full (it retries)."),
+    (lambda s: int(s.disk.available), "kvserve:disk_kv_cache_available",
+     "1 while the disk tier writes; 0 when it is off, or down after an error (full, "
+     "read-only, I/O error, directory gone) and retrying with backoff."),
     (lambda s: s.host.host_blocks_total, "kvserve:host_kv_cache_num_blocks",
      "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
     (lambda s: s.host.host_blocks_used, "kvserve:host_kv_cache_used_blocks",
@@ -134,12 +138,18 @@ _COUNTERS = [
     ("kvserve:disk_kv_cache_written_blocks", "Blocks written to the disk tier.", None,
      [(lambda s: s.disk.written_blocks, None)]),
     ("kvserve:disk_kv_cache_dropped_writes", "Blocks not written to the disk tier: the writer "
-     "queue was full or the disk was full.", None, [(lambda s: s.disk.dropped_writes, None)]),
+     "queue was full or the tier was down.", None, [(lambda s: s.disk.dropped_writes, None)]),
     ("kvserve:disk_kv_cache_checksum_failures", "Disk-tier blocks that failed their checksum "
      "when read (served as misses, dropped).", None,
      [(lambda s: s.disk.checksum_failures, None)]),
     ("kvserve:disk_kv_cache_evicted_blocks", "Blocks evicted (LRU) from the disk tier.", None,
      [(lambda s: s.disk.evicted_blocks, None)]),
+    ("kvserve:disk_kv_cache_evicted_foreign_segments", "Segments of other fingerprints (other "
+     "models or settings, unused) evicted to keep the disk tier's directory under its size.",
+     None, [(lambda s: s.disk.evicted_foreign_segments, None)]),
+    ("kvserve:disk_kv_cache_write_errors", "Disk-tier write errors (failed writes, directory "
+     "opens and retries); the tier serves on without writing and retries.", None,
+     [(lambda s: s.disk.write_errors, None)]),
     ("kvserve:spec_decode_num_drafts", "Speculative drafts verified (one per sequence and step).",
      None, [(lambda s: s.spec_decode.num_drafts, None)]),
     ("kvserve:spec_decode_num_draft_tokens", "Speculative tokens proposed in verified drafts.",
@@ -167,6 +177,21 @@ _COUNTERS = [
     ("kvserve:structured_output_restricted_logit_rows",
      "Constrained rows whose logits the head computed at the allowed tokens only.",
      None, [(lambda s: s.structured.restricted_rows, None)]),
+    ("kvserve:structured_output_refused_at_once",
+     "Constraints refused from memory (refused before; each a 400 without compiling again).",
+     None, [(lambda s: s.structured.refused_at_once, None)]),
+    ("kvserve:structured_output_compile_queue_full",
+     "Constraints turned away because too many waited to be compiled (each a 503).",
+     None, [(lambda s: s.structured.compile_queue_full, None)]),
+    ("kvserve:structured_output_mask_failures",
+     "Requests ended while running by their constraint's token mask (past its deadline, an "
+     "error state or nothing allowed).", None, [(lambda s: s.structured.mask_failures, None)]),
+    ("kvserve:structured_output_mask_timeouts",
+     "Token-mask fills given up at the mask deadline (structured_outputs_config mask_timeout).",
+     None, [(lambda s: s.structured.mask_timeouts, None)]),
+    ("kvserve:structured_output_vet_worker_kills",
+     "Grammar vetting processes killed at the compile deadline or found dead, and replaced.",
+     None, [(lambda s: s.structured.vet_worker_kills, None)]),
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

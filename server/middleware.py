@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import traceback
 import uuid
 from typing import Any
 
@@ -21,6 +22,19 @@ logger = logging.getLogger("kvserve.server")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # Polled by load balancers and Prometheus every few seconds: not worth an INFO line each.
 _QUIET_PATHS = frozenset({"/health", "/metrics"})
+
+
+# A failure's traceback in the log, bounded: an attacker must not size the log line (a
+# RecursionError from a deeply nested value is a thousand frames).
+TRACEBACK_FRAMES = 20
+TRACEBACK_CHARS = 8000
+
+
+def bounded_traceback(exc: BaseException) -> str:
+    """The last ``TRACEBACK_FRAMES`` frames of ``exc``'s traceback, at most ``TRACEBACK_CHARS``
+    characters (the end, where the error is)."""
+    text = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES, chain=False))
+    return text if len(text) <= TRACEBACK_CHARS else "..." + text[-TRACEBACK_CHARS:]
 
 
 def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
@@ -75,8 +89,9 @@ class RequestContextMiddleware:
                 await err.response()(scope, receive, send_with_id)
                 return
             await self.app(scope, receive, send_with_id)
-        except Exception:
-            logger.exception("request_id=%s %s %s failed", rid, method, path)
+        except Exception as exc:
+            logger.error("request_id=%s %s %s failed: %s", rid, method, path,
+                         bounded_traceback(exc))
             if not status:  # nothing sent yet: answer in OpenAI's shape, without the traceback
                 await internal_error(rid).response()(scope, receive, send_with_id)
         finally:

@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.json_depth import deeper_than
 from engine.sampling.params import SamplingParams
 from engine.structured.spec import StructuredSpec
 from server.field_error import FieldError
@@ -40,6 +41,9 @@ NonNegInt = Annotated[StrictInt, Field(ge=0)]
 # /tokenize and /detokenize: the most characters (over all messages) / token ids one call takes.
 MAX_TOKENIZE_CHARS = 1_000_000
 MAX_DETOKENIZE_IDS = 1_000_000
+# Objects and arrays nested in one body: a schema inside a request sits a few levels down and
+# may itself nest engine.structured.spec.MAX_SCHEMA_DEPTH.
+MAX_BODY_DEPTH = 100
 
 
 _TEXT_HOLDERS = (str, dict, list)
@@ -89,6 +93,10 @@ class _Request(_Body):
     @model_validator(mode="before")
     @classmethod
     def _well_formed_text(cls, data: Any) -> Any:
+        deep = deeper_than(data, MAX_BODY_DEPTH)
+        if deep is not None:  # before anything walks it recursively
+            raise FieldError(deep.split(".")[0], f"the body nests more than {MAX_BODY_DEPTH} "
+                                                 f"levels deep (at {deep[:120]})")
         found = lone_surrogate(data)
         if found is not None:
             raise FieldError(*found)

@@ -36,8 +36,10 @@ from engine.async_engine import (
 from engine.outputs import RequestOutput
 from engine.sampling.params import SamplingParams
 from engine.scheduling.admission import FieldValueError, check_limits, check_priority
+from engine.structured.compile_queue import CompileQueueFullError
 from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
+from server.middleware import bounded_traceback
 from server.prompt_bound import PromptBound
 from server.sse import DONE, SSEResponse, event
 from server.tools.formats import HERMES, ToolCallFormat
@@ -105,9 +107,20 @@ class RequestFailedError(RuntimeError):
     the engine goes on serving the others. A 500 for that request."""
 
 
+class RequestRefusedError(ValueError):
+    """The engine ended one request because of its own input (``RequestOutput.error_code``:
+    e.g. its constraint failed while it ran). A 400 with that code."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def check_output(out: RequestOutput) -> RequestOutput:
-    """``out``, unless the engine ended its request on an internal error."""
+    """``out``, unless the engine ended its request on an error."""
     if out.error:
+        if out.error_code:
+            raise RequestRefusedError(out.error, out.error_code)
         raise RequestFailedError(f"request {out.request_id}: {out.error}")
     return out
 
@@ -136,9 +149,14 @@ def engine_error(exc: BaseException, ctx: ServingContext, request_id: str) -> AP
     if isinstance(exc, RequestFailedError):
         logger.error("request_id=%s the engine could not finish: %s", request_id, exc)
         return internal_error(request_id)
+    if isinstance(exc, RequestRefusedError):
+        return APIError(400, str(exc), code=exc.code)
+    if isinstance(exc, CompileQueueFullError):
+        ctx.metrics.reject("grammar_queue_full")
+        return APIError(503, str(exc), code="grammar_queue_full", headers={"Retry-After": "5"})
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
-    logger.error("request_id=%s engine error: %r", request_id, exc, exc_info=exc)
+    logger.error("request_id=%s engine error: %s", request_id, bounded_traceback(exc))
     return internal_error(request_id)
 
 
@@ -309,24 +327,42 @@ def aborted_on_error(streams: list[RequestStream]) -> Iterator[None]:
         raise
 
 
-# A constraint that takes longer than this to compile is refused (a 400).
-COMPILE_TIMEOUT_S = 10.0
+# The longest a request waits for its constraint: the vetting's own deadline bounds each
+# constraint (structured_outputs_config compile_timeout) and the queue ahead of it is bounded
+# (max_pending_compiles); this only guards against a worker that never answers.
+COMPILE_WAIT_S = 300.0
 
 
-async def check_constraint(ctx: ServingContext, params: SamplingParams, request_id: str) -> None:
+def client_of(raw: Request) -> str:
+    """The peer address of a request ("" when unknown): whose constraints queue together."""
+    return raw.client.host if raw.client is not None else ""
+
+
+async def check_constraint(ctx: ServingContext, params: SamplingParams, request_id: str,
+                           client: str = "") -> None:
     """400 unless the request's structured-output constraint (if any) compiles; compiled into
-    the engine's cache on a worker thread, so the engine thread finds it ready."""
+    the engine's cache on a worker thread, so the engine thread finds it ready. ``client``:
+    whose queue it waits in (engine.structured.compile_queue); 503 when that queue is full."""
     spec = params.structured
     if spec is None:
         return
     compile_structured = getattr(ctx.engine, "compile_structured", None)
     if compile_structured is None:
         raise bad_request("structured outputs are not supported by this engine")
+    compiling = asyncio.ensure_future(asyncio.to_thread(compile_structured, spec,
+                                                        COMPILE_WAIT_S, client))
     try:
-        await asyncio.to_thread(compile_structured, spec, COMPILE_TIMEOUT_S)
+        while not compiling.done():  # a drain that runs out ends the wait with a 503
+            await asyncio.wait({compiling}, timeout=0.25)
+            if ctx.drain_expired and not compiling.done():
+                compiling.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise shut_down_error()
+        compiling.result()
     except ValueError as exc:
         logger.info("request_id=%s refused constraint %s: %s", request_id, spec.describe(), exc)
         raise bad_request(str(exc)) from None
+    except CompileQueueFullError as exc:
+        raise engine_error(exc, ctx, request_id) from None
     logger.info("request_id=%s constraint: %s", request_id, spec.describe())
 
 

@@ -33,6 +33,7 @@ def build_request_output(req: Request) -> RequestOutput:
         prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         metrics=req.metrics,
         error=req.error,
+        error_code=req.error_code,
     )
 
 
@@ -43,7 +44,7 @@ def bare_error_output(req: Request) -> RequestOutput:
         request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
         outputs=[CompletionOutput(index=s.index, finish_reason="abort") for s in req.seqs],
         finished=True, num_cached_tokens=req.num_cached_tokens or 0, metrics=req.metrics,
-        error=req.error or "internal error")
+        error=req.error or "internal error", error_code=req.error_code)
 
 
 def record_sample_logprobs(seq: Sequence, sampled: SamplerOutput, row: int,

@@ -11,6 +11,8 @@ belongs to one sequence and is driven by the engine thread only:
   where the grammar can end);
 * ``rollback(k)``: undo the last ``k`` accepted tokens;
 * ``is_terminated()``: the grammar has ended (it accepted a stop token);
+* ``error()``: why the matcher can go no further (llguidance's parser limits or a dead end),
+  else None;
 * ``forced_text()``: the longest text every continuation of the grammar's current state starts
   with ("" when the next character is free), and ``forced_tokens()``: the library's own
   tokenization of it. Neither changes the matcher; jump-forward drafts are made from them
@@ -45,6 +47,8 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def error(self) -> str | None: ...
+
     def forced_text(self) -> str: ...
 
     def forced_tokens(self) -> list[int]: ...
@@ -56,7 +60,7 @@ class GrammarBackend(Protocol):
 
     def compile(self, spec: StructuredSpec) -> Any: ...
 
-    def matcher(self, compiled: Any) -> Matcher: ...
+    def matcher(self, compiled: Any, jump_forward: bool = True) -> Matcher: ...
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
 

@@ -10,6 +10,15 @@ not change (engine.structured.jump_forward); 0 turns it off. ``jump_forward_max_
 steps where at most this many sequences decode (at larger batches a step is bound by arithmetic
 and the extra rows cost more than the steps saved); null: at any batch size. Defaults measured
 with benchmarks/jump_forward.py (docs/structured-outputs.md, "Jump-forward drafts").
+
+Bounds on what one constraint may cost (kvserve's; docs/structured-outputs.md, "Limits"):
+``compile_timeout`` CPU seconds to vet a new constraint (then a 400; the work is killed,
+engine.structured.vet_worker), ``max_pending_compiles`` constraints waiting to be vetted, a
+quarter of them per client (more: 503, engine.structured.compile_queue), ``mask_timeout``
+seconds one row's token mask may take in a step (then that request alone ends,
+engine.structured.mask_filler). ``isolation``: ``process`` vets in a child process that
+the deadline kills (the default); ``thread`` vets on the compile thread with no kill (tests,
+embedding where a child process is unwanted).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ _ALIASES = {"guidance": "llguidance"}
 MAX_JUMP_FORWARD_TOKENS = 16
 DEFAULT_JUMP_FORWARD_TOKENS = 8
 DEFAULT_JUMP_FORWARD_MAX_SEQS = 4
+ISOLATION = ("process", "thread")
 
 
 def _is_int(value: Any) -> bool:
@@ -36,8 +46,23 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     jump_forward_tokens: int = DEFAULT_JUMP_FORWARD_TOKENS
     jump_forward_max_seqs: int | None = DEFAULT_JUMP_FORWARD_MAX_SEQS
+    compile_timeout: float = 5.0
+    max_pending_compiles: int = 8
+    mask_timeout: float = 1.0
+    isolation: str = "process"
 
     def __post_init__(self) -> None:
+        for name in ("compile_timeout", "mask_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"structured_outputs_config {name} must be a positive number "
+                                 f"of seconds; got {value!r}")
+        if not _is_int(self.max_pending_compiles) or self.max_pending_compiles < 1:
+            raise ValueError(f"structured_outputs_config max_pending_compiles must be an "
+                             f"integer >= 1; got {self.max_pending_compiles!r}")
+        if self.isolation not in ISOLATION:
+            raise ValueError(f"structured_outputs_config isolation must be one of "
+                             f"{', '.join(ISOLATION)}; got {self.isolation!r}")
         k, b = self.jump_forward_tokens, self.jump_forward_max_seqs
         if not _is_int(k) or not 0 <= k <= MAX_JUMP_FORWARD_TOKENS:
             raise ValueError(f"structured_outputs_config jump_forward_tokens must be an integer "

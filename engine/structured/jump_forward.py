@@ -41,6 +41,7 @@ from engine.spec_decode.ngram import ngram_draft
 from engine.structured.backend import Matcher
 from engine.structured.drafts import grammar_prefix
 
+DRAFT_CHARS_PER_TOKEN = 32
 CONTEXT_NGRAM = (2, 4)  # the n-gram lengths matched in the sequence's tokens (shortest, longest)
 
 
@@ -83,7 +84,9 @@ class JumpForward:
             n = grammar_prefix(matcher, ids) if ids else 0
             if n:
                 return ids[:n]
-        ids = list(self._encode(text))[:limit]
+        # A token spans a few characters: the draft's tokens lie well inside this much of a
+        # forced text (which the grammar's shape bounds, engine.structured.grammar_shape).
+        ids = list(self._encode(text[:DRAFT_CHARS_PER_TOKEN * limit]))[:limit]
         n = grammar_prefix(matcher, ids)
         if n == 0:
             ids = matcher.forced_tokens()[:limit]

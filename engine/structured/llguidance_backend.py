@@ -30,10 +30,11 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 class LLGuidanceMatcher:
     """One sequence's matcher (see ``engine.structured.backend.Matcher``)."""
 
-    __slots__ = ("_m", "_stop", "_n", "_ended_at")
+    __slots__ = ("_m", "_stop", "_n", "_ended_at", "_jump_forward")
 
-    def __init__(self, matcher: Any, stop: frozenset[int]) -> None:
+    def __init__(self, matcher: Any, stop: frozenset[int], jump_forward: bool = True) -> None:
         self._m, self._stop = matcher, stop
+        self._jump_forward = jump_forward  # False: forced_text is "" (unbounded forced text)
         self._n = 0  # tokens accepted
         self._ended_at: int | None = None  # index of the accepted stop token
 
@@ -65,14 +66,20 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self._ended_at is not None
 
+    def error(self) -> str | None:
+        """Why the matcher stopped (a parser limit, a state nothing can follow), or None."""
+        if self._ended_at is not None or not self._m.is_error():
+            return None
+        return self._m.get_error().splitlines()[0][:200]
+
     def forced_text(self) -> str:
-        if self._ended_at is not None:
+        if self._ended_at is not None or not self._jump_forward:
             return ""
         # Bytes that end (or start) inside a character are left for the model to produce.
         return bytes(self._m.compute_ff_bytes()).decode("utf-8", errors="ignore")
 
     def forced_tokens(self) -> list[int]:
-        if self._ended_at is not None:
+        if self._ended_at is not None or not self._jump_forward:
             return []
         return [t for t in self._m.compute_ff_tokens() if t not in self._stop]
 
@@ -93,11 +100,18 @@ class LLGuidanceBackend:
         self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                  eos_token=sorted(self._stop))
         self._executor = llguidance.LLExecutor()
+        # The library's own per-step bounds (Earley items, lexer fuel) at their defaults; short
+        # errors (the verbose ones quote the parser state and the whole grammar).
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
 
     def compile(self, spec: StructuredSpec) -> str:
         """The grammar text, checked by building a first matcher."""
-        grammar = self._grammar(spec)
-        matcher = self._ll.LLMatcher(self._tok, grammar)
+        try:
+            grammar = self._grammar(spec)
+        except ValueError as exc:  # the schema/regex front ends raise ValueError
+            raise GrammarError(f"the {spec.kind} constraint does not compile: "
+                               f"{str(exc).splitlines()[0][:300]}") from None
+        matcher = self._ll.LLMatcher(self._tok, grammar, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(f"the {spec.kind} constraint does not compile: "
                                f"{matcher.get_error()}")
@@ -116,8 +130,9 @@ class LLGuidanceBackend:
             return ll.grammar_from_lark(f"start: {alts}")
         raise GrammarError(f"llguidance does not serve {spec.kind!r} constraints here")
 
-    def matcher(self, compiled: str) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._ll.LLMatcher(self._tok, compiled), self._stop)
+    def matcher(self, compiled: str, jump_forward: bool = True) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._ll.LLMatcher(self._tok, compiled, limits=self._limits),
+                                 self._stop, jump_forward)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

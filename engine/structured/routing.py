@@ -1,16 +1,16 @@
-"""``RoutingBackend``: each constraint served by the grammar library measured faster for it.
+"""``RoutingBackend``: the engine's face of both grammar libraries; each constraint is compiled by
+the library its vetting chose (engine.structured.vetting).
 
 No one library wins everywhere: xgrammar fills a JSON schema's mask faster than llguidance,
 llguidance a bounded-repetition regex's much faster than xgrammar
-(docs/performance.md#grammar-libraries). So with ``backend="auto"`` a constraint of a
-kind both serve (engine.structured.llguidance_backend.KINDS) is compiled by both, and
-``fill_seconds`` walks both matchers along the same seeded random path of tokens both allow,
-timing each mask fill; the faster median wins. That costs one extra compile and a few fills per
-distinct constraint, on the compile thread, once (compiles are cached by canonical text).
-Other kinds (EBNF grammars, structural tags) are xgrammar's; a constraint only one library
-compiles goes to that one. ``backend="xgrammar"`` / ``"llguidance"`` force a library (for the
-kinds llguidance serves; xgrammar keeps the rest). Without the llguidance package installed,
-``auto`` is xgrammar.
+(docs/performance.md#grammar-libraries). So with ``backend="auto"`` a constraint of a kind both
+serve (engine.structured.llguidance_backend.KINDS) is probed with both, on a seeded random walk,
+and the faster median wins; other kinds (EBNF grammars, structural tags) are xgrammar's (its
+syntax; llguidance's GBNF conversion turns rules into greedy lexemes, which changes what some
+grammars accept). ``backend="xgrammar"`` / ``"llguidance"`` force a library (for the kinds
+llguidance serves; xgrammar keeps the rest). Without the llguidance package installed, ``auto``
+is xgrammar. ``compile(spec, verdict)`` compiles with the verdict's library; its matchers make
+jump-forward drafts only where the verdict allows it (a bounded forced text).
 
 Both libraries use the same bitmask layout, so one step's rows may come from either: the
 fill groups matchers by library, and the masking is xgrammar's.
@@ -18,26 +18,21 @@ fill groups matchers by library, and the masking is xgrammar's.
 
 from __future__ import annotations
 
-import logging
-import random
-import statistics
-import time
+import importlib.util
+import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.structured.backend import GrammarBackend, GrammarError, Matcher
 from engine.structured.config import BACKENDS
-from engine.structured.llguidance_backend import KINDS, LLGuidanceBackend, LLGuidanceMatcher
+from engine.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
 from engine.structured.spec import StructuredSpec
+from engine.structured.vetting import Verdict
 from engine.structured.xgrammar_backend import XGrammarBackend
-
-logger = logging.getLogger("kvserve.engine")
-PROBE_STEPS = 12
 
 
 @dataclass(frozen=True)
@@ -46,9 +41,13 @@ class Routed:
 
     backend: GrammarBackend
     grammar: Any
+    jump_forward: bool = True
 
 
 class RoutingBackend:
+    """xgrammar at once; llguidance on first use (its token tables take ~160 MB for a 49k
+    vocabulary: a server whose constraints all go to xgrammar never pays them)."""
+
     name = "auto"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
@@ -58,51 +57,52 @@ class RoutingBackend:
                              f"got {backend!r}")
         self.policy = backend
         self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
         stop = sorted(stop_token_ids)
-        self._stop = frozenset(stop)
-        self.xgrammar = XGrammarBackend(tokenizer, vocab_size, stop)
-        self.llguidance: LLGuidanceBackend | None = None
-        if backend != "xgrammar":
-            try:
-                self.llguidance = LLGuidanceBackend(tokenizer, vocab_size, stop)
-            except ImportError:
-                if backend == "llguidance":
-                    raise ValueError("the llguidance backend needs the llguidance package "
-                                     "(pip install llguidance)") from None
+        self.stop = frozenset(stop)
+        # One compile thread, the cache's (niced): a big schema's compile never takes both
+        # cores from the engine's steps.
+        self.xgrammar = XGrammarBackend(tokenizer, vocab_size, stop, max_threads=1)
+        warm(self.xgrammar)
+        self._llguidance: LLGuidanceBackend | None = None
+        self._has_llguidance = backend != "xgrammar" and _importable("llguidance")
+        if backend == "llguidance" and not self._has_llguidance:
+            raise ValueError("the llguidance backend needs the llguidance package "
+                             "(pip install llguidance)")
+        self._lock = threading.Lock()
         self.chosen: Counter[str] = Counter()  # constraints served, per library
 
-    def compile(self, spec: StructuredSpec) -> Routed:
-        llg = self.llguidance if spec.kind in KINDS else None
-        if llg is None or self.policy == "xgrammar":
-            return self._routed(self.xgrammar, self.xgrammar.compile(spec))
-        if self.policy == "llguidance":
-            return self._routed(llg, llg.compile(spec))
-        compiled: dict[str, Any] = {}
-        error: GrammarError | None = None
-        for lib in (self.xgrammar, llg):
-            try:
-                compiled[lib.name] = lib.compile(spec)
-            except GrammarError as exc:
-                error = error or exc
-        if not compiled:
-            assert error is not None
-            raise error
-        if len(compiled) == 1:
-            lib = self.xgrammar if "xgrammar" in compiled else llg
-            return self._routed(lib, compiled[lib.name])
-        tx, tl = fill_seconds(self.xgrammar, compiled["xgrammar"], llg, compiled["llguidance"],
-                              self._stop)
-        lib = llg if tl < tx else self.xgrammar
-        logger.info("constraint %s: %s (mask fill %.3f ms; xgrammar %.3f ms, llguidance %.3f "
-                    "ms)", spec.describe(), lib.name, min(tx, tl) * 1e3, tx * 1e3, tl * 1e3)
-        return self._routed(lib, compiled[lib.name])
+    @property
+    def llguidance(self) -> LLGuidanceBackend | None:
+        """llguidance over this tokenizer, built (and warmed) on first use; None when not
+        installed or the policy is xgrammar."""
+        if self._llguidance is None and self._has_llguidance:
+            with self._lock:
+                if self._llguidance is None:
+                    lib = LLGuidanceBackend(self._tokenizer, self.vocab_size, sorted(self.stop))
+                    warm(lib)
+                    self._llguidance = lib
+        return self._llguidance
 
-    def _routed(self, lib: GrammarBackend, grammar: Any) -> Routed:
+    @property
+    def libraries(self) -> dict[str, GrammarBackend]:
+        libs: dict[str, GrammarBackend] = {"xgrammar": self.xgrammar}
+        if self._has_llguidance:
+            libs["llguidance"] = self.llguidance  # type: ignore[assignment]
+        return libs
+
+    def compile(self, spec: StructuredSpec, verdict: Verdict) -> Routed:
+        """``spec`` compiled by ``verdict.library``; raises ``GrammarError``."""
+        lib = self.xgrammar if verdict.library == "xgrammar" else (
+            self.llguidance if verdict.library == "llguidance" else None)
+        if lib is None:
+            raise GrammarError(f"the {verdict.library} library is not available here")
+        routed = Routed(lib, lib.compile(spec), verdict.jump_forward)
         self.chosen[lib.name] += 1
-        return Routed(lib, grammar)
+        return routed
 
     def matcher(self, compiled: Routed) -> Matcher:
-        return compiled.backend.matcher(compiled.grammar)
+        return compiled.backend.matcher(compiled.grammar, compiled.jump_forward)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self.xgrammar.allocate_bitmask(rows)
@@ -122,32 +122,13 @@ class RoutingBackend:
         self.xgrammar.apply_bitmask(logits, bitmask, rows)
 
 
-def allowed_tokens(bitmask: torch.Tensor, row: int, width: int) -> np.ndarray:
-    """The token ids bit-set in ``row`` of a bitmask (below ``width``)."""
-    packed = bitmask[row].contiguous().numpy().view(np.uint8)
-    return np.flatnonzero(np.unpackbits(packed, count=width, bitorder="little"))
+def warm(lib: GrammarBackend) -> None:
+    """Pay a library's first-use costs now (llguidance builds its token tables on the first mask
+    of a tokenizer: most of a second), not inside a request's first step, where they would count
+    against the mask deadline."""
+    matcher = lib.matcher(lib.compile(StructuredSpec.choice(["a", "b"])))
+    matcher.fill_bitmask(lib.allocate_bitmask(1), 0)
 
 
-def fill_seconds(a: GrammarBackend, ca: Any, b: GrammarBackend, cb: Any,
-                 stop: frozenset[int], steps: int = PROBE_STEPS, seed: int = 0
-                 ) -> tuple[float, float]:
-    """Median seconds of one mask fill by ``a`` (compiled ``ca``) and by ``b`` (``cb``) along
-    one seeded random walk of up to ``steps`` tokens both allow (stop tokens aside)."""
-    ma, mb = a.matcher(ca), b.matcher(cb)
-    bits_a, bits_b = a.allocate_bitmask(1), b.allocate_bitmask(1)
-    rng = random.Random(seed)
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(steps):
-        for m, bits, out in ((ma, bits_a, times[0]), (mb, bits_b, times[1])):
-            t0 = time.perf_counter()
-            m.fill_bitmask(bits, 0)
-            out.append(time.perf_counter() - t0)
-        both = np.intersect1d(allowed_tokens(bits_a, 0, a.vocab_size),
-                              allowed_tokens(bits_b, 0, b.vocab_size))
-        options = [int(t) for t in both if int(t) not in stop]
-        if not options:
-            break
-        token = rng.choice(options)
-        if not (ma.accept(token) and mb.accept(token)):
-            break
-    return statistics.median(times[0]), statistics.median(times[1])
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None

@@ -7,7 +7,8 @@ which is how tool calls are constrained, see server/tools/constraint.py). ``valu
 canonical text (a schema or a choice list as compact JSON with sorted keys, except a schema's
 ``properties``, whose order is the order the fields are generated in), so that two requests with
 the same constraint share one compiled grammar. Construction raises ``ValueError`` (a 400) for a
-malformed value or one longer than ``MAX_CONSTRAINT_CHARS``.
+malformed value, one longer than ``MAX_CONSTRAINT_CHARS`` or a schema or tag nested more than
+``MAX_SCHEMA_DEPTH`` levels (checked before any recursive walk of it).
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.json_depth import deeper_than
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # A schema, regex or grammar longer than this is refused: compiling it could hold a compile
 # worker for seconds, and no real tool schema comes near it.
 MAX_CONSTRAINT_CHARS = 128 * 1024
 MAX_CHOICES = 1024
+# Containers (objects and arrays) nested in one schema or structural tag. Real schemas nest
+# a few levels (OpenAI's strict mode allows 10); thousands would overflow recursive walks.
+MAX_SCHEMA_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,9 @@ class StructuredSpec:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object; got {type(schema).__name__}")
+        if schema is False:
+            raise ValueError("the JSON schema is false: it accepts no value at all")
+        _check_depth(schema, "JSON schema")
         return cls("json", canonical_schema(schema))
 
     @classmethod
@@ -81,6 +90,7 @@ class StructuredSpec:
             tag = tag.model_dump(mode="json")
         if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
             raise ValueError("a structural tag must be an object with type 'structural_tag'")
+        _check_depth(tag, "structural tag")
         return cls("structural_tag", json.dumps(tag, separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
@@ -89,6 +99,13 @@ class StructuredSpec:
         if not isinstance(value, str):
             raise ValueError(f"the {kind} constraint must be a string")
         return cls(kind, value)
+
+
+def _check_depth(value: Any, what: str) -> None:
+    where = deeper_than(value, MAX_SCHEMA_DEPTH)
+    if where is not None:
+        raise ValueError(f"the {what} nests more than {MAX_SCHEMA_DEPTH} levels deep (at "
+                         f"{where[:120]}); flatten it")
 
 
 def canonical_json(value: Any) -> str:

@@ -23,3 +23,9 @@ class StructuredStats:
     # Constrained rows whose logits the head computed at the allowed tokens only
     # (engine/runner/logit_columns.py), cumulative.
     restricted_rows: int = 0
+    # The bounds on one constraint's cost (engine.structured.cache, mask_filler, vet_worker):
+    refused_at_once: int = 0  # submits refused from memory: the constraint was refused before
+    compile_queue_full: int = 0  # constraints turned away: too many waited to be compiled
+    mask_failures: int = 0  # requests ended while running by their constraint's mask
+    mask_timeouts: int = 0  # of them: a row's mask fill ran past its deadline
+    vet_worker_kills: int = 0  # vetting child processes killed at the deadline or found dead

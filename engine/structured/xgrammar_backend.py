@@ -25,10 +25,11 @@ from engine.structured.spec import StructuredSpec
 class XGrammarMatcher:
     """One sequence's matcher (see ``engine.structured.backend.Matcher``)."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "_jump_forward")
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, jump_forward: bool = True) -> None:
         self._m = xgr.GrammarMatcher(compiled)
+        self._jump_forward = jump_forward  # False: forced_text is "" (unbounded forced text)
 
     def accept(self, token: int) -> bool:
         return bool(self._m.accept_token(int(token)))
@@ -43,11 +44,14 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def error(self) -> str | None:
+        return None  # xgrammar has no error state: a dead end is a mask that allows nothing
+
     def forced_text(self) -> str:
-        return self._m.find_jump_forward_string()
+        return self._m.find_jump_forward_string() if self._jump_forward else ""
 
     def forced_tokens(self) -> list[int]:
-        return list(self._m.find_jump_forward_tokens())
+        return list(self._m.find_jump_forward_tokens()) if self._jump_forward else []
 
 
 class XGrammarBackend:
@@ -91,8 +95,8 @@ class XGrammarBackend:
             return c.compile_structural_tag(spec.value)
         raise GrammarError(f"unsupported constraint kind {spec.kind!r}")
 
-    def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
-        return XGrammarMatcher(compiled)
+    def matcher(self, compiled: xgr.CompiledGrammar, jump_forward: bool = True) -> XGrammarMatcher:
+        return XGrammarMatcher(compiled, jump_forward)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)

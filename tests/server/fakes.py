@@ -55,7 +55,7 @@ class FakeGrammars:
     def __init__(self) -> None:
         self.specs: list = []
 
-    def compile(self, spec, timeout=None) -> None:
+    def compile(self, spec, timeout=None, client="") -> None:
         self.specs.append(spec)
 
 

@@ -15,12 +15,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loading.tiny import VOCAB
-from engine.structured import routing
 from engine.structured.backend import GrammarError
 from engine.structured.config import StructuredOutputsConfig
 from engine.structured.llguidance_backend import LLGuidanceBackend
-from engine.structured.routing import RoutingBackend, fill_seconds
+from engine.structured.routing import RoutingBackend
 from engine.structured.spec import StructuredSpec
+from engine.structured.vetting import LibraryProbe, Verdict, Vetter, candidates, decide
 from tests.unit.byte_grammar import EOS, allowed
 
 SPECS = {
@@ -73,26 +73,41 @@ def test_llguidance_refuses_a_bad_regex_by_name(llg):
         llg.compile(StructuredSpec.text("regex", "[a-"))
 
 
-def test_the_router_follows_the_measurement_and_keeps_xgrammar_only_kinds(tok, monkeypatch):
+def test_the_verdict_follows_the_measurement_and_keeps_xgrammar_only_kinds():
+    regex = SPECS["regex"][0]
+    fast_llg = [LibraryProbe("llguidance", 1e-3), LibraryProbe("xgrammar", 2e-3)]
+    assert decide(regex, None, fast_llg).library == "llguidance"
+    fast_xgr = [LibraryProbe("llguidance", 2e-3), LibraryProbe("xgrammar", 1e-3)]
+    assert decide(regex, None, fast_xgr).library == "xgrammar"
+    # a library that failed its probe never serves, however fast the other was measured
+    slow = [LibraryProbe("llguidance", error="too slow"), LibraryProbe("xgrammar", 9.0)]
+    assert decide(regex, None, slow).library == "xgrammar"
+    with pytest.raises(GrammarError, match="does not compile"):
+        decide(regex, None, [LibraryProbe("llguidance", error="llguidance: bad"),
+                             LibraryProbe("xgrammar", error="does not compile: bad")])
+    assert candidates("grammar", "auto", True) == ["xgrammar"]
+    assert candidates("structural_tag", "llguidance", True) == ["xgrammar"]
+    assert candidates("regex", "auto", True) == ["llguidance", "xgrammar"]
+    assert candidates("regex", "auto", False) == ["xgrammar"]
+    assert candidates("json", "xgrammar", True) == ["xgrammar"]
+    assert candidates("choice", "llguidance", True) == ["llguidance"]
+
+
+def test_the_router_compiles_with_the_verdicts_library(tok):
     router = RoutingBackend(tok, VOCAB, [EOS])
-    monkeypatch.setattr(routing, "fill_seconds", lambda *a, **k: (2e-3, 1e-3))
-    assert router.compile(SPECS["regex"][0]).backend.name == "llguidance"
-    monkeypatch.setattr(routing, "fill_seconds", lambda *a, **k: (1e-3, 2e-3))
-    assert router.compile(SPECS["json"][0]).backend.name == "xgrammar"
-    grammar = StructuredSpec.text("grammar", 'root ::= "a" | "b"')
-    assert router.compile(grammar).backend.name == "xgrammar"
-    assert router.chosen == {"llguidance": 1, "xgrammar": 2}
-    for policy, measured in (("xgrammar", (2e-3, 1e-3)), ("llguidance", (1e-3, 2e-3))):
-        router.policy = policy  # forced against what the measurement would choose
-        monkeypatch.setattr(routing, "fill_seconds", lambda *a, m=measured, **k: m)
-        assert router.compile(SPECS["choice"][0]).backend.name == policy
+    for lib in ("llguidance", "xgrammar"):
+        assert router.compile(SPECS["choice"][0], Verdict(lib, True)).backend.name == lib
+    assert router.chosen == {"llguidance": 1, "xgrammar": 1}
 
 
 def test_the_measurement_times_both_on_one_walk(tok, backend, llg):
     spec = StructuredSpec.text("regex", "([a-z]{1,8} ){20}")
-    tx, tl = fill_seconds(backend, backend.compile(spec), llg, llg.compile(spec),
-                          frozenset({EOS}))
-    assert tx > 0 and tl > 0
+    vetter = Vetter({"xgrammar": backend, "llguidance": llg}, [EOS])
+    items = list(vetter.run(spec))
+    probes = [p for p in items if isinstance(p, LibraryProbe)]
+    assert [p.library for p in probes] == ["llguidance", "xgrammar"]
+    assert all(p.error is None and p.fill_seconds >= 0 for p in probes)
+    assert vetter.vet(spec).library in ("llguidance", "xgrammar")
 
 
 def test_one_bitmask_holds_rows_of_both_libraries(tok):
@@ -100,8 +115,8 @@ def test_one_bitmask_holds_rows_of_both_libraries(tok):
     specs = [SPECS["regex"][0], SPECS["choice"][0], SPECS["json"][0]]
     compiled = []
     for i, spec in enumerate(specs):
-        router.policy = "llguidance" if i % 2 else "xgrammar"
-        compiled.append(router.compile(spec))
+        compiled.append(router.compile(spec, Verdict("llguidance" if i % 2 else "xgrammar",
+                                                      True)))
     assert [c.backend.name for c in compiled] == ["xgrammar", "llguidance", "xgrammar"]
     matchers = [router.matcher(c) for c in compiled]
     bitmask = router.allocate_bitmask(4)

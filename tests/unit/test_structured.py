@@ -11,6 +11,7 @@ import torch
 from engine.loading.tiny import VOCAB
 from engine.structured.backend import GrammarError
 from engine.structured.cache import GrammarCache
+from engine.structured.config import StructuredOutputsConfig
 from engine.structured.drafts import grammar_prefix, mask_draft_rows
 from engine.structured.fill_mode import FillModeChooser
 from engine.structured.masking import mask_logits
@@ -87,8 +88,8 @@ def test_compile_errors_name_the_problem(backend, spec, needle):
     assert "/project/" not in str(info.value)
 
 
-def test_cache_compiles_once_per_canonical_text_and_drops_failures(backend):
-    cache = GrammarCache(backend)
+def test_cache_compiles_once_per_canonical_text_and_remembers_refusals(backend):
+    cache = GrammarCache(backend.compile)
     try:
         a = cache.compile(StructuredSpec.json_schema({"type": "object", "required": ["x"],
                                                       "properties": {"x": {"type": "string"}}}))
@@ -96,12 +97,12 @@ def test_cache_compiles_once_per_canonical_text_and_drops_failures(backend):
             '{"properties": {"x": {"type": "string"}}, "required": ["x"], "type": "object"}'))
         assert a is b
         bad = StructuredSpec.text("regex", "(")
-        for _ in range(2):
-            with pytest.raises(GrammarError):
+        for _ in range(2):  # the second is refused from memory, without compiling again
+            with pytest.raises(GrammarError, match="parenthesis"):
                 cache.compile(bad)
         s = cache.stats()
-        assert (s.compiles, s.compile_failures, s.cache_hits) == (3, 2, 1)
-        assert sum(s.compile_buckets) == 3
+        assert (s.compiles, s.compile_failures, s.cache_hits, s.refusal_hits) == (2, 1, 1, 1)
+        assert sum(s.compile_buckets) == 2
     finally:
         cache.close()
 
@@ -171,7 +172,7 @@ def test_the_fill_mode_is_measured_alternately_then_held_then_measured_again():
 
 @pytest.mark.parametrize("overlap", [None, True, False])
 def test_a_step_mask_filled_either_way_equals_the_mask_filled_at_once(tok, overlap):
-    structured = StructuredOutputs(tok, VOCAB, [EOS])
+    structured = StructuredOutputs(tok, VOCAB, [EOS], StructuredOutputsConfig(isolation="thread"))
     spec = StructuredSpec.choice(["yes", "no"])
     compiled = structured.compile(spec)
     matchers = [None, structured.matcher(compiled), None, structured.matcher(compiled)]
