@@ -164,7 +164,9 @@ class RequestStream:
 class AsyncEngine:
     """Owns an :class:`EngineCore` and the thread that drives it; the whole interface the
     server uses (``config``, ``tokenizer``, ``model_name``, ``max_model_len``,
-    ``token_id_bound``, ``stats()``, ``check_request``, ``submit``/``generate``, draining)."""
+    ``token_id_bound``, ``stats()``, ``check_request``, ``submit``/``generate``, draining;
+    for routers ``model_path``, ``tokenizer_path``, ``hf_config``, ``cache_tiers()`` and
+    ``reset_prefix_cache()``)."""
 
     def __init__(self, config: EngineConfig | None = None, *, core: Any = None,
                  observers: list[EngineObserver] | None = None, start: bool = True) -> None:
@@ -178,10 +180,18 @@ class AsyncEngine:
         self.model_name: str = core.model_name
         # the model's sampling defaults for fields a request leaves out (GenerationDefaults)
         self.generation_defaults = core.generation_defaults
+        self.pooling = core.pooling  # engine.pooling.serving.ServedPooling
         self.max_model_len: int = core.max_model_len
         # Ids in [0, bound) are known to the model and the tokenizer (an embedding may be
         # padded past the tokenizer, as Qwen's is).
         self.token_id_bound: int = core.token_id_bound
+        # Where the weights and the tokenizer were found, and the model's HF config (what
+        # GET /get_server_info and /get_model_info tell routers; they load the tokenizer there).
+        files = getattr(core, "files", None)
+        self.model_path: str = str(files.path) if files is not None else \
+            (core.config.model or self.model_name)
+        self.tokenizer_path: str = getattr(core, "tokenizer_path", None) or self.model_path
+        self.hf_config: Any = getattr(core, "hf_config", None)
         self.observers: list[EngineObserver] = list(observers or [])
         self._cond = threading.Condition()
         # Guarded by _cond (touched by both threads):
@@ -354,6 +364,20 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._done.wait(join_timeout)
+
+    def cache_tiers(self) -> list[str]:
+        """The KV tiers the prefix cache lives in, top down ("device", "host", "disk",
+        "remote": ``EngineCore.cache_tiers``); fixed at start."""
+        return list(self.core.cache_tiers())
+
+    async def reset_prefix_cache(self, tiers: list[str] | None = None,
+                                 timeout: float = 30.0) -> dict[str, int | None]:
+        """Drop every cached block no request holds, in ``tiers`` (None: all), on the engine
+        thread between two steps (``EngineCore.reset_prefix_cache``); returns the blocks dropped
+        per tier. ``ValueError`` for a tier this engine lacks, ``EngineDeadError`` once the loop
+        stopped, ``TimeoutError`` when no step ended within ``timeout`` seconds."""
+        fut = self.call_on_engine_thread(lambda: self.core.reset_prefix_cache(tiers))
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
     # ---- called from any thread ------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kv_cache.eviction_spec import KVEvictionSpec
+from engine.kv_events.config import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 from engine.structured.config import StructuredOutputsConfig
 
@@ -32,6 +33,13 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "fp
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 CPU_PROBES = ("cached", "force", "off")
+# The packed linears' activations (engine/quantization/activation.py): auto (the faithful
+# kernels with float32 activations where built), bf16, float32, int8 (llama.cpp's groups).
+ACTIVATION_PRECISIONS = ("auto", "bf16", "float32", "int8")
+# What the model is served for (engine.pooling; docs/embeddings.md). vLLM's spellings map
+# onto them: --runner pooling / --convert embed -> "embed", --convert classify -> "score".
+TASKS = ("auto", "generate", "embed", "score")
+TASK_SPELLINGS = {"pooling": "embed", "classify": "score", "reward": "score"}
 
 
 def kv_cache_dtype_name(value: str) -> str:
@@ -104,6 +112,8 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    # --chat-template: a file, a built-in's name or the text (engine/loading/builtin_templates.py)
+    chat_template: str | None = None
     # the name the API reports, or several (vLLM's list): the first is reported, all accepted
     served_model_name: str | tuple[str, ...] | None = None
     dtype: str = "auto"
@@ -122,6 +132,10 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str = "auto"
     quantization_group_size: int = 32
+    # Packed linears' activations: "auto" (the faithful kernels, float32 activations),
+    # "bf16", "float32" or "int8" (llama.cpp's per-group int8 rounding;
+    # engine/quantization/activation.py).
+    activation_precision: str = "auto"
     batch_invariant: bool = True
     # The CPU start-up probes (dtype=auto, quantization=auto): reuse this machine's cached
     # verdict ("cached"), measure again ("force") or measure nothing, defaults ("off").
@@ -139,12 +153,19 @@ class EngineConfig:
     max_seqs_per_request: int | None = None
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    # What the model serves: "generate", "embed" (pooled vectors; /v1/rerank and /v1/score by
+    # cosine), "score" (a yes/no reranker's scores), or "auto" (from the model; a generative
+    # model still serves /v1/embeddings as a demonstration). engine.pooling.model_config.
+    task: str = "auto"
     # vLLM's speculative_config: a dict, its JSON text or a SpeculativeConfig (None: off);
     # normalised to a SpeculativeConfig (engine.spec_decode.config) at construction.
     speculative_config: SpeculativeConfig | dict | str | None = None
     # vLLM's structured_outputs_config ({"backend": "auto" | "xgrammar" | "llguidance"}): a
     # dict, its JSON text or a StructuredOutputsConfig (engine.structured.config).
     structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
+    # vLLM's kv_events_config ({"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}): a
+    # dict, its JSON text or a KVEventsConfig (engine.kv_events.config); off by default.
+    kv_events_config: KVEventsConfig | dict | str | None = None
     # Tensor parallelism (engine/distributed/): ranks holding 1/N of the weights each; across
     # hosts, nnodes hosts of tensor_parallel_size / nnodes ranks each, meeting at
     # distributed_init_method (tcp://HOST:PORT; None: MASTER_ADDR/MASTER_PORT, else a free
@@ -163,6 +184,9 @@ class EngineConfig:
     # When blocks reach the disk: "write-through" (at commit) or "on-evict" (when they leave
     # host memory, and the rest at a clean shutdown); engine/kv_cache/disk/config.py.
     kv_disk_write_policy: str = "write-through"
+    # The remote KV tier (engine/kv_cache/remote/): redis://HOST:PORT/DB of a Redis or Valkey
+    # server shared by replicas, beside or instead of the disk tier (None: off).
+    kv_remote_url: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise_names()
@@ -197,6 +221,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                              f"got {self.quantization!r}")
         self._check_quantization()
+        if self.activation_precision not in ACTIVATION_PRECISIONS:
+            raise ValueError(f"activation_precision must be one of "
+                             f"{', '.join(ACTIVATION_PRECISIONS)}; got {self.activation_precision!r}")
         if self.cpu_probe not in CPU_PROBES:
             raise ValueError(f"cpu_probe must be one of {', '.join(CPU_PROBES)}; "
                              f"got {self.cpu_probe!r}")
@@ -216,6 +243,10 @@ class EngineConfig:
         if self.max_seqs_per_request is not None and self.max_seqs_per_request < 1:
             raise ValueError(f"max_seqs_per_request must be >= 1 (or None for max_num_seqs); "
                              f"got {self.max_seqs_per_request}")
+        object.__setattr__(self, "task", TASK_SPELLINGS.get(self.task, self.task))
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)} (or vLLM's pooling, "
+                             f"classify); got {self.task!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)};"
                              f" got {self.scheduling_policy!r}")
@@ -226,6 +257,8 @@ class EngineConfig:
                            SpeculativeConfig.from_value(self.speculative_config))
         object.__setattr__(self, "structured_outputs_config",
                            StructuredOutputsConfig.from_value(self.structured_outputs_config))
+        object.__setattr__(self, "kv_events_config",
+                           KVEventsConfig.from_value(self.kv_events_config))
         if self.kv_eviction is not None:
             self.eviction_spec()  # the format; sizes are checked against the model at start
             if self.speculative_config is not None:
@@ -234,6 +267,28 @@ class EngineConfig:
         # Normalise the size once so that every reader sees bytes.
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         self._check_disk_tier()
+        self._check_remote_tier()
+
+    def _check_remote_tier(self) -> None:
+        if self.kv_remote_url is None:
+            return
+        self.remote_tier_config()  # the URL's form and knobs
+        if not self.enable_prefix_caching or self.kv_eviction is not None:
+            raise ValueError("kv_remote_url stores prefix-cache blocks: it needs prefix caching "
+                             "on and kv_eviction off")
+
+    def remote_tier_config(self):
+        """The remote tier's options (``RemoteTierConfig``), or None when it is off."""
+        if self.kv_remote_url is None:
+            return None
+        from engine.kv_cache.remote.config import RemoteTierConfig
+
+        return RemoteTierConfig.from_url(str(self.kv_remote_url))
+
+    @property
+    def stored_kv_tier(self) -> bool:
+        """A tier below host memory is on (disk, remote or both: one ``DiskTier`` facade)."""
+        return self.kv_disk_dir is not None or self.kv_remote_url is not None
 
     def _check_disk_tier(self) -> None:
         if self.kv_disk_dir is None and self.kv_disk_size is None:
@@ -242,9 +297,6 @@ class EngineConfig:
             raise ValueError("the disk KV tier needs both kv_disk_dir and kv_disk_size "
                              "(e.g. --kv-disk-dir /var/cache/kvserve --kv-disk-size 20GiB)")
         object.__setattr__(self, "kv_disk_size", self.disk_tier_config().size_bytes)
-        if self.tensor_parallel_size > 1:
-            raise ValueError("kv_disk_dir is not supported with tensor_parallel_size > 1 yet "
-                             "(each rank's share of the KV would need its own files)")
         if not self.enable_prefix_caching or self.kv_eviction is not None:
             raise ValueError("kv_disk_dir stores prefix-cache blocks: it needs prefix caching "
                              "on and kv_eviction off")

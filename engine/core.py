@@ -33,13 +33,17 @@ from collections.abc import Collection, Iterable
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache.disk.build import build_disk_tier
+from engine.kv_cache.disk.build import build_disk_tier, staging_blocks
 from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.groups import describe_kv_groups
 from engine.kv_cache.host.blocks import SwapCostModel
+from engine.kv_cache.remote.stats import RemoteTierStats
 from engine.kv_cache.snapshot import KVGeometry, KVSnapshot, KVSnapshotter
+from engine.kv_events.stats import KVEventsStats
+from engine.kv_events.wiring import attach as attach_kv_events
 from engine.kv_storage.precision import kv_precision_warning
 from engine.loading.generation_defaults import generation_defaults
+from engine.loading.gguf_quant import gguf_source
 from engine.loading.loader import (
     default_generation_eos,
     load_config,
@@ -55,6 +59,8 @@ from engine.output.builder import (
 from engine.output.detokenizer import token_text_fn, tokenizer_size
 from engine.output.stop import SequenceTextState
 from engine.outputs import RequestOutput
+from engine.pooling.accumulate import add_rows, finish_vector
+from engine.pooling.serving import served_pooling
 from engine.request import Request, Sequence
 from engine.runner.cpu_memory import release_freed_memory
 from engine.runner.device import set_device_for_thread
@@ -72,6 +78,7 @@ from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
 from engine.stats import EngineStats, HostTierStats
 from engine.step_output import StepOutput
+from engine.step_plan import SeqChunk
 from engine.structured.head_columns import GrammarColumns, RowSource
 from engine.structured.jump_forward import JumpForward
 from engine.structured.masking import FilledRows
@@ -93,7 +100,9 @@ class EngineCore:
         torch.set_num_threads(config.resolved_num_threads())
         self.files = resolve_model(config.model)
         self.hf_config = load_config(self.files)
-        self.tokenizer = load_tokenizer(_tokenizer_files(config, self.files))
+        tokenizer_files = _tokenizer_files(config, self.files)
+        self.tokenizer_path = str(tokenizer_files.path)  # GET /get_server_info
+        self.tokenizer = load_tokenizer(tokenizer_files, config.chat_template)
         self.model_name = (config.served_model_names or (self.files.name,))[0]
         self.generation_defaults = generation_defaults(
             self.files.path, config.generation_config, embedded=self.files.source == "embedded")
@@ -106,11 +115,12 @@ class EngineCore:
         if config.calculate_kv_scales:
             self._calibrate_kv_scales()
         num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
-        if config.kv_disk_dir is not None and num_host_blocks == 0:
-            # The disk tier loads through host memory: a staging area of one context's blocks
+        if config.stored_kv_tier and num_host_blocks == 0:
+            # The disk (or remote) tier loads through host memory: a staging area of one context's blocks
             # (every KV group's, for a hybrid cache).
+            # (Tensor-parallel workers make the same call: engine.distributed.worker.)
             num_host_blocks = self.runner.allocate_host_kv_cache(
-                self.runner.kv_layout.blocks_for(self.max_model_len, config.block_size) + 8)
+                staging_blocks(self.runner, config, self.max_model_len))
         self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
         self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
         cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
@@ -137,11 +147,15 @@ class EngineCore:
             self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
             str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
             self.max_model_len))
-        self.disk = build_disk_tier(config, self) if config.kv_disk_dir is not None else None
+        self.disk = build_disk_tier(config, self) if config.stored_kv_tier else None
         if self.disk is not None:
             self.scheduler.admission_gate = self.disk.ready
             self.scheduler.after_commit = self.disk.after_step  # write-through
             self.kv_snapshots.extra_tiers.append(self.disk)  # the KV page's third tier
+        # KV cache events for cache-aware routers (--kv-events-config; engine.kv_events)
+        self.kv_events = (attach_kv_events(self.kv, self.disk, layout,
+                                           config=config.kv_events_config)
+                          if config.kv_events_config.active else None)
         self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
         self.sampler = Sampler(seed=config.seed)
         self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -156,6 +170,11 @@ class EngineCore:
             swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0,
             max_cache_tokens=(eviction.max_cache_tokens(config.block_size)
                               if eviction is not None else None))
+        # Pooling requests (engine.pooling): the task resolved, the pooling rule, head ids.
+        self.pooling = served_pooling(config.task, self.files.path, self.hf_config,
+                                      self.model_name, self.tokenizer,
+                                      self.runner.arch.hidden_size, gguf_source(self.files.path))
+        logger.info("%s", self.pooling.describe())
         self.eos_token_ids = frozenset(default_generation_eos(self.files))
         self.token_text = token_text_fn(self.tokenizer)
         # Constrained decoding; requests whose grammar is still compiling wait here, outside
@@ -212,8 +231,9 @@ class EngineCore:
                                                  r.kv_bytes_per_token // r.arch.num_layers,
                                                  self.max_model_len))
         logger.info("%s", self.generation_defaults.describe())
+        # config.dtype, not torch_dtype: transformers warns that one is deprecated
         warning = kv_precision_warning(str(self.config.kv_cache_dtype), r.dtype,
-                                       getattr(self.hf_config, "torch_dtype", None))
+                                       getattr(self.hf_config, "dtype", None))
         if warning:
             logger.warning("KV cache precision: %s", warning)
         if self.stream is not None:
@@ -269,6 +289,9 @@ class EngineCore:
         if self.disk is not None and not req.wants_prompt_logprobs:
             # Looked up on arrival: its disk blocks load into host memory while it waits.
             self.disk.on_arrival(req.seqs[0], prompt_token_ids, req.cache_extra_keys)
+        if params.structured is None and params.thinking is not None:
+            for seq in req.seqs:  # a thinking budget alone: forced where it is spent
+                seq.matcher = self.structured.gated(params.thinking)
         if params.structured is not None:
             req.grammar = self.structured.submit(params.structured)
             if not req.grammar.done():
@@ -290,8 +313,10 @@ class EngineCore:
             self.scheduler.abort_request(req)
             return
         compiled = req.grammar.result()
-        for seq in req.seqs:
-            seq.matcher = self.structured.matcher(compiled)
+        gate = req.params.thinking
+        for seq in req.seqs:  # a reasoning model's constraint applies after its thought
+            seq.matcher = (self.structured.matcher(compiled) if gate is None
+                           else self.structured.gated(gate, compiled))
 
     def _admit_compiled(self, touched: dict[str, Request]) -> None:
         """Requests whose grammar has compiled join the scheduler. When nothing else can run,
@@ -352,6 +377,8 @@ class EngineCore:
         finally:
             self._result = None
         self.scheduler.update_from_output(out, result)
+        if self.kv_events is not None:  # this step's committed and evicted blocks, at once
+            self.kv_events.flush()
         if completed:
             now = time.time()
             for req in touched.values():
@@ -388,6 +415,9 @@ class EngineCore:
         self.structured.close()
         if self.disk is not None:
             self.disk.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         self.runner.close()
 
     def bind_thread(self) -> None:
@@ -515,8 +545,10 @@ class EngineCore:
                 self._guarded(req, touched, record_prompt_logprobs, req, rows,
                               result.prompt_logprobs, self.token_text)
                 touched[req.request_id] = req
+        pooled = self._take_pooled(out, result, touched) if result.pooled or any(
+            s.seq.request.params.pooling is not None for s in out.scheduled) else False
         if not result.sampled:
-            return False
+            return pooled
         logits = result.sample_logits
         restricted = set(result.restricted_rows)
         self.counters["restricted_logit_rows"] += len(restricted)
@@ -542,6 +574,40 @@ class EngineCore:
                               now)
             touched[seq.request.request_id] = seq.request
         return True
+
+    def _take_pooled(self, out: SchedulerOutput, result: StepOutput,
+                     touched: dict[str, Request]) -> bool:
+        """Pooling requests (``engine.pooling``): add the step's pooled rows to each one's
+        sum; a chunk that reached the prompt's end finishes its request ("stop") with the
+        vector. Per request and guarded. True when one finished."""
+        vectors = dict(result.pooled)
+        done = False
+        for i, (s, chunk) in enumerate(zip(out.scheduled, out.plan.seqs, strict=True)):
+            req = s.seq.request
+            if req.params.pooling is None:
+                continue
+            self._guarded(req, touched, self._pool_one, s, chunk, vectors.get(i))
+            if self._result.is_finished(s.seq):
+                touched[req.request_id] = req
+                done = True
+        return done
+
+    def _pool_one(self, s: ScheduledSeq, chunk: SeqChunk, vec: torch.Tensor | None) -> None:
+        seq = s.seq
+        req = seq.request
+        if vec is not None:
+            req.pooled_sum = add_rows(req.pooled_sum, vec)
+            req.pooled_upto = chunk.pool.last
+        if s.start + s.num_new_tokens < req.num_prompt_tokens:
+            return
+        if req.pooled_sum is None:
+            raise RuntimeError("the prompt ran to its end but no row was pooled")
+        req.pooled = finish_vector(req.pooled_sum, req.pooled_upto, req.params.pooling)
+        now = time.time()
+        m = req.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        self._result.finish(seq, "stop")
 
     def _row(self, s: Sequence) -> SamplingRow:
         return SamplingRow(params=s.request.params, prompt_token_ids=s.request.prompt_token_ids,
@@ -652,6 +718,45 @@ class EngineCore:
         only (``AsyncEngine.call_on_engine_thread``), between steps."""
         return self.kv_snapshots.take(self.scheduler.running)
 
+    def cache_tiers(self) -> list[str]:
+        """The tiers the prefix cache lives in, top down: "device", then "host" (``swap_space``,
+        or the staging area of a stored tier), "disk" and "remote" when on. Fixed at start."""
+        return (["device"] + (["host"] if self.kv.host is not None else [])
+                + (self.disk.tier_names() if self.disk is not None else []))
+
+    def reset_prefix_cache(self, tiers: Collection[str] | None = None) -> dict[str, int | None]:
+        """Drop every cached block no request holds, in ``tiers`` (None: all of
+        :meth:`cache_tiers`): their KV is forgotten, not written anywhere. Blocks in use by a
+        running, waiting or swapped request, or pinned by a pending copy, keep their KV and
+        hash. Returns the blocks dropped per tier (None: a stored tier that cannot be cleared
+        from here). ValueError naming a tier this engine does not have. Engine thread only,
+        between steps (``AsyncEngine.reset_prefix_cache``); the scheduler's manager and host
+        tier are changed only through their own resets."""
+        have = self.cache_tiers()
+        want = have if tiers is None else list(dict.fromkeys(tiers))
+        unknown = [t for t in want if t not in have]
+        if unknown:
+            raise ValueError(f"no {', '.join(unknown)} KV tier on this server; its tiers: "
+                             f"{', '.join(have)}")
+        out: dict[str, int | None] = {}
+        if "device" in want:
+            pool = self.kv.pool
+            before = pool.num_free_cached_blocks
+            self.kv.reset_prefix_cache(host=False)
+            out["device"] = before - pool.num_free_cached_blocks
+        if "host" in want:
+            pool = self.kv.host.pool
+            before = pool.num_free_cached_blocks
+            self.kv.host.reset()
+            out["host"] = before - pool.num_free_cached_blocks
+        stored = [t for t in want if t not in ("device", "host")]
+        if stored:
+            out.update(self.disk.clear(stored))
+        logger.info("prefix cache reset: %s", ", ".join(
+            f"{t} {'not cleared' if n is None else f'{n} blocks dropped'}"
+            for t, n in out.items()))
+        return out
+
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
         return EngineStats(
@@ -681,9 +786,13 @@ class EngineCore:
             computed_tokens=self.counters["computed_tokens"],
             spec_decode=self.spec_counters.snapshot(),
             structured=self._structured_stats(),
+            kv_events=(self.kv_events.stats() if self.kv_events is not None
+                       else KVEventsStats()),
             host=HostTierStats.from_offload(
                 self.kv.offload_stats(), self._block_bytes),
             disk=self.disk.snapshot() if self.disk is not None else DiskTierStats(),
+            remote=(self.disk.remote_snapshot() if self.disk is not None else None)
+            or RemoteTierStats(),
         )
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv_cache.disk.stats import DiskTierStats
+from engine.kv_cache.remote.stats import RemoteTierStats
+from engine.kv_events.stats import KVEventsStats
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.structured.stats import StructuredStats
 
@@ -92,8 +94,10 @@ class EngineStats:
     computed_tokens: int = 0
     host: HostTierStats = field(default_factory=HostTierStats)
     disk: DiskTierStats = field(default_factory=DiskTierStats)
+    remote: RemoteTierStats = field(default_factory=RemoteTierStats)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     structured: StructuredStats = field(default_factory=StructuredStats)
+    kv_events: KVEventsStats = field(default_factory=KVEventsStats)
 
     def replace(self, **changes: object) -> EngineStats:
         return dataclasses.replace(self, **changes)
@@ -104,9 +108,12 @@ class EngineStats:
         ``spec_decode_num_accepted_tokens_pos<j>`` per draft position."""
         out: dict[str, int | float] = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in ("host", "disk", "spec_decode", "structured")}
+            if f.name not in ("host", "disk", "remote", "spec_decode", "structured",
+                              "kv_events")}
         out.update(dataclasses.asdict(self.host))
+        out.update({f"kv_events_{k}": v for k, v in dataclasses.asdict(self.kv_events).items()})
         out.update({f"disk_{k}": v for k, v in dataclasses.asdict(self.disk).items()})
+        out.update({f"remote_{k}": v for k, v in dataclasses.asdict(self.remote).items()})
         sd = self.spec_decode
         out.update(spec_decode_num_drafts=sd.num_drafts,
                    spec_decode_num_draft_tokens=sd.num_draft_tokens,

@@ -1,9 +1,12 @@
 """``build_app(engine, settings)``: the FastAPI application around an :class:`AsyncEngine`.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (server/responses),
+``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's API: server/anthropic),
 ``/v1/models``, ``/v1/models/{id}``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``,
 the KV page (``/kv``, ``/kv/state``, ``/kv/events``: server/kv_page/, off with ``--no-kv-page``)
-and, with ``--profiler-dir``, ``/start_profile`` / ``/stop_profile`` (server/profile_routes.py). The app owns no model code; the
+and, with ``--profiler-dir``, ``/start_profile`` / ``/stop_profile`` (server/profile_routes.py);
+the endpoints routers probe (``/get_server_info``, ``/get_load``, ``/flush_cache``, ...:
+server/router_routes.py). The app owns no model code; the
 engine's own thread runs it, and tokenising runs on worker threads: the event loop only parses,
 validates and frames.
 
@@ -31,10 +34,13 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from engine.chat_template import render_chat
+from server.anthropic.endpoint import add_routes as add_anthropic_routes
+from server.anthropic.errors import AnthropicMiddleware
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config_file import ServerSettings
 from server.connections import ConnectionTracker
+from server.embeddings.endpoint import add_routes as add_embeddings_routes
 from server.errors import APIError, bad_request, install_error_handlers
 from server.http_framing import FramingMiddleware
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -49,8 +55,10 @@ from server.protocol import (
     TokenizeRequest,
     conversation,
 )
+from server.reasoning.formats import choose_reasoning
 from server.responses.endpoint import add_routes as add_responses_routes
 from server.responses.store import ResponseStore
+from server.router_routes import add_routes as add_router_routes
 from server.serving import ServingContext
 from server.tools.formats import choose_format
 from server.tools.prompt import renders_tools, template_source, tool_conversation
@@ -100,7 +108,10 @@ def drain_time_left(app: FastAPI) -> float:
 def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     metrics = ServerMetrics(engine.model_name, engine.stats, lambda: engine.is_healthy,
-                            kv_cache_dtype=engine.config.kv_cache_dtype)
+                            kv_cache_dtype=engine.config.kv_cache_dtype,
+                            cache_config={"block_size": str(engine.config.block_size),
+                                          "enable_prefix_caching":
+                                          str(engine.config.enable_prefix_caching)})
     engine.observers.append(metrics)
     ctx = ServingContext(engine=engine, metrics=metrics,
                          served_model_names=[engine.model_name, *(
@@ -117,6 +128,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     logger.info("tool calls: the %s format (%s); tools are rendered by %s",
                 ctx.tool_format.name, why, "the chat template" if ctx.tools_native else
                 "kvserve's default tool prompt (the chat template has no tools)")
+    ctx.reasoning, why = choose_reasoning(template, settings.reasoning_parser)
+    ctx.default_template_kwargs = dict(settings.default_chat_template_kwargs or {})
+    ctx.reasoning_budget = settings.reasoning_budget if settings.reasoning_budget >= 0 else None
+    logger.info("reasoning: %s (%s)", f"the {ctx.reasoning.name} parser: thoughts go to "
+                f"reasoning_content" if ctx.reasoning else "off, outputs are all content", why)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,6 +158,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                        tracker=app.state.connections)
     app.add_middleware(RequestContextMiddleware, api_key=settings.api_key,
                        log_requests=not settings.disable_log_requests)
+    # Outermost: on /v1/messages... every error in Anthropic's shape, and x-api-key taken.
+    app.add_middleware(AnthropicMiddleware, api_key=settings.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -185,6 +203,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     app.state.responses_store = ResponseStore(settings.responses_store_max_items,
                                               settings.responses_store_max_bytes)
     add_responses_routes(app, ctx, app.state.responses_store)
+    add_anthropic_routes(app, ctx)  # the Messages API (server/anthropic)
+    add_embeddings_routes(app, ctx)  # /v1/embeddings, /v1/rerank, /v1/score (server/embeddings)
+    add_router_routes(app, ctx, settings, version())  # what sglang-router / vllm-router probe
     if settings.kv_page:
         from server.kv_page.routes import add_routes as add_kv_page_routes
 

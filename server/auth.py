@@ -1,6 +1,8 @@
 """API-key check: ``Authorization: Bearer <key>`` on the API routes when a key is configured.
 
-Health, version and metrics stay open so that load balancers and Prometheus need no secret.
+Health, version and metrics stay open so that load balancers and Prometheus need no secret;
+so do the routers' probes (server/router_routes.py: vllm-router sends no key with some of
+them), but not ``/flush_cache`` and ``/reset_prefix_cache``, which drop the prefix cache.
 The KV page's paths (``/kv``, ``/kv/state``, ``/kv/events``) also take the key as ``?key=<key>``:
 a browser cannot send a header when it opens a page or an EventSource (the key then sits in the
 URL: the browser's history keeps it; kvserve's own log lines show the path only).
@@ -13,7 +15,8 @@ import hmac
 # Paths that need the key when one is set (prefix match on "/v1/", exact on the others).
 PROTECTED_PREFIX = "/v1/"
 PROTECTED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/kv", "/kv/state",
-                             "/kv/events", "/start_profile", "/stop_profile"})
+                             "/kv/events", "/start_profile", "/stop_profile",
+                             "/flush_cache", "/reset_prefix_cache"})
 QUERY_KEY_PATHS = frozenset({"/kv", "/kv/state", "/kv/events"})
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.config import (
+    ACTIVATION_PRECISIONS,
     ATTENTION_BACKENDS,
     CPU_PROBES,
     DTYPES,
@@ -23,11 +25,14 @@ from engine.config import (
     PREEMPTION_MODES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
+    TASK_SPELLINGS,
+    TASKS,
     EngineConfig,
     kv_cache_dtype_name,
     parse_bytes,
 )
 from engine.kv_cache.disk.config import WRITE_POLICIES as DISK_WRITE_POLICIES
+from server.reasoning.formats import FORMATS as REASONING_FORMATS
 from server.tools.formats import PARSER_NAMES as TOOL_CALL_PARSERS
 
 MIB = 2**20
@@ -46,6 +51,11 @@ class ServerSettings:
     streaming response whose client stops reading for that long, aborting its engine request.
     ``trust_request_chat_template`` lets requests bring their own chat template (vLLM's flag).
     ``tool_call_parser`` names the tool-call format (None: chosen from the chat template);
+    ``reasoning_parser`` the reasoning format (server/reasoning; None: chosen from the chat
+    template, "none": off); ``reasoning_budget`` the thought's tokens before its closing marker
+    is forced (-1: unbounded; a request's ``thinking_token_budget`` overrides it);
+    ``default_chat_template_kwargs`` are the template variables a
+    request's own ``chat_template_kwargs`` start from (e.g. ``{"enable_thinking": false}``);
     ``enable_auto_tool_choice`` off refuses ``tool_choice: auto`` (vLLM's flag; on by default).
     ``responses_store_max_items`` / ``responses_store_max_bytes`` bound the Responses API's
     in-memory store (least recently used first out; 0 items: nothing is stored).
@@ -69,6 +79,9 @@ class ServerSettings:
     stream_timeout: float = 60.0
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict[str, Any] | str | None = None
+    reasoning_budget: int = -1
     enable_auto_tool_choice: bool = True
     responses_store_max_items: int = 1000
     responses_store_max_bytes: int | str = 256 * MIB
@@ -78,6 +91,24 @@ class ServerSettings:
     profiler_max_iters: int = 1000
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and \
+                self.reasoning_parser not in (*REASONING_FORMATS, "none"):
+            raise ValueError(f"reasoning-parser must be one of {', '.join(REASONING_FORMATS)} "
+                             f"or none; got {self.reasoning_parser!r}")
+        if not isinstance(self.reasoning_budget, int) or self.reasoning_budget < -1:
+            raise ValueError(f"reasoning-budget must be an integer >= -1 (-1: unbounded); got "
+                             f"{self.reasoning_budget!r}")
+        kwargs = self.default_chat_template_kwargs
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"default-chat-template-kwargs is not valid JSON: {exc.msg} "
+                                 f"(e.g. '{{\"enable_thinking\": false}}')") from None
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"default-chat-template-kwargs must be a JSON object; got "
+                             f"{kwargs!r}")
+        object.__setattr__(self, "default_chat_template_kwargs", kwargs)
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                              f"got {self.tool_call_parser!r}")
@@ -147,6 +178,12 @@ def _size(value: Any) -> Any:
     return value if isinstance(value, int) else str(value)
 
 
+def _task(value: Any) -> str:
+    """``--task``, or vLLM's ``--runner`` / ``--convert`` values (pooling, classify)."""
+    value = str(value)
+    return TASK_SPELLINGS.get(value, value)
+
+
 def _json_object(value: Any) -> Any:
     """A JSON object given as text (a flag) or as a mapping (a YAML file): validated and
     normalised by ``EngineConfig`` (``SpeculativeConfig.from_value``)."""
@@ -156,6 +193,10 @@ def _json_object(value: Any) -> Any:
 ENGINE_OPTIONS = [
     Option("tokenizer", "tokenizer", "engine", str, "tokenizer path (default: the model's)",
            nullable=True),
+    Option("chat-template", "chat_template", "engine", str,
+           "chat template to use instead of the model's: a file path, the template text, or a "
+           "built-in one (gemma, llama3, chatml, mistral; chosen by itself for a model that "
+           "has none)", nullable=True),
     Option("served-model-name", "served_model_name", "engine", str,
            "name(s) the API accepts; the first is the one it reports (default: the model's "
            "name)", nullable=True, nargs="+"),
@@ -195,6 +236,12 @@ ENGINE_OPTIONS = [
            "reference)", choices=QUANTIZATIONS),
     Option("quantization-group-size", "quantization_group_size", "engine", int,
            "input elements per scale for --quantization int4/int8 (32 or 128)"),
+    Option("activation-precision", "activation_precision", "engine", str,
+           "activations of the packed quantised linears of a GGUF: auto (int8 until the "
+           "faithful kernels are within 25% of its decode speed), float32 (the faithful "
+           "kernels: answers like the float model, slower), bf16 (AVX-512 BF16), or int8 "
+           "(llama.cpp's int8 groups: faster, ~96% top-1 agreement with the float model)",
+           choices=ACTIVATION_PRECISIONS),
     Option("generation-config", "generation_config", "engine", str,
            "sampling defaults for fields a request leaves out: auto (the model's "
            "generation_config.json, a GGUF's general.sampling.*, the embedded model's card), "
@@ -229,6 +276,11 @@ ENGINE_OPTIONS = [
            "when blocks reach the disk tier: write-through (as a request commits them; a "
            "crash loses at most the queue) or on-evict (as they leave host memory, and the "
            "rest at a clean shutdown: fewer bytes written)", choices=DISK_WRITE_POLICIES),
+    Option("kv-remote-url", "kv_remote_url", "engine", str,
+           "remote KV tier shared by replicas: prefix-cache blocks in a Redis or Valkey server, "
+           "redis://HOST:PORT/DB (valkey://, rediss://, unix:// too; ?timeout=S&io_timeout=S"
+           "&queue_blocks=N), read after the disk tier, written through; the server's "
+           "maxmemory-policy allkeys-lru evicts (default: off)", nullable=True),
     Option("calculate-kv-scales", "calculate_kv_scales", "engine", bool,
            "fp8 KV: calibrate per-layer, per-head scales on a built-in text at start-up "
            "(else 1.0)", boolean=True),
@@ -244,6 +296,12 @@ ENGINE_OPTIONS = [
     Option("max-seqs-per-request", "max_seqs_per_request", "engine", int,
            "most sequences (n, or len(prompts) x n for a batch) one request may ask for; "
            "above it: 400 (default: --max-num-seqs)", nullable=True),
+    Option("task", "task", "engine", _task,
+           "what the model serves: generate, embed (/v1/embeddings; rerank and score by "
+           "cosine), score (a yes/no reranker: /v1/rerank, /v1/score) or auto (from the "
+           "model; a generative model also serves /v1/embeddings as a demonstration); "
+           "vLLM's --runner pooling / --convert embed|classify are accepted",
+           choices=TASKS, aliases=("--runner", "--convert")),
     Option("scheduling-policy", "scheduling_policy", "engine", str,
            "fcfs: arrival order, a request's non-zero 'priority' is refused (400); priority: "
            "lower 'priority' values are scheduled first and preempted last",
@@ -260,6 +318,14 @@ ENGINE_OPTIONS = [
            "or llguidance); \"xgrammar\" or \"llguidance\" (\"guidance\") forces one; "
            "kvserve's bounds: compile_timeout (5 s of CPU), max_pending_compiles (8), mask_timeout "
            "(1 s), isolation (process)",
+           nullable=True),
+    Option("kv-events-config", "kv_events_config", "engine", _json_object,
+           'KV cache events for cache-aware routers as a JSON object (vLLM\'s format), e.g. '
+           '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+           '"tcp://*:5558", "topic": "kv"}\': BlockStored / BlockRemoved / AllBlocksCleared on '
+           "a ZMQ PUB socket, medium GPU, CPU, DISK or STORAGE (the remote tier); also "
+           "publisher (zmq or null), buffer_steps, hwm, max_queue_size (docs/kv-cache.md) "
+           "(default: off)",
            nullable=True),
     Option("tensor-parallel-size", "tensor_parallel_size", "engine", int,
            "ranks that each hold 1/N of the weights (torch.distributed: gloo on CPUs, NCCL on "
@@ -312,8 +378,25 @@ SERVER_OPTIONS = [
     Option("tool-call-parser", "tool_call_parser", "server", str,
            "the tool-call format to constrain and parse calls in: hermes (<tool_call> blocks: "
            "Hermes, Qwen2.5, Qwen3, and kvserve's default for templates without tools), "
-           "llama3_json (Llama 3.1+ JSON calls) or mistral ([TOOL_CALLS] calls) (default: "
-           "chosen from the chat template, logged at start)", choices=TOOL_CALL_PARSERS, nullable=True),
+           "llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS] calls), qwen3_coder "
+           "(Qwen3-Coder's <function=...> XML calls), deepseek_v3 (DeepSeek V3 / R1 calls), "
+           "deepseek_v31 (DeepSeek V3.1 calls), openai (gpt-oss's harmony channels), "
+           "granite (Granite 3.x <|tool_call|>[...]) or phi4_mini_json (Phi-4-mini "
+           "functools[...]) (default: chosen from the chat template, logged at start)",
+           choices=TOOL_CALL_PARSERS, nullable=True),
+    Option("reasoning-parser", "reasoning_parser", "server", str,
+           "the reasoning format whose thought goes to reasoning_content apart from the "
+           "answer: qwen3, deepseek_r1, deepseek_v3 (<think>...</think>), kimi_k2, or none "
+           "(default: chosen from the chat template, logged at start)",
+           choices=(*REASONING_FORMATS, "none"), nullable=True),
+    Option("reasoning-budget", "reasoning_budget", "server", int,
+           "tokens a reasoning model may think before its end-of-thinking marker is forced "
+           "(llama.cpp's flag; a request's thinking_token_budget overrides it; -1: unbounded; "
+           "default: -1)"),
+    Option("default-chat-template-kwargs", "default_chat_template_kwargs", "server",
+           _json_object, "template variables every chat request starts from, as a JSON "
+           "object, e.g. '{\"enable_thinking\": false}'; a request's chat_template_kwargs "
+           "override them", nullable=True),
     Option("kv-page", "kv_page", "server", bool,
            "serve the live KV-cache page at /kv (with /kv/state and /kv/events; behind "
            "--api-key when one is set); --no-kv-page turns it off", boolean=True),

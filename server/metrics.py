@@ -47,6 +47,9 @@ _GAUGES = [
      "Sequences whose KV blocks are swapped out to the host tier."),
     (lambda s: s.kv_cache_usage_perc, "kvserve:kv_cache_usage_perc",
      "KV-cache usage: fraction of blocks in use (0..1)."),
+    (lambda s: s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+     "kvserve:prefix_cache_hit_rate",
+     "Prompt tokens found in the prefix cache over those looked up, since start (0..1)."),
     (lambda s: s.num_blocks_total, "kvserve:kv_cache_num_blocks", "Blocks in the device KV pool."),
     (lambda s: s.num_blocks_free, "kvserve:kv_cache_free_blocks",
      "Blocks held by no request (cached ones included: they are evictable)."),
@@ -77,6 +80,11 @@ _GAUGES = [
     (lambda s: int(s.disk.available), "kvserve:disk_kv_cache_available",
      "1 while the disk tier writes; 0 when it is off, or down after an error (full, "
      "read-only, I/O error, directory gone) and retrying with backoff."),
+    (lambda s: int(s.remote.available), "kvserve:remote_kv_cache_available",
+     "1 while the remote (Redis/Valkey) tier is in use; 0 when it is off, or down after an "
+     "error (refused, timed out) and retrying with backoff."),
+    (lambda s: s.remote.known_blocks, "kvserve:remote_kv_cache_known_blocks",
+     "Blocks this server knows the remote tier holds (wrote or found)."),
     (lambda s: s.host.host_blocks_total, "kvserve:host_kv_cache_num_blocks",
      "Blocks in the host (CPU memory) KV tier; 0 when --swap-space is 0."),
     (lambda s: s.host.host_blocks_used, "kvserve:host_kv_cache_used_blocks",
@@ -120,6 +128,13 @@ _COUNTERS = [
                    (lambda s: s.host.offload_bytes_h2d, "host_to_device")]),
     ("kvserve:host_kv_cache_evictions", "Blocks evicted from the host tier.", None,
      [(lambda s: s.host.host_evictions, None)]),
+    # KV cache events (--kv-events-config); all zero when they are off.
+    ("kvserve:kv_events_published", "KV cache events (BlockStored, BlockRemoved, "
+     "AllBlocksCleared) sent on the --kv-events-config PUB socket.", None,
+     [(lambda s: s.kv_events.published_events, None)]),
+    ("kvserve:kv_events_dropped", "KV cache events dropped, never sent: the publisher's queue "
+     "(max_queue_size batches) was full, the engine step did not wait.", None,
+     [(lambda s: s.kv_events.dropped_events, None)]),
     ("kvserve:kv_offload_spills", "Cached device blocks written back to the host on eviction.",
      None, [(lambda s: s.host.offload_spills, None)]),
     # The disk tier (--kv-disk-dir); all zero when it is off.
@@ -150,6 +165,23 @@ _COUNTERS = [
     ("kvserve:disk_kv_cache_write_errors", "Disk-tier write errors (failed writes, directory "
      "opens and retries); the tier serves on without writing and retries.", None,
      [(lambda s: s.disk.write_errors, None)]),
+    # The remote tier (--kv-remote-url); all zero when it is off.
+    ("kvserve:remote_kv_cache_blocks", "Remote-tier blocks read back and verified (hit) or "
+     "asked for and not held (miss: never written, or evicted by the server).", "result",
+     [(lambda s: s.remote.hit_blocks, "hit"), (lambda s: s.remote.miss_blocks, "miss")]),
+    ("kvserve:remote_kv_cache_bytes", "Bytes read from and written to the remote tier.",
+     "direction", [(lambda s: s.remote.read_bytes, "read"),
+                   (lambda s: s.remote.write_bytes, "write")]),
+    ("kvserve:remote_kv_cache_written_blocks", "Blocks written to the remote tier.", None,
+     [(lambda s: s.remote.written_blocks, None)]),
+    ("kvserve:remote_kv_cache_dropped_writes", "Blocks not written to the remote tier: the "
+     "writer queue was full or the tier was down.", None,
+     [(lambda s: s.remote.dropped_writes, None)]),
+    ("kvserve:remote_kv_cache_bad_records", "Remote-tier values that failed their checksum or "
+     "fingerprint (never used; deleted).", None, [(lambda s: s.remote.bad_records, None)]),
+    ("kvserve:remote_kv_cache_errors", "Remote-tier commands that failed (refused, timed out, "
+     "error answers) and failed pings; the tier serves on without the server and retries.",
+     None, [(lambda s: s.remote.errors, None)]),
     ("kvserve:spec_decode_num_drafts", "Speculative drafts verified (one per sequence and step).",
      None, [(lambda s: s.spec_decode.num_drafts, None)]),
     ("kvserve:spec_decode_num_draft_tokens", "Speculative tokens proposed in verified drafts.",
@@ -218,11 +250,13 @@ def _compile_histogram(model_name: str, stats: EngineStats) -> Metric:
 
 class _EngineCollector(Collector):
     def __init__(self, model_name: str, stats: Callable[[], EngineStats],
-                 healthy: Callable[[], bool], kv_cache_dtype: str) -> None:
+                 healthy: Callable[[], bool], kv_cache_dtype: str,
+                 cache_config: dict[str, str] | None = None) -> None:
         self.model_name = model_name
         self.stats = stats
         self.healthy = healthy
         self.kv_cache_dtype = kv_cache_dtype
+        self.cache_config = cache_config or {}
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
@@ -254,6 +288,20 @@ class _EngineCollector(Collector):
                                  labels=["model_name", "kv_cache_dtype"])
         info.add_metric([self.model_name, self.kv_cache_dtype], 1.0)
         yield info
+        yield self._cache_config_info(stats)
+
+    def _cache_config_info(self, stats: EngineStats) -> Metric:
+        """vLLM's ``vllm:cache_config_info``: llm-d's scheduler reads ``block_size`` (and
+        ``num_gpu_blocks``) from the metric its ``--cache-info-metric`` names."""
+        cfg = {"block_size": "", "cache_dtype": self.kv_cache_dtype,
+               "enable_prefix_caching": "", **self.cache_config,
+               "num_gpu_blocks": str(stats.num_blocks_total),
+               "num_cpu_blocks": str(stats.host.host_blocks_total)}
+        g = GaugeMetricFamily("kvserve:cache_config_info",
+                              "The KV cache's configuration (vLLM's vllm:cache_config_info); "
+                              "always 1.", labels=["model_name", *cfg])
+        g.add_metric([self.model_name, *cfg.values()], 1.0)
+        return g
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # dynamic: do not let the registry call collect() at registration
@@ -272,7 +320,10 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats],
                  healthy: Callable[[], bool] = lambda: True,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto",
+                 cache_config: dict[str, str] | None = None) -> None:
+        """``cache_config``: labels of ``kvserve:cache_config_info`` known at start
+        (``block_size``, ``enable_prefix_caching``); the pool sizes are read at scrape time."""
         self.model_name = model_name
         # No "*_created" series (as vLLM): they double the output and dashboards ignore them.
         disable_created_metrics()
@@ -303,7 +354,7 @@ class ServerMetrics:
         self.rejected = Counter(
             "kvserve:request_rejected", "Requests refused before reaching the engine.",
             labels + ["reason"], registry=reg)
-        reg.register(_EngineCollector(model_name, stats, healthy, kv_cache_dtype))
+        reg.register(_EngineCollector(model_name, stats, healthy, kv_cache_dtype, cache_config))
         self._tracks: dict[str, _Track] = {}
         self._lock = threading.Lock()
 

@@ -41,6 +41,7 @@ from server.errors import APIError, bad_request, internal_error
 from server.metrics import ServerMetrics
 from server.middleware import bounded_traceback
 from server.prompt_bound import PromptBound
+from server.reasoning.formats import ReasoningFormat
 from server.sse import DONE, SSEResponse, event
 from server.tools.formats import HERMES, ToolCallFormat
 
@@ -63,6 +64,11 @@ class ServingContext:
     tool_format: ToolCallFormat = HERMES
     tools_native: bool = False
     enable_auto_tool_choice: bool = True
+    # Reasoning (server/reasoning): the format a thought is parsed out in (None: none), and the
+    # template variables every chat request starts from (--default-chat-template-kwargs).
+    reasoning: ReasoningFormat | None = None
+    default_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_budget: int | None = None  # --reasoning-budget: thought tokens (None: unbounded)
     # Text prompts that surely exceed max_model_len, refused before tokenising (prompt_bound.py).
     prompt_bound: PromptBound | None = None
 

@@ -6,9 +6,10 @@ Two gloo/NCCL groups over the same ranks:
 - ``compute``: the model's all-reduces and gathers and the runner's start-up agreements, under
   ``distributed_timeout`` seconds: a worker that died or hangs turns a step into an error on
   rank 0 within that time, never a hang.
-- ``control``: rank 0's orders to the workers (a step plan, block copies, a ping, stop), on the
-  CPU (gloo) always. A worker waits there for as long as the engine is idle, so its timeout is
-  long; a rank 0 that exits closes its sockets and the worker's wait ends at once.
+- ``control``: rank 0's orders to the workers (a step plan, block copies, a ping, stop, the
+  stored KV tier's reads and writes), on the CPU (gloo) always. A worker waits there for as
+  long as the engine is idle, so its timeout is long; a rank 0 that exits closes its sockets
+  and the worker's wait ends at once.
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ class TPGroup:
         t = torch.tensor([int(value)], dtype=torch.int64, device=self._reduce_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.compute)
         return int(t.item())
+
+    def min_ints(self, values: list[int]) -> list[int]:
+        """The minimum over ranks of each of ``values`` (every rank passes as many)."""
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64,
+                         device=self._reduce_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.compute)
+        return [int(v) for v in t.tolist()]
 
     def ping(self) -> None:
         """A tiny all-reduce: fails (or times out) when a rank died or hangs."""

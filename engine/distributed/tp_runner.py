@@ -134,6 +134,26 @@ class TensorParallelRunner:
             self.tp.send_order(("step", plan))
             return self._runner.execute(plan)
 
+    def stored_tier_shards(self):
+        """The other ranks' shares of the disk / remote KV tier, driven by rank 0's
+        ``DiskTier`` (``engine.distributed.kv_tiers``)."""
+        from engine.distributed.kv_tiers import StoredTierShards
+
+        return StoredTierShards(self)
+
+    def tier_order(self, order: tuple, counts: list[int] | None = None,
+                   barrier: bool = False) -> list[int] | None:
+        """Send a stored-tier order to every worker (``engine.distributed.kv_tiers``); with
+        ``counts``, return their minimum over ranks, element by element; with ``barrier``,
+        return once every worker has carried it out."""
+        with self._collectives("a KV tier order"):
+            self.tp.send_order(order)
+            if counts is not None:
+                return self.tp.min_ints(counts)
+            if barrier:
+                self.tp.ping()
+        return None
+
     def check_health(self) -> None:
         """Raise ``WorkerDiedError`` when a rank is gone or does not answer in time."""
         with self._collectives("a liveness ping"):

@@ -10,6 +10,8 @@ After that a worker only obeys orders (``engine.distributed.tp_runner`` sends th
   this rank's pools, then its forward pass (logits are gathered on every rank; only rank 0
   samples);
 - ``("ping",)``: one tiny all-reduce (rank 0's liveness check while idle);
+- ``("kv_...", ...)``: this rank's share of the disk / remote KV tier's reads and writes
+  (``engine.distributed.kv_tiers``);
 - ``("stop",)``: leave the loop and exit 0.
 
 Any error ends the worker with a non-zero status; rank 0 then sees it dead or its collective
@@ -75,25 +77,42 @@ def start_rank(config: EngineConfig, setup: DistributedSetup, hf_config: Any, fi
     return runner
 
 
-def serve_orders(runner) -> None:
-    """The worker's side of the start-up, then its order loop (returns on ``stop``)."""
+def serve_orders(runner, files=None, hf_config=None) -> None:
+    """The worker's side of the start-up, then its order loop (returns on ``stop``).
+    ``files``, ``hf_config``: the model's, for the stored KV tier's fingerprint."""
+    config = runner.config
     runner.allocate_kv_cache()
-    runner.allocate_host_kv_cache()
+    if runner.allocate_host_kv_cache() == 0 and config.stored_kv_tier:
+        # the stored tier's staging area: the same call as EngineCore's on rank 0
+        from engine.kv_cache.disk.build import staging_blocks
+
+        runner.allocate_host_kv_cache(staging_blocks(runner, config, runner.max_model_len))
     runner.prepare_for_serving()
     logger.info("rank %d: KV pool %d blocks (%.2f GiB); serving", runner.tp.rank,
                 runner.num_blocks, runner.kv_pool_bytes() / 2**30)
+    tiers = None
+    if config.stored_kv_tier:  # this rank's share of the disk / remote KV tier
+        from engine.distributed.kv_tiers import RankStores
+
+        tiers = RankStores(config, runner, files.path, hf_config)
     group: TPGroup = runner.tp
-    while True:
-        order = group.recv_order()
-        kind = order[0]
-        if kind == "step":
-            runner.execute(order[1])
-        elif kind == "ping":
-            group.ping()
-        elif kind == "stop":
-            return
-        else:
-            raise RuntimeError(f"unknown order {kind!r} from rank 0")
+    try:
+        while True:
+            order = group.recv_order()
+            kind = order[0]
+            if kind == "step":
+                runner.execute(order[1])
+            elif kind == "ping":
+                group.ping()
+            elif kind == "stop":
+                return
+            elif kind.startswith("kv_") and tiers is not None:
+                tiers.handle(order)
+            else:
+                raise RuntimeError(f"unknown order {kind!r} from rank 0")
+    finally:
+        if tiers is not None:
+            tiers.close()
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -124,7 +143,7 @@ def worker_main(config: EngineConfig, setup: DistributedSetup, cores: tuple[int,
         hf_config = load_config(files)
         runner = start_rank(config, setup, hf_config, files, config.resolve_max_model_len(hf_config))
         with torch.inference_mode():
-            serve_orders(runner)
+            serve_orders(runner, files, hf_config)
     except BaseException as exc:  # noqa: BLE001 - report, then a non-zero exit
         logger.error("rank %d failed: %s: %s", setup.rank, type(exc).__name__, exc,
                      exc_info=not isinstance(exc, KeyboardInterrupt))

@@ -120,6 +120,9 @@ class BlockPool:
         self.on_evict = on_evict
         self.num_free_cached_blocks = 0  # kept up to date so stats stay O(1)
         self.num_evictions = 0  # cached blocks handed out for other KV, cumulative
+        # KV cache events (engine.kv_events.TierHook; None: off): told of every hash the pool
+        # gains (``stored``) or loses (``removed``), but in a reset (the manager announces that).
+        self.events = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -178,6 +181,8 @@ class BlockPool:
             self.free_queue.remove(block)
             self.free_queue.append(block)
             self.num_free_cached_blocks += 1
+        if self.events is not None:
+            self.events.stored(block_hash)
         return True
 
     def unregister(self, block: KVBlock) -> None:
@@ -199,13 +204,13 @@ class BlockPool:
         not displaced). Returns how many were dropped. In-use blocks keep theirs."""
         dropped = [b for b in self.free_queue if b.block_hash is not None]
         for block in dropped:
-            self._drop_hash(block, notify=False)
+            self._drop_hash(block, notify=False, announce=False)
             # Uncached blocks belong ahead of cached ones.
             self.free_queue.remove(block)
             self.free_queue.appendleft(block)
         return len(dropped)
 
-    def _drop_hash(self, block: KVBlock, notify: bool) -> None:
+    def _drop_hash(self, block: KVBlock, notify: bool, announce: bool = True) -> None:
         block_hash = block.block_hash
         assert block_hash is not None
         del self.cached[block_hash]
@@ -216,6 +221,8 @@ class BlockPool:
             self.num_evictions += 1
             if self.on_evict is not None:
                 self.on_evict(block.block_id, block_hash)
+        if announce and self.events is not None:  # after on_evict: a spill is stored first
+            self.events.removed(block_hash)
 
     def check_integrity(self) -> None:
         """Assert the pool's own invariants (O(num_blocks)); see the class docstring."""

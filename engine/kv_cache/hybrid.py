@@ -77,7 +77,8 @@ class HybridKVCacheManager:
             HostTier(num_host_blocks, self.pool, block_size, cost) if num_host_blocks else None)
         self.groups = [
             KVCacheManager(num_blocks, block_size, enable_prefix_caching, pool=self.pool,
-                           host=self.host, hash_salt=b"\x00g%d" % g if g else b"")
+                           host=self.host, hash_salt=b"\x00g%d" % g if g else b"",
+                           kv_group=g)
             for g in range(layout.num_groups)]
         self.windows = layout.windows
         self._queries = 0
@@ -152,6 +153,8 @@ class HybridKVCacheManager:
             blocks = cached_flags[g][skip:k]
             dev = next((i for i, b in enumerate(blocks) if b is ON_HOST), len(blocks))
             names = hashes_by_group[g][skip:k]
+            if dev < len(names) and self.pool.events is not None:  # KV events: their tokens
+                self.pool.events.describe_chain(hashes_by_group[g], token_ids, skip + dev, k, g)
             hits.append(PrefixHit([b.block_id for b in blocks[:dev]], k * bs,
                                   tuple(names[:dev]), tuple(names[dev:]), skip))
         hit = HybridPrefixHit(tuple(hits), k * bs) if k else empty
@@ -305,12 +308,14 @@ class HybridKVCacheManager:
     def evict_middle(self, seq_id: str, start: int, count: int) -> list[int]:
         raise ValueError("streaming eviction is not supported with a hybrid KV cache")
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, host: bool = True) -> bool:
         self.pool.evict_cached_free_blocks()
-        if self.host is None:
-            return not self.pool.cached
-        self.host.reset()
-        return not self.pool.cached and not self.host.pool.cached
+        if self.host is not None and host:
+            self.host.reset()
+        if self.pool.events is not None:  # AllBlocksCleared (engine.kv_events)
+            self.pool.events.cleared()
+        return not self.pool.cached and (self.host is None or not host
+                                          or not self.host.pool.cached)
 
     # ------------------------------------------------------------------- swap
     def swap_cost_blocks(self, seq_id: str, num_tokens: int) -> tuple[int, int]:

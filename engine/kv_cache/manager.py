@@ -133,6 +133,7 @@ class KVCacheManager:
         host: HostTier | None = None,
         hash_salt: bytes = b"",
         share_siblings: bool = True,
+        kv_group: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -142,6 +143,7 @@ class KVCacheManager:
         self.share_siblings = share_siblings  # off under streaming eviction
         self._user_on_evict = on_evict
         self._salt = hash_salt
+        self.kv_group = kv_group  # the hybrid manager's group index (KV cache events)
         if pool is not None:  # a group of the hybrid manager: pool and host tier are shared
             self.pool, self.host = pool, host
         else:
@@ -243,6 +245,9 @@ class KVCacheManager:
         if self.host is not None:
             n = self.host.lookup(hashes[len(block_ids):max_blocks])
             if n:
+                if self.pool.events is not None:  # their tokens, for when they are loaded back
+                    self.pool.events.describe_chain(hashes, token_ids, len(block_ids),
+                                                    len(block_ids) + n, self.kv_group)
                 host_hashes = tuple(hashes[len(block_ids):len(block_ids) + n])
                 hit = PrefixHit(block_ids, hit.num_tokens + n * bs, hit.block_hashes,
                                 host_hashes)
@@ -459,9 +464,13 @@ class KVCacheManager:
             extend_block_hashes(hashes, token_ids, bs, num_full, state.extra)
         pool = self.pool
         blocks = pool.blocks
+        events = pool.events  # KV cache events: a block's tokens, before it is announced
         for i in range(state.num_committed, num_full):
             block = blocks[state.block_ids[i]]
             if block.block_hash is None:
+                if events is not None:
+                    events.describe(hashes[i], hashes[i - 1] if i else None,
+                                    token_ids[i * bs:(i + 1) * bs], self.kv_group)
                 pool.register(block, hashes[i])
         state.num_committed = num_full
 
@@ -560,18 +569,20 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         return len(state.block_ids) - state.num_released if state else 0
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, host: bool = True) -> bool:
         """Drop the hash of every free block (their KV is forgotten, not written back).
 
         Returns True if no block holds a hash afterwards; False if blocks in use keep theirs
         (they stay shareable until freed and reused). The host tier drops its free cached
-        blocks too.
+        blocks too, unless ``host`` is False (the device pool alone).
         """
         self.pool.evict_cached_free_blocks()
-        if self.host is None:
-            return not self.pool.cached
-        self.host.reset()
-        return not self.pool.cached and not self.host.pool.cached
+        if self.host is not None and host:
+            self.host.reset()
+        if self.pool.events is not None:  # AllBlocksCleared (engine.kv_events)
+            self.pool.events.cleared()
+        return not self.pool.cached and (self.host is None or not host
+                                          or not self.host.pool.cached)
 
     # ------------------------------------------------------------------- swap
     def is_swapped(self, seq_id: str) -> bool:

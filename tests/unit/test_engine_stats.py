@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from engine.kv_cache.disk.stats import DiskTierStats
+from engine.kv_cache.remote.stats import RemoteTierStats
+from engine.kv_events.stats import KVEventsStats
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.stats import EngineStats, HostTierStats
 from server.metrics import ServerMetrics
@@ -26,6 +28,8 @@ SPEC_KEYS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",
 KV_GROUP_KEYS = {"kv_cache_groups", "kv_cache_group_bytes_per_token", "kv_cache_max_concurrency"}
 JUMP_FORWARD_KEYS = {"structured_jump_forward_drafted", "structured_jump_forward_accepted"}
 DISK_KEYS = {f"disk_{f.name}" for f in dataclasses.fields(DiskTierStats)}
+REMOTE_KEYS = {f"remote_{f.name}" for f in dataclasses.fields(RemoteTierStats)}
+KV_EVENTS_KEYS = {f"kv_events_{f.name}" for f in dataclasses.fields(KVEventsStats)}
 STRUCTURED_KEYS = {"structured_compiles", "structured_compile_failures", "structured_cache_hits",
                    "structured_compile_seconds_sum", "structured_constrained_rows",
                    "structured_restricted_rows"}
@@ -37,7 +41,7 @@ def test_flat_form_keeps_the_offline_api_keys():
     assert LEGACY_KEYS <= set(flat)  # kept; new counters may join
     assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window",
                                        "num_blocks_evicted_stream"} | SPEC_KEYS | STRUCTURED_KEYS \
-        | KV_GROUP_KEYS | JUMP_FORWARD_KEYS | DISK_KEYS
+        | KV_GROUP_KEYS | JUMP_FORWARD_KEYS | DISK_KEYS | REMOTE_KEYS | KV_EVENTS_KEYS
     per_pos = EngineStats(spec_decode=SpecDecodeStats(2, 8, 3, (2, 1, 0, 0))).as_dict()
     assert per_pos["spec_decode_num_accepted_tokens_pos1"] == 1
     assert set(per_pos) - set(flat) == {f"spec_decode_num_accepted_tokens_pos{j}"
@@ -50,10 +54,15 @@ def test_flat_form_keeps_the_offline_api_keys():
 def test_every_metric_reads_a_real_field():
     host = HostTierStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(HostTierStats))})
     stats = EngineStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(EngineStats))
-                           if f.name not in ("host", "disk", "spec_decode", "structured")},
+                           if f.name not in ("host", "disk", "remote", "spec_decode",
+                                             "structured", "kv_events")},
                         host=host, spec_decode=SpecDecodeStats(4, 16, 7, (3, 2, 1, 1)),
                         disk=DiskTierStats(**{f.name: i + 1 for i, f in
-                                              enumerate(dataclasses.fields(DiskTierStats))}))
+                                              enumerate(dataclasses.fields(DiskTierStats))}),
+                        remote=RemoteTierStats(**{f.name: i + 1 for i, f in
+                                                  enumerate(dataclasses.fields(RemoteTierStats))}),
+                        kv_events=KVEventsStats(**{f.name: i + 1 for i, f in
+                                                   enumerate(dataclasses.fields(KVEventsStats))}))
     text = ServerMetrics("m", lambda: stats).render().decode()
     assert 'kvserve:kv_cache_used_blocks{model_name="m"} 15.0' in text
     assert 'kvserve:kv_offload_spills_total{model_name="m"} 10.0' in text
@@ -62,6 +71,8 @@ def test_every_metric_reads_a_real_field():
     assert 'kvserve:prefix_cache_disk_hits_total{model_name="m"} 8.0' in text
     assert 'kvserve:disk_kv_cache_blocks_total{model_name="m",result="miss"} 7.0' in text
     assert 'kvserve:local_storage_usage{model_name="m"} 3.0' in text
+    assert 'kvserve:remote_kv_cache_blocks_total{model_name="m",result="hit"} 5.0' in text
+    assert 'kvserve:remote_kv_cache_dropped_writes_total{model_name="m"} 12.0' in text
     assert 'kvserve:structured_output_constrained_rows_total{model_name="m"} 0.0' in text
     assert 'kvserve:structured_output_compile_seconds_count{model_name="m"} 0.0' in text
     assert 'kvserve:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text

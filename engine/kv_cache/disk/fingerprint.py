@@ -47,12 +47,19 @@ class KVFingerprint:
         return self.digest.hex()[:24]
 
 
+_NOT_WEIGHTS = {"kvserve-last-use"}
+
+
 def weights_identity(model_path: Path, extra: str = "") -> str:
     """A digest of the model's resolved path and its files' names, sizes and mtimes (a file
     given directly counts as itself). ``extra``: load format, seed, anything else."""
     path = Path(model_path).resolve()
     h = hashlib.sha256(f"{path}|{extra}".encode())
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    # bookkeeping a model directory gets touched with at every start (the conversion cache's
+    # LRU marker) is not the weights: counted, it made every process's fingerprint differ
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.is_file() and p.name not in _NOT_WEIGHTS
+        and not p.name.startswith("."))
     for p in files[:256]:
         st = p.stat()
         h.update(f"|{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -3,6 +3,8 @@
 ``submit(job)`` queues a :class:`PrefetchJob` (a sequence's disk blocks, each with a host block
 the engine thread reserved). The thread reads each record (verified by the store), copies it
 into its host block and stops at the first miss: a chain is only useful up to its first gap.
+With ``read_many`` (a store behind a network: ``engine.kv_cache.remote``) the records are
+fetched ``READ_BATCH`` at a time, one round trip each.
 Finished jobs are collected by the engine thread with :meth:`Prefetcher.take_done`, which alone
 touches the host pool's bookkeeping (the thread writes only the reserved blocks' bytes).
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("kvserve.engine")
 
 WriteBlock = Callable[[int, bytes], None]  # (host block id, payload) -> None
+READ_BATCH = 16  # records per read_many call
 
 
 @dataclass
@@ -31,8 +34,10 @@ class PrefetchJob:
 
 
 class Prefetcher:
-    def __init__(self, read: Callable[[bytes], bytes | None], write_block: WriteBlock) -> None:
+    def __init__(self, read: Callable[[bytes], bytes | None], write_block: WriteBlock,
+                 read_many: Callable[[list[bytes]], list[bytes | None]] | None = None) -> None:
         self._read = read
+        self._read_many = read_many
         self._write_block = write_block
         self._queue: queue.Queue = queue.Queue()
         self._done: list[PrefetchJob] = []
@@ -53,14 +58,22 @@ class Prefetcher:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
+    def _payloads(self, hashes: list[bytes]):
+        """Each hash's verified payload or None, read lazily (the loop stops at a miss)."""
+        if self._read_many is None:
+            for h in hashes:
+                yield self._read(h)
+            return
+        for k in range(0, len(hashes), READ_BATCH):
+            yield from self._read_many(hashes[k:k + READ_BATCH])
+
     def _loop(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
             try:
-                for h, hb in zip(job.hashes, job.host_blocks):
-                    payload = self._read(h)
+                for payload, hb in zip(self._payloads(job.hashes), job.host_blocks):
                     if payload is None:
                         break
                     self._write_block(hb.block_id, payload)

@@ -55,6 +55,7 @@ from engine.kv_cache.disk.budget import (
 from engine.kv_cache.disk.config import DiskTierConfig
 from engine.kv_cache.disk.health import DiskHealth, RetryPolicy
 from engine.kv_cache.disk.manifest import load_manifest, save_manifest
+from engine.kv_cache.disk.queued_writes import QueuedWrites
 from engine.kv_cache.disk.segment import (
     HEADER_BYTES,
     RECORD_HEADER_BYTES,
@@ -93,7 +94,7 @@ def _probe(directory: Path) -> None:
             path.unlink()
 
 
-class DiskStore:
+class DiskStore(QueuedWrites):
     def __init__(self, config: DiskTierConfig, fingerprint: bytes, fingerprint_hex: str,
                  block_bytes: int, retry: RetryPolicy = RetryPolicy(),
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -119,6 +120,7 @@ class DiskStore:
         self._active: tuple[int, str] | None = None  # (fd, name) of our segment
         self._active_end = 0
         self._in_use: int | None = None  # our shared lock on the fingerprint directory
+        self._drop_active = False  # clear(): the writer deletes its active segment next
         try:
             self._open_dir()
         except OSError as exc:
@@ -245,27 +247,7 @@ class DiskStore:
         return self.health.available
 
     # ---- writes (engine thread queues, the writer thread writes) -----------------------
-    def submit(self, block_hash: bytes, payload: bytes) -> bool:
-        """Queue one block for writing; False (counted as dropped) when the queue is full or
-        the tier is down. Never blocks."""
-        if not self.health.available:
-            self.stats.dropped_writes += 1
-            return False
-        try:
-            self._queue.put_nowait((block_hash, payload))
-        except queue.Full:
-            self.stats.dropped_writes += 1
-            return False
-        return True
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued write has been attempted (tests, shutdown)."""
-        done = threading.Event()
-        try:
-            self._queue.put((None, done), timeout=timeout)
-        except queue.Full:
-            return
-        done.wait(timeout)
+    # submit() and flush(): QueuedWrites (engine/kv_cache/disk/queued_writes.py)
 
     def close(self) -> None:
         """Write what is queued, stop the writer, release the active segment, save the
@@ -302,6 +284,8 @@ class DiskStore:
                 except Exception as exc:  # noqa: BLE001 - as for a write: the writer lives on
                     logger.exception("kv disk tier: retrying the directory failed")
                     self._failed("retrying", OSError(f"{type(exc).__name__}: {exc}"))
+            if self._drop_active:
+                self._discard_active()
             if block_hash is None and payload is None:
                 continue
             if block_hash is _STOP:
@@ -390,6 +374,82 @@ class DiskStore:
             self._close_active()
         self.stats.dropped_writes += 1
         self._failed(what, exc)
+
+    # ---- clearing (POST /flush_cache, /reset_prefix_cache) ------------------------------
+    def clear(self) -> int:
+        """Drop every block of this fingerprint: the writes still queued, the segments no other
+        writer holds (deleted: this fingerprint's, other servers' closed ones included: they
+        are the same model's cache) and this server's active segment (the writer thread closes
+        and deletes it before its next write). Another server's active segment stays: its
+        blocks are shared. Returns how many indexed blocks were dropped. Any thread; never
+        waits for the writer."""
+        self._drain_queue()
+        with self._lock:
+            active = self._active[1] if self._active is not None else None
+            names = [n for n in self._segments if n != active]
+            if active is not None:
+                self._drop_active = True
+        dropped = 0
+        if active is not None:  # forgotten now; the file goes when the writer is next awake
+            dropped = self._count_indexed(active)
+            self._forget_segment(active)
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait((None, None))  # wake an idle writer
+        for name in names:
+            path = self.dir / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # already gone
+                dropped += self._count_indexed(name)
+                self._forget_segment(name)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer's: keep it
+            except OSError:
+                os.close(fd)
+                continue
+            n = self._count_indexed(name)
+            path.unlink(missing_ok=True)
+            os.close(fd)
+            self._forget_segment(name)
+            dropped += n
+        return dropped
+
+    def _count_indexed(self, name: str) -> int:
+        with self._lock:
+            seg = self._segments.get(name)
+            if seg is None:
+                return 0
+            return sum(1 for h in seg.hashes
+                       if (ref := self._index.get(h)) is not None and ref.segment == name)
+
+    def _drain_queue(self) -> None:
+        """Drop the writes still queued (flush markers are answered, a stop is kept)."""
+        keep = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            block_hash, payload = item
+            if block_hash is _STOP:
+                keep.append(item)
+            elif block_hash is None and payload is not None:
+                payload.set()  # a flush() waiting: the writes it waited for are gone
+        for item in keep:
+            self._queue.put_nowait(item)
+
+    def _discard_active(self) -> None:
+        """Writer thread, after :meth:`clear`: delete and forget the active segment."""
+        with self._lock:
+            self._drop_active = False
+        if self._active is None:
+            return
+        name = self._active[1]
+        self._close_active()
+        with contextlib.suppress(OSError):
+            (self.dir / name).unlink()
+        self._forget_segment(name)
 
     # ---- index maintenance ------------------------------------------------------------
     def refresh(self, force: bool = False, warn: bool = False) -> bool:

@@ -34,6 +34,19 @@ The flow, by the engine thread unless said otherwise:
   at a clean shutdown every named block still in host or device memory is written back.
   Either way a full queue drops the block, and a hash the disk already holds is skipped.
 
+Tensor parallelism (``shards``, set by ``engine.kv_cache.disk.build``): this facade runs on
+rank 0 and decides for every rank, and each rank's store holds that rank's share of a block
+(its KV heads) under its own fingerprint. ``shards`` (``engine.distributed.kv_tiers``) sends
+the other ranks each read job (the same hashes into the same host blocks of their own pools)
+and each write (the same device or host blocks, each rank skipping what its store holds); a
+finished read counts only the leading blocks every rank read and verified (the minimum over
+ranks, agreed in ``poll``), so that every rank then loads the same blocks.
+
+The store is a ``DiskStore``, or with ``--kv-remote-url`` an ``engine.kv_cache.remote``
+``ChainStore`` (disk then Redis/Valkey, or Redis/Valkey alone) behind the same interface: it
+adds ``read_many`` (batched reads), ``stored_everywhere`` (write skipping), ``probe`` (a
+hybrid cache's look-up) and ``remote_snapshot``.
+
 Block bytes on disk: the K then V block of the pool's first tensor, then its second, ... as
 stored (scales included for int8), ``block_bytes`` in all: every layer's, or with a hybrid KV
 cache one group's layers (a pool block is one group's page; its hash is salted by the group).
@@ -118,10 +131,19 @@ class DiskTier:
         # seq id -> host blocks its finished reads filled: referenced (so that spills cannot
         # evict them) until it leaves the waiting queue
         self._held: dict[str, list] = {}
-        self._prefetcher = Prefetcher(store.read, self._write_host_block)
+        self._prefetcher = Prefetcher(store.read, self._write_host_block,
+                                      getattr(store, "read_many", None))
+        # whether a block needs no write: held by every store (a ChainStore), or the disk's
+        self._stored = getattr(store, "stored_everywhere", store.__contains__)
         self.stats = store.stats
         kv.host.external_holders = self.holders
         self._closed = False
+        # KV cache events (engine.kv_events.TierHook; None: off): told of each block queued
+        # for writing. Blocks the store evicts later are not announced (its writer thread
+        # drops whole segments).
+        self.events = None
+        # Tensor parallelism: the other ranks' stores (engine.distributed.kv_tiers), or None
+        self.shards = None
         self.on_evict_policy = store.config.write_policy == "on-evict"
         if self.on_evict_policy:
             kv.host.cache.evict_listener = self._on_host_evict
@@ -145,6 +167,8 @@ class DiskTier:
         """What to read (``engine.kv_cache.disk.plan``); ``budget``: at most this many blocks
         (one group: the chain's first ones are as useful as all of them, up to their end)."""
         if len(self._groups) > 1:
+            if hasattr(self.store, "probe"):  # a remote store: one round trip, then `in`
+                self.store.probe([h for chain in chains for h in chain])
             return plan_groups(self.kv, chains, self.store, budget)
         plan = plan_chain(self.kv, chains[0], self.store)
         if budget is not None:
@@ -195,6 +219,8 @@ class DiskTier:
         job = PrefetchJob(seq_id, plan.to_read, blocks, plan.positions)
         self._jobs[seq_id] = job
         self._prefetcher.submit(job)
+        if self.shards is not None:  # every rank reads its share into the same host blocks
+            self.shards.read(job)
         return n, found
 
     def _write_host_block(self, host_block: int, payload: bytes) -> None:
@@ -209,7 +235,13 @@ class DiskTier:
         """Hand finished reads to the host prefix cache (see the module docstring); release
         the blocks held for requests that left the queue."""
         pool = self.kv.host.pool
-        for job in self._prefetcher.take_done():
+        done = self._prefetcher.take_done()
+        if self.shards is not None and done:
+            # a block is read only if every rank read and verified its share (they load the
+            # same blocks); this also waits for the other ranks' reads to finish
+            for job, n in zip(done, self.shards.agree(done)):
+                job.num_loaded = min(job.num_loaded, n)
+        for job in done:
             if self._jobs.get(job.seq_id) is job:
                 del self._jobs[job.seq_id]
             kept, unused, places = [], [], set()
@@ -318,24 +350,35 @@ class DiskTier:
                 if held is None:
                     continue
                 b, h = held.block_id, names[i]
-            if h is not None and not self._on_disk(h):
+            if h is not None and self._wanted(h):
                 out.append((b, h))
         return out
 
     def _on_disk(self, h: bytes) -> bool:
         """Held by the store, or queued for it lately."""
-        return h in self.store or h in self._recent
+        return h in self._recent or self._stored(h)
+
+    def _wanted(self, h: bytes) -> bool:
+        """Whether a store may lack ``h``: this one's, or under tensor parallelism any rank's
+        (each rank skips what its own store holds: a rank that lost its share writes it
+        again, so the block becomes a hit again)."""
+        return self.shards is not None or not self._on_disk(h)
 
     def _submit(self, h: bytes, payload: bytes) -> bool:
         if len(self._recent) > 65536:
             self._recent.clear()
         if self.store.submit(h, payload):
             self._recent.add(h)
+            if self.events is not None:
+                self.events.stored(h)
             return True
         return False
 
     def _submit_device(self, todo: list[tuple[int, bytes]]) -> int:
         """Queue device blocks ``(block id, hash)``; returns how many were queued."""
+        if self.shards is not None and todo:
+            self.shards.write("device", todo)
+            todo = [(b, h) for b, h in todo if not self._on_disk(h)]
         if not todo or not self.store.writable:
             return 0
         ids = torch.tensor([b for b, _ in todo], dtype=torch.int64,
@@ -347,20 +390,33 @@ class DiskTier:
     def _host_payload(self, host_block: int) -> bytes:
         return b"".join(h[host_block].tobytes() for h in self._host)
 
+    def _submit_host(self, todo: list[tuple[int, bytes]]) -> int:
+        """Queue host blocks ``(block id, hash)``; returns how many were queued."""
+        if self.shards is not None and todo:
+            self.shards.write("host", todo)
+        return sum(self._submit(h, self._host_payload(b)) for b, h in todo
+                   if not self._on_disk(h))
+
+    def _flush(self) -> None:
+        """Wait for every rank's queued writes."""
+        self.store.flush()
+        if self.shards is not None:
+            self.shards.flush()
+
     # ---- on-evict ---------------------------------------------------------------------------
     def _on_host_evict(self, host_block: int, block_hash: bytes) -> None:
         """``on-evict``: a named host block is about to be reused: its bytes go to the disk
         (dropped when the writer's queue is full, as every write)."""
-        if not self.store.writable or self._on_disk(block_hash):
+        if not (self.store.writable or self.shards is not None) or not self._wanted(block_hash):
             return
         if self._settle_host is not None:
             self._settle_host()  # a spill into this block may still be in flight
-        self._submit(block_hash, self._host_payload(host_block))
+        self._submit_host([(host_block, block_hash)])
 
     def _on_spill_dropped(self, device_block: int, block_hash: bytes) -> None:
         """``on-evict``: a named device block leaves memory without a host copy (every host
         block in use): its bytes go to the disk straight from the device pools."""
-        if self.store.writable and not self._on_disk(block_hash):
+        if self._wanted(block_hash):
             self._submit_device([(device_block, block_hash)])
 
     def _write_back_memory(self) -> int:
@@ -372,15 +428,15 @@ class DiskTier:
         batch = max(1, self.store.config.queue_blocks // 2)
         queued = 0
         host = [(b.block_id, h) for h, b in list(self.kv.host.pool.cached.items())
-                if not self._on_disk(h)]
+                if self._wanted(h)]
         for k in range(0, len(host), batch):
-            queued += sum(self._submit(h, self._host_payload(b)) for b, h in host[k:k + batch])
-            self.store.flush()
+            queued += self._submit_host(host[k:k + batch])
+            self._flush()
         device = [(b.block_id, h) for h, b in list(self.kv.pool.cached.items())
-                  if not self._on_disk(h)]
+                  if self._wanted(h)]
         for k in range(0, len(device), batch):
             queued += self._submit_device(device[k:k + batch])
-            self.store.flush()
+            self._flush()
         return queued
 
     def snapshot(self) -> DiskTierStats:
@@ -397,18 +453,53 @@ class DiskTier:
                                   for job in self._jobs.values()))
         capacity = max(stored, s.config.size_bytes // (self.block_bytes + RECORD_HEADER_BYTES))
         cached_free = max(0, stored - loading)
-        return TierState(name="disk", num_blocks=capacity, free=capacity - stored,
+        return TierState(name=getattr(s, "tier_name", "disk"), num_blocks=capacity, free=capacity - stored,
                          cached_free=cached_free, used=stored - cached_free, cached=stored)
+
+    # ---- clearing (EngineCore.reset_prefix_cache) -----------------------------------------
+    def _parts(self) -> dict:
+        """The stores under the host tier by tier name: "disk", "remote" or both."""
+        s = self.store
+        if not hasattr(s, "remote"):  # a DiskStore
+            return {"disk": s}
+        return {**({"disk": s.disk} if s.disk is not None else {}), "remote": s.remote}
+
+    def tier_names(self) -> list[str]:
+        return list(self._parts())
+
+    def clear(self, tiers) -> dict[str, int | None]:
+        """Drop every block the stores of ``tiers`` (names from :meth:`tier_names`) hold for
+        this model: each store's ``clear()``, which must not wait long (the engine thread runs
+        it between two steps); a store without one is reported as None (not cleared). Returns
+        the blocks dropped per tier. Reads in flight for waiting requests may still land in
+        host memory (those requests hold them)."""
+        parts = self._parts()
+        out: dict[str, int | None] = {}
+        for name in tiers:
+            clear = getattr(parts[name], "clear", None)
+            out[name] = clear() if clear is not None else None
+        if self.shards is not None:  # the other ranks' shares of the same tiers
+            self.shards.clear(list(tiers))
+        self._recent.clear()  # blocks queued lately were dropped with the queue
+        return out
+
+    def remote_snapshot(self):
+        """The remote store's ``RemoteTierStats``, or None without one."""
+        f = getattr(self.store, "remote_snapshot", None)
+        return f() if f is not None else None
 
     def describe(self) -> str:
         s = self.store
+        remote = s.describe_remote() if hasattr(s, "describe_remote") else ""
+        if getattr(s, "disk", s) is None:  # the remote store alone
+            return remote
         groups = len(self._groups)  # a block of tokens is one record per KV group
         pages = f", one per KV group and {self.block_size} tokens" if groups > 1 else ""
         down = "" if s.writable else f" | not writing ({s.health.reason}), retrying"
         return (f"disk KV tier: {s.dir} | {s.config.size_bytes / 2**30:.2f} GiB for the "
                 f"directory | {len(s)} blocks found{pages} "
                 f"({len(s) * self.block_size // groups} tokens) | "
-                f"{self.block_bytes} bytes/block{down}")
+                f"{self.block_bytes} bytes/block{down}" + (f"; {remote}" if remote else ""))
 
     def close(self) -> None:
         """Stop the threads; under ``on-evict`` the blocks in memory are written first, then
@@ -421,4 +512,8 @@ class DiskTier:
                 logger.exception("kv disk tier: writing the memory's blocks back failed")
         self._closed = True
         self._prefetcher.close()
-        self.store.close()
+        try:
+            self.store.close()
+        finally:
+            if self.shards is not None:  # the other ranks' writes land before they stop
+                self.shards.close()
