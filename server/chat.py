@@ -33,6 +33,9 @@ from server.errors import bad_request
 from server.logprobs import chat_logprobs
 from server.prompt_bound import check_chars, released_after
 from server.protocol import ChatCompletionRequest
+from server.reasoning.fields import reasoning_tokens
+from server.reasoning.gate import thinking_gate
+from server.reasoning.splitter import ReasoningSplitter
 from server.serving import (
     ServingContext,
     aborted_on_error,
@@ -47,7 +50,7 @@ from server.serving import (
 )
 from server.sse import event
 from server.tools.constraint import tool_call_spec
-from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls
+from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls, reads_channels
 from server.tools.prompt import tool_conversation
 from server.tools.request import ToolSet
 
@@ -70,11 +73,13 @@ TRUSTED_TEMPLATE_PARAMS = frozenset({"chat_template", "tools", "documents"})
 _TRUST_FLAG = "--trust-request-chat-template"
 
 
-def template_kwargs(req: ChatCompletionRequest, trusted: bool) -> dict[str, Any]:
+def template_kwargs(req: ChatCompletionRequest, trusted: bool,
+                    defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The extra keyword arguments for ``apply_chat_template`` from a request, or a 400: see
     TEMPLATE_CALL_PARAMS and TRUSTED_TEMPLATE_PARAMS. Other ``chat_template_kwargs`` (such as
-    ``enable_thinking``) are variables for the template and pass through."""
-    kwargs = dict(req.chat_template_kwargs or {})
+    ``enable_thinking``) are variables for the template and pass through, over ``defaults``
+    (the operator's --default-chat-template-kwargs)."""
+    kwargs = {**(defaults or {}), **(req.chat_template_kwargs or {})}
     for key in sorted(kwargs):
         if key in TEMPLATE_CALL_PARAMS:
             hint = (f"; set the request's own {key} field instead" if key in
@@ -109,6 +114,7 @@ class ChatPrompt:
     ids: list[int]
     params: SamplingParams
     tools: ToolSet | None
+    thinking: bool = False  # the prompt opened a thought: the output starts inside it
 
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str,
@@ -118,7 +124,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str
     top = req.top_logprobs or 0
     ctx.check_limits(num_prompts=1, n=req.n, priority=req.priority,
                      logprobs=top if req.logprobs else None, logprobs_param="top_logprobs")
-    kwargs = template_kwargs(req, ctx.trust_request_chat_template)
+    kwargs = template_kwargs(req, ctx.trust_request_chat_template, ctx.default_template_kwargs)
     tools = req.tool_set
     if tools is not None and tools.choice == "auto" and not ctx.enable_auto_tool_choice:
         raise bad_request("tool_choice 'auto' needs the server started with "
@@ -144,11 +150,18 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str
             from None
     if spec is not None:
         params = params.clone(structured=spec)
-        if ctx.tool_format.special_marker:  # the call marker is a special token: keep it
-            params = params.clone(skip_special_tokens=False)
+    if ctx.tool_format.special_marker and (spec is not None or
+                                           reads_channels(ctx.tool_format)):
+        params = params.clone(skip_special_tokens=False)  # the markers are special tokens
+    budget = req.thinking_token_budget
+    gate = thinking_gate(ctx.reasoning, ctx.tokenizer, text, params,
+                         ctx.reasoning_budget if budget is None else budget)
+    if gate is not None:
+        params = params.clone(thinking=gate)
     await check_constraint(ctx, params, xrid, client)
     expected = tools if tools is not None and tools.calls_expected else None
-    return ChatPrompt(text, ids, params, expected)
+    thinking = ctx.reasoning is not None and ctx.reasoning.starts_thinking(text)
+    return ChatPrompt(text, ids, params, expected, thinking)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request
@@ -162,7 +175,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     with aborted_on_error(streams):
         logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid,
                     cid, len(prompt.ids), req.n, req.max_new_tokens, bool(req.stream))
-        writer = _ChatWriter(ctx, req, cid, model, xrid, prompt.tools)
+        writer = _ChatWriter(ctx, req, cid, model, xrid, prompt.tools, prompt.thinking)
         return await respond(raw, streams, ctx, xrid,
                              (lambda: writer.stream(raw, streams)) if req.stream else None,
                              lambda finals: writer.response(finals[0]))
@@ -170,11 +183,36 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 class _ChatWriter:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, cid: str, model: str,
-                 xrid: str, tools: ToolSet | None) -> None:
+                 xrid: str, tools: ToolSet | None, thinking: bool = False) -> None:
         self.ctx, self.req, self.cid, self.model, self.xrid = ctx, req, cid, model, xrid
         self.created = int(time.time())
         self.top = req.top_logprobs or 0
         self.tools = tools  # parsed for calls; None: none expected
+        self.thinking = thinking  # the output starts inside a thought (ChatPrompt.thinking)
+        self.show_reasoning = req.include_reasoning is not False
+        # What the output is parsed for: the tools' calls, or (a format whose messages mark
+        # their channels: harmony) the channels even without tools; None: plain text.
+        self.names = tools.names if tools is not None else \
+            (() if reads_channels(ctx.tool_format) else None)
+
+    def _splitter(self) -> ReasoningSplitter | None:
+        fmt = self.ctx.reasoning
+        return ReasoningSplitter(fmt, self.thinking) if fmt is not None else None
+
+    def _reasoning_tokens(self, c: Any) -> int:
+        fmt, splitter = self.ctx.reasoning, self._splitter()
+        if fmt is None or splitter is None:
+            return 0
+        reasoning, _ = splitter.split(c.text)
+        return reasoning_tokens(self.ctx.tokenizer, fmt, c.token_ids, reasoning,
+                                splitter.thought_ended)
+
+    def _usage(self, out: RequestOutput) -> dict[str, Any]:
+        u = usage_of([out])
+        if self.ctx.reasoning is not None:
+            u["completion_tokens_details"] = {
+                "reasoning_tokens": sum(self._reasoning_tokens(c) for c in out.outputs)}
+        return u
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.cid, "object": obj, "created": self.created, "model": self.model}
@@ -186,11 +224,20 @@ class _ChatWriter:
                              list((c.logprobs or [])[start:]), self.top)
 
     def _message(self, c: Any) -> tuple[dict[str, Any], str | None]:
-        """A choice's message and finish_reason, its tool calls parsed out when expected."""
-        if self.tools is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        parsed = parse_tool_calls(c.text, self.ctx.tool_format, self.tools.names)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        """A choice's message and finish_reason: its thought parsed out (with a reasoning
+        parser), then its tool calls (when expected)."""
+        text, extra = c.text, {}
+        splitter = self._splitter()
+        if splitter is not None:
+            reasoning, text = splitter.split(c.text)
+            if reasoning is not None and self.show_reasoning:
+                extra = {"reasoning_content": reasoning, "reasoning": reasoning}
+        if self.names is None:
+            return {"role": "assistant", "content": text, **extra}, c.finish_reason
+        parsed = parse_tool_calls(text, self.ctx.tool_format, self.names)
+        if parsed.reasoning is not None and self.show_reasoning:
+            extra = {"reasoning_content": parsed.reasoning, "reasoning": parsed.reasoning}
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content, **extra}
         if parsed.calls:
             message["tool_calls"] = [self._call_json(call) for call in parsed.calls]
         return message, _finish(c.finish_reason, bool(parsed.calls))
@@ -206,7 +253,7 @@ class _ChatWriter:
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c, 0), "finish_reason": finish,
                             "stop_reason": c.stop_reason})
-        return {**self._base("chat.completion"), "choices": choices, "usage": usage_of([out]),
+        return {**self._base("chat.completion"), "choices": choices, "usage": self._usage(out),
                 "system_fingerprint": None}
 
     def _chunk(self, choice: dict[str, Any]) -> str:
@@ -220,23 +267,48 @@ class _ChatWriter:
         sent_text = [0] * n
         sent_tokens = [0] * n
         done = [False] * n
-        tools = self.tools
-        parsers = [StreamingToolParser(self.ctx.tool_format, tools.names)
-                   for _ in range(n)] if tools is not None else []
+        names = self.names
+        parsers = [StreamingToolParser(self.ctx.tool_format, names)
+                   for _ in range(n)] if names is not None else []
+        splitters = [self._splitter() for _ in range(n)]
         calls = [0] * n
 
-        def tool_deltas(c: Any) -> Iterator[str]:
+        def split(c: Any) -> Iterator[str]:
+            """The choice's new text past its thought (with a reasoning parser), after yielding
+            the thought's part as a reasoning delta."""
             i = c.index
-            events = parsers[i].feed(c.text[sent_text[i]:])
+            piece = c.text[sent_text[i]:]
+            sent_text[i] = len(c.text)
+            splitter = splitters[i]
+            if splitter is None:
+                return piece
+            reasoning, content = splitter.feed(piece)
+            if c.finish_reason is not None:
+                more_r, more_c = splitter.finish()
+                reasoning, content = reasoning + more_r, content + more_c
+            if reasoning and self.show_reasoning:
+                yield self._chunk({"index": i, "delta": {"reasoning_content": reasoning,
+                                                         "reasoning": reasoning},
+                                   "logprobs": None, "finish_reason": None})
+            return content
+
+        def tool_deltas(c: Any, piece: str) -> Iterator[str]:
+            i = c.index
+            events = parsers[i].feed(piece)
             if c.finish_reason is not None:
                 events += parsers[i].finish()
+            thought = parsers[i].take_reasoning()
+            if thought and self.show_reasoning:
+                yield self._chunk({"index": i, "delta": {"reasoning_content": thought,
+                                                         "reasoning": thought},
+                                   "logprobs": None, "finish_reason": None})
             content = "".join(e for e in events if isinstance(e, str))
             has_lp = self.req.logprobs and len(c.token_ids) > sent_tokens[i]
             if content or has_lp:
                 yield self._chunk({"index": i, "delta": {"content": content} if content else {},
                                    "logprobs": self._logprobs(c, sent_tokens[i]),
                                    "finish_reason": None})
-            sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+            sent_tokens[i] = len(c.token_ids)
             for call in (e for e in events if isinstance(e, ToolCall)):
                 body = self._call_json(call)
                 head = {**body, "function": {"name": call.name, "arguments": ""}}
@@ -256,24 +328,24 @@ class _ChatWriter:
                 i = c.index
                 if done[i]:
                     continue
-                if tools is not None:
-                    yield from tool_deltas(c)
+                delta = yield from split(c)
+                if names is not None:
+                    yield from tool_deltas(c, delta)
                     continue
-                delta = c.text[sent_text[i]:]
                 has_lp = self.req.logprobs and len(c.token_ids) > sent_tokens[i]
                 if not delta and not c.finish_reason and not has_lp:
                     continue
                 lp = self._logprobs(c, sent_tokens[i])
-                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                sent_tokens[i] = len(c.token_ids)
                 done[i] = c.finish_reason is not None
                 yield self._chunk({"index": i, "delta": {"content": delta} if delta else {},
                                    "logprobs": lp, "finish_reason": c.finish_reason,
                                    "stop_reason": c.stop_reason})
 
-        def closing(finals: list[RequestOutput]) -> Iterator[str]:
-            if self.req.include_usage and finals:
+        def closing(outs: list[RequestOutput]) -> Iterator[str]:
+            if self.req.include_usage and outs:
                 yield event({**self._base("chat.completion.chunk"), "choices": [],
-                             "usage": usage_of(finals)})
+                             "usage": self._usage(outs[0])})
 
         def cut_short() -> Iterator[str]:  # the drain's budget ran out: vLLM's "abort"
             for i in range(n):

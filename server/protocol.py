@@ -289,11 +289,18 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # assistant messages only
     tool_call_id: StrictStr | None = None  # tool messages: the call they answer
+    # an assistant turn's thought given back (vLLM's field; ``reasoning`` its newer alias):
+    # passed to the chat template, which may render it (Qwen3's does for the current turn)
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages may carry tool_calls")
+        if (self.reasoning_content is not None or self.reasoning is not None) and \
+                self.role != "assistant":
+            raise ValueError("only assistant messages may carry reasoning_content")
         if self.role == "tool":
             if self.tool_call_id is None:
                 raise ValueError("a tool message needs the tool_call_id of the call it answers")
@@ -335,6 +342,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content (server/reasoning)
+    # vLLM's: the thought's tokens before its closing marker is forced (server/reasoning/gate.py)
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -367,8 +377,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as plain dicts ("developer" is OpenAI's new "system"): ``role`` and
-    ``content`` (text), plus an assistant's ``tool_calls`` (OpenAI's shape) and a tool
-    message's ``tool_call_id``; server.tools.prompt shapes them for the chat template."""
+    ``content`` (text), plus an assistant's ``tool_calls`` (OpenAI's shape) and
+    ``reasoning_content`` (its thought, given back) and a tool message's ``tool_call_id``; server.tools.prompt shapes them for the chat template."""
     out: list[dict[str, Any]] = []
     for m in messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -378,6 +388,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                for c in m.tool_calls]
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thought is not None:
+            d["reasoning_content"] = thought
         out.append(d)
     return out
 

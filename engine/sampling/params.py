@@ -12,6 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from engine.pooling.params import PoolingParams
+from engine.sampling.thinking import ThinkingGate
 from engine.structured.spec import StructuredSpec
 
 MAX_STOP_STRINGS = 64
@@ -31,6 +33,8 @@ class SamplingParams:
     are removed from the text (unless ``include_stop_str_in_output``). ``structured``: a
     constraint (JSON schema, regex, choice, grammar) every generated sequence follows; its
     logits are masked before any processing, and EOS is allowed only where it can end.
+    ``thinking``: a reasoning model's thought gate (engine/sampling/thinking.py): the
+    constraint applies after the thought, which a budget may bound.
     """
 
     n: int = 1
@@ -55,6 +59,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
     structured: StructuredSpec | None = None
+    thinking: ThinkingGate | None = None
+    # A pooling request (engine.pooling): prefill only, one vector back, nothing generated.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,6 +158,12 @@ class SamplingParams:
                                      f"for token {tok}")
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise bad("structured", "must be a StructuredSpec or None")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingGate):
+            raise bad("thinking", "must be a ThinkingGate or None")
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise bad("pooling", "must be a PoolingParams or None")
+        if self.pooling is not None and self.n != 1:
+            raise bad("n", "must be 1 for a pooling request")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative token ids")
 

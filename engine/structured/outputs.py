@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from engine.sampling.thinking import ThinkingGate
 from engine.structured.backend import GrammarBackend, GrammarError, Matcher
 from engine.structured.cache import GrammarCache
 from engine.structured.config import StructuredOutputsConfig
 from engine.structured.drafts import fill_draft_rows
 from engine.structured.fill_mode import FillModeChooser
+from engine.structured.gated import GatedMatcher
 from engine.structured.head_columns import GrammarColumns, RowSource
 from engine.structured.mask_filler import FillJob, MaskFiller, RowFailure
 from engine.structured.masking import FilledRows, apply_rows
@@ -94,18 +96,29 @@ class StructuredOutputs:
 
     @property
     def backend(self) -> GrammarBackend:
-        self._ensure()
-        assert self._backend is not None
+        with self._lock:
+            self._ensure_backend()
         return self._backend
+
+    def gated(self, gate: ThinkingGate, compiled: Any = None) -> GatedMatcher:
+        """A matcher for a reasoning request: free (or budgeted) thought, then ``compiled``'s
+        constraint (none: everything allowed after the thought)."""
+        backend = self.backend
+        return GatedMatcher(gate, backend.matcher(compiled) if compiled is not None else None)
+
+    def _ensure_backend(self) -> None:
+        """The masking backend alone (what a thinking gate without a constraint needs)."""
+        if self._backend is None:
+            from engine.structured.routing import RoutingBackend
+
+            self._backend = RoutingBackend(self._tokenizer, self._vocab_size, self._stop,
+                                           self.config.backend)
 
     def _ensure(self) -> GrammarCache:
         with self._lock:
             if self._cache is None:
-                from engine.structured.routing import RoutingBackend
-
                 cfg = self.config
-                self._backend = RoutingBackend(self._tokenizer, self._vocab_size, self._stop,
-                                               cfg.backend)
+                self._ensure_backend()
                 if cfg.isolation == "process":
                     from engine.structured.vet_worker import VetWorker
 
@@ -164,8 +177,9 @@ class StructuredOutputs:
 
     @property
     def in_use(self) -> bool:
-        """A request has carried a constraint (before that, steps have nothing to mask)."""
-        return self._cache is not None
+        """A request has carried a constraint or a thinking gate (before that, steps have
+        nothing to mask)."""
+        return self._backend is not None
 
     def start_mask(self, matchers: Sequence[Matcher | None]) -> PendingMask | None:
         """Begin filling the bitmask for a step whose sampled rows are ``matchers`` (None for

@@ -32,7 +32,7 @@ from engine.structured.config import BACKENDS
 from engine.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
 from engine.structured.spec import StructuredSpec
 from engine.structured.vetting import Verdict
-from engine.structured.xgrammar_backend import XGrammarBackend
+from engine.structured.xgrammar_backend import XGrammarBackend, XGrammarMatcher
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,11 @@ class RoutingBackend:
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:
-        xg = [(m, r) for m, r in zip(matchers, rows) if not isinstance(m, LLGuidanceMatcher)]
+        xg = [(m, r) for m, r in zip(matchers, rows) if isinstance(m, XGrammarMatcher)]
         ll = [(m, r) for m, r in zip(matchers, rows) if isinstance(m, LLGuidanceMatcher)]
+        for m, r in zip(matchers, rows):  # wrappers (engine.structured.gated) fill themselves
+            if not isinstance(m, (XGrammarMatcher, LLGuidanceMatcher)):
+                m.fill_bitmask(bitmask, r)
         if xg:
             self.xgrammar.fill_bitmasks([m for m, _ in xg], bitmask, [r for _, r in xg])
         if ll:

@@ -77,7 +77,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
                     "previous=%s", xrid, rid, len(prompt.ids), req.max_output_tokens,
                     bool(req.stream), req.previous_response_id)
         keep = req.store is not False and store.enabled
-        draft = ResponseDraft(rid, model, req.echo(), keep, prompt.tools, ctx.tool_format)
+        draft = ResponseDraft(rid, model, req.echo(), keep, prompt.tools, ctx.tool_format,
+                              ctx.reasoning, prompt.thinking, ctx.tokenizer)
         # Held by `finish` (so by the stream) until the response is stored: a DELETE meanwhile
         # succeeds and the response is then not stored.
         pending = store.begin(rid) if keep else None

@@ -10,8 +10,11 @@ Input items (each break is a ``FieldError`` naming ``input.<i>...``):
   ``refusal``): images, files and audio are refused;
 * ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the model made;
 * ``{"type": "function_call_output", "call_id", "output"}``: its result (text, or text parts);
-* ``{"type": "reasoning", ...}``: accepted and left out of the prompt (these models keep no
-  reasoning between turns).
+* ``{"type": "reasoning", "content": [{"type": "reasoning_text", "text"}], "summary": [...]}``:
+  a thought the model had; it becomes the next assistant message's ``reasoning_content``, which
+  the chat template renders where it takes it (Qwen3's does for the turn in progress) and
+  ignores otherwise. Its text is the ``reasoning_text`` parts, else the summary's texts; an item
+  with no text (empty, or only ``encrypted_content``) is left out.
 
 Normalised items are the API's own shapes, each with an ``id`` (kept when given): what
 ``GET /v1/responses/{id}/input_items`` lists. ``chat_messages`` turns items (input and output
@@ -70,7 +73,7 @@ def _item(raw: Any, where: str) -> dict[str, Any] | None:
         return {"type": "function_call_output", "id": raw.get("id") or item_id("fco"),
                 "call_id": call_id, "output": text, "status": "completed"}
     if kind == "reasoning":
-        return None
+        return _reasoning(raw, where)
     if kind == "item_reference":
         raise FieldError(f"{where}.type", "item references are not supported: send the item "
                                           "itself, or continue with previous_response_id")
@@ -104,6 +107,22 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _reasoning(raw: dict[str, Any], where: str) -> dict[str, Any] | None:
+    parts = raw.get("content") or []
+    summary = raw.get("summary") or []
+    if not isinstance(parts, list) or not isinstance(summary, list):
+        raise FieldError(where, "a reasoning item's content and summary must be lists of parts")
+    texts = [p.get("text") for p in parts if isinstance(p, dict)] or \
+        [p.get("text") for p in summary if isinstance(p, dict)]
+    if not all(isinstance(t, str) for t in texts):
+        raise FieldError(f"{where}.content", "reasoning parts need a text string")
+    if not any(texts):  # nothing to give the template (an encrypted or empty item)
+        return None
+    return {"type": "reasoning", "id": raw.get("id") or item_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": "\n".join(texts)}],
+            "status": "completed"}
+
+
 def _message(role: str, text: str, given_id: Any) -> dict[str, Any]:
     kind = "output_text" if role == "assistant" else "input_text"
     part: dict[str, Any] = {"type": kind, "text": text}
@@ -120,21 +139,31 @@ def message_text(item: dict[str, Any]) -> str:
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Normalised items (input or output) as ``/v1/chat/completions`` messages."""
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            thought = message_text(item)
+            continue
+        extra = {"reasoning_content": thought} if thought is not None else {}
         if kind == "message":
-            out.append({"role": item["role"], "content": message_text(item)})
+            out.append({"role": item["role"], "content": message_text(item),
+                        **(extra if item["role"] == "assistant" else {})})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not extra:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append({"role": "assistant", "content": None, "tool_calls": [call],
+                            **extra})
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": item["output"]})
+        if kind != "function_call_output" and (kind != "message" or
+                                               item["role"] == "assistant"):
+            thought = None
     return out
 
 

@@ -16,6 +16,13 @@ message ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_item.added``, ``response.function_call_arguments.delta``,
 ``response.function_call_arguments.done``, ``response.output_item.done``; then
 ``response.completed`` (or ``response.incomplete``, or ``response.failed`` with the error).
+
+With a reasoning parser (server/reasoning) a thought comes first as a ``reasoning`` item
+(``content: [{"type": "reasoning_text", "text"}]``, ``summary: []``), streamed as
+``response.output_item.added``, ``response.reasoning_text.delta``...,
+``response.reasoning_text.done``, ``response.output_item.done``; its tokens are
+``usage.output_tokens_details.reasoning_tokens``. Reasoning items given back as input are left
+out of the prompt (the templates of these models drop past thoughts).
 """
 
 from __future__ import annotations
@@ -27,21 +34,29 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from server.errors import APIError
+from server.reasoning.fields import reasoning_tokens
+from server.reasoning.formats import ReasoningFormat
+from server.reasoning.splitter import ReasoningSplitter
 from server.responses.items import function_call_item, item_id, output_items
 from server.serving import usage_of
 from server.sse import dumps
 from server.tools.formats import ToolCallFormat
-from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls
+from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls, reads_channels
 from server.tools.request import ToolSet
 
 
-def responses_usage(out: RequestOutput) -> dict[str, Any]:
+def responses_usage(out: RequestOutput, reasoning: int = 0) -> dict[str, Any]:
     u = usage_of([out])
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": u["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": u["total_tokens"]}
+
+
+def reasoning_item(text: str, item: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item or item_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
 
 @dataclass
@@ -54,7 +69,21 @@ class ResponseDraft:
     store: bool
     tools: ToolSet | None  # calls parsed out of the output; None: none expected
     fmt: ToolCallFormat
+    reasoning: ReasoningFormat | None = None  # the thought parsed out first; None: none
+    thinking: bool = False  # the output starts inside the thought (ChatPrompt.thinking)
+    tokenizer: Any = None  # counts the thought's tokens
     created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def names(self) -> Any:
+        """What the output is parsed for: the tools' names, () for a format that marks its
+        channels (harmony) without tools, None: plain text."""
+        if self.tools is not None:
+            return self.tools.names
+        return () if reads_channels(self.fmt) else None
+
+    def splitter(self) -> ReasoningSplitter | None:
+        return ReasoningSplitter(self.reasoning, self.thinking) if self.reasoning else None
 
     def body(self, status: str, output: list[dict[str, Any]], *,
              usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
@@ -65,18 +94,33 @@ class ResponseDraft:
                 **self.echo}
 
     def finished(self, out: RequestOutput, output: list[dict[str, Any]]) -> dict[str, Any]:
-        cut = out.outputs[0].finish_reason == "length"
+        c = out.outputs[0]
+        cut = c.finish_reason == "length"
+        spent = 0
+        splitter = self.splitter()
+        if splitter is not None and self.reasoning is not None:
+            thought, _ = splitter.split(c.text)
+            spent = reasoning_tokens(self.tokenizer, self.reasoning, c.token_ids, thought,
+                                     splitter.thought_ended)
         return self.body("incomplete" if cut else "completed", output,
-                         usage=responses_usage(out),
+                         usage=responses_usage(out, spent),
                          incomplete={"reason": "max_output_tokens"} if cut else None)
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         """The whole response of a finished output."""
-        text = out.outputs[0].text
-        if self.tools is None:
-            return self.finished(out, output_items(text, (), self.fmt.call_id))
-        parsed = parse_tool_calls(text, self.fmt, self.tools.names)
-        return self.finished(out, output_items(parsed.content, parsed.calls, self.fmt.call_id))
+        text, first = out.outputs[0].text, []
+        splitter = self.splitter()
+        if splitter is not None:
+            thought, text = splitter.split(text)
+            first = [reasoning_item(thought)] if thought is not None else []
+        names = self.names
+        if names is None:
+            return self.finished(out, first + output_items(text, (), self.fmt.call_id))
+        parsed = parse_tool_calls(text, self.fmt, names)
+        if parsed.reasoning is not None:  # a thought the format marks (harmony's analysis)
+            first = [reasoning_item(parsed.reasoning)]
+        return self.finished(out, first + output_items(parsed.content, parsed.calls,
+                                                       self.fmt.call_id))
 
 
 class ResponseEvents:
@@ -90,8 +134,10 @@ class ResponseEvents:
         self.items: list[dict[str, Any]] = []
         self.text: dict[str, Any] | None = None  # the open message item
         self.sent = 0
-        tools = draft.tools
-        self.parser = StreamingToolParser(draft.fmt, tools.names) if tools is not None else None
+        names = draft.names
+        self.parser = StreamingToolParser(draft.fmt, names) if names is not None else None
+        self.splitter = draft.splitter()
+        self.thought: dict[str, Any] | None = None  # the open reasoning item
 
     def _event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -106,17 +152,55 @@ class ResponseEvents:
     def deltas(self, _: int, out: RequestOutput) -> Iterator[str]:
         c = out.outputs[0]
         new, self.sent = c.text[self.sent:], len(c.text)
+        if self.splitter is not None:
+            thought, new = self.splitter.feed(new)
+            if c.finish_reason is not None:
+                more_t, more_c = self.splitter.finish()
+                thought, new = thought + more_t, new + more_c
+            if thought or (self.thought is None and self.splitter.state == "thinking"):
+                yield from self._reasoning(thought)
+            if new or self.splitter.thought_ended:
+                yield from self._close_reasoning()
         if self.parser is None:
             pieces: list[str | ToolCall] = [new] if new else []
         else:
             pieces = self.parser.feed(new)
             if c.finish_reason is not None:
                 pieces += self.parser.finish()
+            thought = self.parser.take_reasoning()  # harmony's analysis channel
+            if thought:
+                yield from self._reasoning(thought)
+            if self.thought is not None and any(pieces):
+                yield from self._close_reasoning()
         for piece in pieces:
             if isinstance(piece, ToolCall):
                 yield from self._call(piece)
             elif piece:
                 yield from self._text(piece)
+
+    def _reasoning(self, delta: str) -> Iterator[str]:
+        if self.thought is None:
+            self.thought = {"id": item_id("rs"), "index": len(self.items), "text": ""}
+            yield self._event("response.output_item.added", output_index=self.thought["index"],
+                              item={"type": "reasoning", "id": self.thought["id"],
+                                    "summary": [], "content": [], "status": "in_progress"})
+        if delta:
+            self.thought["text"] += delta
+            yield self._event("response.reasoning_text.delta", item_id=self.thought["id"],
+                              output_index=self.thought["index"], content_index=0,
+                              delta=delta)
+
+    def _close_reasoning(self) -> Iterator[str]:
+        if self.thought is None or self.thought.get("closed"):
+            return
+        self.thought["closed"] = True
+        where = {"item_id": self.thought["id"], "output_index": self.thought["index"]}
+        yield self._event("response.reasoning_text.done", **where, content_index=0,
+                          text=self.thought["text"])
+        item = reasoning_item(self.thought["text"], self.thought["id"])
+        yield self._event("response.output_item.done", output_index=self.thought["index"],
+                          item=item)
+        self.items.append(item)
 
     def _open_text(self) -> Iterator[str]:
         self.text = {"id": item_id("msg"), "index": len(self.items), "text": ""}
@@ -166,7 +250,8 @@ class ResponseEvents:
         self.items.append(item)
 
     def closing(self, finals: list[RequestOutput]) -> Iterator[str]:
-        if not self.items and self.text is None:
+        yield from self._close_reasoning()
+        if not any(i["type"] != "reasoning" for i in self.items) and self.text is None:
             yield from self._open_text()  # no text and no call: still one (empty) message
         yield from self._close_text()
         final = self.draft.finished(finals[0], self.items)

@@ -1,7 +1,9 @@
 """Tool calling on ``/v1/chat/completions``.
 
-``formats``: the tool-call output formats (``hermes``, ``llama3_json``, ``mistral``; vLLM's
-parser names), how a call looks in the model's text, and which format a chat template implies.
+``formats``: the tool-call output formats (``hermes``, ``llama3_json``, ``mistral``,
+``qwen3_coder``, ``deepseek_v3``, ``deepseek_v31``, ``openai``; vLLM's parser names), how a
+call looks in the model's text, and which format a chat template implies; ``base`` what a
+format is; ``qwen3_coder``, ``deepseek`` and ``harmony`` one format (family) each.
 ``request``: a request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` validated into a
 ``ToolSet``.
 ``prompt``: the conversation as the chat template gets it (the template's own ``tools``

@@ -1,7 +1,9 @@
 """The constraint on a request's tool calls: xgrammar's structural tag for the format
-(``xgrammar.get_model_structural_tag``; for mistral, which xgrammar has no tag for,
-``mistral_tag`` built the same way), as a ``StructuredSpec`` the engine compiles and caches
-like any other constraint.
+(``xgrammar.get_model_structural_tag``: ``qwen_3`` for hermes, ``llama``, ``qwen_3_coder``,
+``deepseek_r1`` for deepseek_v3, ``deepseek_v3_1`` for deepseek_v31; for mistral, which
+xgrammar has no tag for, ``mistral_tag`` built the same way; a format's own
+``structural_tag``, harmony's, before either), as a ``StructuredSpec`` the engine compiles and
+caches like any other constraint.
 
 * ``auto``: free text until the format's trigger (``<tool_call>``, ``{"name": ``,
   ``[TOOL_CALLS]``), then the call, its arguments constrained to the tool's ``parameters``
@@ -28,7 +30,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.structured.spec import StructuredSpec
-from server.tools.formats import MistralFormat, ToolCallFormat
+from server.tools.base import ToolCallFormat
+from server.tools.mistral import MistralFormat
 from server.tools.request import ToolSet
 
 # At most this many whitespace characters in a row inside the arguments: the call's JSON stays
@@ -42,6 +45,9 @@ def tool_call_spec(fmt: ToolCallFormat, tools: ToolSet) -> StructuredSpec | None
     ValueError (a 400) if xgrammar refuses the tools."""
     if not tools.calls_expected:
         return None
+    own = fmt.structural_tag(tools)
+    if own is not None:
+        return StructuredSpec.structural_tag(own)
     if isinstance(fmt, MistralFormat):
         return StructuredSpec.structural_tag(mistral_tag(fmt, tools))
     import xgrammar as xgr

@@ -15,6 +15,15 @@ The rules, for a format (``server.tools.formats``) and the request's tool names:
 While streaming, text that could still be the start of a marker, and whitespace that could
 precede a call, is held back until what follows decides it: a marker's raw text never reaches
 the content of a valid call.
+
+``names`` may carry the tools' parameter schemas (``server.tools.request.ToolNames``, what
+``ToolSet.names`` gives): formats that write untyped values (qwen3_coder) type them by it.
+
+A format with a parser of its own (``ToolCallFormat.parser_class``: harmony's channels) gets
+it from ``StreamingToolParser(fmt, names)``; ``HarmonyToolParser`` (harmony_parser.py) gives
+the final channel as
+content (with or without calls), the calls to the tools, and the analysis channel as reasoning
+(``take_reasoning()``; not content).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import json
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from server.tools.formats import ToolCallFormat
+from server.tools.base import ToolCallFormat
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class ToolCall:
 class ParsedOutput:
     content: str | None
     calls: tuple[ToolCall, ...]
+    reasoning: str | None = None  # a thought the format itself marks (harmony's analysis)
 
 
 Event = str | ToolCall  # a content delta or a finished call
@@ -45,8 +55,22 @@ class StreamingToolParser:
     """Feed the output's text as it grows (``feed(delta)``), then ``finish()``; each returns
     the events that text settled: content deltas (str) and finished calls (ToolCall)."""
 
+    own_content = False  # True: the content is what the parser gives, calls or none (harmony)
+
+    def take_reasoning(self) -> str:
+        """The thought read since the last call, for formats that mark one themselves (harmony's
+        analysis channel); "" for the others."""
+        return ""
+
+    def __new__(cls, fmt: ToolCallFormat, names: Collection[str]) -> StreamingToolParser:
+        own = fmt.parser_class
+        if cls is StreamingToolParser and own is not None:
+            cls = own
+        return super().__new__(cls)
+
     def __init__(self, fmt: ToolCallFormat, names: Collection[str]) -> None:
         self.fmt = fmt
+        self.schemas = getattr(names, "schemas", None)
         self.names = frozenset(names)
         self._buf = ""  # text not yet settled
         self._ws = ""  # trailing whitespace of the content, held until what follows is known
@@ -100,7 +124,7 @@ class StreamingToolParser:
 
     def _calls(self, block: str) -> list[ToolCall]:
         """The block's calls; none unless every call in it names a known function."""
-        decoded = self.fmt.decode_calls(block)
+        decoded = self.fmt.decode_calls(block, self.schemas)
         if not decoded or any(d.name not in self.names for d in decoded):
             return []
         return [ToolCall(d.name, json.dumps(d.arguments, ensure_ascii=False)) for d in decoded]
@@ -127,7 +151,13 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat, names: Collection[str]) -> 
     parser = StreamingToolParser(fmt, names)
     events = parser.feed(text) + parser.finish()
     calls = tuple(e for e in events if isinstance(e, ToolCall))
-    if not calls:
+    if not calls and not parser.own_content:
         return ParsedOutput(text, ())
     content = "".join(e for e in events if isinstance(e, str))
-    return ParsedOutput(content or None, calls)
+    return ParsedOutput(content or None, calls, parser.take_reasoning() or None)
+
+
+def reads_channels(fmt: ToolCallFormat) -> bool:
+    """Whether ``fmt``'s outputs are parsed even without tools: its messages mark their own
+    channels (harmony's analysis and final), so the content is only the final channel's."""
+    return bool(getattr(fmt.parser_class, "own_content", False))

@@ -3,7 +3,8 @@
 A template that references ``tools`` renders them itself (HF ``apply_chat_template`` style):
 it gets ``tools=[...]`` (OpenAI's function-tool objects), assistant messages with
 ``tool_calls`` (``function.arguments`` as a dict where the JSON string holds an object, as HF
-templates expect; ``content`` "" when null) and ``tool`` messages with ``tool_call_id``,
+templates expect, or as the text for a template that joins it to text, DeepSeek's; ``content``
+"" when null) and ``tool`` messages with ``tool_call_id``,
 ``name`` (the called function) and ``content``. Call ids reach the template as the format
 writes them (mistral's: 9 letters and digits, which its templates insist on).
 
@@ -14,7 +15,8 @@ all in plain messages:
   and how to call one: for ``hermes`` a ``<tool_call>\\n{"name": ..., "arguments": ...}\\n
   </tool_call>`` block per call, for ``llama3_json`` a bare ``{"name": ..., "parameters":
   ...}`` object, for ``mistral`` ``[TOOL_CALLS]`` and a JSON array of ``{"name": ...,
-  "arguments": ...}`` calls (``[TOOL_CALLS]name[ARGS]{...}`` per call in its v11 form);
+  "arguments": ...}`` calls (``[TOOL_CALLS]name[ARGS]{...}`` per call in its v11 form), for
+  the others as the format writes a call (``ToolCallFormat.how_to_call``);
   appended to the first system message, or a system message of its own first;
 * an assistant message's calls written into its content the same way, after its text;
 * ``tool`` messages as a user turn of ``<tool_response>\\n...\\n</tool_response>`` blocks
@@ -27,7 +29,8 @@ import json
 import re
 from typing import Any
 
-from server.tools.formats import MistralFormat, ToolCallFormat
+from server.tools.base import ToolCallFormat
+from server.tools.mistral import MistralFormat
 
 DEFAULT_PREAMBLE = """# Tools
 
@@ -95,7 +98,8 @@ def _native(conversation: list[dict[str, Any]], fmt: ToolCallFormat) -> list[dic
             m["content"] = m.get("content") or ""
             m["tool_calls"] = [{**c, "id": fmt.template_call_id(c["id"]), "function": {
                 "name": c["function"]["name"],
-                "arguments": _arguments(c["function"]["arguments"])}} for c in m["tool_calls"]]
+                "arguments": fmt.template_arguments(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]
         if m["role"] == "tool":
             m.setdefault("name", names.get(m.get("tool_call_id", ""), ""))
             if "tool_call_id" in m:
@@ -109,7 +113,9 @@ def default_preamble(tools: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
     example = fmt.render_call("<function-name>", "<arguments-object>").replace(
         '"<function-name>"', "<function-name>").replace('"<arguments-object>"',
                                                         "<arguments-object>")
-    if isinstance(fmt, MistralFormat):
+    if fmt.how_to_call() is not None:
+        how = fmt.how_to_call()
+    elif isinstance(fmt, MistralFormat):
         how = _HOW_MISTRAL_V11 if fmt.v11 else _HOW_MISTRAL
     else:
         how = _HOW_JSON if fmt.end_marker is None else _HOW_BLOCK

@@ -43,6 +43,19 @@ class FunctionTool:
         return {"type": "function", "function": fn}
 
 
+class ToolNames(frozenset):
+    """The request's function names, carrying their ``parameters`` schemas by name
+    (``schemas``): the qwen3_coder parser types its raw values by them."""
+
+    schemas: dict[str, dict[str, Any]]
+
+    def __new__(cls, tools: Iterable[FunctionTool]) -> ToolNames:
+        tools = tuple(tools)
+        names = super().__new__(cls, (t.name for t in tools))
+        names.schemas = {t.name: t.parameters for t in tools}
+        return names
+
+
 @dataclass(frozen=True)
 class ToolSet:
     tools: tuple[FunctionTool, ...]
@@ -51,8 +64,8 @@ class ToolSet:
     parallel: bool
 
     @property
-    def names(self) -> frozenset[str]:
-        return frozenset(t.name for t in self.tools)
+    def names(self) -> ToolNames:
+        return ToolNames(self.tools)
 
     @property
     def calls_expected(self) -> bool:

@@ -220,3 +220,17 @@ def test_a_failed_stream_ends_with_response_failed():
     assert body[0]["type"] == "response.failed"
     assert body[0]["response"]["error"] == {"code": "engine_dead",
                                             "message": "the engine is not running"}
+
+
+def test_a_reasoning_item_becomes_the_next_assistant_turns_thought():
+    from server.responses.items import chat_messages
+
+    thought = {"type": "reasoning", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "look it up"}]}
+    items = read_input([{"role": "user", "content": "q"}, thought, CALL,
+                        {"type": "function_call_output", "call_id": "call_1", "output": "2"},
+                        {"role": "assistant", "content": "two"}])
+    assert [i["type"] for i in items][:3] == ["message", "reasoning", "function_call"]
+    msgs = chat_messages(items)
+    assert msgs[1]["role"] == "assistant" and msgs[1]["reasoning_content"] == "look it up"
+    assert "reasoning_content" not in msgs[0] and "reasoning_content" not in msgs[-1]
