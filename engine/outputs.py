@@ -63,3 +63,6 @@ class RequestOutput:
     # With ``error``: a code when the request's own input was at fault (e.g.
     # "constraint_failed", a 400 for the server), None for an internal error (a 500).
     error_code: str | None = None
+    # A pooling request's vector (``SamplingParams.pooling``; engine.pooling): the pooled
+    # hidden state, or a scoring head's logits; None for a generation request.
+    pooled: list[float] | None = None

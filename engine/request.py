@@ -83,6 +83,11 @@ class Request:
     sampler_cache: dict = field(default_factory=dict)
     # The compiled grammar's Future while ``params.structured`` is set (engine.structured).
     grammar: Any = None
+    # A pooling request (``params.pooling``, engine.pooling): the float32 sum of the rows
+    # pooled so far, the prompt positions summed, and the finished vector.
+    pooled_sum: torch.Tensor | None = None
+    pooled_upto: int = 0
+    pooled: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

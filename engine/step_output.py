@@ -48,6 +48,9 @@ class StepOutput:
     # Rows of ``sample_logits`` computed only at the columns their grammar allows (-inf
     # elsewhere: their masks need not be applied again); engine/runner/logit_columns.py.
     restricted_rows: tuple[int, ...] = ()
+    # Pooling chunks (``SeqChunk.pool``): ``(chunk index, float32 vector on the host)``, the
+    # sum of the span's final-norm hidden states, or its head logits.
+    pooled: tuple[tuple[int, torch.Tensor], ...] = ()
 
     def __post_init__(self) -> None:
         rows = sum(len(r) for _, r in self.sampled)

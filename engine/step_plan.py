@@ -29,6 +29,17 @@ class PromptLogitSpan:
     top_k: int
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSpan:
+    """Positions ``[first, last)`` of one scheduled chunk whose final-norm hidden states are
+    summed for a pooling request (``engine.pooling``); with ``head_token_ids`` (one row, the
+    prompt's last) the logits at those ids instead."""
+
+    first: int
+    last: int
+    head_token_ids: tuple[int, ...] = ()
+
+
 @dataclass(slots=True)
 class SeqChunk:
     """One scheduled sequence's share of the step. Read-only by contract (its lists are the
@@ -45,6 +56,7 @@ class SeqChunk:
     ``num_draft`` (speculative decoding): the last ``num_draft`` token ids are drafted guesses
     that follow the last known token; then the last ``num_draft + 1`` rows are all sampled
     (row j verifies draft token j, the last row gives the token after the whole draft).
+    ``pool``: the rows a pooling request sums (``engine.pooling``); such a chunk never samples.
     """
 
     token_ids: list[int]
@@ -54,6 +66,7 @@ class SeqChunk:
     prompt_logits: PromptLogitSpan | None = None
     num_draft: int = 0
     extra_tables: tuple[list[int], ...] = ()
+    pool: PoolSpan | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -34,6 +34,7 @@ def build_request_output(req: Request) -> RequestOutput:
         metrics=req.metrics,
         error=req.error,
         error_code=req.error_code,
+        pooled=req.pooled,
     )
 
 

@@ -53,6 +53,8 @@ class ModelInput:
     # Hybrid KV cache: block tables and slots of KV groups 1.. (group 0's are the above).
     extra_block_tables: tuple[torch.Tensor, ...] = ()
     extra_slot_mappings: tuple[torch.Tensor, ...] = ()
+    # Pooling chunks (``SeqChunk.pool``): (chunk index, first flat row, end flat row, head ids)
+    pool_rows: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +67,7 @@ class ModelInput:
     @property
     def is_pure_decode(self) -> bool:
         """Every sequence decodes one token and only sampled rows need logits."""
-        return self.num_decodes == self.num_seqs and not self.prompt_rows
+        return self.num_decodes == self.num_seqs and not self.prompt_rows and not self.pool_rows
 
 
 def build_model_input(plan: StepPlan) -> ModelInput:
@@ -83,6 +85,7 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     prompt_targets: list[int] = []
     prompt_top_k = 0
     num_decodes = 0
+    pool_rows: list[tuple[int, int, int, tuple[int, ...]]] = []
     for i, s in enumerate(plan.seqs):
         start, n = s.start, len(s.token_ids)
         if n == 1 and num_decodes == i:
@@ -97,6 +100,10 @@ def build_model_input(plan: StepPlan) -> ModelInput:
             sample_counts.append(s.num_draft + 1)
             if s.num_draft:
                 num_draft_rows += s.num_draft
+        if s.pool is not None:
+            p = s.pool
+            pool_rows.append((i, flat_start + p.first - start, flat_start + p.last - start,
+                              p.head_token_ids))
         span = s.prompt_logits
         if span is not None:
             first, last = span.first, span.last
@@ -154,6 +161,7 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         prompt_rows=prompt_rows,
         extra_block_tables=extra_tables,
         extra_slot_mappings=extra_slots,
+        pool_rows=tuple(pool_rows),
     )
 
 

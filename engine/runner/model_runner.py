@@ -456,29 +456,31 @@ class ModelRunner:
         if not plan.seqs:
             return StepOutput()
         inp = build_model_input(plan)
-        sample_logits, prompt, restricted = self._run_batch(inp, sample_columns)
+        sample_logits, prompt, restricted, pooled = self._run_batch(inp, sample_columns)
         sampled, row = [], 0
         for i, count in zip(inp.sample_seq_indices, inp.sample_counts, strict=True):
             sampled.append((i, range(row, row + count)))
             row += count
         return StepOutput(tuple(sampled), sample_logits,
                           tuple(inp.prompt_rows) if prompt is not None else (), prompt,
-                          restricted_rows=tuple(restricted))
+                          restricted_rows=tuple(restricted), pooled=pooled)
 
     @torch.inference_mode()
     def _run_batch(self, inp: ModelInput, sample_columns: SampleColumns | None = None,
-                   ) -> tuple[torch.Tensor, PromptLogprobs | None, list[int]]:
+                   ) -> tuple[torch.Tensor, PromptLogprobs | None, list[int],
+                              tuple[tuple[int, torch.Tensor], ...]]:
         """The forward pass over one packed batch (host data): the sampled rows' logits
         ``[S, V]``, the reduced prompt logprobs (rows as ``inp.prompt_indices``, None when
         none are asked) and the sampled rows computed at their allowed columns only
-        (``sample_columns``; engine/runner/logit_columns.py). Pure decode steps replay a CUDA
+        (``sample_columns``; engine/runner/logit_columns.py) and the pooling chunks' vectors
+        (``_pool``). Pure decode steps replay a CUDA
         graph when one was captured, everything else runs eagerly after one host->device
         copy."""
         if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
             if inp.sample_indices.numel() != hidden.shape[0]:
                 hidden = hidden[inp.sample_indices.to(self.device)]
-            return self.model.compute_logits(hidden), None, []
+            return self.model.compute_logits(hidden), None, [], ()
         if self._layer_group and not inp.extra_block_tables:
             raise RuntimeError("a hybrid KV cache needs every group's block tables in the plan")
         dev = to_device(inp, self._stager, self._layer_group)
@@ -492,7 +494,21 @@ class ModelRunner:
             prompt = prompt_logprobs_in_chunks(self.model.compute_logits, hidden,
                                                dev.prompt_indices, dev.prompt_targets,
                                                inp.prompt_top_k, chunk=PROMPT_LOGPROB_CHUNK)
-        return sample_logits, prompt, restricted
+        return sample_logits, prompt, restricted, self._pool(hidden, inp)
+
+    def _pool(self, hidden: torch.Tensor, inp: ModelInput
+              ) -> tuple[tuple[int, torch.Tensor], ...]:
+        """Per pooling chunk (``SeqChunk.pool``): the float32 sum of its span's final-norm
+        hidden states, or the span's last row's logits at its head ids, on the host."""
+        out = []
+        for i, first, last, head_ids in inp.pool_rows:
+            if head_ids:
+                ids = torch.tensor(head_ids, dtype=torch.long, device=hidden.device)
+                vec = self.model.compute_logits(hidden[last - 1:last])[0].index_select(0, ids)
+            else:
+                vec = hidden[first:last].float().sum(0)
+            out.append((i, vec.cpu()))
+        return tuple(out)
 
     # ---- liveness (nothing outlives a single-device runner) ------------------------------
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import PrefixHit
+from engine.pooling.span import pool_span
 from engine.request import Request, SeqStatus, Sequence
 from engine.scheduling.drafts import forced_drafts, propose_drafts
 from engine.scheduling.kv_pool import KVPool, build_kv
@@ -268,7 +269,8 @@ class Scheduler:
             else:
                 chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
                                        self._cached(seq), table(seq.seq_id), s.sample,
-                                       prompt_logit_span(s.seq, s.start, s.num_new_tokens)))
+                                       prompt_logit_span(s.seq, s.start, s.num_new_tokens),
+                                       pool=pool_span(seq, start, s.num_new_tokens)))
             if self.hybrid:  # every KV group's table (engine.kv_cache.hybrid)
                 tables = kv.group_tables(seq.seq_id)
                 chunks[-1].block_table, chunks[-1].extra_tables = tables[0], tables[1:]
@@ -302,7 +304,9 @@ class Scheduler:
 
     @staticmethod
     def _samples(seq: Sequence, num_new: int) -> bool:
-        return seq.num_computed_tokens + num_new >= seq.num_tokens
+        # a pooling request (engine.pooling) never samples: its prompt's end finishes it
+        return (seq.num_computed_tokens + num_new >= seq.num_tokens
+                and seq.request.params.pooling is None)
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate(seq.seq_id, num_tokens) is None:
@@ -398,6 +402,8 @@ class Scheduler:
                 request.prompt_logprobs is None
                 or len(request.prompt_logprobs) < request.num_prompt_tokens):
             return PrefixHit(block_ids=[], num_tokens=0)  # every prompt position needs logits
+        if request.params.pooling is not None and request.params.pooling.needs_every_row:
+            return PrefixHit(block_ids=[], num_tokens=0)  # mean / CLS pool every row
         hit = self.kv.find_prefix(seq.seq_id, seq.token_ids, request.cache_extra_keys,
                                   record_stats=False)
         first = request.seqs[0]

@@ -79,6 +79,7 @@ class FakeCore:
         self.structured = FakeGrammars()
         self.model_name = "fake-model"
         self.generation_defaults = GenerationDefaults()  # OpenAI's defaults
+        self.pooling = None  # a generative model: no embeddings (engine.pooling.serving)
         self.max_model_len = max_model_len
         self.vocab_size = VOCAB
         self.token_id_bound = VOCAB
