@@ -66,6 +66,8 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
             rows = min(rows, mod.float_above)
         return _Linear(kernels.StackLinear([p.spec for p in parts]), rows)
     if isinstance(mod, QuantLinear):
+        if mod.faithful:  # engine/cpu/kernels_faithful.py has no StackLinear kind yet
+            return "packed linear with faithful (bf16/float32) activations"
         rows = mod.dense_rows if mod.fallback is None else min(mod.dense_rows, mod.float_above)
         if mod.is_q5:
             kind = _Q5

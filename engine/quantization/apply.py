@@ -18,9 +18,11 @@ the float weights on load (``engine.quantization.rtn``) and always use them, as 
    the prefill panels' dtype is measured). For auto, :func:`adopt_if_faster` after float
    packing: ``engine.quantization.probe.choose`` times the float modules against the quantised
    ones on this machine and these shapes (a verdict whose runs agreed is cached per machine and
-   reused: ``engine.quantization.probe_cache``). The quantised path is used for the row counts
-   where it measured faster, never by a rule: for all of them (``quant``, the float copies are
-   dropped), up to a crossover (``hybrid``: the float modules are kept for larger inputs), or
+   reused: ``engine.quantization.probe_cache``). The quantised path is used for every row count
+   where float did not measure clearly faster (a verdict noise cannot flip: ``probe``'s
+   docstring), and float weights are kept only within :data:`AUTO_MEMORY_FACTOR` of the packed
+   bytes (:func:`float_memory_reason`; a GGUF's 4-bit weights never qualify): for all of them
+   (``quant``, the float copies are dropped), up to a crossover (``hybrid``: the float modules are kept for larger inputs), or
    for none (``float``); its prefill panels in the dtype measured faster.
 3. :func:`apply` swaps the modules in (with their float fallbacks in ``hybrid``).
 """
@@ -268,6 +270,31 @@ def adopt(model: nn.Module, quantised: QuantisedModules, config) -> Verdict:
     return verdict
 
 
+# ``quantization=auto`` keeps a packed checkpoint's resident weights within this factor of
+# their packed bytes (issue 65: a busy machine's probe once inflated a 107 MB GGUF to 623 MiB
+# of float32); ``quantization=none`` is the explicit way to float weights.
+AUTO_MEMORY_FACTOR = 1.3
+
+
+def float_memory_reason(model: nn.Module, quantised: QuantisedModules,
+                        factor: float = AUTO_MEMORY_FACTOR) -> str | None:
+    """Why ``quantization=auto`` may not keep float weights for ``quantised``'s modules (a
+    ``float`` or ``hybrid`` verdict), or None when it may: their float copies (and, hybrid,
+    the packed weights beside them) would exceed ``factor`` times the packed bytes."""
+    packed = quantised.nbytes
+    floats = sum(_float_bytes(dense) for dense, _ in float_modules(model, quantised))
+    if floats + packed <= factor * packed:
+        return None
+    return (f"float weights would take {floats / 2**20:.1f} MiB for {packed / 2**20:.1f} MiB "
+            f"packed, more than the {factor}x that quantization=auto allows (--quantization "
+            "none serves float)")
+
+
+def _float_bytes(module: nn.Module) -> int:
+    w = getattr(module, "weight", None)
+    return 0 if w is None else w.numel() * 4
+
+
 def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
                     cpu_probe: str = "cached") -> Verdict:
     """Steps 2 and 3 for an engine: swap the packed modules in for the row counts where the
@@ -277,10 +304,14 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
     (``--cpu-probe``): ``cached`` reuses this machine's verdict, ``force`` measures again, ``off``
     measures nothing: packed weights at every size with each setting's default."""
     force = envs.quant_force()
+    memory = float_memory_reason(model, quantised)
     if cpu_probe == "off" and not force:
         verdict, how = Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
     else:
-        verdict, how = _cached_or_probed(model, quantised, force, cpu_probe)
+        verdict, how = _cached_or_probed(model, quantised, force, cpu_probe,
+                                         float_allowed=memory is None)
+    if memory is not None:
+        how = f"{how}; float not probed: {memory}"
     apply_settings(quantised, verdict)
     if verdict.mode == "float":
         logger.info("quantization=auto: keeping float weights, the quantised kernels are "
@@ -296,11 +327,14 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
 
 
 def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool,
-                      cpu_probe: str = "cached") -> tuple[Verdict, str]:
+                      cpu_probe: str = "cached", float_allowed: bool = True,
+                      timer=None) -> tuple[Verdict, str]:
     """This machine's cached verdict for these modules (``engine.quantization.probe_cache``;
-    not read when ``cpu_probe`` is ``force``), else a fresh :func:`choose`, cached (where runs
-    disagreed, decided by their medians); and how it was obtained."""
-    key = probe_cache.cache_key(_signature(quantised))
+    not read when ``cpu_probe`` is ``force``), else a fresh :func:`choose` (``float_allowed``
+    and ``timer`` passed on), cached only when its runs agreed (a busy machine's verdict, where
+    undecided measurements kept the defaults, is measured again at the next start); and how
+    it was obtained."""
+    key = probe_cache.cache_key(_signature(quantised) + f"\nfloat_allowed={float_allowed}")
     entry = None if force else probe_cache.load(key, cpu_probe)
     if entry is not None:
         try:
@@ -311,16 +345,17 @@ def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool
             pass  # a damaged entry: measure
     logger.info("start-up probe: measuring the packed kernels against float on this machine "
                 "(once per machine and model, 20-60 s; --cpu-probe off skips it)")
-    verdict = choose(model, quantised, force=force)
+    verdict = choose(model, quantised, force=force, float_allowed=float_allowed, timer=timer)
     if force:
         return verdict, "forced by KVSERVE_QUANT_FORCE=1"
-    probe_cache.save(key, verdict.to_dict())
     if verdict.confirmed:
+        probe_cache.save(key, verdict.to_dict())
         return verdict, "measured now, cached for later starts"
     logger.warning("quantization=auto: some of the probe's runs disagreed after %d attempts "
-                   "(another busy process?): decided by their medians and cached; "
-                   "--cpu-probe force measures again", MAX_PROBE_ATTEMPTS)
-    return verdict, "measured now on a busy machine (medians), cached for later starts"
+                   "(another busy process?): where the candidates' ranges overlapped the "
+                   "defaults hold (packed weights, each setting's first option); not cached, "
+                   "the next start measures again", MAX_PROBE_ATTEMPTS)
+    return verdict, "measured now on a busy machine (overlapping runs keep the defaults), not cached"
 
 
 def _signature(quantised: QuantisedModules) -> str:

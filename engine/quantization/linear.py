@@ -66,6 +66,13 @@ settings below leave them alone:
   Row ``r``'s output is then bit-identical whatever the number of rows
   (tests/models/test_batch_invariance.py).
 
+* faithful activations (:meth:`QuantLinear.set_activation` ``bf16``, the default through
+  ``--activation-precision auto``, engine/quantization/activation.py): every decode-sized input,
+  and in batch-invariant mode every input, goes to ``engine.cpu.kernels_faithful.gemm`` (the
+  weights, rows layout, dequantised in registers times bf16 activations on AVX-512 BF16, float32
+  elsewhere; no int8 rounding of the activations); the settings above then only matter for
+  5-bit weights, which keep int8.
+
 ``QuantEmbedding`` looks ids up by dequantising only those rows; tied to the logits head, both
 share one packed tensor. Float32 CPU only; the packed tensors are buffers (they count in the
 module's ``buffers()`` and move with it, they are not parameters).
@@ -105,6 +112,9 @@ Q8_TILES = ("vnni", "amx")  # an interleaved 8-bit weight's batches: VNNI's lane
 AMX_FROM = ("16", "8")  # the row counts from which AMX tiles may serve (a measured choice)
 Q4_AMX = ("off", "on")  # a blocked 4-bit weight's rows from q4_amx_from on: VNNI/AVX2 or AMX
 Q4_AMX_FROM = (str(DENSE_ROWS + 1), "16")  # from which rows (prefill only, or decode batches too)
+# The activations' precision in the packed kernels: int8 groups (llama.cpp's q8 dot products),
+# or the faithful kernels (engine/cpu/kernels_faithful.py): bf16 on AVX-512 BF16, else float32.
+ACTIVATIONS = ("int8", "bf16", "float32")
 
 
 def quant_kernels():
@@ -171,6 +181,7 @@ class QuantLinear(nn.Module):
         self.q4_amx = Q4_AMX[0]
         self.q4_amx_from = Q4_AMX_FROM[0]
         self.batch_invariant = False
+        self.activation = "int8"
 
     def set_batch_invariant(self) -> None:
         """Serve every row count with one kernel whose per-row arithmetic (int8 activation
@@ -179,9 +190,33 @@ class QuantLinear(nn.Module):
         (``quant_gemm_q4_blocked``), 8-bit weights keep their decode kernel (or, stored
         interleaved, ``quant_gemm_q8_interleaved``); a float fallback is dropped. Irreversible
         (the prefill panels and per-size routes are not used again)."""
-        self.set_q4_layout("blocked")
+        self.set_q4_layout("rows" if self.faithful else "blocked")
         self.fallback = self.float_above = None
         self.batch_invariant = True
+
+    @property
+    def faithful(self) -> bool:
+        """Whether the faithful kernel (:meth:`set_activation`) serves this weight."""
+        return self.activation != "int8"
+
+    def set_activation(self, name: str) -> bool:
+        """The activations' precision: ``int8`` (the int8 kernels above), ``bf16`` or
+        ``float32``: the faithful kernel (``engine.cpu.kernels_faithful.gemm``: the weights
+        dequantised in registers times bf16 activations on AVX-512 BF16 (float32 ones on other
+        CPUs), or float32 activations, everywhere) for every
+        decode-sized input, every input in batch-invariant mode (one kernel, the same per-row
+        operations at any row count); the weight returns to the rows layout. 5-bit weights
+        and a build without the faithful kernels keep ``int8``. Returns whether it applies."""
+        _one_of(name, ACTIVATIONS, "activation precision")
+        if name != "int8":
+            from engine.cpu import kernels_faithful
+
+            if self.is_q5 or kernels_faithful.load() is None:
+                return False
+            self.set_q4_layout("rows")
+            self.set_q8_layout("rows")
+        self.activation = name
+        return True
 
     def set_q4_kernel(self, name: str) -> None:
         """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
@@ -375,7 +410,9 @@ class QuantLinear(nn.Module):
         if self.fallback is not None and x2.shape[0] > self.float_above:
             return self.fallback(x).view(*lead, self.out_features)
         rows = x2.shape[0]
-        if self.interleaved and (self.batch_invariant or rows <= self.dense_rows):
+        if self.faithful and (self.batch_invariant or rows <= self.dense_rows):
+            out = self._faithful(x2, self.qs, self.d, self.m)
+        elif self.interleaved and (self.batch_invariant or rows <= self.dense_rows):
             out = self._kernels.quant_gemm_q8_interleaved(x2, self.qs, self.d, self.m,
                                                           self.out_features,
                                                           amx=self._on_amx(rows))
@@ -405,13 +442,18 @@ class QuantLinear(nn.Module):
         logits head under a grammar that allows few tokens."""
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if self.blocked or self.fallback is not None or self._on_tiles(rows):
+        if not self.faithful and (self.blocked or self.fallback is not None
+                                  or self._on_tiles(rows)):
             return None
         if not self.batch_invariant and rows > self.dense_rows:
             return None
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        if self.interleaved:
+        if self.faithful:
+            m = None if self.m is None else self.m.index_select(0, columns)
+            out = self._faithful(x2, self.qs.index_select(0, columns),
+                                 self.d.index_select(0, columns), m)
+        elif self.interleaved:
             qs, d, m = gather_interleaved(self.qs, self.d, self.m, columns)
             out = self._kernels.quant_gemm_q8_interleaved(x2, qs, d, m, columns.numel(),
                                                           amx=self._on_amx(rows))
@@ -423,6 +465,12 @@ class QuantLinear(nn.Module):
             out += self.bias.index_select(0, columns)
         return out.view(*x.shape[:-1], columns.numel())
 
+    def _faithful(self, x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
+                  m: torch.Tensor | None) -> torch.Tensor:
+        from engine.cpu import kernels_faithful
+
+        return kernels_faithful.gemm(x2, qs, d, m, bf16=self.activation == "bf16")
+
     def _on_lanes(self, rows: int) -> bool:
         """Whether ``rows`` rows run ``quant_gemm_q8_batch`` (8-bit weights only)."""
         return self.lanes_from is not None and self.lanes_from <= rows <= self.dense_rows
@@ -433,7 +481,7 @@ class QuantLinear(nn.Module):
         ``q4_prefill == "int8"``."""
         if rows <= self.dense_rows:
             return self.blocked or (self.tiles_from is not None and rows >= self.tiles_from)
-        return self.is_q4 and self.q4_prefill == "int8"
+        return self.is_q4 and self.q4_prefill == "int8" and not self.faithful
 
     def tiles(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, in] @ W.T`` (float32, no bias) on the 4-bit int8 tiles over this weight's
@@ -570,6 +618,10 @@ class QuantConcat(nn.Module):
     def set_q4_amx_from(self, rows: str) -> None:
         for part in self.parts:
             part.set_q4_amx_from(rows)
+
+    def set_activation(self, name: str) -> bool:
+        """:meth:`QuantLinear.set_activation` on every part; whether all took it."""
+        return all([part.set_activation(name) for part in self.parts])
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)

@@ -15,6 +15,9 @@ linear backend (``engine.quantization.packed_linear``), in the one order that is
 
 Under tensor parallelism (``tp_rank``) a GGUF's packed blocks are not split: ranks hold float
 shards; ``int4``/``int8`` quantise each rank's shard.
+
+Last, the packed linears' activation precision (``config.activation_precision``,
+``engine.quantization.activation``: the faithful bf16/float32 kernels or int8 groups).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 
 from engine.loading.loader import iter_dir_weights
 from engine.models.moe_model import stacked_names
+from engine.quantization.activation import apply_activation_precision
 from engine.quantization.apply import (
     adopt,
     adopt_packed_only,
@@ -86,4 +90,7 @@ def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
         model.pack_linears(backend)
     if quantised and config.quantization == "auto":  # the probe compares packed float
         verdict = adopt(model, quantised, config)
+    if verdict is not None and verdict.mode != "float":  # --activation-precision, logged
+        apply_activation_precision(model, getattr(config, "activation_precision", "auto"),
+                                   config.quantization)
     return PreparedWeights(verdict, backend)

@@ -7,13 +7,25 @@ weights int8 tiles), all by timing this model's modules on this machine.
 (:func:`probe_panels`, at the largest probed row count above the kernels' ``DENSE_ROWS``) and
 keeps the faster, then times a pass over every replaced linear, float against quantised, at each
 of ``PROBE_ROWS`` (decode of 1..64 sequences, and a prefill chunk) (:func:`probe`): the
-quantised path keeps the smallest counts it wins, contiguously from one row (a
-:class:`Verdict`: ``quant``, ``hybrid`` or ``float``). Measurements whose runs disagree (a busy
-machine) are taken again. ``engine.quantization.apply`` caches and applies the verdict.
+quantised path keeps the smallest counts it does not clearly lose, contiguously from one row
+(a :class:`Verdict`: ``quant``, ``hybrid`` or ``float``). ``engine.quantization.apply`` caches
+and applies the verdict.
+
+A verdict that noise cannot flip (issue 65): both candidates are timed in interleaved runs
+(:func:`_alternate`), and a measurement decides only when the two candidates' ranges of runs
+separate (:attr:`ProbeResult.decision`: every kept run of one side faster than every kept run
+of the other by ``SEPARATION``, the slowest quarter of each side's runs dropped as stalls);
+otherwise the documented default holds: the packed weights for the row probes, a setting's
+first option for the settings. A measurement whose runs are scattered (not :attr:`ProbeResult.confirmed`) is
+taken again and merged, and a verdict with scattered runs is not cached (the next start
+measures again). Whether the float weights may be kept at all is a memory question decided
+before timing (``engine.quantization.apply.float_memory_reason``): where it says no, the row
+probes are not run. ``choose(timer=...)`` injects the timer (tests drive it with noise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -44,14 +56,36 @@ class ProbeResult:
     quant_s: float
     float_runs: tuple[float, ...] = ()
     quant_runs: tuple[float, ...] = ()
+    undecided: bool = False  # two measurements disagreed: no verdict whatever the runs say
+
+    @property
+    def decision(self) -> str | None:
+        """``"quant"`` or ``"float"`` when that side is clearly faster: its kept runs
+        (:func:`_kept`: the slowest quarter dropped) all beat the other side's kept runs by
+        more than :data:`SEPARATION` (a stall only adds time, so a side whose true time is
+        within that margin of the other's can never win, however noisy the runs); None
+        when the two ranges overlap (no verdict: the caller's documented default holds). A
+        result without runs (a cached figure) compares its two figures."""
+        if self.undecided:
+            return None
+        if not (self.float_runs and self.quant_runs):
+            return "quant" if self.quant_s < self.float_s else "float"
+        f, q = _kept(self.float_runs), _kept(self.quant_runs)
+        if max(q) * (1 + SEPARATION) < min(f):
+            return "quant"
+        if max(f) * (1 + SEPARATION) < min(q):
+            return "float"
+        return None
 
     @property
     def use_quantised(self) -> bool:
-        """Quantised is faster: by the best runs when they are :attr:`confirmed`, else (a busy
-        machine's scattered runs) by the median runs, which one stall cannot move."""
-        if self.confirmed or not (self.float_runs and self.quant_runs):
-            return self.quant_s < self.float_s
-        return _median(self.quant_runs) < _median(self.float_runs)
+        """The second option (``quant_s``) is clearly faster (:attr:`decision`)."""
+        return self.decision == "quant"
+
+    @property
+    def float_clearly_faster(self) -> bool:
+        """The first option (``float_s``) is clearly faster (:attr:`decision`)."""
+        return self.decision == "float"
 
     @property
     def confirmed(self) -> bool:
@@ -67,17 +101,21 @@ class ProbeResult:
         return ProbeResult(min(f), min(q), f, q)
 
 
-def _median(runs: tuple[float, ...]) -> float:
+SEPARATION = 0.05  # the relative gap by which two candidates' ranges must separate
+
+
+def _kept(runs: tuple[float, ...]) -> list[float]:
+    """``runs`` sorted, the slowest quarter dropped (stalls by another process only ever add
+    time), at least two kept."""
     ordered = sorted(runs)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return ordered[:max(min(2, len(ordered)), len(ordered) - len(ordered) // 4)]
 
 
 PROBE_ROWS = (1, 4, 16, 64, 256)
 DECODE_ROWS = (1, 16)  # the decode kernels' probe: one pass at each
 BATCH_ROWS = (BATCH_TILE_ROWS, 16)  # the 4-bit batch tiles' probe: one pass at each
 LANES_BATCH_ROWS = (LANES_ROWS, 16)  # the 8-bit lanes kernel's probe: one pass at each
-MAX_PROBE_ATTEMPTS = 2  # then the median decides (ProbeResult.use_quantised)
+MAX_PROBE_ATTEMPTS = 2  # then an undecided measurement keeps the default
 
 
 @dataclass
@@ -220,19 +258,40 @@ class Setting:
 
 @torch.no_grad()
 def choose(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS,
-           force: bool = False) -> Verdict:
+           force: bool = False, float_allowed: bool = True, timer=None) -> Verdict:
     """First the quantised modules' own settings (:func:`measure_settings`), then each row
     count in increasing order, float against quantised; the quantised path keeps the smallest
-    counts it wins, contiguously from 1 row. A measurement whose runs disagree
-    (:attr:`ProbeResult.confirmed`: the machine is busy) is taken again, up to
-    ``MAX_PROBE_ATTEMPTS`` times. ``force``: measure, but use the quantised path for all."""
-    settings = measure_settings(q, rows)
+    counts where float is not clearly faster (:attr:`ProbeResult.decision`: overlapping
+    ranges keep the packed weights; a float win must hold in a second, separate measurement
+    too), contiguously from 1 row. A measurement whose runs
+    disagree (:attr:`ProbeResult.confirmed`: the machine is busy) is taken again, up to
+    ``MAX_PROBE_ATTEMPTS`` times. ``force``: measure, but use the quantised path for all.
+    ``float_allowed`` False (the float copies would cost more memory than allowed): the row
+    counts are not probed, the packed weights serve all. ``timer(run, side)``: runs the
+    zero-argument pass ``run`` of ``side`` (0: float or a setting's first option, 1: quantised
+    or its second) and returns its seconds (default: ``time.perf_counter`` around it)."""
+    with _timer(timer):
+        settings = measure_settings(q, rows)
+        if not float_allowed:
+            return Verdict("quant", None, {}, settings)
+        return _choose_rows(model, q, rows, force, settings)
+
+
+def _choose_rows(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...], force: bool,
+                 settings: dict) -> Verdict:
     probes: dict[int, ProbeResult] = {}
     wins_up_to = 0
     for n in sorted(rows):
-        probes[n] = confirmed_probe(lambda repeats, n=n: probe(model, q, rows=n, repeats=repeats),
-                                    3 if n <= 16 else 2)
-        if wins_up_to == len(probes) - 1 and probes[n].use_quantised:
+        measure = lambda repeats, n=n: probe(model, q, rows=n, repeats=repeats)  # noqa: E731
+        probes[n] = confirmed_probe(measure, 3 if n <= 16 else 2)
+        if probes[n].float_clearly_faster:  # the costly verdict: a second, separate measurement
+            again = measure(3)
+            if not again.float_clearly_faster:
+                probes[n] = ProbeResult(min(again.float_s, probes[n].float_s),
+                                        min(again.quant_s, probes[n].quant_s),
+                                        probes[n].float_runs + again.float_runs,
+                                        probes[n].quant_runs + again.quant_runs, undecided=True)
+        if wins_up_to == len(probes) - 1 and not probes[n].float_clearly_faster:
             wins_up_to = len(probes)
     ordered = sorted(probes)
     if force or wins_up_to == len(ordered):
@@ -343,7 +402,8 @@ def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
 
 def confirmed_probe(measure, repeats: int) -> ProbeResult:
     """``measure(repeats)``, merged with further measurements (3 repeats each) until its runs
-    agree or ``MAX_PROBE_ATTEMPTS`` measurements were taken."""
+    agree (:attr:`ProbeResult.confirmed`) and separate (:attr:`ProbeResult.decision`: a tie
+    with agreeing runs is final too), or ``MAX_PROBE_ATTEMPTS`` measurements were taken."""
     result = measure(repeats)
     for _ in range(MAX_PROBE_ATTEMPTS - 1):
         if result.confirmed:
@@ -374,6 +434,27 @@ def _inputs(modules: list[nn.Module], rows: int) -> dict[int, torch.Tensor]:
     return {k: torch.randn(rows, k) for k in widths}
 
 
+def _perf_timer(run, side: int) -> float:
+    """Seconds of ``run()`` by ``time.perf_counter`` (``side`` unused: see :func:`choose`)."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+_TIMER = [_perf_timer]  # the timer of the current choose() (a test injects its own)
+
+
+@contextlib.contextmanager
+def _timer(timer):
+    """Time every pass with ``timer`` (None: :func:`_perf_timer`) within the block."""
+    saved = _TIMER[0]
+    _TIMER[0] = timer or _perf_timer
+    try:
+        yield
+    finally:
+        _TIMER[0] = saved
+
+
 def _alternate(passes: tuple, repeats: int, prepare: tuple | None = None) -> ProbeResult:
     """Time the two zero-argument ``passes`` alternately, ``repeats`` times each after one
     warm-up each; ``float_s`` is the first's best run, ``quant_s`` the second's. ``prepare``:
@@ -382,9 +463,7 @@ def _alternate(passes: tuple, repeats: int, prepare: tuple | None = None) -> Pro
     def timed(side: int) -> float:
         if prepare is not None:
             prepare[side]()
-        start = time.perf_counter()
-        passes[side]()
-        return time.perf_counter() - start
+        return _TIMER[0](passes[side], side)
 
     for side in (0, 1):
         timed(side)

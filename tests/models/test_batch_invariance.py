@@ -106,16 +106,17 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
 
-def test_greedy_tokens_do_not_depend_on_the_batch(q4_model, monkeypatch):
+@pytest.mark.parametrize("acts", ["auto", "float32"])  # float32: the faithful kernels
+def test_greedy_tokens_do_not_depend_on_the_batch(q4_model, monkeypatch, acts):
     _kernels_or_skip()
     prompts = _prompts()
-    alone_llm = _llm(q4_model, monkeypatch, enable_prefix_caching=False,
+    alone_llm = _llm(q4_model, monkeypatch, activation_precision=acts, enable_prefix_caching=False,
                      kv_cache_memory="4MiB")
     assert alone_llm.engine.runner.quantized
     alone = [_generate(alone_llm, [p])[0] for p in prompts]
 
     # Batches of 2, 7 and 16 (every prompt in one of each size), 48-token chunks, prefix cache.
-    llm = _llm(q4_model, monkeypatch, kv_cache_memory="4MiB", max_num_batched_tokens=48)
+    llm = _llm(q4_model, monkeypatch, activation_precision=acts, kv_cache_memory="4MiB", max_num_batched_tokens=48)
     for size in (2, 7, 16):
         for start in range(0, len(prompts), size):
             idx = [(start + i) % len(prompts) for i in range(size)]
@@ -126,7 +127,7 @@ def test_greedy_tokens_do_not_depend_on_the_batch(q4_model, monkeypatch):
 
     # Recompute preemption: a pool of 40 blocks (160 tokens) for 16 requests of up to 69.
     per_token = llm.engine.runner.kv_bytes_per_token
-    tight = _llm(q4_model, monkeypatch, kv_cache_memory=160 * per_token,
+    tight = _llm(q4_model, monkeypatch, activation_precision=acts, kv_cache_memory=160 * per_token,
                  preemption_mode="recompute")
     got = _generate(tight, prompts[:16])
     assert tight.stats()["num_preemptions_recompute"] > 0

@@ -231,7 +231,8 @@ def test_mixed_format_projections(make_llama_gguf, tmp_path, monkeypatch):
     make_llama_gguf(path, tied=True, kquants=True)
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
-    llm = LLM(str(path), kv_cache_memory="16MiB")
+    # int8 activations: the int8 kinds in the stack (the faithful path has no stack kind yet)
+    llm = LLM(str(path), kv_cache_memory="16MiB", activation_precision="int8")
     assert isinstance(llm.engine.runner.model.layers[0].qkv_proj, QuantConcat)
     counts = _checked(llm)
     llm.generate(PROMPTS, PARAMS)
@@ -372,7 +373,7 @@ def test_packed_experts_from_a_gguf(tmp_path, monkeypatch):
     path = tmp_path / "tiny-qwen3_moe.gguf"
     write_moe_gguf(path, "qwen3_moe")
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    llm = LLM(str(path), kv_cache_memory="16MiB", cpu_probe="off")
+    llm = LLM(str(path), kv_cache_memory="16MiB", cpu_probe="off", activation_precision="int8")
     model = llm.engine.runner.model
     blocks = model.moe_blocks()
     assert blocks and all(isinstance(b.experts, PackedExperts) for b in blocks.values())

@@ -36,8 +36,10 @@ def _none_then_auto(path, cache, monkeypatch, default_quant_settings):
     # path's float panels, as test_quantized_engine does; batch-invariant serving runs prompts
     # on the int8-activation kernels, which flip near-tied top-1 tokens of a random model
     # (tests/models/test_batch_invariance.py covers that mode).
+    # activation_precision="int8": the int8 kernels' kinds in the C++ decode stack (the
+    # faithful default has no stack kind yet; tests/kernels/test_faithful_packed.py covers it).
     auto = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", quantization="auto",
-               batch_invariant=False)
+               batch_invariant=False, activation_precision="int8")
     return expected, auto
 
 

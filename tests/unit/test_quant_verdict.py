@@ -161,9 +161,10 @@ def test_verdict_is_cached_per_machine(monkeypatch, tmp_path):
     assert len(calls) > n
 
 
-def test_a_busy_machines_verdict_is_decided_by_medians_and_cached(monkeypatch, tmp_path):
-    """Runs that never agree end after MAX_PROBE_ATTEMPTS; the medians decide (one stalled run
-    cannot flip them) and the verdict is cached, so the next start does not probe again."""
+def test_a_busy_machines_verdict_keeps_the_defaults_and_is_not_cached(monkeypatch, tmp_path):
+    """Runs that never agree end after MAX_PROBE_ATTEMPTS; their ranges overlap, so no
+    measurement decides: the packed weights serve (issue 65: noise must not inflate a packed
+    file to float), and the verdict is not cached, so the next start measures again."""
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("KVSERVE_QUANT_REPROBE", raising=False)
     calls = []
@@ -176,15 +177,12 @@ def test_a_busy_machines_verdict_is_decided_by_medians_and_cached(monkeypatch, t
 
     monkeypatch.setattr(quant_probe, "probe", probe)
     verdict, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
-    assert not verdict.confirmed and "medians" in how and verdict.mode == "float"
+    assert not verdict.confirmed and "not cached" in how and verdict.mode == "quant"
     assert calls.count(1) == quant_probe.MAX_PROBE_ATTEMPTS
-    assert list(tmp_path.rglob("*.json"))
+    assert not list(tmp_path.rglob("*.json"))
     n = len(calls)
-    again, how = quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
-    assert len(calls) == n and again.mode == "float" and "cached" in how
-    quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False,
-                                  cpu_probe="force")
-    assert len(calls) > n
+    quant_apply._cached_or_probed(nn.Module(), QuantisedModules(), force=False)
+    assert len(calls) > n  # measured again
 
 
 def test_cpu_probe_off_measures_nothing(monkeypatch, tmp_path):

@@ -1,0 +1,120 @@
+"""The faithful packed kernels (issue 65): packed 4-bit / 8-bit weights times bfloat16 or
+float32 activations, the weights dequantised in registers (engine/cpu/csrc/quant_faithful.cpp).
+
+The int8 kernels of ``engine.cpu.kernels`` round each activation row to int8 per group of 32
+(llama.cpp's q8 dot products); these keep the activations float32 (AVX2/FMA) or round them once
+to bfloat16 (AVX-512 BF16's ``vdpbf16ps``, where the compiler targets it): the same packed
+weights, the float model's answers. One kernel serves every row count with the same per-row
+operations, so row ``r``'s output is bit-identical whatever the batch (batch invariance).
+
+Which instructions: chosen when the library is compiled (``-march`` of ``KVSERVE_CPU_MARCH``,
+default ``native``, as the main kernels), reported by :func:`isa`: ``avx512-bf16`` (bf16
+activations, and the float32 path too), ``avx2`` (float32 activations), ``scalar``.
+
+The library is a plain C ABI without torch headers (compiles in seconds), built once per
+machine by ``engine.cpu.build`` under its own name (``kvserve_faithful_kernels``), so adding it
+never rebuilds the main kernels; loaded with ctypes (the call releases the GIL).
+``python -m engine.cpu.kernels_faithful`` builds it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from engine import envs
+
+logger = logging.getLogger("kvserve.engine")
+_SOURCE = Path(__file__).parent / "csrc" / "quant_faithful.cpp"
+_NAME = "kvserve_faithful_kernels"
+ISAS = {2: "avx512-bf16", 1: "avx2", 0: "scalar"}
+_lib = None
+_failed = False
+
+
+def load():
+    """The loaded library (ctypes), or None when the CPU kernels are off or it cannot be
+    built (a warning says why)."""
+    global _lib, _failed
+    if not envs.cpu_kernels_enabled():
+        return None
+    if _lib is not None or _failed:
+        return _lib
+    from engine.cpu.build import BuildWaitTimeout, build
+
+    march = envs.cpu_march()
+    name = _NAME if march == "native" else f"{_NAME}_{march.replace('-', '_')}"
+    try:
+        path = build(name, [_SOURCE], cflags=["-O3", f"-march={march}", "-fopenmp",
+                                              "-ffp-contract=off"],
+                     ldflags=["-fopenmp"], is_python_module=False)
+        lib = ctypes.CDLL(path)
+    except BuildWaitTimeout:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure means: no faithful path
+        logger.warning("faithful packed kernels unavailable (%s)",
+                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        _failed = True
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kvf_isa.restype = ctypes.c_int
+    lib.kvf_gemm_q4.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.kvf_gemm_q4.restype = None
+    lib.kvf_gemm_q8.argtypes = [p, i64, i64, p, p, p, i64, i64, p, ctypes.c_int]
+    lib.kvf_gemm_q8.restype = None
+    _lib = lib
+    return _lib
+
+
+def isa() -> str | None:
+    """The instructions the faithful kernels were built for (module docstring), or None."""
+    lib = load()
+    return None if lib is None else ISAS[lib.kvf_isa()]
+
+
+def bf16_available() -> bool:
+    """Whether the bf16-activation path (AVX-512 BF16) was built."""
+    return isa() == "avx512-bf16"
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+         bf16: bool = True) -> torch.Tensor:
+    """``x [M, K] @ W.T`` (float32 ``[M, N]``, no bias) for a packed ``W`` in the rows layout:
+    4-bit (``qs`` uint8 ``[N, K/2]``, ``d``/``m`` ``[N, K/32]``) or 8-bit (``qs`` int8
+    ``[N, K]``, ``d`` ``[N, K/S]``, ``m`` like it or None). ``bf16``: round the activations to
+    bfloat16 where :func:`bf16_available` (else float32 activations)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the faithful packed kernels are not built")
+    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    rows, k = x.shape
+    n = qs.shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if rows == 0:
+        return out
+    if qs.dtype == torch.uint8:
+        if qs.shape[1] * 2 != k or d.shape != (n, k // 32):
+            raise ValueError(f"a 4-bit weight {tuple(qs.shape)} does not fit input width {k}")
+        lib.kvf_gemm_q4(x.data_ptr(), rows, k, qs.data_ptr(), d.data_ptr(), _ptr(m), n,
+                        out.data_ptr(), int(bf16))
+    else:
+        if qs.shape[1] != k or k % d.shape[1] or k // d.shape[1] not in (16, 32):
+            raise ValueError(f"an 8-bit weight {tuple(qs.shape)} does not fit input width {k}")
+        lib.kvf_gemm_q8(x.data_ptr(), rows, k, qs.data_ptr(), d.data_ptr(), _ptr(m),
+                        k // d.shape[1], n, out.data_ptr(), int(bf16))
+    return out
+
+
+if __name__ == "__main__":  # ``python -m engine.cpu.kernels_faithful``: build now
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"faithful packed kernels: {isa() or 'NOT built'}")
+    sys.exit(0 if load() is not None else 1)
