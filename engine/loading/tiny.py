@@ -94,7 +94,7 @@ def make_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0,
     """Write a tiny random checkpoint (config, safetensors, tokenizer) into ``path``."""
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if model_type.startswith("gemma"):  # Gemma norms start at 0 (scale 1 + w): randomise
         with torch.no_grad():
             for name, p in model.named_parameters():

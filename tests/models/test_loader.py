@@ -156,10 +156,16 @@ def test_cached_conversion_is_reused(tiny_gguf, tiny_converted, monkeypatch):
 
 
 def test_changed_gguf_gets_a_new_cache_entry(tiny_gguf, tmp_path):
+    # Keyed by content (issue 66): a copy or a touch is the same entry, a changed byte is not.
     copy = tmp_path / tiny_gguf[0].name
     copy.write_bytes(tiny_gguf[0].read_bytes())
     key = gguf_convert.cache_key(copy)
+    assert key == gguf_convert.cache_key(tiny_gguf[0])
     os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 10**9))
+    assert gguf_convert.cache_key(copy) == key
+    data = bytearray(copy.read_bytes())
+    data[100] ^= 0xFF  # in the metadata
+    copy.write_bytes(bytes(data))
     assert gguf_convert.cache_key(copy) != key
 
 

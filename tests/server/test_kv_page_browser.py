@@ -88,6 +88,10 @@ async def _drive(binary: str, url: str, shots: Path) -> None:
         await page.goto(f"{url}/kv?key={API_KEY}&interval=0.2")
         await page.wait_for("Number(document.body.dataset.seqNo) > 0", 120)
         assert await page.eval("document.getElementById('conn').textContent") == "live"
+        # Issue 66: no sentence with holes, no unexplained reference (first paint and later:
+        # tests/server/test_first_hour_kv_page.py).
+        text = await page.eval("document.body.innerText")
+        assert "( tokens)" not in text and "§" not in text and "holding a hash:" in text, text
 
         # Two requests sharing a long prefix, the second admitted while the first runs. Both
         # ask for more tokens than the check can need and disconnect once it has passed: with

@@ -1,5 +1,8 @@
-// kvserve's live KV page: draws /kv/state documents received over /kv/events (server-sent
+// kvserve's live KV page: first paints from one GET /kv/state (no placeholder numbers: the page
+// stays hidden until then), then draws the documents received over /kv/events (server-sent
 // events), falling back to polling /kv/state. No dependencies; all text goes in as text.
+// body[data-seq-no]: the last streamed (or polled) document's seq_no; body[data-painted]: set
+// at the first paint, whatever its source.
 "use strict";
 (function () {
   const SVGNS = "http://www.w3.org/2000/svg";
@@ -83,6 +86,8 @@
     const body = $("requests").tBodies[0];
     body.replaceChildren();
     $("num-requests").textContent = doc.requests.length;
+    $("no-requests").hidden = doc.requests.length > 0;
+    $("requests").hidden = doc.requests.length === 0;
     for (const r of doc.requests) {
       const tr = el("tr", {"data-seq": r.seq_id});
       tr.appendChild(el("td", {}, r.seq_id + (r.swapped ? " (swapped out)" : "")));
@@ -156,10 +161,16 @@
       " layers, " + (g.window === null ? "full attention" : "window " + g.window)).join("; ") : "";
     $("live-tokens").textContent = a.live_tokens;
     $("reserved-tokens").textContent = a.reserved_tokens;
-    $("live-fraction").textContent = pct(a.live_fraction);
+    $("live-fraction").textContent = a.live_fraction === null || a.live_fraction === undefined
+      ? "idle" : pct(a.live_fraction);
   }
 
-  function draw(doc) {
+  function draw(doc, streamed) {
+    if (!document.body.dataset.painted) {
+      $("loading").remove();
+      $("main").hidden = false;
+      document.body.dataset.painted = streamed ? "stream" : "state";
+    }
     drawTiers(doc);
     drawGrid(doc);
     drawRequests(doc);
@@ -167,7 +178,7 @@
     logEvents(doc);
     drawMath(doc);
     prev = doc;
-    document.body.dataset.seqNo = doc.seq_no;
+    if (streamed) document.body.dataset.seqNo = doc.seq_no;
   }
 
   function status(text, cls) {
@@ -179,17 +190,36 @@
   async function poll() {
     try {
       const r = await fetch("kv/state" + q, {cache: "no-store"});
-      if (r.ok) { draw(await r.json()); status("polling", "live"); }
+      if (r.ok) { draw(await r.json(), true); status("polling", "live"); }
       else status("HTTP " + r.status, "down");
     } catch (e) { status("unreachable", "down"); }
     setTimeout(poll, 2000);
   }
 
+  let streaming = false;
+
+  async function firstPaint() {
+    try {
+      const r = await fetch("kv/state" + q, {cache: "no-store"});
+      if (!r.ok) { status("HTTP " + r.status + " from /kv/state", "down"); return; }
+      const doc = await r.json();
+      if (!streaming) {  // a streamed document may have come first: it is newer
+        draw(doc, false);
+        status("connecting to the live stream…", "");
+      }
+    } catch (e) { status("unreachable", "down"); }
+  }
+
   $("state-link").href = "kv/state" + q;
+  firstPaint();
   if (window.EventSource) {
     const eq = every ? (q ? q + "&" : "?") + "interval=" + encodeURIComponent(every) : q;
     const es = new EventSource("kv/events" + eq);
-    es.addEventListener("state", (e) => { draw(JSON.parse(e.data)); status("live", "live"); });
+    es.addEventListener("state", (e) => {
+      streaming = true;
+      draw(JSON.parse(e.data), true);
+      status("live", "live");
+    });
     es.addEventListener("error", () => {
       if (es.readyState === EventSource.CLOSED) { status("stream closed: polling", "down"); poll(); }
       else status("reconnecting…", "down");
