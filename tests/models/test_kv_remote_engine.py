@@ -13,14 +13,12 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.loading.hf_reference import hf_greedy, load_hf
 from engine.loading.tiny import make_tiny_model_dir
 from tests.kv_remote_redis import RedisServer, require_redis_server
 from tests.models.conftest import make_hybrid_qwen2
-
-BS = 4
-NEW = 6
+from tests.models.tier_runs import BS, NEW, full_prefix, run_greedy
 
 
 @pytest.fixture(scope="module")
@@ -45,19 +43,6 @@ def _llm(path, url, **kw) -> LLM:
     return LLM(str(path), **cfg)
 
 
-def _run(llm: LLM, prompts):
-    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    outs = llm.generate(prompts, [sp] * len(prompts))
-    llm.engine.kv.check_integrity()
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def _full_prefix(prompt) -> int:
-    """The longest hit a prompt can have: its full blocks, never its last token."""
-    return (len(prompt) - 1) // BS * BS
-
-
 def _flush(llm: LLM) -> None:
     llm.engine.disk.store.flush()
 
@@ -65,17 +50,17 @@ def _flush(llm: LLM) -> None:
 def test_a_prompt_computed_by_a_is_served_by_b_from_redis(tiny, redis_server):
     path, prompts, expected = tiny
     with _llm(path, redis_server.url) as a, _llm(path, redis_server.url) as b:
-        cold, cached = _run(a, prompts)
+        cold, cached = run_greedy(a, prompts)
         assert cold == expected and cached == [0] * len(prompts)
         _flush(a)
         # every full block of the prompts, and of the generated tokens after them
         assert a.stats()["remote_written_blocks"] >= sum(len(p) // BS for p in prompts)
-        warm, cached = _run(b, prompts)  # B never saw these prompts: its pools are empty
+        warm, cached = run_greedy(b, prompts)  # B never saw these prompts: its pools are empty
         stats = b.stats()
     assert warm == expected
-    assert cached == [_full_prefix(p) for p in prompts]
-    assert all(c >= 0.95 * _full_prefix(p) for c, p in zip(cached, prompts))
-    assert stats["remote_hit_blocks"] == sum(_full_prefix(p) // BS for p in prompts)
+    assert cached == [full_prefix(p) for p in prompts]
+    assert all(c >= 0.95 * full_prefix(p) for c, p in zip(cached, prompts))
+    assert stats["remote_hit_blocks"] == sum(full_prefix(p) // BS for p in prompts)
     assert stats["remote_available"] and stats["remote_errors"] == 0
     assert stats["disk_enabled"] is False  # no disk tier: its stats stay zero
 
@@ -84,19 +69,19 @@ def test_beside_a_disk_tier_b_reads_redis_after_its_own_disk(tiny, redis_server,
     path, prompts, expected = tiny
     kw = dict(kv_disk_size="8MiB")
     with _llm(path, redis_server.url, kv_disk_dir=str(tmp_path / "a"), **kw) as a:
-        assert _run(a, prompts[:2]) == (expected[:2], [0, 0])
+        assert run_greedy(a, prompts[:2]) == (expected[:2], [0, 0])
         _flush(a)
     with _llm(path, redis_server.url, kv_disk_dir=str(tmp_path / "b"), **kw) as b:
-        warm, cached = _run(b, prompts[:2])  # B's disk is empty: every hit is Redis's
+        warm, cached = run_greedy(b, prompts[:2])  # B's disk is empty: every hit is Redis's
         stats = b.stats()
         _flush(b)
-    assert warm == expected[:2] and cached == [_full_prefix(p) for p in prompts[:2]]
-    assert stats["remote_hit_blocks"] == sum(_full_prefix(p) // BS for p in prompts[:2])
+    assert warm == expected[:2] and cached == [full_prefix(p) for p in prompts[:2]]
+    assert stats["remote_hit_blocks"] == sum(full_prefix(p) // BS for p in prompts[:2])
     # what B loaded from Redis went to its own disk as well: a restart of B reads its disk
     with _llm(path, redis_server.url, kv_disk_dir=str(tmp_path / "b"), **kw) as b2:
-        warm, cached = _run(b2, prompts[:2])
+        warm, cached = run_greedy(b2, prompts[:2])
         stats = b2.stats()
-    assert warm == expected[:2] and cached == [_full_prefix(p) for p in prompts[:2]]
+    assert warm == expected[:2] and cached == [full_prefix(p) for p in prompts[:2]]
     assert stats["remote_hit_blocks"] == 0 and stats["disk_hit_blocks"] > 0
 
 
@@ -108,7 +93,7 @@ def test_redis_killed_mid_run_costs_recomputes_not_requests(tiny, redis_server):
     batch = prompts + others  # A computed the first four: B loads them from Redis
     truth = expected + [hf_greedy(hf, p, NEW) for p in others]
     with _llm(path, redis_server.url) as a:
-        _run(a, prompts)
+        run_greedy(a, prompts)
         _flush(a)
     with _llm(path, redis_server.url, max_num_seqs=2) as b:
         remote = b.engine.disk.store.remote
@@ -123,13 +108,13 @@ def test_redis_killed_mid_run_costs_recomputes_not_requests(tiny, redis_server):
 
         killer = threading.Thread(target=kill_once_busy)
         killer.start()
-        outs, _ = _run(b, batch)  # redis-server vanishes while these run
+        outs, _ = run_greedy(b, batch)  # redis-server vanishes while these run
         killer.join()
         assert outs == truth
         # the tier noticed while the batch ran: its reads or writes met the dead server
         assert b.stats()["remote_errors"] >= 1
         fresh = [[rng.randrange(0, 256) for _ in range(37)] for _ in range(3)]
-        outs, cached = _run(b, fresh)  # looked up in a Redis that is gone: recomputed
+        outs, cached = run_greedy(b, fresh)  # looked up in a Redis that is gone: recomputed
         assert outs == [hf_greedy(hf, p, NEW) for p in fresh] and cached == [0, 0, 0]
         down = b.stats()
         assert not down["remote_available"] and down["remote_errors"] >= 1
@@ -140,12 +125,12 @@ def test_redis_killed_mid_run_costs_recomputes_not_requests(tiny, redis_server):
             assert time.monotonic() < deadline, "the remote tier did not resume"
             time.sleep(0.05)
         later = [[7] * 40 + p[:9] for p in prompts[:2]]
-        _run(b, later)
+        run_greedy(b, later)
         _flush(b)
         assert b.stats()["remote_written_blocks"] > down["remote_written_blocks"]
     with _llm(path, redis_server.url) as c:  # what B wrote after the outage is shared
-        _, cached = _run(c, later)
-    assert cached == [_full_prefix(p) for p in later]
+        _, cached = run_greedy(c, later)
+    assert cached == [full_prefix(p) for p in later]
 
 
 def test_a_hybrid_kv_cache_finds_every_groups_blocks_in_redis(redis_server, tmp_path):
@@ -155,10 +140,10 @@ def test_a_hybrid_kv_cache_finds_every_groups_blocks_in_redis(redis_server, tmp_
     expected = hf_greedy(load_hf(path), prompt, NEW)
     kw = dict(kv_cache_memory="4MiB", quantization="none")
     with _llm(path, redis_server.url, **kw) as a:
-        assert _run(a, [prompt]) == ([expected], [0])
+        assert run_greedy(a, [prompt]) == ([expected], [0])
         _flush(a)
     with _llm(path, redis_server.url, **kw) as b:
-        warm, cached = _run(b, [prompt])
+        warm, cached = run_greedy(b, [prompt])
         stats = b.stats()
-    assert warm == [expected] and cached == [_full_prefix(prompt)]
+    assert warm == [expected] and cached == [full_prefix(prompt)]
     assert stats["remote_hit_blocks"] > 0

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.kv_cache.disk.build import engine_fingerprint
 from engine.kv_cache.disk.segment import HEADER_BYTES, RECORD_HEADER_BYTES, SEGMENT_MAGIC, scan
 from engine.loading.tiny import make_tiny_model_dir
+from tests.models.tier_runs import BS, full_prefix, run_greedy
 
 pytestmark = pytest.mark.slow  # four 2-rank engines, spawned workers
 
-BS = 4
-NEW = 6
 CUT = (7, 5)  # the block whose share goes missing: rank 0's in prompt 1, rank 1's in prompt 2
 BASE = dict(dtype="float32", block_size=BS, kv_cache_memory="8MiB", num_threads=1,
             distributed_timeout=60, tensor_parallel_size=2)
@@ -37,19 +36,6 @@ def tiny(tmp_path_factory):
     path = make_tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama")
     rng = random.Random(7)
     return path, [[rng.randrange(0, 256) for _ in range(n)] for n in (61, 45, 53)]
-
-
-def _run(llm: LLM, prompts):
-    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    outs = llm.generate(prompts, [sp] * len(prompts))
-    llm.engine.kv.check_integrity()
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def _full_prefix(prompt) -> int:
-    """The longest hit a prompt can have: its full blocks, never its last token."""
-    return (len(prompt) - 1) // BS * BS
 
 
 def _chain(llm: LLM, prompt) -> list[bytes]:
@@ -82,7 +68,7 @@ def _check_served(cold, warm, cached, prompts) -> None:
     """B's tokens are A's cold ones; prompt 0 is a whole hit, prompts 1 and 2 stop at the
     block whose share one rank lost."""
     assert warm == cold
-    assert cached == [_full_prefix(prompts[0]), CUT[0] * BS, CUT[1] * BS]
+    assert cached == [full_prefix(prompts[0]), CUT[0] * BS, CUT[1] * BS]
 
 
 @pytest.mark.parametrize("policy", ["write-through", "on-evict"])
@@ -92,7 +78,7 @@ def test_disk_tier_under_tensor_parallelism(tiny, tmp_path, policy):
     kv = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_size="64MiB",
               kv_disk_write_policy=policy)
     with LLM(str(path), **BASE, **kv) as a:
-        cold, cached = _run(a, prompts)
+        cold, cached = run_greedy(a, prompts)
         rank0 = tmp_path / "kv" / f"kv-{engine_fingerprint(a.engine.config, a.engine).hex}"
         chains = [_chain(a, p) for p in prompts]
     assert cached == [0, 0, 0]
@@ -104,7 +90,7 @@ def test_disk_tier_under_tensor_parallelism(tiny, tmp_path, policy):
     _corrupt_disk_record(rank0, chains[1][CUT[0]])
     _corrupt_disk_record(rank1, chains[2][CUT[1]])
     with LLM(str(path), **BASE, **kv) as b:
-        warm, cached = _run(b, prompts)
+        warm, cached = run_greedy(b, prompts)
         stats = b.stats()
     _check_served(cold, warm, cached, prompts)
     assert stats["disk_checksum_failures"] == 1  # rank 0's (rank 1 counts its own)
@@ -120,7 +106,7 @@ def test_remote_tier_under_tensor_parallelism(tiny, tmp_path):
     with RedisServer(tmp_path / "redis") as srv:
         kv = dict(kv_remote_url=srv.url)
         with LLM(str(path), **BASE, **kv) as a:
-            cold, cached = _run(a, prompts)
+            cold, cached = run_greedy(a, prompts)
             fp0 = engine_fingerprint(a.engine.config, a.engine).hex
             chains = [_chain(a, p) for p in prompts]
         assert cached == [0, 0, 0]
@@ -136,7 +122,7 @@ def test_remote_tier_under_tensor_parallelism(tiny, tmp_path):
         assert client.delete(f"kvserve:{fp0}:{chains[1][CUT[0]].hex()}") == 1
         assert client.delete(f"kvserve:{fp1}:{chains[2][CUT[1]].hex()}") == 1
         with LLM(str(path), **BASE, **kv) as b:
-            warm, cached = _run(b, prompts)
+            warm, cached = run_greedy(b, prompts)
             stats = b.stats()
         # each rank wrote its lost share again when B recomputed the block
         assert client.exists(f"kvserve:{fp0}:{chains[1][CUT[0]].hex()}",
