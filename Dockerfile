@@ -66,6 +66,7 @@ COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY server ./server
 COPY kvserve_kernels ./kvserve_kernels
+COPY loadgen ./loadgen
 COPY configs ./configs
 # The import check runs from / so that it loads the installed package, not this source tree.
 RUN pip install -c /opt/venv/constraints.txt ".[triton]" \

@@ -4,7 +4,7 @@ activation groups) and ``--quantization none`` (the same weights dequantised, fl
 
 For each configuration: teacher-forced top-1 agreement with HF transformers' float32 forward
 pass over the same file (dequantised by ``gguf``), pooled over the ten held-out paragraphs of
-``tests.models.heldout_text.HELD_OUT`` (each its own sequence, cut to ``--tokens``; tokenised
+``loadgen.heldout_text.HELD_OUT`` (each its own sequence, cut to ``--tokens``; tokenised
 by HF's tokenizer from the file, the ids fed to both); decode TPOT at 1 row and throughput at 16
 rows ((time of 1 + N generated tokens - time of 1 token) / N, greedy, ``ignore_eos``, the
 configurations interleaved, the best of ``--reps``); and the README's example ("What is the
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from bench.serve import machine_info
 from benchmarks.startup_time import isa
 from engine import LLM, SamplingParams
+from loadgen.serve import machine_info
 
 CONFIGS = {
     "default (auto)": {},
@@ -53,7 +53,7 @@ def tokenise(n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from engine.loading.embedded import embedded_gguf_path
-    from tests.models.heldout_text import HELD_OUT
+    from loadgen.heldout_text import HELD_OUT
 
     path = embedded_gguf_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

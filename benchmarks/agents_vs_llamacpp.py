@@ -17,7 +17,7 @@ soon as its answer is in), through the ``kvserve bench serve`` command line.
 Prints per turn index the prompt and prefix-cached tokens each server reported, TTFT p50 on
 each and the ratio kvserve / llama-server, then the overall TTFT p50 ratio (the target: <= 0.5
 at 8 agents); writes both runs' JSON, results.json and summary.md to --out (default
-docs/perf/agents-vs-llamacpp-<isa>-<date>).
+docs/perf/<date>_<isa>_agents-vs-llamacpp).
 
 The servers:
 
@@ -29,7 +29,7 @@ The servers:
   template does not render tools, and llama-server then leaves them out of the prompt (a
   request with 2,000 tokens of tools is 26 prompt tokens), so it gets
   ``--chat-template-file benchmarks/chatml_tools.jinja``: the model's ChatML with the tool prompt
-  kvserve's default writes (tests/server/test_bench.py checks that the two render the same
+  kvserve's default writes (tests/loadgen/test_bench.py checks that the two render the same
   text); the script checks that both servers report the same prompt tokens each turn.
 * kvserve serve with ``--max-num-seqs`` = agents, ``--kv-cache-dtype float16``, tool_choice
   auto allowed (its default), prefix caching on (its default).
@@ -58,10 +58,12 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.client import BenchClient, ClientConfig  # noqa: E402
-from bench.serve import machine_info, run_point  # noqa: E402
-from bench.stats import summarize  # noqa: E402
-from bench.workloads import (  # noqa: E402
+from benchmarks.serving import serving_process, side_by_side  # noqa: E402
+from benchmarks.startup_time import free_port, isa  # noqa: E402
+from loadgen.client import BenchClient, ClientConfig  # noqa: E402
+from loadgen.serve import machine_info, run_point  # noqa: E402
+from loadgen.stats import summarize  # noqa: E402
+from loadgen.workloads import (  # noqa: E402
     RequestSpec,
     Session,
     WorkloadConfig,
@@ -69,8 +71,6 @@ from bench.workloads import (  # noqa: E402
     derive_seed,
     load_tokenizer,
 )
-from benchmarks.serving import serving_process, side_by_side  # noqa: E402
-from benchmarks.startup_time import free_port, isa  # noqa: E402
 from server.cli import main as kvserve  # noqa: E402
 
 TEMPLATE = ROOT / "benchmarks" / "chatml_tools.jinja"

@@ -43,7 +43,7 @@ import json, sys, time
 sys.path.insert(0, ".")
 import torch
 from engine.cpu.kernels import load
-from engine.kv_storage.formats import kv_format, quantize_rows
+from engine.kv_format.formats import kv_format, quantize_rows
 from engine.runner.model_runner import _zeros
 
 opts = json.loads(sys.argv[1])
@@ -107,7 +107,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from engine.kv_storage.formats import kv_format
+    from engine.kv_format.formats import kv_format
 
     row_bytes = kv_format(args.kv_dtype, torch.float32, dim).row_bytes
     print(f"{args.shape}: {heads} heads, {kv_heads} KV heads of {dim}, {layers} layers, "

@@ -30,9 +30,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import free_port  # noqa: E402
 from benchmarks.serving import find_llama_server, running_server, serving_process  # noqa: E402
 from benchmarks.startup_time import isa  # noqa: E402
+from loadgen.serve import free_port  # noqa: E402
 
 
 def workload(n: int, tokens: int, prefix: int, shared: bool, seed: int) -> list[list[int]]:

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
-from engine.sampling.params import SamplingParams  # noqa: E402
+from engine.params.sampling import SamplingParams  # noqa: E402
 
 
 def _engine(setting: str, kv_memory: str, model: str | None):

@@ -9,16 +9,16 @@ matmuls quantise activations to 8 bits too) lands below that while ``batch_invar
 yardstick, so the figure says whether the gap is kvserve's or the files'; so does a column
 with HF's own forward pass with its linears' inputs rounded to 8 bits per 32 (the rounding
 alone, no engine). ``--trained STEPS`` trains each tiny model on the repository's docs first
-(tests/models/tiny_training.py) and measures over English text: a model whose logits are not
+(engine/loading/tiny_training.py) and measures over English text: a model whose logits are not
 nearly tied. Two figures then per file and column: the tests' lighthouse paragraph
-(``tests.models.teacher_forced.TEXT``, its first 200 tokens) as before, and, pooled over every
-position, the ten held-out paragraphs of ``tests.models.heldout_text.HELD_OUT`` (never
+(``loadgen.teacher_forced.TEXT``, its first 200 tokens) as before, and, pooled over every
+position, the ten held-out paragraphs of ``loadgen.heldout_text.HELD_OUT`` (never
 training text), each its own sequence cut to the tiny configs' 256 positions less the one
 generated token (the tiny vocabularies spell about a token a character: 254 positions a
 paragraph).
 
-For each file (``tests/models/gemma_gguf.py``: Gemma 2 and Gemma 3, Q4_0 projections and a
-Q8_0 token table; ``tests/models/moe_gguf.py``: Qwen3-MoE and Mixtral, Q4_0/Q8_0 experts):
+For each file (``engine/loading/tiny_gguf_gemma.py``: Gemma 2 and Gemma 3, Q4_0 projections and a
+Q8_0 token table; ``engine/loading/tiny_gguf.py``: Qwen3-MoE and Mixtral, Q4_0/Q8_0 experts):
 the reference is HF's forward pass over the same file (dequantised by ``gguf``), argmax at
 every position of each fixed token sequence; kvserve's top-1 comes from one prefill with prompt
 logprobs a sequence (one engine per configuration); llama-server's
@@ -44,10 +44,10 @@ import httpx
 import torch
 from tqdm import tqdm
 
-from bench.serve import free_port, machine_info
 from benchmarks.serving import find_llama_server, serving_process
 from benchmarks.startup_time import isa
 from engine import LLM, SamplingParams
+from loadgen.serve import free_port, machine_info
 
 MODELS = ("gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 CONFIGS = {  # kvserve's configurations: LLM keyword arguments
@@ -59,17 +59,17 @@ CONFIGS = {  # kvserve's configurations: LLM keyword arguments
 
 def write_file(model: str, tmp: Path, trained: int = 0):
     """The GGUF, the token sequences to score and the HF model over the file's weights.
-    ``trained``: so many training steps (tests/models/tiny_training.py) from HF's own
+    ``trained``: so many training steps (engine/loading/tiny_training.py) from HF's own
     initialisation first, and the sequences are then ``{"lighthouse": [TEXT's ids], "held-out":
     [a paragraph's ids, ...]}``, else ``{"random": [random token ids]}``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.loading.loader import load_tokenizer, resolve_model
-    from tests.models.heldout_text import HELD_OUT
-    from tests.models.teacher_forced import TEXT
+    from loadgen.heldout_text import HELD_OUT
+    from loadgen.teacher_forced import TEXT
 
     if model.startswith("gemma"):
-        from tests.models.gemma_gguf import SOFTCAPS, tiny_gemma_hf, write_gemma_gguf
+        from engine.loading.tiny_gguf_gemma import SOFTCAPS, tiny_gemma_hf, write_gemma_gguf
 
         path = tmp / f"tiny-{model}.Q4_0.gguf"
         weights = tiny_gemma_hf(model)
@@ -85,7 +85,7 @@ def write_file(model: str, tmp: Path, trained: int = 0):
                                                   dtype=torch.float32).eval()
         vocab, first = config.vocab_size, 6
     else:
-        from tests.models.moe_gguf import tiny_moe_model, write_moe_gguf
+        from engine.loading.tiny_gguf import tiny_moe_model, write_moe_gguf
 
         path = tmp / f"tiny-{model}.gguf"
         _, hf = write_moe_gguf(path, model)
@@ -109,7 +109,7 @@ def _trained(config, path: Path, steps: int):
     from transformers import AutoModelForCausalLM
 
     from engine.loading.loader import load_tokenizer, resolve_model
-    from tests.models.tiny_training import docs_tokens, train
+    from engine.loading.tiny_training import docs_tokens, train
 
     tokens = docs_tokens(load_tokenizer(resolve_model(str(path), progress=False)))
     torch.manual_seed(0)

@@ -84,8 +84,8 @@ $PY -c 'import engine, server.app; print(\"kvserve imports ok\")'"
         ;;
     pytest)
         run pytest 120 $PY -m pytest -q -p no:cacheprovider -n 8 \
-            tests/kernels tests/models/test_decode_graphs.py tests/unit/test_host_pool.py \
-            tests/unit/test_host_copy.py tests/unit/test_memory_budget.py tests/unit/test_device.py \
+            tests/kernels tests/engine/runner/test_decode_graphs.py tests/engine/kv_cache/host/test_host_pool.py \
+            tests/engine/kv_cache/host/test_host_copy.py tests/engine/runner/test_memory_budget.py tests/engine/runner/test_device.py \
             --deselect tests/kernels/test_gpu_compile.py::test_kernels_compile_for_sm90
         ;;
     sweep)

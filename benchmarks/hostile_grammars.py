@@ -42,8 +42,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import free_port  # noqa: E402
-from benchmarks.grammar_backends import cpu_isa  # noqa: E402
+from benchmarks.structured_cost import cpu_isa  # noqa: E402
+from loadgen.serve import free_port  # noqa: E402
 
 
 def _recursive(i: int) -> dict:

@@ -18,7 +18,7 @@ Prints a table, writes ``--json`` and, with ``--plot``, a PNG of bytes per token
 concurrency per dtype.
 
     PYTHONPATH=. python benchmarks/kv_quant.py [--contexts 512 2048] [--batch 8] [--variants ...]
-        [--json docs/perf/kv-quant.json] [--plot docs/perf/kv-quant.png]
+        [--json docs/perf/DATE_MACHINE_kv-quant.json] [--plot docs/perf/DATE_MACHINE_kv-quant.png]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from tqdm import tqdm
 
 from engine import LLM, SamplingParams
-from tests.models.teacher_forced import TEXT, forced, perplexity_of
+from loadgen.teacher_forced import TEXT, forced, perplexity_of
 
 VARIANTS = [  # (label, kv_cache_dtype, calculate_kv_scales)
     ("auto", "auto", False),

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kv_remote_clients import start_redis  # noqa: E402
+from benchmarks.serving import start_redis  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.kv_cache.disk.config import WRITE_POLICIES  # noqa: E402
+from engine.config.kv_disk import WRITE_POLICIES  # noqa: E402
 from engine.loading.loader import load_config, resolve_model  # noqa: E402
 from engine.models.arch import ModelArch  # noqa: E402
 from engine.runner.device import resolve_device  # noqa: E402

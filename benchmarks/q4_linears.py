@@ -60,7 +60,7 @@ for rows in opts["rows"]:
                 m(x)
             else:
                 kernel.quant_gemm_q4_blocked(x, m.qs, m.d, m.m, m.out_features,
-                                             m.q4_tiles == "vnni")
+                                             m.kernels.q4_tiles == "vnni")
 
     step()
     times = []

@@ -48,12 +48,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.client import BenchClient, ClientConfig  # noqa: E402
-from bench.serve import free_port, machine_info, run_point  # noqa: E402
-from bench.stats import summarize  # noqa: E402
-from bench.workloads import WorkloadConfig, build_sessions, load_tokenizer  # noqa: E402
-from benchmarks.kv_remote_clients import start_redis  # noqa: E402
-from benchmarks.serving import running_server  # noqa: E402
+from benchmarks.serving import running_server, start_redis  # noqa: E402
+from loadgen.client import BenchClient, ClientConfig  # noqa: E402
+from loadgen.serve import free_port, machine_info, run_point  # noqa: E402
+from loadgen.stats import summarize  # noqa: E402
+from loadgen.workloads import WorkloadConfig, build_sessions, load_tokenizer  # noqa: E402
 
 # (label, router module, --policy); the first is the baseline the ratios divide by
 POLICIES = {

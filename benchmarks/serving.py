@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import free_port  # noqa: E402
+from loadgen.serve import free_port  # noqa: E402
 from server.cli import main as kvserve  # noqa: E402
 
 
@@ -78,6 +80,31 @@ def serving_process(cmd: list[str], port: int, log_path: Path,
             proc.wait()
 
 
+def start_redis(tmp: Path) -> tuple[subprocess.Popen, str, int]:
+    """A ``redis-server`` on a free loopback port (no persistence, ``allkeys-lru``, 1 GB), its
+    files in ``tmp``: (process, host, port), once it accepts connections."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        sys.exit("redis-server not found (Debian: apt-get install redis-server), or give --url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp), "--maxmemory", "1gb",
+                             "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, "127.0.0.1", port
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                sys.exit("redis-server did not start")
+            time.sleep(0.05)
+
+
 def find_llama_server() -> Path | None:
     """The llama-server that benchmarks/vs_llamacpp.sh builds (in $KVSERVE_LLAMACPP_DIR, default
     ~/.cache/kvserve/llamacpp), or None."""
@@ -91,7 +118,7 @@ def side_by_side(binary: Path | None, out: Path | None, name: str
                  ) -> tuple[Path, str, str, Path] | None:
     """What a benchmark against llama-server starts from: the llama-server binary (``binary``,
     else ``find_llama_server()``), the embedded model's GGUF, the thread count and the results
-    folder (``out``, else docs/perf/<name>-<ISA>-<date>, made). None, after saying why, when no
+    folder (``out``, else docs/perf/<date>_<ISA>_<name>, made). None, after saying why, when no
     llama-server is found."""
     from benchmarks.startup_time import isa
     from engine.loading.embedded import embedded_gguf_path
@@ -102,7 +129,7 @@ def side_by_side(binary: Path | None, out: Path | None, name: str
               "or pass --llama-server PATH", file=sys.stderr)
         return None
     out = out or ROOT / "docs" / "perf" / (
-        f"{name}-{isa().replace(' ', '')}-{time.strftime('%Y-%m-%d')}")
+        f"{time.strftime('%Y-%m-%d')}_{isa().replace(' ', '').lower()}_{name}")
     out.mkdir(parents=True, exist_ok=True)
     return binary, str(embedded_gguf_path()), str(os.cpu_count() or 1), out
 

@@ -27,7 +27,7 @@ import statistics
 import time
 
 from engine import LLM, SamplingParams
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config.speculative import SpeculativeConfig
 
 CODE = '''def moving_average(values, window):
     """Return the moving averages of values over a sliding window."""

@@ -2,7 +2,7 @@
 # Speculative decoding through the real server: kvserve with and without n-gram speculation,
 # same machine, one after the other in one run, measured by `kvserve bench serve`.
 #
-#   bash benchmarks/spec_serve.sh [OUT_DIR]     (default docs/perf/spec-serve-<isa>-<date>)
+#   bash benchmarks/spec_serve.sh [OUT_DIR]     (default docs/perf/<date>_<isa>_spec-serve)
 #
 # Workloads: `copy` single stream (input-grounded: a 200-token passage and its first 100 tokens
 # again, 128 out, 6 requests, concurrency 1), the case n-gram lookup is for; and W1 (64 random
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-}
 ISA=$(grep -o -m1 -w 'avx512f' /proc/cpuinfo || grep -o -m1 -w 'avx2' /proc/cpuinfo || echo generic)
-[ -n "$OUT" ] || OUT="docs/perf/spec-serve-${ISA}-$(date +%Y-%m-%d)"
+[ -n "$OUT" ] || OUT="docs/perf/$(date +%Y-%m-%d)_${ISA}_spec-serve"
 mkdir -p "$OUT"
 PORT=${PORT:-8093}
 SPEC='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'

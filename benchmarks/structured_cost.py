@@ -19,14 +19,15 @@ cached.
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.grammar_backends import SCHEMAS, cpu_isa  # noqa: E402
 
 LONG_JSON = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 40,
                                                        "items": {"type": "object", "properties": {
@@ -35,6 +36,26 @@ LONG_JSON = {"type": "object", "properties": {"rows": {"type": "array", "minItem
                                                            "required": ["id", "ok"]}}},
              "required": ["rows"]}
 LONG_REGEX = r"([a-z]{1,8} ){100}"
+# a typical tool call's schema: its compile time, uncached and cached, is printed
+TOOL_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "enum": ["get_weather", "search"]},
+                   "arguments": {"type": "object", "properties": {
+                       "city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+                       "required": ["city", "unit", "days"]}},
+    "required": ["name", "arguments"]}
+
+
+def cpu_isa() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = info.get("Flags", "").split()
+    isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "?")
+    return f"{info.get('Model name', '?').strip()}, {isa}, {info.get('CPU(s)', '?').strip()} CPUs"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from engine import LLM, SamplingParams
-    from engine.structured.spec import StructuredSpec
+    from engine.params.structured import StructuredSpec
 
     llm = LLM()
     n, out_len = args.concurrency, args.output_len
@@ -88,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"{name}: {got} tokens, expected {n * out_len}")
 
     structured = llm.engine.structured
-    tool = StructuredSpec.json_schema(SCHEMAS[0][1])
+    tool = StructuredSpec.json_schema(TOOL_SCHEMA)
     t0 = time.perf_counter()
     structured.compile(tool)  # vetted (both libraries probed) and compiled, then cached
     uncached = time.perf_counter() - t0

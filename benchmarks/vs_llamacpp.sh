@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvserve next to llama.cpp's own llama-server, same GGUF, same machine, same run.
 #
-#   bash benchmarks/vs_llamacpp.sh [--avx2] [OUT_DIR]  (default docs/perf/vs-llamacpp-<isa>-<date>)
+#   bash benchmarks/vs_llamacpp.sh [--avx2] [OUT_DIR]  (default docs/perf/<date>_<isa>_vs-llamacpp[-avx2-only])
 #
 # --avx2 (on an AVX-512 machine): both servers restricted to AVX2 instructions. llama-server is
 #    built without AVX-512 (GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C/BMI2 on; its own build dir);
@@ -30,11 +30,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ISA=$(grep -o -m1 -w 'avx512f' /proc/cpuinfo || grep -o -m1 -w 'avx2' /proc/cpuinfo || echo generic)
+MACHINE=$ISA
 BUILD=build
+WHAT=vs-llamacpp
 GGML_ISA=(-DGGML_NATIVE=ON)
 if [ "${1:-}" = "--avx2" ]; then
     shift
     ISA="avx2-only-on-$ISA"
+    WHAT=vs-llamacpp-avx2-only
     BUILD=build-avx2
     GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
               -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
@@ -42,7 +45,7 @@ if [ "${1:-}" = "--avx2" ]; then
         MKL_ENABLE_INSTRUCTIONS=AVX2
 fi
 OUT=${1:-}
-[ -n "$OUT" ] || OUT="docs/perf/vs-llamacpp-${ISA}-$(date +%Y-%m-%d)"
+[ -n "$OUT" ] || OUT="docs/perf/$(date +%Y-%m-%d)_${MACHINE}_${WHAT}"
 mkdir -p "$OUT"
 CACHE=${KVSERVE_LLAMACPP_DIR:-$HOME/.cache/kvserve/llamacpp}
 THREADS=$(nproc)

@@ -1,8 +1,8 @@
 """kvserve engine: paged KV cache, continuous batching, Llama-family models."""
 
-from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling.params import SamplingParams
+from engine.config.engine import EngineConfig
+from engine.params.sampling import SamplingParams
+from engine.request_output import CompletionOutput, Logprob, RequestOutput
 
 
 def __getattr__(name: str):

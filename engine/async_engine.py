@@ -1,36 +1,18 @@
 """AsyncEngine: the asyncio face of :class:`EngineCore`, for the HTTP server.
 
 The core is not thread-safe, so exactly one thread (the *engine thread*, started here) calls
-``add_request`` / ``abort_request`` / ``step``. The event loop never runs model code: it hands
-work to the engine thread through a locked inbox and receives outputs through one slot per
-request, filled with ``loop.call_soon_threadsafe``.
-
-Contracts:
-
-* :meth:`AsyncEngine.submit` validates synchronously and raises before anything is queued:
-  ``ValueError`` (user-facing, a 400) for a request that can never be served — including
-  ``n`` above ``config.seqs_per_request_cap`` or above ``max_waiting_requests``, and a
-  non-zero ``priority`` under ``scheduling_policy="fcfs"``; :class:`QueueFullError` (503,
-  retry) when the waiting queue, counted in SEQUENCES (``n`` per request), is momentarily
-  full; :class:`EngineDeadError` once the loop has died; :class:`EngineDrainingError` during
-  shutdown. It returns a :class:`RequestStream`.
-* A stream yields cumulative :class:`RequestOutput` objects and ends after the finished one.
-  Each stream holds ONE slot with the newest output, replaced on every step: a reader that
-  stalls costs O(1) outputs of memory, never a backlog, and loses nothing (outputs are
-  cumulative). The finished output and an error are never replaced or dropped: the finished
-  output is always yielded last; an error (raised from ``__anext__``) supersedes a pending
-  unfinished output. Aborting a stream (or cancelling/closing its consumer) aborts the engine
-  request, whose KV blocks are freed at the engine's next iteration.
-* A request that the core ended on an internal error of its own finishes with
-  ``finish_reason == "abort"`` and ``RequestOutput.error`` set (a 500 for that request only).
-* If ``step`` raises, the engine is dead: every pending stream raises :class:`EngineDeadError`,
-  ``is_healthy`` turns false, ``dead_reason`` says why, and later submissions are refused.
-* The engine thread sleeps on a condition variable while it has nothing to do.
-* :meth:`AsyncEngine.stats` is the :class:`~engine.stats.EngineStats` of the last step (the
-  waiting count including the inbox). With ``config``, ``tokenizer``, ``model_name``,
-  ``max_model_len`` and ``token_id_bound`` it is all the server reads: nothing reaches into
-  the core.
-"""
+``add_request`` / ``abort_request`` / ``step``; it sleeps on a condition variable when idle. The
+event loop never runs model code: it hands work to the engine thread through a locked inbox and
+receives outputs through one slot per request, filled with ``loop.call_soon_threadsafe``.
+:meth:`AsyncEngine.submit` validates synchronously and raises before anything is queued (its
+docstring lists the errors) and returns a :class:`RequestStream`, which yields cumulative
+:class:`RequestOutput` objects from ONE slot holding the newest (a stalled reader costs O(1)
+memory and loses nothing); the finished output is always yielded last, and an error supersedes a
+pending unfinished output. Aborting a stream aborts the engine request. A request the core ended
+on an internal error finishes with ``finish_reason == "abort"`` and ``RequestOutput.error`` set.
+If ``step`` raises the engine is dead: every pending stream raises :class:`EngineDeadError`,
+``is_healthy`` turns false and later submissions are refused. ``stats``, ``config``,
+``tokenizer``, ``model_name``, ``max_model_len`` and ``token_id_bound`` are all the server reads."""
 
 from __future__ import annotations
 
@@ -44,9 +26,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.config import EngineConfig
-from engine.outputs import RequestOutput
-from engine.sampling.params import SamplingParams
+from engine.config.engine import EngineConfig
+from engine.params.sampling import SamplingParams
+from engine.request_output import RequestOutput
 from engine.stats import EngineStats
 
 logger = logging.getLogger("kvserve.async_engine")
@@ -240,7 +222,7 @@ class AsyncEngine:
         the HTTP server on another: libgomp serves OpenMP parallel regions started from a
         thread it did not start (a Python ``threading`` thread) markedly slower, enough to
         more than double a CPU decode step (chosen by measurement: see
-        docs/performance.md#engine-on-the-main-thread)."""
+        docs/decisions.md#engine-on-the-main-thread)."""
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             raise RuntimeError("the engine already runs on its own thread")
         self._thread = threading.current_thread()
@@ -295,7 +277,14 @@ class AsyncEngine:
         """Queue a request for the engine thread; raises before anything is queued.
         ``validated``: the caller has just run :meth:`check_request` on these same arguments
         (the server does, for every prompt of a request before submitting any): not checked
-        again. Either way the engine thread does not check it a second time."""
+        again. Either way the engine thread does not check it a second time.
+
+        Raises ``ValueError`` (user-facing, a 400) for a request that can never be served,
+        including ``n`` above ``config.seqs_per_request_cap`` or above ``max_waiting_requests``,
+        and a non-zero ``priority`` under ``scheduling_policy="fcfs"``; :class:`QueueFullError`
+        (503, retry) when the waiting queue, counted in SEQUENCES (``n`` per request), is
+        momentarily full; :class:`EngineDeadError` once the loop has died;
+        :class:`EngineDrainingError` during shutdown."""
         if not self.is_healthy:
             raise EngineDeadError("the engine is not running; see the server log")
         if self._draining:

@@ -1,30 +1,22 @@
 """EngineCore: one synchronous engine step = schedule, run the model, sample, update.
 
-The scheduler builds and owns the KV manager and its host tier. A step crosses each seam as
-few times as it can: ``Scheduler.schedule`` gives the plain-data ``StepPlan``; the runner gets it
-in one call (``Runner.execute``: its key shifts and block copies first, then its forward pass)
-and what comes back (``StepOutput``) is indexed by the plan's chunks; once the core has sampled,
-verified drafts and checked stops, ``Scheduler.update_from_output`` takes the step's
-``StepResult`` (per sequence: tokens to append, drafts accepted, finish reason) and commits the
-KV, appends, rolls back and frees finished sequences. Between steps a request ends through
-``Scheduler.abort_request`` (API aborts, grammars that failed, outputs that failed to build).
+The scheduler builds and owns the KV manager and its host tier. ``Scheduler.schedule`` gives the
+plain-data ``StepPlan``; the runner takes it in one call (``Runner.execute``: key shifts and
+block copies, then the forward pass) and returns a ``StepOutput`` indexed by the plan's chunks;
+once the core has sampled, verified drafts and checked stops, ``Scheduler.update_from_output``
+applies the step's ``StepResult``. Between steps a request ends through
+``Scheduler.abort_request``.
 
-Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``. Only
+Not thread-safe: one thread drives ``add_request`` / ``abort_request`` / ``step``; only
 ``check_request`` (pure) may be called from elsewhere. An accepted request always ends with a
-final ``RequestOutput`` (finish_reason stop, length or abort); its KV blocks are freed exactly once.
-
-Failure isolation inside ``step``: the per-request work after the forward pass (prompt and
-sample logprobs, sampling, detokenising, stop checks, building the output) runs guarded; an
-exception there ends THAT request (finish_reason "abort", ``RequestOutput.error`` set, the
-traceback logged) and the step goes on for the others. Device out-of-memory in the step aborts
-the step's requests (``error`` set). Any other exception — the forward pass, the scheduler, the
-KV manager — propagates: the engine's state can no longer be trusted (``AsyncEngine`` dies).
-"""
+final ``RequestOutput``; its KV blocks are freed exactly once. Inside ``step`` the per-request
+work after the forward pass runs guarded: an exception there ends THAT request ("abort",
+``RequestOutput.error`` set); device out-of-memory aborts the step's requests; any other
+exception propagates (the engine's state can no longer be trusted: ``AsyncEngine`` dies)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import time
@@ -32,160 +24,56 @@ from collections.abc import Collection, Iterable
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_cache.disk.build import build_disk_tier, staging_blocks
-from engine.kv_cache.disk.stats import DiskTierStats
-from engine.kv_cache.groups import describe_kv_groups
-from engine.kv_cache.host.blocks import SwapCostModel
-from engine.kv_cache.remote.stats import RemoteTierStats
-from engine.kv_cache.snapshot import KVGeometry, KVSnapshot, KVSnapshotter
-from engine.kv_events.stats import KVEventsStats
-from engine.kv_events.wiring import attach as attach_kv_events
-from engine.kv_storage.precision import kv_precision_warning
-from engine.loading.generation_defaults import generation_defaults
-from engine.loading.gguf_quant import gguf_source
-from engine.loading.loader import (
-    default_generation_eos,
-    load_config,
-    load_tokenizer,
-    resolve_model,
-)
-from engine.output.builder import (
+from engine.assembly import assemble
+from engine.config.engine import EngineConfig
+from engine.core_stats import engine_stats
+from engine.kv_cache.reset import cache_tiers, reset_prefix_cache
+from engine.kv_cache.snapshot import KVSnapshot
+from engine.params.sampling import SamplingParams
+from engine.pooling.accumulate import add_rows, finish_vector
+from engine.postprocess.builder import (
     bare_error_output,
     build_request_output,
     record_prompt_logprobs,
     record_sample_logprobs,
 )
-from engine.output.detokenizer import token_text_fn, tokenizer_size
-from engine.output.stop import SequenceTextState
-from engine.outputs import RequestOutput
-from engine.pooling.accumulate import add_rows, finish_vector
-from engine.pooling.serving import served_pooling
+from engine.postprocess.stop import SequenceTextState
 from engine.request import Request, Sequence
-from engine.runner.cpu_memory import release_freed_memory
+from engine.request_output import RequestOutput
 from engine.runner.device import set_device_for_thread
-from engine.runner.factory import build_runner
 from engine.runner.protocol import Runner
-from engine.sampling.params import SamplingParams
 from engine.sampling.row import SamplingRow
 from engine.sampling.sampler import Sampler, SamplerOutput
-from engine.scheduling.admission import AdmissionLimits, check_request
-from engine.scheduling.kv_pool import KVPool
+from engine.scheduling.admission import check_request
 from engine.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from engine.scheduling.step_result import StepResult
-from engine.spec_decode.factory import build_proposer
-from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import DraftRun, rows_for_draft, split_rows, verify
-from engine.stats import EngineStats, HostTierStats
-from engine.step_output import StepOutput
-from engine.step_plan import SeqChunk
+from engine.stats import EngineStats
+from engine.step.output import StepOutput
+from engine.step.plan import SeqChunk
+from engine.step.result import StepResult
 from engine.structured.head_columns import GrammarColumns, RowSource
-from engine.structured.jump_forward import JumpForward
 from engine.structured.masking import FilledRows
-from engine.structured.outputs import (
+from engine.structured.state import (
     ConstraintFailedError,
     PendingMask,
     StructuredOutputs,
     failure_error,
 )
-from engine.structured.stats import StructuredStats
 
 logger = logging.getLogger("kvserve.engine")
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class EngineCore:
+    # Its parts, built once by ``assemble`` (engine/assembly.py); among them:
+    config: EngineConfig
+    runner: Runner  # the model side: one call per step, ``execute(plan)``
+    scheduler: Scheduler  # builds and owns the KV manager (``kv``: read-only here)
+    structured: StructuredOutputs  # constrained decoding
+    sampler: Sampler
+
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        torch.set_num_threads(config.resolved_num_threads())
-        self.files = resolve_model(config.model)
-        self.hf_config = load_config(self.files)
-        tokenizer_files = _tokenizer_files(config, self.files)
-        self.tokenizer_path = str(tokenizer_files.path)  # GET /get_server_info
-        self.tokenizer = load_tokenizer(tokenizer_files, config.chat_template)
-        self.model_name = (config.served_model_names or (self.files.name,))[0]
-        self.generation_defaults = generation_defaults(
-            self.files.path, config.generation_config, embedded=self.files.source == "embedded")
-        self.max_model_len = config.resolve_max_model_len(self.hf_config)
-        # A ModelRunner, or with tensor_parallel_size > 1 rank 0's (workers spawned).
-        self.runner: Runner = build_runner(config, self.hf_config, self.files, self.max_model_len)
-        # "auto" resolved by the runner (16-bit on a CPU): readers see the pool's own dtype
-        self.config = config = config.replace(kv_cache_dtype=self.runner.kv_cache_dtype)
-        num_blocks = self.runner.allocate_kv_cache()
-        if config.calculate_kv_scales:
-            self._calibrate_kv_scales()
-        num_host_blocks = self.runner.allocate_host_kv_cache()  # 0: swap_space off
-        if config.stored_kv_tier and num_host_blocks == 0:
-            # The disk (or remote) tier loads through host memory: a staging area of one context's blocks
-            # (every KV group's, for a hybrid cache).
-            # (Tensor-parallel workers make the same call: engine.distributed.worker.)
-            num_host_blocks = self.runner.allocate_host_kv_cache(
-                staging_blocks(self.runner, config, self.max_model_len))
-        self.runner.prepare_for_serving()  # kernels compiled, CUDA graphs captured
-        self._block_bytes = self.runner.kv_page_bytes_per_token * config.block_size
-        cost = (SwapCostModel.for_model(self.runner.arch, self.runner.device.type,
-                                        self._block_bytes) if num_host_blocks else None)
-        layout = self.runner.kv_layout
-        pool = KVPool(num_blocks, self.max_model_len, num_host_blocks=num_host_blocks,
-                      swap_cost=cost, windows=tuple(self.runner.arch.sliding_windows),
-                      layout=layout)
-        spec = config.speculative_config
-        proposer = build_proposer(config, max_model_len=self.max_model_len,
-                                  vocab_size=self.runner.arch.vocab_size,
-                                  # hybrid: pages of one group; the draft's hold all layers
-                                  num_blocks=num_blocks // layout.num_groups) if spec else None
-        self.jump_forward = _jump_forward(config, self.tokenizer)
-        # The scheduler builds and owns the KV manager (and its host tier) and the eviction
-        # policy: the core keeps read-only references for stats, snapshots and integrity
-        # checks, and never allocates, frees or looks up through them.
-        self.scheduler = Scheduler(config, pool, proposer, jump_forward=self.jump_forward)
-        self.kv = self.scheduler.kv
-        self.stream = self.scheduler.stream
-        self.sliding_window = self.scheduler.sliding_window
-        eviction = self.scheduler.eviction
-        self.kv_snapshots = KVSnapshotter(self.kv, KVGeometry(
-            self.runner.arch.num_layers, self.runner.arch.num_kv_heads, self.runner.arch.head_dim,
-            str(config.kv_cache_dtype), self.runner.kv_format.row_bytes, config.block_size,
-            self.max_model_len))
-        self.disk = build_disk_tier(config, self) if config.stored_kv_tier else None
-        if self.disk is not None:
-            self.scheduler.admission_gate = self.disk.ready
-            self.scheduler.after_commit = self.disk.after_step  # write-through
-            self.kv_snapshots.extra_tiers.append(self.disk)  # the KV page's third tier
-        # KV cache events for cache-aware routers (--kv-events-config; engine.kv_events)
-        self.kv_events = (attach_kv_events(self.kv, self.disk, layout,
-                                           config=config.kv_events_config)
-                          if config.kv_events_config.active else None)
-        self.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
-        self.sampler = Sampler(seed=config.seed)
-        self._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
-        self.vocab_size = self.runner.arch.vocab_size
-        # Ids a request may name: known to the model AND the tokenizer (Qwen pads the
-        # embedding past the tokenizer; those ids have no text).
-        self.token_id_bound = min(self.vocab_size, tokenizer_size(self.tokenizer))
-        self.limits = AdmissionLimits(
-            max_model_len=self.max_model_len, token_id_bound=self.token_id_bound,
-            block_size=config.block_size, num_blocks=num_blocks,
-            kv_layout=layout if layout.is_hybrid else None,
-            swap_blocks=num_host_blocks if config.preemption_mode != "recompute" else 0,
-            max_cache_tokens=(eviction.max_cache_tokens(config.block_size)
-                              if eviction is not None else None))
-        # Pooling requests (engine.pooling): the task resolved, the pooling rule, head ids.
-        self.pooling = served_pooling(config.task, self.files.path, self.hf_config,
-                                      self.model_name, self.tokenizer,
-                                      self.runner.arch.hidden_size, gguf_source(self.files.path))
-        logger.info("%s", self.pooling.describe())
-        self.eos_token_ids = frozenset(default_generation_eos(self.files))
-        self.token_text = token_text_fn(self.tokenizer)
-        # Constrained decoding; requests whose grammar is still compiling wait here, outside
-        # the scheduler, while the others run.
-        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            config.structured_outputs_config)
-        # Constrained rows' logits computed only at their allowed tokens, where the runner
-        # can (engine/runner/logit_columns.py); benchmarks/jump_forward.py turns it off to
-        # compare.
-        self.restrict_logits_head = bool(getattr(self.runner, "restricts_logits", False))
-        self._awaiting_grammar: list[Request] = []
+        self._awaiting_grammar: list[Request] = []  # constrained, grammar still compiling
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_unreported: list[Request] = []
@@ -194,57 +82,9 @@ class EngineCore:
         self._result: StepResult | None = None
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0,
                          "computed_tokens": 0, "restricted_logit_rows": 0}
-        self._log_startup()
-        if self.runner.device.type == "cpu":
-            release_freed_memory()  # loading's freed buffers back to the OS
-
-    def _calibrate_kv_scales(self) -> None:
-        from engine.kv_storage.calibration import CALIBRATION_TEXT
-
-        ids = self.tokenizer.encode(CALIBRATION_TEXT)
-        scales = self.runner.calibrate_kv_scales(ids)
-        ks = torch.stack([k for k, _ in scales])
-        if scales[0][1] is None:  # int4: per-channel key smoothing, values as they are
-            logger.info("KV scales calibrated on %d tokens: int4 key smoothing %.3g..%.3g "
-                        "(per layer, head and channel)", len(ids), ks.min(), ks.max())
-            return
-        vs = torch.stack([v for _, v in scales])
-        logger.info("KV scales calibrated on %d tokens: K %.3g..%.3g, V %.3g..%.3g "
-                    "(per layer and head)", len(ids), ks.min(), ks.max(), vs.min(), vs.max())
-
-    def _log_startup(self) -> None:
-        r = self.runner
-        tokens = r.num_blocks * self.config.block_size
-        logger.info(
-            "model %s | dtype %s | device %s | %s | "
-            "max_model_len %d | "
-            "KV cache (%s): %d "
-            "blocks x %d tokens = %d tokens, %d bytes/token, %.2f GiB | max concurrency at "
-            "max_model_len: %.2fx", self.model_name, str(r.dtype).removeprefix("torch."),
-            r.device, r.describe_kernels(),
-            self.max_model_len, self.config.kv_cache_dtype, r.num_blocks, self.config.block_size,
-            tokens, r.kv_bytes_per_token, r.kv_pool_bytes() / 2**30,
-            r.kv_layout.max_concurrency(r.num_blocks, self.config.block_size, self.max_model_len)
-            if r.kv_layout.is_hybrid else tokens / self.max_model_len)
-        if r.kv_layout.is_hybrid:
-            logger.info("%s", describe_kv_groups(r.kv_layout, r.num_blocks, self.config.block_size,
-                                                 r.kv_bytes_per_token // r.arch.num_layers,
-                                                 self.max_model_len))
-        logger.info("%s", self.generation_defaults.describe())
-        # config.dtype, not torch_dtype: transformers warns that one is deprecated
-        warning = kv_precision_warning(str(self.config.kv_cache_dtype), r.dtype,
-                                       getattr(self.hf_config, "dtype", None))
-        if warning:
-            logger.warning("KV cache precision: %s", warning)
-        if self.stream is not None:
-            logger.info("KV eviction (streaming, approximate; prefix caching off): %s",
-                        self.stream.spec.describe(self.config.block_size))
-        if self.disk is not None:
-            logger.info("%s", self.disk.describe())
-        spec = self.config.speculative_config
-        if spec is not None:
-            logger.info("speculative decoding: %s", spec.describe(
-                r.quant_verdict.float_above if r.quantized else None))
+        # The model, runner, scheduler (and its KV manager), tiers, sampler, limits, pooling
+        # and constrained decoding: engine/assembly.py.
+        assemble(self, config)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -357,13 +197,31 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. Returns the (cumulative) outputs of requests that progressed."""
+        """One iteration: schedule, run the model and sample, update. Returns the (cumulative)
+        outputs of requests that progressed."""
+        touched = self._between_steps()
+        out = self.scheduler.schedule()
+        result, completed = self._run_step(out, touched)
+        self.scheduler.update_from_output(out, result)
+        if self.kv_events is not None:  # this step's committed and evicted blocks, at once
+            self.kv_events.flush()
+        return self._outputs(touched, completed)
+
+    def _between_steps(self) -> dict[str, Request]:
+        """The requests to report whatever the step does (ended since the last one), after the
+        disk tier's loads are polled and the requests whose grammar compiled are admitted."""
         touched: dict[str, Request] = {r.request_id: r for r in self._finished_unreported}
         self._finished_unreported = []
         if self.disk is not None:
             self.disk.poll()
         self._admit_compiled(touched)
-        out = self.scheduler.schedule()
+        return touched
+
+    def _run_step(self, out: SchedulerOutput, touched: dict[str, Request],
+                  ) -> tuple[StepResult, bool]:
+        """The runner's call and every request's share of its outcome (``_run``), as the
+        ``StepResult`` for ``update_from_output``; True when some sequence sampled. Out of
+        device memory ends the step's requests (``_fail_step``)."""
         self._result = result = StepResult()
         completed = False
         try:
@@ -376,9 +234,11 @@ class EngineCore:
                     self._fail_step(out, touched)
         finally:
             self._result = None
-        self.scheduler.update_from_output(out, result)
-        if self.kv_events is not None:  # this step's committed and evicted blocks, at once
-            self.kv_events.flush()
+        return result, completed
+
+    def _outputs(self, touched: dict[str, Request], completed: bool) -> list[RequestOutput]:
+        """A cumulative ``RequestOutput`` per touched request (one whose output fails to build
+        ends, "abort"); finished requests are forgotten."""
         if completed:
             now = time.time()
             for req in touched.values():
@@ -704,15 +564,6 @@ class EngineCore:
 
     # ---- introspection -------------------------------------------------------------------
 
-    def _structured_stats(self) -> StructuredStats:
-        stats = dataclasses.replace(self.structured.stats(),
-                                    restricted_rows=self.counters["restricted_logit_rows"])
-        jf = self.jump_forward
-        if jf is None:
-            return stats
-        return dataclasses.replace(stats, jump_forward_drafted=jf.drafted,
-                                   jump_forward_accepted=jf.accepted)
-
     def kv_snapshot(self) -> KVSnapshot:
         """A read-only picture of the KV cache (``engine.kv_cache.snapshot``); engine thread
         only (``AsyncEngine.call_on_engine_thread``), between steps."""
@@ -721,98 +572,13 @@ class EngineCore:
     def cache_tiers(self) -> list[str]:
         """The tiers the prefix cache lives in, top down: "device", then "host" (``swap_space``,
         or the staging area of a stored tier), "disk" and "remote" when on. Fixed at start."""
-        return (["device"] + (["host"] if self.kv.host is not None else [])
-                + (self.disk.tier_names() if self.disk is not None else []))
+        return cache_tiers(self.kv, self.disk)
 
     def reset_prefix_cache(self, tiers: Collection[str] | None = None) -> dict[str, int | None]:
         """Drop every cached block no request holds, in ``tiers`` (None: all of
-        :meth:`cache_tiers`): their KV is forgotten, not written anywhere. Blocks in use by a
-        running, waiting or swapped request, or pinned by a pending copy, keep their KV and
-        hash. Returns the blocks dropped per tier (None: a stored tier that cannot be cleared
-        from here). ValueError naming a tier this engine does not have. Engine thread only,
-        between steps (``AsyncEngine.reset_prefix_cache``); the scheduler's manager and host
-        tier are changed only through their own resets."""
-        have = self.cache_tiers()
-        want = have if tiers is None else list(dict.fromkeys(tiers))
-        unknown = [t for t in want if t not in have]
-        if unknown:
-            raise ValueError(f"no {', '.join(unknown)} KV tier on this server; its tiers: "
-                             f"{', '.join(have)}")
-        out: dict[str, int | None] = {}
-        if "device" in want:
-            pool = self.kv.pool
-            before = pool.num_free_cached_blocks
-            self.kv.reset_prefix_cache(host=False)
-            out["device"] = before - pool.num_free_cached_blocks
-        if "host" in want:
-            pool = self.kv.host.pool
-            before = pool.num_free_cached_blocks
-            self.kv.host.reset()
-            out["host"] = before - pool.num_free_cached_blocks
-        stored = [t for t in want if t not in ("device", "host")]
-        if stored:
-            out.update(self.disk.clear(stored))
-        logger.info("prefix cache reset: %s", ", ".join(
-            f"{t} {'not cleared' if n is None else f'{n} blocks dropped'}"
-            for t, n in out.items()))
-        return out
+        :meth:`cache_tiers`); blocks per tier dropped. Engine thread only, between steps
+        (``engine.kv_cache.reset``)."""
+        return reset_prefix_cache(self.kv, self.disk, tiers)
 
     def stats(self) -> EngineStats:
-        kv = self.kv.stats()
-        return EngineStats(
-            num_requests_running=len({s.request.request_id for s in self.scheduler.running}),
-            num_requests_waiting=self.scheduler.num_waiting_requests,
-            num_seqs_waiting=self.scheduler.num_waiting_seqs,
-            kv_cache_usage_perc=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_preemptions_swap=self.scheduler.num_preemptions_swap,
-            num_preemptions_recompute=self.scheduler.num_preemptions_recompute,
-            prompt_tokens=self.counters["prompt_tokens"],
-            generation_tokens=self.counters["generation_tokens"],
-            num_steps=self.counters["num_steps"],
-            num_blocks_total=kv.num_blocks,
-            num_blocks_free=kv.num_free_blocks,
-            num_blocks_used=kv.num_used_blocks,
-            num_blocks_cached=kv.num_cached_blocks,
-            kv_bytes_per_token=self.runner.kv_bytes_per_token,
-            kv_cache_groups=self.runner.kv_layout.num_groups,
-            kv_cache_group_bytes_per_token=self.runner.kv_page_bytes_per_token,
-            kv_cache_max_concurrency=self.runner.kv_layout.max_concurrency(
-                kv.num_blocks, self.config.block_size, self.max_model_len),
-            num_blocks_released_window=self.kv.num_window_released,
-            num_blocks_evicted_stream=self.stream.num_evicted_blocks if self.stream else 0,
-            computed_tokens=self.counters["computed_tokens"],
-            spec_decode=self.spec_counters.snapshot(),
-            structured=self._structured_stats(),
-            kv_events=(self.kv_events.stats() if self.kv_events is not None
-                       else KVEventsStats()),
-            host=HostTierStats.from_offload(
-                self.kv.offload_stats(), self._block_bytes),
-            disk=self.disk.snapshot() if self.disk is not None else DiskTierStats(),
-            remote=(self.disk.remote_snapshot() if self.disk is not None else None)
-            or RemoteTierStats(),
-        )
-
-
-def _tokenizer_files(config: EngineConfig, files):
-    """``tokenizer`` when given; else the model's own; a dummy-weights model directory that
-    holds only ``config.json`` borrows the embedded model's tokenizer."""
-    if config.tokenizer is not None:
-        return resolve_model(config.tokenizer)
-    if config.load_format == "dummy" and not any(
-            (files.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        logger.info("%s has no tokenizer: using the embedded model's", files.path)
-        return resolve_model(None)
-    return files
-
-
-def _jump_forward(config: EngineConfig, tokenizer) -> JumpForward | None:
-    """Jump-forward drafts for constrained sequences (``structured_outputs_config``), or None
-    when ``jump_forward_tokens`` is 0."""
-    so = config.structured_outputs_config
-    if not so.jump_forward_tokens:
-        return None
-    return JumpForward(lambda text: tokenizer.encode(text, add_special_tokens=False),
-                       so.jump_forward_tokens, so.jump_forward_max_seqs)
+        return engine_stats(self)

@@ -1,11 +1,11 @@
 """Every environment variable kvserve reads, in one table, with one typed accessor each.
 
-This is the only module of ``engine/``, ``kvserve_kernels/``, ``server/`` and ``bench/`` that touches
-``os.environ`` (tests/unit/test_envs.py holds the rule). Each accessor reads the environment
+This is the only module of ``engine/``, ``kvserve_kernels/``, ``server/`` and ``loadgen/`` that touches
+``os.environ`` (tests/house/test_envs.py holds the rule). Each accessor reads the environment
 when called, never at import, so a test that monkeypatches a variable sees its value at the
 next call, and so does a running engine (what reads a variable once per process, such as
 ``kvserve_kernels.launch_config``, caches it itself and says so). docs/envs.md is this table in prose;
-tests/unit/test_envs.py checks the two agree.
+tests/house/test_envs.py checks the two agree.
 
 ``VARIABLES`` names each variable with its default and meaning. Values are strings; a flag is
 on or off by the comparison its accessor documents (``"0"`` turns off a default-on feature,

@@ -15,10 +15,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.chat_template import render_chat
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.core import EngineCore
-from engine.outputs import RequestOutput
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
+from engine.request_output import RequestOutput
 
 
 class LLM:

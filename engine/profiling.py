@@ -1,33 +1,18 @@
 """torch.profiler around the engine thread's steps (vLLM's ``/start_profile`` / ``/stop_profile``).
 
 :class:`StepProfiler` is created and driven on the engine thread only (``AsyncEngine`` runs its
-``start``/``stop``/``expire`` there through ``call_on_engine_thread``; the loop wraps each
-``EngineCore.step`` in :meth:`StepProfiler.step_range`). It records CPU activity, and CUDA
-activity when CUDA is available, and writes one Chrome/Perfetto JSON trace per session into its
-directory: ``kvserve-trace-<unix ms>.json`` (open it in https://ui.perfetto.dev or
-chrome://tracing; both work offline once loaded). Each step is a ``kvserve::step`` range.
+``start``/``stop``/``expire`` there; the loop wraps each ``EngineCore.step`` in
+:meth:`StepProfiler.step_range`, a ``kvserve::step`` range). It records CPU activity, and CUDA
+activity when available, into one Chrome/Perfetto JSON trace per session,
+``kvserve-trace-<unix ms>.json`` in its directory.
 
-Bounds, because a session's cost grows with what it records and the engine pays for it:
-
-- **One session at a time.** ``start`` raises (the route's 409) while one records *or while the
-  previous one's trace is still being written*, so at most one session's events are held.
-- **Caps.** A session stops by itself after ``max_iters`` steps (vLLM's
-  ``VLLM_PROFILER_MAX_ITERS``) or ``max_seconds`` (checked after each step, and by
-  :meth:`StepProfiler.expire`, which the server calls on a timer, for an idle engine); 0 turns
-  a cap off. The caps are what bound the engine's pause at stop: torch's stop materialises
-  every recorded event and must run on the engine thread (the thread that started
-  torch.profiler; stopping it from another one crashes the process), and torch's JSON export
-  holds the GIL, so the engine cannot step while it runs either. The pause, the trace's size
-  and the memory held until it is written all grow with the steps recorded; the defaults (30 s,
-  1000 steps) leave room for a profile worth reading while keeping them bounded.
-- **Off the engine thread.** Only torch's stop runs on the engine thread. The export, freeing
-  the recorded events and handing the freed heap back to the OS (``malloc_trim`` on glibc:
-  without it the process keeps its high-water RSS for good) run on a ``kvserve-profile-writer``
-  thread, and the route waits for that thread on the event loop, not the engine's. The trace
-  is written under a ``.partial`` name and renamed when complete.
-- **Less recorded.** No shapes, no memory events, no stacks (vLLM's defaults too): shapes and
-  memory events roughly triple the events per step, and with them the trace and the pause.
-"""
+Bounds on what a session costs the engine: one session at a time (``start`` raises, the route's
+409, while one records or its trace is still being written); caps (``max_iters`` steps,
+``max_seconds``, checked after each step and by :meth:`StepProfiler.expire` on a timer; 0 turns a
+cap off), which bound the engine's pause at stop (torch's stop must run on the engine thread and
+its export holds the GIL); only torch's stop on the engine thread, the export, freeing and
+``malloc_trim`` on a ``kvserve-profile-writer`` thread, the trace written under ``.partial`` and
+renamed; no shapes, memory events or stacks recorded (vLLM's defaults too)."""
 
 from __future__ import annotations
 

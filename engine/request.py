@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.outputs import PositionLogprobs, RequestMetrics
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
+from engine.request_output import PositionLogprobs, RequestMetrics
 
 if TYPE_CHECKING:
-    from engine.output.stop import SequenceTextState
+    from engine.postprocess.stop import SequenceTextState
 
 
 class SeqStatus(enum.Enum):

@@ -1,21 +1,15 @@
 """Batched KV block moves: copy-on-write inside a pool, swap/offload between device and host.
 
 ``copy_blocks(src, dst, mapping)`` copies block ``mapping[i, 0]`` of every source pool into
-block ``mapping[i, 1]`` of the matching destination pool. Paths:
-
-* same CUDA device: one Triton launch for all layers (pools addressed as offsets from the
-  first pool);
-* same non-CUDA device: ``index_select`` + ``index_copy_`` per layer;
-* across devices: per layer gather on the source device into one staging tensor
-  ``[layers, N, ...]``, one transfer, scatter on the destination. Host->device is
-  ``non_blocking`` when the host pool is pinned (the pinned staging buffer is kept alive by
-  PyTorch's caching host allocator until the copy has run); device->host waits for the copy
-  before scattering, since the CPU reads the staged data right away.
+block ``mapping[i, 1]`` of the matching destination pool: on one CUDA device one Triton launch
+for all layers; on one non-CUDA device ``index_select`` + ``index_copy_`` per layer; across
+devices a per-layer gather into one staging tensor, one transfer, a scatter (host->device
+``non_blocking`` from a pinned host pool, the staging buffer kept alive by PyTorch's caching
+host allocator; device->host waits before scattering).
 
 Contract: destination blocks are distinct, and when source and destination are the same pool
 no block is both a source and a destination in one call (the Triton path runs pairs in
-parallel). Pools of one call share dtype and per-block shape; their block counts may differ.
-"""
+parallel). Pools of one call share dtype and per-block shape; their block counts may differ."""
 
 from __future__ import annotations
 

@@ -1,34 +1,17 @@
 """A mixture-of-experts feed-forward as two grouped GEMMs (Triton, NVIDIA GPUs), no host sync.
 
-``engine.models.moe``'s grouped path computes only the routed rows, but loops over the experts
-in Python after one host sync for the per-expert counts: it cannot be captured in a CUDA graph,
-and the dense path a capture falls back to runs every expert on every token (``E / k`` times the
-FLOPs and every expert's weights read each step: 16x for Qwen3-30B-A3B's 128 experts, top 8).
-Here, as llama.cpp's ``mul_mat_id`` and vLLM's fused MoE do it:
-
-1. :func:`align_by_expert`: the ``T * k`` (token, expert) pairs sorted by expert (stable, so a
-   token's rows keep their order), each expert's run padded to a multiple of ``block_m`` with
-   the sentinel ``T * k``, and the expert of every ``block_m`` rows. Device ops only, shapes
-   that depend on ``T``, ``k``, ``E`` and ``block_m`` alone: capturable.
-2. ``_moe_gemm_kernel``: one program per (``block_m`` rows of one expert, ``BLOCK_N`` outputs)
-   gathers its rows of A (row ``pair // a_div``), multiplies them by that expert's ``[N, K]``
-   weight, optionally scales each row by its routing weight, and writes each pair's own output
-   row. Programs past the padded total return at once.
-3. :func:`fused_moe`: gate/up GEMM over the token rows, the activation (``act``, over
-   ``[gate | up]``), the down GEMM over the pair rows with the routing weights, then each
-   token's ``k`` rows summed in ascending expert order.
-
-Numerics are HF's (``Qwen3MoeExperts`` / ``MixtralExperts``) step by step: each product
-accumulated in float32 and rounded to the activations' dtype; the down projection's output
-rounded, multiplied by the float32 routing weight and rounded again; the sum over a token's
-experts in the dtype, in ascending expert order (HF's ``index_add_`` order). float32 dots use
-IEEE products, not TF32 (and bf16 is upcast for Triton's CPU interpreter, which multiplies
-bf16 bit patterns as integers). So in float32 the result equals the per-expert loop to rounding (the
-dot's summation order), in bf16 to an ulp where the two GEMMs' orders differ.
-
-Weights are stacked as HF stores them: ``w_gate_up [E, 2I, H]`` (gate rows, then up rows),
-``w_down [E, H, I]``. The tile sizes (:func:`moe_tiles`) follow vLLM's untuned defaults.
-"""
+Unlike ``engine.models.moe``'s grouped path (a host sync and a Python loop over experts), this
+is capturable in a CUDA graph, as llama.cpp's ``mul_mat_id`` and vLLM's fused MoE:
+:func:`align_by_expert` sorts the ``T * k`` (token, expert) pairs by expert (stable), pads each
+expert's run to ``block_m`` with the sentinel ``T * k`` (device ops, shapes from ``T``, ``k``,
+``E``, ``block_m`` only); ``_moe_gemm_kernel`` multiplies each ``block_m`` rows of one expert by
+its ``[N, K]`` weight (optionally scaled by the routing weight) into each pair's own row;
+:func:`fused_moe` runs gate/up, ``act``, down, then sums each token's ``k`` rows.
+Numerics are HF's (``Qwen3MoeExperts`` / ``MixtralExperts``) step by step: products accumulated
+in float32 and rounded to the dtype; the down output rounded, times the float32 routing weight,
+rounded again; the sum in ascending expert order. float32 dots are IEEE, not TF32. So float32
+equals the per-expert loop to rounding, bf16 to an ulp. Weights as HF stacks them:
+``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``; tiles (:func:`moe_tiles`): vLLM's defaults."""
 
 from __future__ import annotations
 

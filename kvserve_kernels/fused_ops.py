@@ -1,10 +1,8 @@
 """Triton kernels for the decoder layer's element-wise steps on NVIDIA GPUs.
 
-PyTorch runs residual add + RMSNorm as ~9 kernels and SiLU x up as 2, each a full pass over the
-activations; in a CUDA-graph decode step every one of them still costs a few microseconds of
-launch gap and a round trip through memory. Each kernel here is one pass. (A fused RoPE kernel
-was tried and dropped: it disagreed with PyTorch's bf16 arithmetic by an ulp on many elements,
-and HF parity in bf16 fell with it: docs/performance.md#quality-figures-behind-defaults.)
+Each kernel is one pass over the activations where PyTorch runs residual add + RMSNorm and
+SiLU x up as several kernels. (No fused RoPE: it disagreed with PyTorch's bf16 arithmetic by
+an ulp and HF parity fell: docs/decisions.md#quality-figures-behind-defaults.)
 
 Numerics follow HF's PyTorch arithmetic operation by operation, including where it rounds to the
 model's dtype: the residual sum is rounded to the dtype before it is normalised; the norm is
@@ -12,12 +10,9 @@ taken in float32, rounded to the dtype, then scaled by the weight; SiLU rounds b
 multiply by ``up``. So in float32 the results equal ``engine.models.layer_ops.TorchLayerOps`` to
 rounding, and in bf16/fp16 to the last bit except where PyTorch's own kernels differ in an ulp.
 
-Triton's Python launcher costs more per launch than PyTorch's, so these pay off inside CUDA
-graphs (where launches are free) and not in eager steps: the model runner uses them for the
-captured decode steps only.
-
-Every function takes rows whose last dimension is contiguous; other strides are free.
-"""
+Triton's launcher costs more per launch than PyTorch's, so the model runner uses these for the
+captured (CUDA-graph) decode steps only. Every function takes rows whose last dimension is
+contiguous; other strides are free."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Triton jit helpers for the int4 KV rows (kind 3 of kvserve_kernels/kv_quant_layout.py): packing
 already-rotated rows as ``store_kv`` writes them, and unpacking elements as the attention tiles
 read them. The PyTorch truth is ``_quantize_int4`` / ``dequantize_int4_plain`` in
-engine/kv_storage/formats.py; ``pack_int4_rows`` reproduces the former bit for bit:
+engine/kv_format/formats.py; ``pack_int4_rows`` reproduces the former bit for bit:
 
 * ``m``: the group's element of largest magnitude, the FIRST one in element order on a tie
   (``torch.argmax``'s rule), its sign included (read from the sign bit, so a group of zeros

@@ -1,26 +1,18 @@
-"""The quantised KV pool layouts as the Triton kernels see them (the formats themselves are
-defined, and implemented for PyTorch, in engine/kv_storage/formats.py; kvserve_kernels/ does not import
-engine/).
+"""The quantised KV pool layouts as the Triton kernels see them (defined, and implemented for
+PyTorch, in engine/kv_format/formats.py; kvserve_kernels/ does not import engine/).
 
 * kind 0: a float pool, rows of ``head_dim`` elements.
-* kind 1: int8, rows of ``head_dim`` values then the two bytes of the row's float16 scale. The
-  kernels read the scales through the pool's float16 view: a row starting at int8 element
-  ``r`` (always even, since the row width ``head_dim + 2`` is) keeps its scale at float16
-  index ``(r + head_dim) // 2``.
+* kind 1: int8, rows of ``head_dim`` values then the row's float16 scale; the kernels read a row
+  starting at (even) int8 element ``r`` through the float16 view at ``(r + head_dim) // 2``.
 * kind 2: fp8 (e4m3fn or e5m2), rows of ``head_dim`` values and one float32 scale per KV head
   held outside the pool (the attention layer's ``kv_scales``).
-* kind 3: int4, a uint8 pool. A row is ``head_dim / 2`` bytes of 4-bit codes then one float16
-  scale per group of :func:`int4_group` elements (``head_dim / 2 + 2 * groups`` bytes,
-  :func:`kv_row_width`). Group ``j``'s codes are bytes ``j * g/2 .. (j+1) * g/2 - 1``; byte
-  ``i`` of them holds element ``j*g + i`` in its low nibble and ``j*g + i + g/2`` in its high
-  one (llama.cpp's ``q4_0`` order). Group ``j``'s scale is the little-endian float16 at bytes
-  ``head_dim/2 + 2j`` and ``+ 1`` (read and written byte by byte, so no row alignment is
-  assumed); an element is ``scale * (code - 8)``. The values are the rows ROTATED by the
-  per-group Walsh-Hadamard matrix: the kernels never rotate, the attention backend hands them
-  rotated keys, values and queries and rotates the output back
-  (engine/attention/triton_backend.py). The jit helpers that pack and unpack these rows are
-  in kvserve_kernels/int4_rows.py.
-"""
+* kind 3: int4, a uint8 pool; a row (:func:`kv_row_width`) is ``head_dim / 2`` bytes of codes
+  (group ``j``'s byte ``i``: element ``j*g + i`` low nibble, ``j*g + i + g/2`` high, ``g`` =
+  :func:`int4_group`) then one little-endian float16 scale per group at ``head_dim/2 + 2j``,
+  read byte by byte (no alignment assumed); an element is ``scale * (code - 8)``. The values
+  are the rows rotated per group (Walsh-Hadamard): the kernels never rotate, the attention
+  backend hands them rotated K, V and queries and rotates the output back. The jit helpers
+  that pack and unpack these rows are in kvserve_kernels/int4_rows.py."""
 
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ import functools
 import torch
 
 INT8_SCALE_BYTES = 2
-INT4_GROUP = 32  # engine/kv_storage/formats.py: the same
+INT4_GROUP = 32  # engine/kv_format/formats.py: the same
 
 
 def kv_quant_kind(cache: torch.Tensor) -> int:

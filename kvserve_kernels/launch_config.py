@@ -103,7 +103,7 @@ def decode_launch_config(head_dim: int, dtype: torch.dtype, is_cuda: bool) -> De
     """Launch choices of the decode kernel for a model's head_dim and KV-cache dtype.
 
     GPU defaults (BLOCK_N 64, 4 warps, 2 stages, 4 resident programs per SM) were chosen by
-    a sweep on an H200 at D=128, bf16 (see docs/performance.md#triton-decode-launch-defaults);
+    a sweep on an H200 at D=128, bf16 (see docs/decisions.md#triton-decode-launch-defaults);
     D=64 keeps them until a benchmark says otherwise. The CPU interpreter pays per op, so it gets few, mid-sized tiles.
     ``KVSERVE_DECODE_CONFIG`` overrides any of them.
     """

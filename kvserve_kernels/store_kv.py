@@ -1,6 +1,6 @@
 """Triton kernel writing a step's new keys/values into their paged-pool slots.
 
-Over an 8-bit pool it quantises as it writes (the format of engine/kv_storage/formats.py):
+Over an 8-bit pool it quantises as it writes (the format of engine/kv_format/formats.py):
 int8 rows are ``head_dim`` values ``round(x / s)`` (half away from zero, clamped to +-127) then
 the float16 bits of ``s = max(absmax / 127, 2**-14)``, one scale per token and KV head; fp8
 rows are ``x / head_scale`` saturated to the format's largest number. Over an int4 pool (a
@@ -96,7 +96,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     scale), an fp8 pool (``kv_scales``: per-head float32 ``[KVH]`` K and V scales, None = 1) or
     an int4 pool (uint8, ``W = D/2 + 2 * groups``: kvserve_kernels/kv_quant_layout.py; ``key``/``value``
     must be the ROTATED rows, best in float32, which this packs bit for bit as
-    ``engine.kv_storage.formats._quantize_int4`` does).
+    ``engine.kv_format.formats._quantize_int4`` does).
 
     ``key``/``value`` may be strided views (e.g. slices of a fused QKV projection) as long as
     the last dimension is contiguous. Slots must be distinct and within the pool.

@@ -77,5 +77,5 @@ if __name__ == "__main__":
         print({"install": install, "install-test": test, "kernels": kernels}[sys.argv[1]])
     else:
         # The stamps' folder is PREFIX/.kvserve-make; $KVSERVE_MAKE_STAMPS names another PREFIX
-        # (tests/unit/test_first_hour_make.py, so as not to write into the venv it runs in).
+        # (tests/house/test_first_hour_make.py, so as not to write into the venv it runs in).
         print(os.environ.get("KVSERVE_MAKE_STAMPS") or sys.prefix, install, test, kernels)

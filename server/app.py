@@ -1,24 +1,18 @@
 """``build_app(engine, settings)``: the FastAPI application around an :class:`AsyncEngine`.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (server/responses),
-``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's API: server/anthropic),
-``/v1/models``, ``/v1/models/{id}``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``,
-the KV page (``/kv``, ``/kv/state``, ``/kv/events``: server/kv_page/, off with ``--no-kv-page``)
-and, with ``--profiler-dir``, ``/start_profile`` / ``/stop_profile`` (server/profile_routes.py);
-the endpoints routers probe (``/get_server_info``, ``/get_load``, ``/flush_cache``, ...:
-server/router_routes.py). The app owns no model code; the
-engine's own thread runs it, and tokenising runs on worker threads: the event loop only parses,
-validates and frames.
-
-``/health`` answers ``{"status": "ok"}`` (JSON) while serving. ``/openapi.json`` documents the
-errors as sent (server/openapi_errors.py); HTTP framing is checked by server/http_framing.py.
-
-Draining (:func:`begin_drain`, called on SIGTERM by ``run_server``): new requests get 503,
-``/health`` answers 503, and the requests in flight may finish. The drain is bounded ONCE, by
-``shutdown_timeout`` counted from its start: the server's graceful wait (server/graceful.py)
-and the engine's final wait at lifespan shutdown share that one budget; what still runs at its
-end is ended properly (:func:`end_drain`).
-"""
+``/v1/messages`` and ``/v1/messages/count_tokens`` (server/anthropic), ``/v1/models``,
+``/v1/models/{id}``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``, the
+KV page (server/kv_page/, off with ``--no-kv-page``), with ``--profiler-dir`` the profiler's
+(server/profile_routes.py), and the endpoints routers probe (server/router_routes.py). The app
+owns no model code; the engine's own thread runs it, and tokenising runs on worker threads:
+the event loop only parses, validates and frames. ``/health`` answers ``{"status": "ok"}``
+while serving; ``/openapi.json`` documents the errors as sent (server/openapi_errors.py).
+Draining (:func:`begin_drain`, on SIGTERM by ``run_server``): new requests and ``/health`` get
+503 and the requests in flight may finish. The drain is bounded ONCE, by ``shutdown_timeout``
+from its start: the server's graceful wait (server/graceful.py) and the engine's final wait at
+lifespan shutdown share that one budget; what still runs at its end is ended properly
+(:func:`end_drain`)."""
 
 from __future__ import annotations
 

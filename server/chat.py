@@ -27,8 +27,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.chat_template import render_chat
-from engine.outputs import RequestOutput
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
+from engine.request_output import RequestOutput
 from server.errors import bad_request
 from server.logprobs import chat_logprobs
 from server.prompt_bound import check_chars, released_after

@@ -3,7 +3,7 @@
     kvserve serve [MODEL] [--config FILE.yaml] [--host H] [--port P] [engine flags]
     kvserve generate [MODEL] --prompt TEXT [--chat] [--max-tokens N] [sampling/engine flags]
     kvserve cache ls | kvserve cache prune [--older-than DAYS] [--all] [--dry-run]
-    kvserve bench ... / kvserve kv-calc ...   (registered by server/bench/cli.py when present)
+    kvserve bench ... / kvserve kv-calc ...   (registered by server/loadgen/cli.py when present)
 
 MODEL defaults to the embedded SmolLM2-135M-Instruct (also named ``default``: every spelling that
 ``engine.loading.embedded`` knows works for every subcommand). Engine flags are named as vLLM names
@@ -193,7 +193,7 @@ def run_server(app: Any, engine: Any, settings: ServerSettings,
                          exit_watchdog=True)
     # Start-up's objects (the model's modules, the tokenizer's tables) live as long as the
     # process: frozen, the cyclic collector's scans skip them and look at per-request objects
-    # only (docs/performance.md#small-cpu-costs; vLLM freezes likewise).
+    # only (docs/decisions.md#small-cpu-costs; vLLM freezes likewise).
     gc.collect()
     gc.freeze()
     if engine.is_healthy:  # already driven by its own thread: serve on this one
@@ -235,7 +235,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     configure_logging("warning" if settings.log_level == "info" else settings.log_level)
     from engine.chat_template import render_chat
     from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
+    from engine.params.sampling import SamplingParams
 
     llm = LLM.from_config(engine_config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -356,9 +356,9 @@ def _model_and_config(p: argparse.ArgumentParser) -> None:
 def _register_plugins(sub: Any) -> None:
     """Subcommands living elsewhere (bench, kv-calc); absent modules are skipped."""
     try:
-        from bench.cli import register
+        from loadgen.cli import register
     except ModuleNotFoundError as exc:
-        if exc.name not in ("bench", "bench.cli"):
+        if exc.name not in ("loadgen", "loadgen.cli"):
             raise
         return
     register(sub)

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.outputs import RequestOutput
+from engine.request_output import RequestOutput
 from server.errors import bad_request
 from server.logprobs import CompletionLogprobs
 from server.prompt_bound import check_chars, release_after

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import (
+from engine.config.engine import (
     ACTIVATION_PRECISIONS,
     ATTENTION_BACKENDS,
     CPU_PROBES,
@@ -31,7 +31,7 @@ from engine.config import (
     kv_cache_dtype_name,
     parse_bytes,
 )
-from engine.kv_cache.disk.config import WRITE_POLICIES as DISK_WRITE_POLICIES
+from engine.config.kv_disk import WRITE_POLICIES as DISK_WRITE_POLICIES
 from server.reasoning.formats import FORMATS as REASONING_FORMATS
 from server.tools.formats import PARSER_NAMES as TOOL_CALL_PARSERS
 

@@ -1,26 +1,18 @@
 """The HTTP connection layer: uvicorn's h11 protocol with the limits uvicorn lacks.
 
-uvicorn never times out a connection that has not finished its request: one that sends nothing,
-headers a byte at a time (slowloris) or a body that never ends stays open for ever, and since
-uvicorn counts open connections against ``--limit-concurrency``, a few hundred idle sockets made
-it answer everything, ``/health`` included, with its plain-text 503. :class:`GuardedH11Protocol`
-(the ``http`` protocol class given to uvicorn, see :func:`protocol_class`) adds, per connection:
-
-- ``header_timeout``: seconds from the connection's start (or the end of the previous response
-  on a kept-alive one) to the end of the request's headers. A connection that sent nothing is
-  closed silently (as a keep-alive timeout closes it); one that sent part of a request gets a
-  408 in OpenAI's error shape, then is closed.
-- ``body_timeout``: seconds from the end of the headers to the end of the body; then 408 and
-  close, and the endpoint sees the client gone.
-- ``max_connections_per_client``: open connections one client address may hold; the next one
-  gets a 503 (``too_many_connections``) and is closed at once.
+uvicorn never times out a connection that has not finished its request, and counts open
+connections against ``--limit-concurrency``, so idle or slowloris sockets could make it refuse
+everything. :class:`GuardedH11Protocol` (the ``http`` protocol class given to uvicorn, see
+:func:`protocol_class`) adds, per connection, ``header_timeout`` and ``body_timeout`` (a
+connection that sent nothing is closed silently, one that sent part of a request gets a 408 in
+OpenAI's error shape) and ``max_connections_per_client`` (the next one gets a 503
+``too_many_connections``); the limits are spelled out on the class.
 
 It also hands each request a :class:`server.write_progress.WriteProgress` for its connection
 (``scope["extensions"]["kvserve.write_progress"]``), with which a streaming response times a
 client that stopped reading. The server-wide ``--limit-concurrency`` is applied per request by
 :class:`server.overload.OverloadMiddleware` (``/health`` stays answerable), from the count of
-open connections kept here by :class:`ConnectionTracker`.
-"""
+open connections kept here by :class:`ConnectionTracker`."""
 
 from __future__ import annotations
 
@@ -90,8 +82,18 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailabl
 
 
 class GuardedH11Protocol(H11Protocol):
-    """See the module docstring. ``tracker`` is set on the subclass :func:`protocol_class`
-    makes."""
+    """uvicorn's h11 protocol with per-connection limits. ``tracker`` is set on the subclass
+    :func:`protocol_class` makes.
+
+    - ``header_timeout``: seconds from the connection's start (or the end of the previous
+      response on a kept-alive one) to the end of the request's headers. A connection that sent
+      nothing is closed silently (as a keep-alive timeout closes it); one that sent part of a
+      request gets a 408 in OpenAI's error shape, then is closed.
+    - ``body_timeout``: seconds from the end of the headers to the end of the body; then 408 and
+      close, and the endpoint sees the client gone.
+    - ``max_connections_per_client``: open connections one client address may hold; the next
+      one gets a 503 (``too_many_connections``) and is closed at once.
+    """
 
     tracker: ConnectionTracker
 

@@ -1,26 +1,18 @@
 """The uvicorn server that ``kvserve serve`` runs: its drain on SIGTERM/SIGINT and its watch
 on the engine.
 
-uvicorn's own shutdown closed the listening socket at once (``/health`` got "connection
-refused", not the documented 503) and, at ``--shutdown-timeout``, cancelled the requests still
-running: streams were cut mid-body, with no ending, an incomplete chunked body and a
-``CancelledError`` traceback each. :class:`GracefulServer` drains instead:
+:class:`GracefulServer` drains instead of uvicorn's own shutdown (which closed the listening
+socket at once and cancelled running requests mid-body):
 
-1. The drain begins (server/app.py ``begin_drain``): new requests get 503 ``shutting_down``,
-   ``/health`` too, and the socket keeps listening so that they are told so; idle kept-alive
-   connections are closed, busy ones close after their response.
-2. Requests in flight may finish until the one budget (``shutdown_timeout``, counted from the
-   start of the drain) is spent.
-3. Then those still running end properly (``end_drain``): a stream gets its endpoint's ending
-   (``finish_reason: "abort"``) and ``[DONE]``, a non-streaming request a 503; they have
-   :data:`CUT_GRACE` seconds to write it. A connection still busy after that (a client that
-   does not read) is dropped, and any request left is cancelled.
+1. The drain begins (server/app.py ``begin_drain``): new requests and ``/health`` get 503
+   ``shutting_down`` while the socket keeps listening; idle kept-alive connections close, busy
+   ones after their response.
+2. Requests in flight may finish until the one budget (``shutdown_timeout``, from the start of
+   the drain) is spent.
+3. Those still running end properly (``end_drain``: a stream its ending and ``[DONE]``, a plain
+   request a 503) within :data:`CUT_GRACE` s; then busy connections drop, the rest is cancelled.
 4. The socket stops listening, and the application's lifespan shutdown stops the engine.
-
-With ``exit_watchdog`` (``kvserve serve``: the process is the server's own), the drain's start
-also arms server/exit_watchdog.py: whatever a thread or a library is doing, the process ends ``shutdown_timeout + CUT_GRACE + EXIT_GRACE`` seconds after
-the signal.
-"""
+With ``exit_watchdog`` the process ends ``shutdown_timeout + CUT_GRACE + EXIT_GRACE`` s after it."""
 
 from __future__ import annotations
 

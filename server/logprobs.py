@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.outputs import Logprob, PositionLogprobs
+from engine.request_output import Logprob, PositionLogprobs
 
 _FLOOR = -9999.0
 

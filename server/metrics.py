@@ -31,7 +31,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.outputs import RequestOutput
+from engine.request_output import RequestOutput
 from engine.stats import EngineStats
 from engine.structured.stats import COMPILE_BUCKETS
 

@@ -1,23 +1,17 @@
 """vLLM's profiler endpoints: ``POST /start_profile`` and ``POST /stop_profile``.
 
-Only with ``--profiler-dir DIR`` (vLLM reads ``VLLM_TORCH_PROFILER_DIR``); without it neither
-route exists (404). With ``--api-key`` both need the key. ``start`` begins a torch.profiler
-session on the engine thread (:class:`engine.profiling.StepProfiler`: CPU and, when present,
-CUDA activity) and answers ``{"status": "started", "session": N, "max_seconds": S,
-"max_iters": I}``. A session stops by itself after ``--profiler-max-iters`` engine steps or
-``--profiler-max-seconds`` (a timer here stops an idle one).
-
-``stop`` stops the session, or reports the one that stopped itself since the last ``stop``, and
-answers ``{"status": "stopped", "trace": PATH, "num_steps": N, "seconds": S, "stopped_by":
-"request" | "max_iters" | "max_seconds"}``, PATH a Chrome/Perfetto JSON trace of every engine
-step of the session. The engine thread only stops torch's profiler (that must run there); the
-trace is written on a writer thread, and this route waits for it on the event loop, so the
-file is complete when the answer comes. (torch's exporter holds the GIL: the engine steps
-little while it writes. The caps are what bound that pause: engine/profiling.py.) If writing takes longer than ``STOP_TIMEOUT`` the
-answer is ``"status": "writing"`` instead: the file appears at PATH once complete (it is
-written under ``PATH.partial`` and renamed). Starting while a session records or while its
-trace is being written, or stopping when there is nothing to report, is a 409.
-"""
+Only with ``--profiler-dir DIR``; without it neither route exists (404). With ``--api-key``
+both need the key. ``start`` begins a torch.profiler session on the engine thread
+(:class:`engine.profiling.StepProfiler`) and answers ``{"status": "started", "session": N,
+"max_seconds": S, "max_iters": I}``; a session stops by itself after ``--profiler-max-iters``
+engine steps or ``--profiler-max-seconds``. ``stop`` stops the session (or reports the one that
+stopped itself since the last ``stop``) and answers ``{"status": "stopped", "trace": PATH,
+"num_steps": N, "seconds": S, "stopped_by": "request" | "max_iters" | "max_seconds"}``, PATH a
+Chrome/Perfetto JSON trace. The trace is written on a writer thread and awaited here, so the
+file is complete when the answer comes; past ``STOP_TIMEOUT`` the answer is ``"status":
+"writing"`` and the file appears at PATH once complete (written under ``PATH.partial`` and
+renamed). Starting while a session records or its trace is being written, or stopping with
+nothing to report, is a 409."""
 
 from __future__ import annotations
 

@@ -1,25 +1,17 @@
 """Refusing a text prompt that cannot fit the context by its length in characters, before it is
 tokenised, and handing the tokeniser's peak buffers back to the OS after a large one.
 
-Tokenising costs time and memory in proportion to the text (an 8 MiB prompt: 3 M tokens, 12 s,
-and +0.7 GB resident that glibc kept in the worker thread's arena), while the answer for a
-prompt far beyond ``max_model_len`` is a 400 anyway. The bound is proven, never a guess:
+Tokenising costs time and memory in proportion to the text (docs/decisions.md#prompt-length-bound),
+while a prompt far beyond ``max_model_len`` is a 400 anyway. The bound is proven, never a guess:
+no token of the vocabulary (added ones included) spells more than ``L`` characters, ``L`` the
+longest token in the vocabulary's own spelling, so a text of ``N`` characters has at least
+``ceil(N / L)`` tokens and one above ``max_model_len * L`` characters surely does not fit
+(:meth:`PromptBound.check` refuses it). This holds only while the tokenizer keeps every
+character: :func:`prompt_bound` gives a bound only for a fast tokenizer whose normalizer,
+pre-tokenizer and model never drop or merge text; for any other it gives None and nothing is
+refused by length (the engine's token count still is).
 
-* No token of the vocabulary (added tokens included) spells more than ``L`` characters of
-  text, ``L`` the longest token in the vocabulary's own spelling: byte-level BPE spells one
-  byte per character (at least one byte per text character), SentencePiece's ``▁`` one space,
-  byte-fallback pieces ``<0xAB>`` six characters for one byte.
-* So a text of ``N`` characters has at least ``ceil(N / L)`` tokens, and one above
-  ``max_model_len * L`` characters surely does not fit: :meth:`PromptBound.check` refuses it.
-* This holds only while the tokenizer keeps every character: :func:`prompt_bound` gives a
-  bound only for a fast tokenizer whose normalizer, pre-tokenizer and model never drop or
-  merge text (no normalizer or only expanding ones; byte-level, Metaspace or splitting
-  pre-tokenizers that keep what they split on; BPE or Unigram without fused unknowns). For any
-  other tokenizer it gives None and nothing is refused by length (the engine's token count
-  still is).
-
-Templates only add text, so a chat prompt is checked after rendering, before tokenising.
-"""
+Templates only add text, so a chat prompt is checked after rendering, before tokenising."""
 
 from __future__ import annotations
 
@@ -77,7 +69,13 @@ def check_chars(bound: PromptBound | None, chars: int, param: str) -> None:
 
 def prompt_bound(tokenizer: Any, max_model_len: int) -> PromptBound | None:
     """The bound for ``tokenizer`` (see the module docstring), or None when it cannot be
-    proven for it (a slow tokenizer, a normalizer that may drop text, ...). Never raises."""
+    proven for it (a slow tokenizer, a normalizer that may drop text, ...). Never raises.
+
+    ``L`` is the longest token in the vocabulary's own spelling: byte-level BPE spells one byte
+    per character (at least one byte per text character), SentencePiece's ``▁`` one space,
+    byte-fallback pieces ``<0xAB>`` six characters for one byte. A bound is given only for a
+    fast tokenizer with no normalizer or only expanding ones, byte-level, Metaspace or splitting
+    pre-tokenizers that keep what they split on, and BPE or Unigram without fused unknowns."""
     try:
         longest = longest_token_chars(tokenizer)
     except Exception as exc:  # noqa: BLE001 - any surprise means: no bound

@@ -27,9 +27,9 @@ from pydantic import (
     model_validator,
 )
 
-from engine.json_depth import deeper_than
-from engine.sampling.params import SamplingParams
-from engine.structured.spec import StructuredSpec
+from engine.params.json_depth import deeper_than
+from engine.params.sampling import SamplingParams
+from engine.params.structured import StructuredSpec
 from server.field_error import FieldError
 from server.structured_forms import structured_spec
 from server.tools.request import ToolSet, check_tool_results, read_tool_set
@@ -42,7 +42,7 @@ NonNegInt = Annotated[StrictInt, Field(ge=0)]
 MAX_TOKENIZE_CHARS = 1_000_000
 MAX_DETOKENIZE_IDS = 1_000_000
 # Objects and arrays nested in one body: a schema inside a request sits a few levels down and
-# may itself nest engine.structured.spec.MAX_SCHEMA_DEPTH.
+# may itself nest engine.params.structured.MAX_SCHEMA_DEPTH.
 MAX_BODY_DEPTH = 100
 
 

@@ -1,45 +1,18 @@
 """The endpoints that sglang-router and vllm-router probe on a worker, in the shapes their own
 code reads (added by ``build_app``; each read from the routers' sources and tried against them):
 
-- ``GET /get_server_info`` (also ``/server_info``): sglang-router registers the worker's model
-  under ``served_model_name`` (else ``model_path``) and loads its tokenizer from
-  ``tokenizer_path`` / ``model_path``; vllm-router's ``kv_aware`` policy keys its KV index on
-  ``model_id`` and ``kv_block_size``. Beside them SGLang's own names (``context_length``,
-  ``page_size``, ``max_total_num_tokens``, ``max_running_requests``, ``dp_size``) and
-  kvserve's (``max_model_len``, ``kv_events_endpoint``, ``cache_tiers``). No ``block_size`` or
-  ``model`` key: vllm-router reads ``block_size`` as another name of ``kv_block_size`` and
-  sglang-router ``model`` as one of ``model_id``, and a body with both fails to parse.
-- ``GET /get_model_info`` (also ``/model_info``): SGLang's fields (``model_path``,
-  ``tokenizer_path``, ``is_generation``, ``model_type``, ``architectures``, ...).
-- ``GET /get_load``: SGLang's list, one entry per data-parallel rank (one here):
-  ``num_reqs`` (running + waiting), ``num_waiting_reqs``, ``num_tokens`` (KV tokens held by
-  requests: blocks in use x block size), which sglang-router sums for ``power_of_two``.
-  vllm-router reads ``{"load": N}`` from the same path and the two routers send the same
-  request, so it cannot be answered both ways: vllm-router's ``power_of_two`` sees load -1.
-- ``POST /flush_cache`` (SGLang) and ``POST /reset_prefix_cache`` (vLLM): drop every cached
-  block no request holds, in every KV tier or the ones named (``?tier=device,host,disk,remote``,
-  repeatable; vLLM's ``?device=gpu|cpu`` names the device or host tier). Blocks of running,
-  waiting or swapped requests are never dropped (``reset_running_requests=true`` is a 400).
-  Answer: ``{"success": true, "dropped_blocks": {"device": 12, "host": 0, "disk": 40}}`` (a
-  tier's null: it cannot be cleared from this server). Behind ``--api-key`` (server/auth.py).
-- ``GET /health_generate``: one real token through the engine (greedy, a one-token prompt,
-  bounded by :data:`HEALTH_GENERATE_TIMEOUT`); probes that arrive while one runs share its
-  answer, so a burst of them costs one request. 200 ``{"status": "ok"}`` or 503.
-- ``GET /kv_event_sources``: the KV-event publishers of this replica, as vllm-router reads
-  them: a JSON object keyed by data-parallel rank (``{"0": {"endpoint": "tcp://HOST:5557",
-  "replay_endpoint": ..., "topic": ..., "publisher": "zmq", "encoding": "msgpack",
-  "schema_version": 1, ...}}``; vllm-router spawns no subscriber without ``publisher``,
-  ``encoding`` and ``schema_version``), ``{}`` when events are off. A wildcard host in the
-  endpoint (``tcp://*:5557``) is replaced by ``--host``, or when that is a wildcard too by the
-  host the router reached this server at.
+- ``GET /get_server_info`` (``/server_info``), ``GET /get_model_info`` (``/model_info``): the
+  worker's model, tokenizer, KV block size and limits under both routers' names;
+- ``GET /get_load``: SGLang's per-rank list (vllm-router's ``{"load": N}`` shares the path and
+  cannot be answered too: its ``power_of_two`` sees load -1);
+- ``POST /flush_cache`` (SGLang), ``POST /reset_prefix_cache`` (vLLM): drop every cached block
+  no request holds, in every KV tier or the ones named; behind ``--api-key``;
+- ``GET /health_generate``: one real token through the engine, 200 or 503;
+- ``GET /kv_event_sources``: this replica's KV-event publishers, as vllm-router reads them;
+- ``PRI * HTTP/2.0``: 505, not 404 (:class:`HTTP2PrefaceMiddleware`).
 
-- ``PRI * HTTP/2.0`` (sglang-router's client trying HTTP/2 prior knowledge): 505, not 404
-  (:class:`HTTP2PrefaceMiddleware`); the client falls back to HTTP/1.1.
-
-All but the two cache resets are open with ``--api-key``: sglang-router sends its ``--api-key``
-with every probe, vllm-router with ``/get_server_info`` and ``/kv_event_sources`` but not with
-``/get_load`` or the ``/flush_cache`` it passes on (so behind a key its flush is a 401).
-"""
+All but the two cache resets are open with ``--api-key`` (the routers send no key with some
+probes). Each endpoint's fields are spelled out on :func:`add_routes`."""
 
 from __future__ import annotations
 
@@ -52,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import EngineDeadError
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
 from server.config_file import ServerSettings
 from server.errors import APIError, bad_request
 from server.serving import ServingContext
@@ -87,6 +60,47 @@ class HTTP2PrefaceMiddleware:
 
 def add_routes(app: FastAPI, ctx: ServingContext, settings: ServerSettings,
                version: str) -> None:
+    """Add the router endpoints to ``app``. Their shapes:
+
+    - ``GET /get_server_info`` (also ``/server_info``): sglang-router registers the worker's
+      model under ``served_model_name`` (else ``model_path``) and loads its tokenizer from
+      ``tokenizer_path`` / ``model_path``; vllm-router's ``kv_aware`` policy keys its KV index on
+      ``model_id`` and ``kv_block_size``. Beside them SGLang's own names (``context_length``,
+      ``page_size``, ``max_total_num_tokens``, ``max_running_requests``, ``dp_size``) and
+      kvserve's (``max_model_len``, ``kv_events_endpoint``, ``cache_tiers``). No ``block_size``
+      or ``model`` key: vllm-router reads ``block_size`` as another name of ``kv_block_size``
+      and sglang-router ``model`` as one of ``model_id``, and a body with both fails to parse.
+    - ``GET /get_model_info`` (also ``/model_info``): SGLang's fields (``model_path``,
+      ``tokenizer_path``, ``is_generation``, ``model_type``, ``architectures``, ...).
+    - ``GET /get_load``: SGLang's list, one entry per data-parallel rank (one here):
+      ``num_reqs`` (running + waiting), ``num_waiting_reqs``, ``num_tokens`` (KV tokens held by
+      requests: blocks in use x block size), which sglang-router sums for ``power_of_two``.
+      vllm-router reads ``{"load": N}`` from the same path and the two routers send the same
+      request, so it cannot be answered both ways: vllm-router's ``power_of_two`` sees load -1.
+    - ``POST /flush_cache`` (SGLang) and ``POST /reset_prefix_cache`` (vLLM): drop every cached
+      block no request holds, in every KV tier or the ones named
+      (``?tier=device,host,disk,remote``, repeatable; vLLM's ``?device=gpu|cpu`` names the
+      device or host tier). Blocks of running, waiting or swapped requests are never dropped
+      (``reset_running_requests=true`` is a 400). Answer: ``{"success": true,
+      "dropped_blocks": {"device": 12, "host": 0, "disk": 40}}`` (a tier's null: it cannot be
+      cleared from this server). Behind ``--api-key`` (server/auth.py).
+    - ``GET /health_generate``: one real token through the engine (greedy, a one-token prompt,
+      bounded by :data:`HEALTH_GENERATE_TIMEOUT`); probes that arrive while one runs share its
+      answer, so a burst of them costs one request. 200 ``{"status": "ok"}`` or 503.
+    - ``GET /kv_event_sources``: the KV-event publishers of this replica, as vllm-router reads
+      them: a JSON object keyed by data-parallel rank (``{"0": {"endpoint": "tcp://HOST:5557",
+      "replay_endpoint": ..., "topic": ..., "publisher": "zmq", "encoding": "msgpack",
+      "schema_version": 1, ...}}``; vllm-router spawns no subscriber without ``publisher``,
+      ``encoding`` and ``schema_version``), ``{}`` when events are off. A wildcard host in the
+      endpoint (``tcp://*:5557``) is replaced by ``--host``, or when that is a wildcard too by
+      the host the router reached this server at.
+    - ``PRI * HTTP/2.0`` (sglang-router's client trying HTTP/2 prior knowledge): 505, not 404
+      (:class:`HTTP2PrefaceMiddleware`); the client falls back to HTTP/1.1.
+
+    sglang-router sends its ``--api-key`` with every probe, vllm-router with
+    ``/get_server_info`` and ``/kv_event_sources`` but not with ``/get_load`` or the
+    ``/flush_cache`` it passes on (so behind a key its flush is a 401).
+    """
     engine = ctx.engine
     probe = _HealthProbe(engine)
     app.add_middleware(HTTP2PrefaceMiddleware)

@@ -33,8 +33,8 @@ from engine.async_engine import (
     RequestAbortedError,
     RequestStream,
 )
-from engine.outputs import RequestOutput
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
+from engine.request_output import RequestOutput
 from engine.scheduling.admission import FieldValueError, check_limits, check_priority
 from engine.structured.compile_queue import CompileQueueFullError
 from server.errors import APIError, bad_request, internal_error

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.structured.spec import StructuredSpec
+from engine.params.structured import StructuredSpec
 from server.field_error import FieldError
 
 _VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")

@@ -36,6 +36,15 @@ def _project_logs_reach_caplog(monkeypatch):
         monkeypatch.setattr(logging.getLogger(name), "propagate", True)
 
 
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory):
+    """``kvserve serve`` on the embedded model in a subprocess, once per session, for the
+    end-to-end tests of tests/server/ and tests/loadgen/ (tests/support/real_server.py)."""
+    from tests.support.real_server import run_real_server
+
+    yield from run_real_server(tmp_path_factory)
+
+
 @pytest.fixture
 def default_quant_settings(monkeypatch):
     """Call it to leave the quantised modules' settings at their defaults instead of measured:
@@ -44,10 +53,10 @@ def default_quant_settings(monkeypatch):
     timing must not choose its numerics (on these tiny shapes int8 tiles can win the prefill
     probe, and on a random model their int8-rounded activations flip ~14% of near-tied top-1
     tokens; on the trained model they are held to 1% of perplexity:
-    tests/models/test_smollm2.py)."""
+    tests/engine/test_smollm2.py)."""
     def apply() -> None:
-        from engine.quantization import apply as quant_apply
         from engine.quantization import probe as quant_probe
+        from engine.weight_prep import apply as quant_apply
 
         defaults = lambda q, rows=(): {}  # noqa: E731
         monkeypatch.setattr(quant_probe, "measure_settings", defaults)

@@ -1,27 +1,18 @@
 """Attention metadata and the backend contract: where model code meets the paged KV cache.
 
-Contract for every backend (``torch`` in attention_torch.py, ``triton`` in
-attention_triton.py; ``engine.attention.backend`` chooses one):
-
-* ``prepare(meta)`` runs once per step before the first layer; it may cache derived tensors
-  (gather indices, masks) on ``meta.backend_state``. It must not touch the KV pools.
-* ``forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, kv_scales=None)`` first
-  writes the step's new keys/values into their slots (``meta.slot_mapping``; slot -1 is
-  skipped), quantised when the pool is 8-bit (``engine/kv_storage/formats.py``: the format is
-  read from the pool's dtype and row width; ``kv_scales`` are the layer's fp8 per-head K and V
-  scales, None meaning 1.0), then returns the
-  attention output ``[T, H, D]`` where token ``i`` of sequence ``b`` (tokens ordered sequence by
-  sequence, as in ``meta.cu_seqlens_q``) attends causally to keys ``0 .. pos`` of that sequence,
-  ``pos = seq_lens[b] - q_len[b] + i``, restricted to the last ``sliding_window`` keys when set.
-
-Hybrid KV cache (``engine.kv_cache.groups``): each group of layers has its own block tables and
-slots. The step's metadata is then group 0's, and ``layer_metas[i]`` is the metadata layer ``i``
-attends with (its group's, sharing everything but ``slot_mapping``, ``block_tables`` and
-``backend_state``); model code asks :meth:`AttentionMetadata.for_layer`. Backends are unchanged.
-
-Sequences are ordered decodes first (``q_len == 1``), then prefills/chunks, and
-``meta.num_decodes`` says how many decodes lead, so backends can take a fast path for them.
-"""
+Every backend (``torch``: torch_backend.py, ``triton``: triton_backend.py; chosen by
+``engine.attention.backend``): ``prepare(meta)`` runs once per step before the first layer and
+may cache derived tensors on ``meta.backend_state``, never touching the KV pools;
+``forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, kv_scales=None)`` first writes
+the step's new keys/values into their slots (``meta.slot_mapping``; slot -1 skipped), quantised
+per the pool's format (``engine/kv_format/formats.py``; ``kv_scales`` the layer's fp8 per-head
+scales, None meaning 1.0), then returns ``[T, H, D]`` where token ``i`` of sequence ``b`` attends
+causally to keys ``0 .. pos`` of that sequence, ``pos = seq_lens[b] - q_len[b] + i``, restricted
+to the last ``sliding_window`` keys when set.
+Hybrid KV cache: the step's metadata is group 0's, and ``layer_metas[i]`` the one layer ``i``
+attends with (:meth:`AttentionMetadata.for_layer`); backends are unchanged. Sequences are
+ordered decodes first (``q_len == 1``), then prefills/chunks; ``meta.num_decodes`` says how many
+decodes lead."""
 
 from __future__ import annotations
 

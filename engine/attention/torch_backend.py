@@ -1,33 +1,17 @@
 """PyTorch attention backend: paged KV on any device, tuned for the CPU path.
 
-Per step (``prepare``) it derives, once for all layers: the block gather indices and key masks of
-the decode group (one padded batch, a single SDPA call per layer) and, per prefill sequence, its
-block list and causal mask. Per layer it stores the new K/V, gathers whole blocks (contiguous
-``block_size × kv_heads × head_dim`` chunks, cheaper than per-token gathers) and runs SDPA with
-grouped-query heads sharing their K/V.
-
-8-bit and 16-bit pools (``engine/kv_storage/formats.py``): the new K/V are converted as they are
-stored and the gathered blocks converted back to the queries' dtype before SDPA; decodes over
-them take the compiled CPU kernel, which widens the rows in registers (an 8-bit row's or
-head's scale folded into its score and its weight; fp8 bytes read through a 256-entry table).
-
-The decode group is per query ROW, not per sequence: the leading decodes and, right after
-them, sequences with a few new tokens after cached ones (speculative verification: 1 + k
-rows) join it, each row ``j`` of such a sequence as a decode of its own over keys
-``0 .. start + j``. The store runs
-first, so those keys are in the pool; the row's causal attention is exactly what a one-token
-decode at that position computes (the same kernel, the same keys), which keeps speculative
-greedy output identical to one-token decoding and skips the per-sequence gather and mask of
-the prefill path.
-
-Batch-invariant (``batch_invariant = True``, set by ``engine.models.batch_invariant``): on the
-CPU every row of the step joins the decode group, whole prompts and prefix-cache hits
-included, so each query row's attention is the compiled decode kernel's over keys
-``0 .. its position`` read from the pool (a prompt's consecutive rows share a task and its K/V
-reads, each row's arithmetic the same): the same reduction whether the prompt came in whole,
-in chunks, after a prefix hit, after a recompute preemption, or alongside any other rows
-(SDPA's flash kernel blocks its queries by the chunk's length).
-"""
+Per step (``prepare``) it derives, once for all layers, the decode group's gather indices and key
+masks (one padded batch, a single SDPA call per layer) and each prefill sequence's block list and
+causal mask. Per layer it stores the new K/V, gathers whole blocks and runs SDPA with
+grouped-query heads sharing their K/V; quantised and 16-bit pools are converted as stored and
+back before SDPA, their decodes on the compiled CPU kernel (rows widened in registers).
+The decode group is per query ROW: the leading decodes and, right after them, sequences with a
+few new tokens after cached ones (speculative verification: 1 + k rows), each row ``j`` a decode
+of its own over keys ``0 .. start + j`` (stored first): exactly a one-token decode at that
+position, so speculative greedy output equals one-token decoding. With ``batch_invariant = True``
+(``engine.models.batch_invariant``) every CPU row of the step joins the decode group, prompts
+and prefix hits included: each query row's attention is the decode kernel's over keys ``0 ..
+its position``, the same reduction however the prompt arrived or whatever rows run beside it."""
 
 from __future__ import annotations
 
@@ -37,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_storage.formats import (
+from engine.kv_format.formats import (
     KVFormat,
     byte_view,
     dequantize_rows,
@@ -330,7 +314,7 @@ def _sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
     Causal when ``mask`` is None (Tq == Tk). K/V heads are repeated for their query-head group
     and the inputs given a batch dimension: on CPU that routes SDPA to its flash kernel, which
-    measured faster than the 3-D / ``enable_gqa`` call (docs/performance.md#small-cpu-costs).
+    measured faster than the 3-D / ``enable_gqa`` call (docs/decisions.md#small-cpu-costs).
     """
     if softcap is not None:
         out = softcapped_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

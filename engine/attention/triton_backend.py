@@ -5,16 +5,13 @@ go through ``paged_decode_attention`` (GQA-grouped loads, split-K over long cont
 remaining prefills / chunks through ``paged_attention``. ``prepare`` derives, once per step,
 the per-group views and host-side maxima so that no layer needs a device->host sync.
 
-An int4 pool (engine/kv_storage/formats.py) holds ``k @ R`` and ``v @ R`` (``R`` the per-group
-Walsh-Hadamard rotation, symmetric and its own inverse), which the kernels read as plain
-4-bit rows: this backend rotates the keys and values before ``store_kv`` (in float32, as
-``quantize_rows`` does, so the pool's bytes are the PyTorch backend's), attends with the rotated
-queries and rotates the output back (``q.k = (qR).(kR)``, ``sum w (vR) = (sum w v) R``).
-Under ``calculate_kv_scales`` the layer's ``kv_scales`` are an int4 pool's per-channel key
-smoothing ``s`` (engine/kv_storage/calibration.py): ``k / s`` is stored and ``q * s`` attends.
-
-On a CPU the kernels only run under ``TRITON_INTERPRET=1`` (slow; used by the tests).
-"""
+An int4 pool (engine/kv_format/formats.py) holds ``k @ R`` and ``v @ R`` (``R`` the per-group
+Walsh-Hadamard rotation), which the kernels read as plain 4-bit rows: this backend rotates the
+keys and values before ``store_kv`` (in float32, as ``quantize_rows`` does, so the pool's bytes
+are the PyTorch backend's), attends with the rotated queries and rotates the output back. Under
+``calculate_kv_scales`` the layer's ``kv_scales`` are an int4 pool's per-channel key smoothing
+``s`` (engine/kv_format/calibration.py): ``k / s`` is stored and ``q * s`` attends.
+On a CPU the kernels only run under ``TRITON_INTERPRET=1`` (slow; used by the tests)."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_storage.formats import int4_rotate
+from engine.kv_format.formats import int4_rotate
 from kvserve_kernels.kv_quant_layout import kv_quant_kind
 from kvserve_kernels.paged_attention import paged_attention
 from kvserve_kernels.paged_decode import paged_decode_attention

@@ -1,27 +1,11 @@
 """Build a C++ extension once per machine, safely: a folder named by what the build depends on,
 a lock that dies with its holder, and progress while it compiles.
 
-Contract of :func:`build`:
-
-* The build lives in ``<cache dir>/cpu-kernels/<name>-<hash>/`` where the hash covers the
-  sources' bytes (and every header beside them), the flags, the compiler (``$CXX``), torch's
-  and Python's versions and the CPU (model and flags). Two checkouts or versions with different sources or flags never share
-  or overwrite a build; the same sources anywhere reuse it (they are copied into the folder and
-  compiled from there, so the build does not depend on where the checkout is). A restart with
-  the build in place only loads it.
-* A finished build is published by renaming its private temporary folder into place, with a
-  marker naming its library; later starts import that library directly (no lock, no ninja, so
-  venvs with the same torch share one build and never rebuild it for their own paths).
-* Builders take an exclusive ``flock`` on ``<folder>.lock``. The kernel drops it when the holder
-  dies, however it dies (SIGKILL included), so a killed build is never waited on; its temporary
-  folder (and any ``lock`` baton of torch's cpp_extension in it, which torch would wait for
-  without a time limit) is simply left behind and removed by the next builder; a compiler the
-  dead builder left running writes only there.
-* A process that finds the lock held logs whom it waits for (the holder writes its pid into the
-  lock file) every ``log_every_s`` and gives up after ``wait_s`` with
-  :class:`BuildWaitTimeout`, whose message names the folder and the pid.
-* While it compiles, a progress bar counts the object files done out of the sources.
-"""
+:func:`build` keeps each build in ``<cache dir>/cpu-kernels/<name>-<hash>/`` (the hash covers
+sources, flags, compiler, torch and Python versions and the CPU: :func:`build_key`), publishes
+it by renaming a private temporary folder into place, and serialises builders with an ``flock``
+that the kernel drops when the holder dies; a waiter gives up after ``wait_s`` with
+:class:`BuildWaitTimeout`. The full contract is on :func:`build`."""
 
 from __future__ import annotations
 
@@ -70,7 +54,7 @@ def cpu_identity() -> str:
 
 def build_key(sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str],
               include_dirs: Sequence[Path] = ()) -> str:
-    """A hash of everything the compiled library depends on (see the module docstring) and of
+    """A hash of everything the compiled library depends on (see :func:`build`) and of
     the CPU it is built on."""
     import torch
 
@@ -135,12 +119,27 @@ def _holder(lock_path: Path) -> str:
 def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None,
           cflags: Sequence[str] = (), ldflags: Sequence[str] = (), is_python_module: bool = True,
           wait_s: float | None = None, root: Path | None = None):
-    """The extension ``name`` from ``sources``, under the contract of the module docstring:
-    loaded straight from its folder when built, else compiled with torch's cpp_extension in a
-    private temporary folder renamed into place when done. Returns the module, or the
-    library's path when ``is_python_module`` is False (as ``cpp_extension.load`` does).
-    ``wait_s`` defaults to ``$KVSERVE_KERNEL_BUILD_WAIT`` or :data:`DEFAULT_WAIT_S`. Build
-    errors propagate."""
+    """The extension ``name`` from ``sources``: loaded straight from its folder when built,
+    else compiled with torch's cpp_extension in a private temporary folder renamed into place
+    when done. Returns the module, or the library's path when ``is_python_module`` is False (as
+    ``cpp_extension.load`` does). ``wait_s`` defaults to ``$KVSERVE_KERNEL_BUILD_WAIT`` or
+    :data:`DEFAULT_WAIT_S`. Build errors propagate. Contract:
+
+    * The build lives in ``<cache dir>/cpu-kernels/<name>-<hash>/``, the hash covering the
+      sources' bytes (and every header beside them), the flags, the compiler (``$CXX``),
+      torch's and Python's versions and the CPU (model and flags). Different sources or flags
+      never share or overwrite a build; the same sources anywhere reuse it (they are copied
+      into the folder and compiled there). A restart with the build in place only loads it.
+    * A finished build is published by renaming its private temporary folder into place, with a
+      marker naming its library; later starts import that library directly (no lock, no ninja,
+      so venvs with the same torch share one build).
+    * Builders take an exclusive ``flock`` on ``<folder>.lock``, which the kernel drops when the
+      holder dies however it dies, so a killed build is never waited on; its temporary folder
+      (and any ``lock`` baton of torch's cpp_extension in it) is removed by the next builder.
+    * A process that finds the lock held logs whom it waits for (the holder's pid is in the
+      lock file) every ``log_every_s`` and gives up after ``wait_s`` with
+      :class:`BuildWaitTimeout`, whose message names the folder and the pid.
+    * While it compiles, a progress bar counts the object files done out of the sources."""
     sources = [Path(s) for s in sources]
     includes = [include_dir] if include_dir is not None else []
     key = build_key(sources, cflags, ldflags, includes)

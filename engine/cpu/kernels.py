@@ -1,37 +1,18 @@
-"""Small C++ (OpenMP, AVX2 where the CPU has it) kernels for the CPU path, built on first use.
+"""Small C++ (OpenMP, AVX2 where the CPU has it) kernels for the CPU path, built on first use:
+* ``paged_decode_cpu`` (and ``_int8`` / ``_fp8`` / ``_int4``): decode attention reading K/V
+  once, straight from the block pool through the block table (csrc/paged_decode_vec.h; int4
+  rows as stored, rotated; ``int4_rotate_cpu`` / ``int4_quantize_rows_cpu`` are formats.py's).
+* ``quant_gemm_q4`` / ``quant_gemm_q8`` (and the ``_tiled`` / ``_blocked`` layouts): linears
+  over weights in 4-bit / 8-bit groups of 32, int8 dot products over a once-quantised row.
+* ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: element-wise chains, one pass each;
+  ``first_argmax_rows``: the greedy argmax per row in one call (engine/sampling/argmax.py).
+* ``DecodeStack``: a decode step's whole layer loop as one call (engine/models/cpu_decode_stack.py).
 
-* ``paged_decode_cpu``: decode attention reading K/V once, straight from the block pool through
-  the block table. Decode attention on a CPU is bound by that read; the PyTorch route gathers
-  the blocks into a padded copy and runs SDPA over it, touching the data three times.
-  ``paged_decode_cpu_int8`` / ``_fp8`` / ``_int4``: the same kernel (csrc/paged_decode_vec.h)
-  over 8-bit and 4-bit pools, rows unpacked in registers or once per block of keys into an L1
-  buffer (int4: the rows as stored, rotated; ``int4_rotate_cpu`` and
-  ``int4_quantize_rows_cpu`` are formats.py's rotation and int4 rows, bit for bit).
-* ``quant_gemm_q4`` / ``quant_gemm_q8``: linears over weights kept in 4-bit / 8-bit groups of 32
-  (GGUF Q4_0, Q4_1, Q4_K / Q8_0, Q5_K, Q6_K, and int4/int8 quantised on load), int8 dot
-  products over a once-quantised activation row; ``quant_gemm_q4_tiled``, the same math laid
-  out for decode batches and prefill (8-column blocks repacked per call);
-  ``quant_gemm_q4_blocked``, that math over weights stored blocked (no repack), at any row count.
-* ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``: the layer's element-wise chains in
-  one pass each (PyTorch runs each as 3-5 separate passes over the activations).
-* ``first_argmax_rows``: the greedy token's argmax per row in one call (one pass, threads over
-  segments of the row): engine/sampling/argmax.py.
-* ``DecodeStack``: a decode step's whole layer loop as one call over the kernels above (what
-  the Python loop costs around them: docs/performance.md#decode-stack); see
-  engine/models/cpu_decode_stack.py.
-
-They are compiled once per machine with torch's cpp_extension (gcc + ninja) by
-``engine.cpu.build`` into ``~/.cache/kvserve/cpu-kernels/<name>-<hash of sources and flags>``
-(about 1 minute on two quiet cores, with a progress bar; ``benchmarks/kernel_build.py``), under
-a lock that dies with its holder;
-``make install`` builds them (``python -m engine.cpu.kernels``), so a first start only loads
-them. They are used for float32 on CPU. If they cannot be built, ``load()`` returns None, a
-warning says why, and the engine keeps the PyTorch route; a wait for another live builder past
-its bound raises :class:`~engine.cpu.build.BuildWaitTimeout` (the start fails naming the folder).
-``KVSERVE_CPU_KERNELS=0`` turns them off. ``KVSERVE_CPU_MARCH`` (default ``native``) builds them
-for another instruction set under its own name, e.g. ``haswell`` (AVX2, no AVX-512) to run the
-AVX2 paths on an AVX-512 machine (their correctness, not an AVX2 CPU's speed).
-"""
+Built once per machine by ``engine.cpu.build`` (``make install``: ``python -m
+engine.cpu.kernels``); used for float32 on CPU. Unbuildable: ``load()`` returns None, warns, and
+the PyTorch route stays (a wait past its bound for another builder raises ``BuildWaitTimeout``).
+``KVSERVE_CPU_KERNELS=0`` turns them off; ``KVSERVE_CPU_MARCH`` (default ``native``) builds them
+for another instruction set under its own name (e.g. ``haswell`` to test the AVX2 paths)."""
 
 from __future__ import annotations
 

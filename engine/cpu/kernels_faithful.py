@@ -1,21 +1,17 @@
 """The faithful packed kernels (issue 65): packed 4-bit / 8-bit weights times bfloat16 or
 float32 activations, the weights dequantised in registers (engine/cpu/csrc/quant_faithful.cpp).
 
-The int8 kernels of ``engine.cpu.kernels`` round each activation row to int8 per group of 32
-(llama.cpp's q8 dot products); these keep the activations float32 (AVX2/FMA) or round them once
-to bfloat16 (AVX-512 BF16's ``vdpbf16ps``, where the compiler targets it): the same packed
-weights, the float model's answers. One kernel serves every row count with the same per-row
-operations, so row ``r``'s output is bit-identical whatever the batch (batch invariance).
+Where the int8 kernels of ``engine.cpu.kernels`` round each activation row to int8 per group of
+32, these keep the activations float32 (AVX2/FMA) or round them once to bfloat16 (AVX-512
+BF16's ``vdpbf16ps``): the float model's answers. One kernel serves every row count with the
+same per-row operations, so row ``r``'s output is bit-identical whatever the batch. The ISA is
+chosen when the library is compiled (``KVSERVE_CPU_MARCH``, default ``native``) and reported by
+:func:`isa`: ``avx512-bf16``, ``avx2`` (float32 activations) or ``scalar``.
 
-Which instructions: chosen when the library is compiled (``-march`` of ``KVSERVE_CPU_MARCH``,
-default ``native``, as the main kernels), reported by :func:`isa`: ``avx512-bf16`` (bf16
-activations, and the float32 path too), ``avx2`` (float32 activations), ``scalar``.
-
-The library is a plain C ABI without torch headers (compiles in seconds), built once per
-machine by ``engine.cpu.build`` under its own name (``kvserve_faithful_kernels``), so adding it
-never rebuilds the main kernels; loaded with ctypes (the call releases the GIL).
-``python -m engine.cpu.kernels_faithful`` builds it.
-"""
+The library is a plain C ABI without torch headers, built once per machine by
+``engine.cpu.build`` under its own name (``kvserve_faithful_kernels``), so adding it never
+rebuilds the main kernels; loaded with ctypes (the call releases the GIL).
+``python -m engine.cpu.kernels_faithful`` builds it."""
 
 from __future__ import annotations
 

@@ -1,31 +1,18 @@
 """The disk and remote KV tiers under tensor parallelism: every rank stores its own share.
 
-Each rank's pools hold its own KV heads, so a block of tokens is N shares, one per rank, and
-each rank keeps its share in a store of its own: the same ``DiskStore`` / ``ChainStore`` as one
-rank's, under a fingerprint that names the rank (``KVFingerprint.tp_rank``): its own
-sub-directory ``DIR/kv-<fingerprint>/`` and its own remote key prefix. Rank 0's ``DiskTier``
-decides everything, as it does for the host tier, and the workers only do their share's I/O,
-driven by orders on the control group (``engine.distributed.worker`` runs them, in order with
-the step plans):
-
-- ``("kv_read", job id, hashes, host block ids)``: rank 0 queued a read of these blocks into
-  these host blocks; every worker queues the same read of its share into the same blocks of
-  its own host pools (its own reader thread: the reads overlap the steps, as rank 0's do);
-- ``("kv_agree", job ids)``: rank 0's reads of these jobs finished; every rank waits for its
-  own, then the ranks take the minimum of the leading blocks each read and verified (one
-  all-reduce): a block is a hit only when every rank's share is present and good, otherwise
-  every rank recomputes it. Rank 0 names only those blocks in the host cache, so the plan's
-  host -> device copies, which every rank applies, load the same blocks everywhere;
-- ``("kv_write", "device" | "host", [(block id, hash)])``: the blocks rank 0 writes (a commit,
-  an eviction), sent whether or not rank 0's own store holds them: each rank copies its share
-  out of its own pools at once (before the next plan can reuse the blocks) and skips what its
-  store holds, so a rank that lost its share writes it again;
-- ``("kv_flush",)``, ``("kv_clear", tiers)``, ``("kv_close",)``: flush, clear, close each
-  rank's store (flush and close end with an all-reduce: when rank 0 goes on, every write has
-  landed).
-
-Counters and ``/metrics`` are rank 0's store's (its share of each block).
-"""
+Each rank's pools hold its own KV heads, so a block is N shares, each in a store of its own
+rank (the same ``DiskStore`` / ``ChainStore``, under a fingerprint naming the rank:
+``KVFingerprint.tp_rank``). Rank 0's ``DiskTier`` decides everything and the workers do their
+share's I/O, driven by orders on the control group (run by ``engine.distributed.worker`` in
+order with the step plans): ``("kv_read", job id, hashes, host block ids)`` (the same read into
+the same host blocks of each rank's pools, on its own reader thread); ``("kv_agree", job ids)``
+(every rank waits for its own reads, then one all-reduce takes the minimum of the leading
+blocks each read and verified: a block is a hit only when every share is present and good, so
+every rank loads the same blocks); ``("kv_write", "device" | "host", [(block id, hash)])``
+(each rank copies its share out at once and skips what its store holds);
+``("kv_flush",)``, ``("kv_clear", tiers)``, ``("kv_close",)`` (flush and close end with an
+all-reduce: when rank 0 goes on, every write has landed).
+Counters and ``/metrics`` are rank 0's store's (its share of each block)."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import envs
-from engine.config import EngineConfig
-from engine.distributed.parallel_state import DistributedSetup
+from engine.config.engine import EngineConfig
+from engine.models.tp_group import DistributedSetup
 
 logger = logging.getLogger("kvserve.distributed")
 

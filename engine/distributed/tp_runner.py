@@ -1,4 +1,4 @@
-"""Rank 0's model runner under tensor parallelism (``engine.runner.factory`` builds it).
+"""Rank 0's model runner under tensor parallelism (``engine.distributed.runner_factory`` builds it).
 
 :class:`TensorParallelRunner` implements the runner seam (``engine.runner.protocol.Runner``)
 over rank 0's own ``ModelRunner``: its start-up and geometry members are rank 0's (whose sizing
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.distributed.launcher import LocalWorkers, launch_plan
-from engine.distributed.parallel_state import destroy_group, init_group
 from engine.distributed.worker import pin_to, start_rank
-from engine.step_output import StepOutput
-from engine.step_plan import StepPlan
+from engine.models.tp_group import destroy_group, init_group
+from engine.step.output import StepOutput
+from engine.step.plan import StepPlan
 
 if TYPE_CHECKING:
     from engine.runner.model_runner import ModelRunner

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.distributed.sharding import RankShard
 from engine.loading import gguf_convert
 from engine.loading.loader import ModelFiles, weight_files
+from engine.models.tp_sharding import RankShard
 
 
 def shard_tensor(name: str, tensor, shard: RankShard) -> torch.Tensor:

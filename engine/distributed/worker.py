@@ -2,21 +2,16 @@
 orders until told to stop.
 
 :func:`start_rank` is shared by rank 0 (inside ``EngineCore``) and the workers: the same model
-construction, and the same start-up calls in the same order (``allocate_kv_cache``,
-``allocate_host_kv_cache``, ``prepare_for_serving``), so that their collectives pair up.
-After that a worker only obeys orders (``engine.distributed.tp_runner`` sends them):
-
-- ``("step", StepPlan)``: the same ``Runner.execute`` as rank 0: the plan's block moves on
-  this rank's pools, then its forward pass (logits are gathered on every rank; only rank 0
-  samples);
-- ``("ping",)``: one tiny all-reduce (rank 0's liveness check while idle);
-- ``("kv_...", ...)``: this rank's share of the disk / remote KV tier's reads and writes
-  (``engine.distributed.kv_tiers``);
-- ``("stop",)``: leave the loop and exit 0.
+construction and the same start-up calls in the same order (``allocate_kv_cache``,
+``allocate_host_kv_cache``, ``prepare_for_serving``), so that their collectives pair up. Then a
+worker only obeys orders (``engine.distributed.tp_runner`` sends them): ``("step", StepPlan)``
+(the same ``Runner.execute`` as rank 0; logits gathered on every rank, only rank 0 samples),
+``("ping",)`` (one tiny all-reduce: rank 0's liveness check while idle), ``("kv_...", ...)``
+(this rank's share of the disk / remote KV tier's I/O: ``engine.distributed.kv_tiers``),
+``("stop",)`` (leave the loop and exit 0).
 
 Any error ends the worker with a non-zero status; rank 0 then sees it dead or its collective
-fail, and the server goes down (``/health`` 503, non-zero exit) instead of hanging.
-"""
+fail, and the server goes down (``/health`` 503, non-zero exit) instead of hanging."""
 
 from __future__ import annotations
 
@@ -29,15 +24,15 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.distributed.parallel_state import (
+from engine.config.engine import EngineConfig
+from engine.models.arch import ModelArch
+from engine.models.tp_group import (
     DistributedSetup,
     TPGroup,
     destroy_group,
     init_group,
 )
-from engine.distributed.sharding import rank_shard
-from engine.models.arch import ModelArch
+from engine.models.tp_sharding import rank_shard
 
 logger = logging.getLogger("kvserve.distributed")
 

@@ -1,20 +1,16 @@
 """The device block pool: block metadata, the free queue and the hash -> block map.
 
-Every block is in exactly one state:
-
-- in use: ``ref_count > 0``; not in the free queue; may hold a hash (its KV is shareable);
-- free-cached: ``ref_count == 0`` and holds a hash; in the free queue, in LRU order; a prefix hit
-  can take it back out of the middle of the queue;
-- free-uncached: ``ref_count == 0`` and no hash; in the free queue, ahead of all free-cached
-  blocks so that fresh allocations consume them before evicting anything.
+Every block is in exactly one state: in use (``ref_count > 0``, not in the free queue, may hold
+a hash); free-cached (``ref_count == 0``, holds a hash, in the free queue in LRU order; a prefix
+hit can take it back out of the middle); free-uncached (no hash, in the free queue ahead of
+every free-cached block, so fresh allocations consume them before evicting anything).
 
 Free blocks keep their hash until they are handed out again ("lazy eviction"): only then is the
-hash dropped from the map and, if set, ``on_evict(block_id, block_hash)`` called so that an offload
-tier may copy the block's KV out before its new owner overwrites it.
+hash dropped from the map and, if set, ``on_evict(block_id, block_hash)`` called so that an
+offload tier may copy the block's KV out before its new owner overwrites it.
 
 The pool knows nothing of sequences; :class:`engine.kv_cache.manager.KVCacheManager` keeps the
-block tables and decides what to register.
-"""
+block tables and decides what to register."""
 
 from __future__ import annotations
 

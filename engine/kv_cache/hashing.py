@@ -8,7 +8,7 @@ partial last block changes every step and is never shared.
 The digest is SHA-256 over a fixed byte encoding (tokens as little-endian int64). Python's builtin
 ``hash`` of a tuple is cheaper but only 64 bits wide and not collision resistant, so a crafted
 prompt could alias another tenant's prefix (and read its KV through a cache hit). SHA-256's cost
-(docs/performance.md#small-cpu-costs) is paid once per block per sequence: hashes are
+(docs/decisions.md#small-cpu-costs) is paid once per block per sequence: hashes are
 remembered by the manager, never recomputed per step.
 
 Hashes are plain ``bytes`` so that the host offload tier can key its own map by them.

@@ -1,23 +1,17 @@
 """HybridKVCacheManager: one block table per KV group and sequence over one shared pool.
 
-For models whose layers mix attention types (``engine.kv_cache.groups``). It offers the
-scheduler the same calls as :class:`~engine.kv_cache.manager.KVCacheManager` and coordinates one
-such manager per group, all over the same :class:`BlockPool` (and host tier): a full group keeps
-every block of the history, a sliding-window group of window ``W`` gives back the blocks that slid
-out of the window after every step (``release_outside_window``), so it holds at most
+For models whose layers mix attention types (``engine.kv_cache.groups``): the scheduler's calls
+of :class:`~engine.kv_cache.manager.KVCacheManager`, coordinating one such manager per group over
+the same :class:`BlockPool` (and host tier). A full group keeps every block; a sliding-window
+group of window ``W`` gives back the blocks that slid out after every step, holding at most
 ``ceil(W / block_size) + 1`` blocks of a decoding sequence.
 
-Every operation is all-or-nothing across the groups: ``allocate`` checks the summed need first,
-``swap_out`` / ``swap_in`` check a bound on the summed copies first. Group ``g`` keys its records
-by :func:`group_key` and salts its block hashes with ``g`` so the groups' cache entries (device
-and host) never alias: the same tokens have one cached block per group.
-
-Prefix hits follow vLLM's rule: a hit of ``k`` blocks needs, in a full group, every block
-``0 .. k-1`` cached, and in a window group only the blocks a query at position ``k * block_size``
-can still see; the hit is the longest ``k`` every group accepts. With a host tier, the blocks a
-group needs may end with blocks only the host holds (spilled there on eviction): ``allocate``
-loads them back into fresh device blocks, as the one-group manager does.
-"""
+Every operation is all-or-nothing across the groups (``allocate``, ``swap_out`` / ``swap_in``
+check the summed need first). Group ``g`` keys its records by :func:`group_key` and salts its
+block hashes with ``g``, so the groups' cache entries never alias. Prefix hits follow vLLM's
+rule: ``k`` blocks need every block ``0 .. k-1`` in a full group and only what a query at
+position ``k * block_size`` can see in a window group; the hit is the longest ``k`` every group
+accepts. Blocks only the host holds are loaded back by ``allocate``, as in the one-group manager."""
 
 from __future__ import annotations
 

@@ -1,102 +1,32 @@
 """KVCacheManager: per-sequence block tables over the device BlockPool, with prefix sharing,
 and the host tier (``engine.kv_cache.host.tier.HostTier``) as a component when there is one.
 
-The scheduler's view of the KV cache, and only the scheduler's: it alone calls allocate, free,
-look-up and commit; the model side receives block tables as plain data in the step plan.
-Per step the scheduler calls, for every running sequence,
-``allocate`` (make room for the tokens about to be computed) and, after the forward pass,
-``commit`` (register the blocks that became full and computed, so later requests can share them).
-Both cost O(new blocks), not O(table length): a decoding sequence that needs no new block pays a
-few integer operations. ``find_prefix`` + ``allocate(prefix=...)`` admit a request on top of
-cached blocks; ``free`` ends a sequence (finished, aborted, or preempted for recompute);
-``truncate`` rolls a sequence back to fewer tokens (speculative decoding's rejected drafts,
-``engine.kv_cache.rollback``).
-
-With a host tier (``num_host_blocks > 0``) the manager also continues a device prefix hit with
-blocks the host holds (``PrefixHit.host_hashes``, loaded back by ``allocate``), spills evicted
-cached blocks to the host, and swaps preempted sequences out and in (``swap_out``, ``swap_in``).
-A sequence is then either live (a device table), swapped (its host table lives in the tier;
-its hashes and commit progress stay here), or unknown; ``free`` ends it in either state and
-releases everything exactly once. The copies all of that needs are recorded, not run:
-``take_copies`` hands them out once per step and ``complete_copies`` releases their pins.
-
-With a sliding window covering every layer (``release_outside_window``), the leading blocks no
-future query can see are given back as the sequence grows: their table entries become
-:data:`RELEASED` (a placeholder the model side never reads, the kernels mask those positions),
-so a long generation holds O(window) blocks. Released blocks keep their prefix-cache hashes.
-
-Block states and the free queue are described in :mod:`engine.kv_cache.block_pool`.
-"""
+The scheduler alone calls it; the model side receives block tables as plain data in the step
+plan. Per step and running sequence: ``allocate`` (room for the tokens about to be computed)
+and, after the forward pass, ``commit`` (register blocks that became full and computed), both
+O(new blocks). ``find_prefix`` + ``allocate(prefix=...)`` admit a request on cached blocks;
+``free`` ends a sequence; ``truncate`` rolls it back (``engine.kv_cache.rollback``). With a host
+tier it also loads host-held prefix blocks back, spills evicted cached blocks and swaps
+sequences out and in (``engine.kv_cache.host_swap``); a sequence is live, swapped or unknown,
+and ``free`` releases everything exactly once in either state. With a sliding window on every
+layer (``release_outside_window``) leading blocks no query can see become :data:`RELEASED`
+(never read; they keep their hashes), so a long generation holds O(window) blocks. Block
+states and the free queue: :mod:`engine.kv_cache.block_pool`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import BlockPool, EvictCallback, KVBlock
 from engine.kv_cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
-from engine.kv_cache.host.blocks import BlockCopies, OffloadStats, SwapCostModel
-from engine.kv_cache.host.tier import CopyFn, HostTier
+from engine.kv_cache.host.blocks import SwapCostModel
+from engine.kv_cache.host.tier import HostTier
+from engine.kv_cache.host_swap import HostSwap
 from engine.kv_cache.rollback import truncate_table
-
-RELEASED = -1  # a table entry whose block went back to the pool (outside the sliding window)
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Cached blocks covering the first ``num_tokens`` tokens of a sequence.
-
-    ``block_hashes`` (optional, same length as ``block_ids``) lets ``allocate`` verify the blocks
-    still hold that KV: a hit found by :meth:`KVCacheManager.find_prefix` carries them. A prefix
-    built by hand from a sibling's table (``PrefixHit(table[:k], k * block_size)``) leaves them
-    empty; its blocks must then be in use or free-cached.
-
-    ``host_hashes`` names the blocks right after ``block_ids`` that only the host tier holds
-    (``allocate`` loads them back); ``num_tokens`` covers both parts. A manager without a host
-    tier refuses such a hit.
-
-    ``num_skipped`` (a sliding-window group of the hybrid manager, ``engine.kv_cache.hybrid``):
-    the hit starts with that many blocks no future query can see; ``allocate`` enters them as
-    :data:`RELEASED` and ``block_ids`` holds the blocks after them. ``num_tokens`` covers all.
-    """
-
-    block_ids: list[int]
-    num_tokens: int
-    block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
-    host_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
-    num_skipped: int = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_skipped + len(self.block_ids) + len(self.host_hashes)
+from engine.kv_cache.tables import RELEASED, KVCacheStats, PrefixHit, _SeqState
 
 
-@dataclass
-class KVCacheStats:
-    """A snapshot of the pool. Prefix counters are in tokens and cumulative since start-up."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int  # blocks holding a hash, in use or free
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens hit
-    usage: float  # used / total
-    num_free_cached_blocks: int = 0  # evictable blocks still holding a hash
-
-
-@dataclass
-class _SeqState:
-    block_ids: list[int] = field(default_factory=list)
-    # Content hashes of the sequence's full blocks, as far as computed (by find_prefix or commit).
-    hashes: list[BlockHash] = field(default_factory=list)
-    extra_keys: tuple = ()
-    extra: bytes = b""
-    num_committed: int = 0  # table entries commit() has already dealt with
-    num_released: int = 0  # leading table entries given back (RELEASED), sliding window
-
-
-class KVCacheManager:
+class KVCacheManager(HostSwap):
     """Paged KV block manager with chained-hash prefix sharing.
 
     Invariants (asserted by :meth:`check_integrity`): every block is free-uncached, free-cached or
@@ -158,11 +88,6 @@ class KVCacheManager:
         self._hits = 0
         self.num_window_released = 0  # blocks given back by release_outside_window, cumulative
 
-    def _spill(self, block_id: int, block_hash: BlockHash) -> None:
-        self.host.prepare_store(block_id, block_hash)
-        if self._user_on_evict is not None:
-            self._user_on_evict(block_id, block_hash)
-
     def _check_live(self, seq_id: str) -> None:
         if seq_id in self._swapped:
             raise ValueError(f"{seq_id} is swapped out: swap_in before anything else")
@@ -220,7 +145,7 @@ class KVCacheManager:
         tokens to the hit counter unless ``record_stats`` is False (use that when retrying the
         admission of a request already counted). With prefix caching disabled: the empty hit,
         no stats change. Cost: every full block before the last token is hashed once (SHA-256;
-        docs/performance.md#small-cpu-costs) and remembered for ``commit``; a repeated lookup for the same
+        docs/decisions.md#small-cpu-costs) and remembered for ``commit``; a repeated lookup for the same
         ``seq_id`` only does the dict lookups. With a host tier the device hit is continued by
         blocks the host holds (``PrefixHit.host_hashes``).
         """
@@ -353,30 +278,6 @@ class KVCacheManager:
             state.block_ids.append(block.block_id)
         new_ids = [b.block_id for b in pool.get_new_blocks(fresh)]
         state.block_ids.extend(new_ids)
-        return new_ids
-
-    def _allocate_with_load(self, seq_id: str, num_tokens: int,
-                            prefix: PrefixHit) -> list[int] | None:
-        bs = self.block_size
-        if prefix.num_tokens != prefix.num_blocks * bs or num_tokens < prefix.num_tokens:
-            raise ValueError(f"a prefix of {prefix.num_blocks} blocks must cover "
-                             f"{prefix.num_blocks * bs} tokens and lie within num_tokens")
-        if self.block_table(seq_id):
-            raise ValueError("a prefix can only start a block table: the sequence already "
-                             "has blocks")
-        if self.host.lookup(prefix.host_hashes) != len(prefix.host_hashes):
-            raise ValueError("stale prefix hit: a host block was evicted since find_prefix; "
-                             "call find_prefix again right before allocate")
-        device = self._device_part(prefix)
-        if not self.can_allocate(seq_id, num_tokens, device):
-            return None
-        host_blocks = self.host.prepare_load(prefix.host_hashes)  # spills must not evict them
-        new_ids = self.allocate(seq_id, num_tokens, device)
-        assert new_ids is not None and len(new_ids) >= len(host_blocks)
-        loaded = new_ids[:len(host_blocks)]
-        self.host.load(host_blocks, loaded)
-        for h, dev in zip(prefix.host_hashes, loaded):
-            self.pool.register(self.pool.blocks[dev], h)  # may stay a private duplicate
         return new_ids
 
     def _device_part(self, prefix: PrefixHit | None) -> PrefixHit | None:
@@ -584,88 +485,6 @@ class KVCacheManager:
         return not self.pool.cached and (self.host is None or not host
                                           or not self.host.pool.cached)
 
-    # ------------------------------------------------------------------- swap
-    def is_swapped(self, seq_id: str) -> bool:
-        return seq_id in self._swapped
-
-    def _swap_names(self, state: _SeqState, num_tokens: int) -> tuple[list[KVBlock], list]:
-        """The device blocks holding the first ``num_tokens`` tokens (from the first one not
-        released outside a sliding window) and the hash each one's KV is known under (None:
-        unnamed)."""
-        n = -(-num_tokens // self.block_size)
-        if n > len(state.block_ids):
-            raise ValueError(f"{num_tokens} tokens but a table of {len(state.block_ids)} blocks")
-        r = state.num_released
-        blocks = [self.pool.blocks[b] for b in state.block_ids[r:n]]
-        named = min(state.num_committed, len(state.hashes), num_tokens // self.block_size)
-        names = [b.block_hash if b.block_hash is not None else
-                 (state.hashes[i] if i < named else None) for i, b in enumerate(blocks, r)]
-        return blocks, names
-
-    def swap_cost_blocks(self, seq_id: str, num_tokens: int) -> tuple[int, int]:
-        """(blocks to copy out, blocks to copy back in) if ``seq_id`` were swapped now."""
-        state = self._seqs.get(seq_id)
-        if state is None or self.host is None:
-            return 0, 0
-        return self.host.swap_cost_blocks(*self._swap_names(state, num_tokens))
-
-    def swap_is_cheaper(self, seq_id: str, num_tokens: int) -> bool:
-        """Whether swapping ``seq_id`` (``num_tokens`` computed) beats recomputing them."""
-        out, back = self.swap_cost_blocks(seq_id, num_tokens)
-        cost = self.host.cost if self.host is not None else SwapCostModel(1.0, 0.0)
-        return cost.swap_is_cheaper(num_tokens, out, back)
-
-    def swap_out(self, seq_id: str, num_tokens: int) -> bool:
-        """Move the KV of ``seq_id``'s first ``num_tokens`` tokens to the host and free all its
-        device blocks. Returns False and changes nothing when there is no host tier, the
-        sequence is not live, has nothing computed, or the host cannot make room (the caller
-        recomputes instead)."""
-        state = self._seqs.get(seq_id)
-        if self.host is None or state is None or num_tokens <= 0:
-            return False
-        blocks, names = self._swap_names(state, num_tokens)
-        # Blocks released outside a sliding window stay released: the host keeps the rest.
-        offset = state.num_released * self.block_size
-        if not self.host.swap_out(seq_id, blocks, names, num_tokens - offset):
-            return False
-        self._swapped[seq_id] = state
-        self._free_device(seq_id)
-        state.block_ids = []
-        return True
-
-    def swap_in(self, seq_id: str, num_tokens: int) -> list[int] | None:
-        """Give swapped ``seq_id`` a device table covering ``num_tokens`` tokens (at least the
-        swapped ones). Returns the table, or None with nothing changed if the device pool is
-        short. Named blocks still on the device are shared; the rest are copied back."""
-        if self.host is None or seq_id not in self._swapped:
-            raise ValueError(f"{seq_id} is not swapped out")
-        released = self._swapped[seq_id].num_released
-        table = self.host.swap_in(seq_id, num_tokens - released * self.block_size)
-        if table is None:
-            return None
-        state = self._swapped.pop(seq_id)
-        state.block_ids = [RELEASED] * released + table
-        self._seqs[seq_id] = state
-        return list(table)
-
-    # ----------------------------------------------------------------- copies
-    def take_copies(self) -> BlockCopies:
-        """The block copies recorded since the last call (spills, load-backs, swaps); their
-        host blocks stay pinned until :meth:`complete_copies`. Empty without a host tier."""
-        return self.host.take_copies() if self.host is not None else BlockCopies()
-
-    def complete_copies(self) -> None:
-        """The copies handed out by :meth:`take_copies` have run: release their pins."""
-        if self.host is not None:
-            self.host.complete_copies()
-
-    def flush_copies(self, copy_fn: CopyFn) -> BlockCopies:
-        """``take_copies``, run them through ``copy_fn(d2h, h2d)`` (device->host first),
-        ``complete_copies``: for callers that run the copies themselves (tests, tools)."""
-        if self.host is None:
-            return BlockCopies()
-        return self.host.flush_copies(copy_fn)
-
     # ------------------------------------------------------------------- stats
     def stats(self) -> KVCacheStats:
         free = self.pool.num_free_blocks
@@ -682,22 +501,12 @@ class KVCacheManager:
             num_free_cached_blocks=self.pool.num_free_cached_blocks,
         )
 
-    def offload_stats(self) -> OffloadStats | None:
-        """The host tier's counters (None without one)."""
-        return self.host.stats() if self.host is not None else None
-
     def check_integrity(self) -> None:
         """Assert every invariant (O(num_blocks + table lengths)); for tests and debugging.
         With a host tier also the host pool's, and: swapped sequences are not live and hold no
         device table."""
         self._check_device()
-        if self.host is None:
-            return
-        for seq_id, state in self._swapped.items():
-            assert seq_id not in self._seqs, f"{seq_id} is both live and swapped"
-            assert not state.block_ids, f"swapped {seq_id} still has a device table"
-        assert set(self._swapped) == self.host.swapped_ids(), "swapped sequences out of sync"
-        self.host.check_integrity(self.enable_prefix_caching)
+        self._check_host()
 
     def _check_device(self) -> None:
         self.pool.check_integrity()

@@ -1,22 +1,15 @@
 """Truncating a sequence's block table: the KV side of speculative decoding's rollback.
 
-A verification step writes K/V for every drafted token; those of rejected drafts must never
-be read or shared. The rules that make that hold (``truncate_table`` enforces the last two):
+A verification step writes K/V for every drafted token; those of rejected drafts must never be
+read or shared. So: drafts never enter a sequence's token ids unless accepted, and ``commit``
+registers only full blocks within the computed tokens (no hash names rejected K/V, so spills and
+swaps never move it); ``truncate_table`` returns blocks wholly past the kept length to the pool
+(uncached, reused first), and a kept block the cut falls inside stops being a cache entry
+(``BlockPool.unregister``), the cut refused if another table shares it.
 
-* drafts never enter a sequence's token ids unless accepted, and ``commit`` registers only
-  full blocks within the computed (accepted) tokens, so no hash ever names rejected K/V, and
-  neither spills nor swaps (which follow the hashes and the computed count) move it to the
-  host tier;
-* blocks wholly past the kept length go back to the pool (uncached: the head of the free
-  queue, reused first);
-* a kept block that is no longer full (the cut falls inside it) will be written again: if it
-  held a hash it stops being a cache entry (``BlockPool.unregister``), and if another table
-  shares it the cut is refused (full blocks are shared, never copied on write).
-
-Rejected K/V left in the slots of the last kept block past the cut is harmless: attention
-reads keys ``0 .. seq_len - 1`` only, and a slot is rewritten by the step that computes its
-position before any step reads it.
-"""
+Rejected K/V left in the last kept block's slots past the cut is harmless: attention reads keys
+``0 .. seq_len - 1`` only, and a slot is rewritten by the step that computes its position before
+any step reads it."""
 
 from __future__ import annotations
 

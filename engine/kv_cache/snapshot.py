@@ -1,24 +1,17 @@
 """A read-only picture of the KV cache at one instant: :class:`KVSnapshot`.
 
 What the live page (``/kv``, server/kv_page/) and ``/kv/state`` show, taken ON THE ENGINE
-THREAD (``EngineCore.kv_snapshot``, called through ``AsyncEngine.call_on_engine_thread``), so
-it never sees a half-done step. It reads public state only (``KVCacheManager.pool``,
-``block_table``, ``host``, ``stats``) and changes nothing: taking one is O(num_blocks + the
-running tables) of plain Python (docs/performance.md#small-cpu-costs).
+THREAD (``EngineCore.kv_snapshot``, through ``AsyncEngine.call_on_engine_thread``), so it never
+sees a half-done step. It reads public state only and changes nothing; one costs O(num_blocks +
+the running tables) of plain Python (docs/decisions.md#small-cpu-costs).
 
-Contents: the pool's tiers (:class:`TierState`: ``device``, ``host`` when a host tier exists,
-and every object in ``KVSnapshotter.extra_tiers`` with a ``tier_state()`` method: the disk tier
-when there is one), one character per device block
-(:data:`BLOCK_STATES`), the running sequences with their tables and shared prefixes, the
-largest shared prefixes seen so far (:class:`PrefixTracker`, first tokens as ids: the server
-turns them into text), cumulative counters (evictions, spills, loads) and the geometry for
-the §3.1 arithmetic (:class:`KVGeometry`).
-
-Hybrid KV models (``engine.kv_cache.groups``: layers grouped by attention type over one shared
-pool) have one block table per group and sequence: :attr:`KVSnapshot.groups` names the groups,
-each :class:`SeqKV` lists its blocks per group (``group_block_ids``), and its ``num_blocks``,
-``live_tokens`` and the block states count every group.
-"""
+Contents: the pool's tiers (:class:`TierState`: device, host, and ``KVSnapshotter.extra_tiers``
+such as the disk tier), one character per device block (:data:`BLOCK_STATES`), the running
+sequences with their tables and shared prefixes, the largest shared prefixes seen so far
+(:class:`PrefixTracker`, token ids), cumulative counters and the geometry for the §3.1
+arithmetic (:class:`KVGeometry`). Hybrid KV models have one block table per group and sequence:
+:attr:`KVSnapshot.groups` names the groups, each :class:`SeqKV` lists its blocks per group, and
+its counts cover every group."""
 
 from __future__ import annotations
 

@@ -1,39 +1,27 @@
 """Streaming past the context (StreamingLLM's attention sinks, ``--kv-eviction sink:S,window:N``).
 
-A sequence keeps the KV of its first ``S`` tokens (the sinks) and of its most recent ``N``;
-the blocks in between are evicted as it grows, so a generation can go on past
-``max_model_len`` in bounded memory. Approximate by design (Xiao et al., 2023): the kept keys
-were computed with context the model no longer sees.
+A sequence keeps the KV of its first ``S`` tokens (the sinks) and of its most recent ``N``; the
+blocks in between are evicted as it grows, so a generation can go past ``max_model_len`` in
+bounded memory (approximate by design: kept keys were computed with context the model no longer
+sees). A key's rotary position is its index in the kept cache; K is stored after RoPE, so
+evicting ``d`` tokens re-rotates every kept key behind them by ``-d`` (llama.cpp's K-shift): the
+scheduler records it (``engine.step.plan.KeyShift``), the model runner applies it before the
+step's copies and forward pass (``engine.kv_format.rope_shift``).
 
-Positions are re-used, as that method prescribes: a key's rotary position is its index in the
-kept cache, not its place in the text, so the model never sees a position past
-``(sink_blocks + window_blocks + 1) * block_size``. K is stored after RoPE, so evicting
-``d`` tokens from the middle re-rotates every kept key behind them by ``-d`` (RoPE is a
-rotation: ``R(p - d) = R(-d) R(p)``; llama.cpp's K-shift). The scheduler only records that
-(``engine.step_plan.KeyShift``, carried by the step plan); the model runner applies it before the step's
-copies and forward pass (``engine.kv_storage.rope_shift``).
-
-Granularity is the block: ``S`` and ``N`` are rounded UP to whole blocks, eviction takes whole
-blocks, one block at a time in steady state, so every shift is a multiple of ``block_size``.
-A sequence with ``E`` tokens evicted has a gap ``[sink_tokens, sink_tokens + E)`` in its text:
-text position ``t`` past the gap lives at cache position ``t - E``. Eviction only starts once
-the prompt is computed (prompt logprobs and chunked prefill stay exact). A recompute-preempted
-sequence keeps its gap and recomputes only the kept tokens (sinks, then the rest), at cache
-positions ``0 ..``: a further approximation, swap preemption moves the exact cache instead.
-
-The engine runs without prefix caching and without sibling block sharing under this policy:
-re-rotated blocks no longer match their text hash, and every block must be private to be
-rotated in place.
-"""
+Granularity is the block (``S``, ``N`` rounded up; every shift a multiple of ``block_size``).
+With ``E`` tokens evicted, text position ``t`` past the gap lives at cache position ``t - E``.
+Eviction starts once the prompt is computed. A recompute-preempted sequence keeps its gap and
+recomputes only the kept tokens. The engine runs without prefix caching and sibling block
+sharing under this policy (re-rotated blocks no longer match their hash and must be private)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.kv_cache.eviction_spec import KVEvictionSpec
+from engine.config.kv_eviction import KVEvictionSpec
 from engine.kv_cache.manager import KVCacheManager
-from engine.step_plan import KeyShift
+from engine.step.plan import KeyShift
 
 if TYPE_CHECKING:
     from engine.request import Sequence

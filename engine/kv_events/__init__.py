@@ -1,9 +1,8 @@
 """KV cache events for cache-aware routers (vLLM's ``--kv-events-config`` and schema): the
-config, the event types, the engine-thread recorder the KV cache's hooks feed, the ZMQ
+event types, the engine-thread recorder the KV cache's hooks feed, the ZMQ
 publisher (its own thread, a bounded queue, a replay socket) and the wiring into the core.
 docs/kv-cache.md ("KV cache events") describes what a subscriber sees."""
 
-from engine.kv_events.config import KVEventsConfig
 from engine.kv_events.events import (
     MEDIUM_CPU,
     MEDIUM_DISK,
@@ -29,7 +28,6 @@ __all__ = [
     "EventBatch",
     "GroupSpec",
     "KVEventRecorder",
-    "KVEventsConfig",
     "KVEventsStats",
     "TierHook",
 ]

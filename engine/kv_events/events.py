@@ -3,19 +3,13 @@
 One ZMQ message per batch: three frames, ``topic``, the batch's sequence number (8 bytes,
 big-endian) and a msgpack array ``[ts, [event, ...], data_parallel_rank]``. Each event is a
 msgpack map tagged by ``"type"`` (msgspec's ``tag=True`` encoding, which vLLM uses and routers
-such as vllm-router require: they refuse an event given as an array, or with a field they do
-not know). Optional fields are left out when unset, as msgspec's ``omit_defaults`` does.
+such as vllm-router require); optional fields are left out when unset (``omit_defaults``).
 
-Block hashes are kvserve's own chained SHA-256 digests (32 bytes, sent as msgpack ``bin``):
-routers treat them as opaque keys for the parent chain and for removals, and hash the
-``token_ids`` themselves to match a request's prompt.
-
-``medium`` names the tier with vLLM's spellings: ``GPU`` the device pool (also on a CPU
-device: it is the engine's own pool), ``CPU`` the host tier, ``DISK`` the disk tier (vLLM's
-``Disk``; routers compare it case-insensitively), ``STORAGE`` the remote (Redis/Valkey)
-store when it is the only tier below the host (vLLM's secondary-storage medium; with a disk
-tier too, a block written to both is announced once, as ``DISK``).
-"""
+Block hashes are kvserve's own chained SHA-256 digests (32 bytes, msgpack ``bin``): routers treat
+them as opaque keys and hash the ``token_ids`` themselves to match a request's prompt.
+``medium`` uses vLLM's spellings: ``GPU`` the device pool (also on a CPU device), ``CPU`` the
+host tier, ``DISK`` the disk tier, ``STORAGE`` the remote store when it is the only tier below
+the host (with a disk tier too, a block written to both is announced once, as ``DISK``)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from engine.kv_events.config import KVEventsConfig
+from engine.config.kv_events import KVEventsConfig
 from engine.kv_events.events import EventBatch, KVCacheEvent, seq_frame
 from engine.kv_events.replay import ReplayBuffer
 from engine.kv_events.stats import KVEventsStats

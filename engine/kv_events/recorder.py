@@ -1,21 +1,17 @@
 """``KVEventRecorder``: the KV cache's hash transitions as vLLM's events, one batch per step.
 
-Engine thread only. The KV side calls thin hooks and knows nothing of events or ZMQ: each
-block pool (the device pool, the host tier's pool) and the disk tier hold a :class:`TierHook`
-for their medium and tell it of every hash they gain (``stored``) or lose (``removed``); the
-KV manager tells it the tokens and parent of every block it commits (``describe``, before the
-block is registered) and that the prefix cache was reset (``cleared``).
+Engine thread only. The KV side calls thin hooks and knows nothing of events or ZMQ: each block
+pool (device, host) and the disk tier hold a :class:`TierHook` for their medium and report every
+hash they gain (``stored``) or lose (``removed``); the KV manager reports the tokens and parent of
+every block it commits (``describe``, before it is registered) and prefix-cache resets
+(``cleared``).
 
-A block hash says nothing of its tokens, so the recorder keeps a catalog ``hash -> (parent,
-tokens, group)`` of every hash the device or host pool holds: a block spilled to the host
-(which only hands the pool a hash) or written to disk is published with its tokens too. An
-entry goes when no pool holds its hash any more; the catalog is bounded by the two pools'
-sizes. Consecutive stores that continue one chain in one medium and group become one
+The recorder keeps a catalog ``hash -> (parent, tokens, group)`` of every hash the device or host
+pool holds (bounded by the two pools' sizes), so a spilled or disk-written block is published
+with its tokens too. Consecutive stores continuing one chain in one medium and group become one
 ``BlockStored`` (vLLM publishes one per contiguous run), consecutive removals one
-``BlockRemoved``. ``take()`` hands out the step's events; the core sends them at the end of
-every step (so a prefill chunk's blocks are announced while the rest of the prompt is still
-being computed), and at once after a reset.
-"""
+``BlockRemoved``. ``take()`` hands out the step's events; the core sends them at the end of every
+step, and at once after a reset."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ cache flushes at once (it happens between steps, through the engine thread).
 
 from __future__ import annotations
 
+from engine.config.kv_events import KVEventsConfig
 from engine.kv_cache.groups import KVGroupLayout
-from engine.kv_events.config import KVEventsConfig
 from engine.kv_events.events import (
     MEDIUM_CPU,
     MEDIUM_DISK,

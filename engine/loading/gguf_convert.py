@@ -1,27 +1,18 @@
 """One-time conversion of a GGUF checkpoint into a local Hugging Face model directory.
 
-The engine reads Hugging Face layouts only (config.json, safetensors, tokenizer files). A GGUF file
-is turned into one, once, with transformers' own GGUF pieces (config and tokenizer readers, its
-dequantiser, tensor processors that undo llama.cpp's Q/K row permutation, and its name map), and
-the result is kept in a cache directory. The tensors are dequantised and written one shard at a
-time: converting never holds the float32 model in memory (transformers' ``from_pretrained`` on a
-GGUF holds it twice), so a GGUF whose float32 size exceeds the machine's memory converts too.
-When the float32 copies of its packed tensors would be too big for this machine
-(``engine.loading.packed_policy``), those are not written at all: the marker names them
-(``in_gguf``) and :func:`iter_gguf_tensors` dequantises them from the GGUF when a float load
-asks for them.
+The engine reads Hugging Face layouts only; a GGUF is turned into one, once, with transformers'
+own GGUF pieces (config and tokenizer readers, dequantiser, the processors that undo llama.cpp's
+Q/K row permutation, its name map), kept in a cache directory. Tensors are dequantised and
+written one shard at a time, so the float32 model is never held in memory; packed tensors whose
+float32 copies would be too big (``engine.loading.packed_policy``) are not written at all: the
+marker names them (``in_gguf``) and :func:`iter_gguf_tensors` dequantises them on demand.
 
-Contract of :func:`ensure_converted`:
-- The target directory either does not exist or is complete: conversion writes into a temporary
-  sibling and renames it into place, so an interrupted conversion never leaves a half directory.
-  Completeness is marked by :data:`MARKER`, written last.
-- Two processes converting the same file at once: an advisory file lock makes the second wait and
-  then reuse the first one's result; without the lock (platforms lacking ``fcntl``) both convert
-  and the atomic rename lets exactly one win, the other discards its copy.
-- Weights are written in float32, so the dequantised values are kept exactly. Tied embeddings
-  (``tie_word_embeddings``, e.g. SmolLM2) are written once, under the input embedding's name:
-  ``lm_head.weight`` is absent from the safetensors, as in Hugging Face's own checkpoints.
-"""
+Contract of :func:`ensure_converted`: the target directory either does not exist or is complete
+(written into a temporary sibling, renamed into place, :data:`MARKER` written last); two
+processes converting the same file: an advisory lock makes the second wait and reuse the
+result (without ``fcntl`` the atomic rename lets one win); weights are written in float32, and
+tied embeddings once, under the input embedding's name (no ``lm_head.weight``, as in HF's own
+checkpoints)."""
 
 from __future__ import annotations
 
@@ -335,7 +326,7 @@ class _GGUFTensors:
         if not torch.cuda.is_available():
             # A CPU host: the meta-device skeleton would import torch._dynamo and, through it,
             # Triton (and its exit noise), which a CPU server never uses (triton_import.py).
-            from engine.runner.triton_import import import_torch_dynamo_without_triton
+            from engine.triton_import import import_torch_dynamo_without_triton
 
             import_torch_dynamo_without_triton()
         with torch.device("meta"):  # names and shapes only: no weights are allocated

@@ -1,21 +1,16 @@
 """Gemma 2 / Gemma 3 config fields a GGUF implies but transformers' GGUF reader drops.
 
 transformers maps a Gemma GGUF's sizes, RoPE base and window onto ``Gemma2Config`` /
-``Gemma3TextConfig`` and leaves the rest at the classes' defaults. llama.cpp, which defines
-what these files mean, reads or derives more (``src/llama-model.cpp``):
-
-- Gemma 2: ``attn_logit_softcapping`` and ``final_logit_softcapping`` from the metadata;
-- the query scale: ``1 / sqrt(head_dim)``, except the 27B models (Gemma 2: 46 layers, Gemma 3:
-  62 layers) which scale by ``1 / sqrt(hidden / heads)``: so ``query_pre_attn_scalar`` is
-  ``head_dim`` or ``hidden / heads`` (the class default, 256, is right only where head_dim is);
-- Gemma 3: the local layers' RoPE base (``rope.freq_base_swa``, else 10 000), the global
-  layers' RoPE scaling (``rope.scaling.type`` / ``.factor``: linear x8 on Gemma 3 4B and up)
-  and, when the file gives it, ``attention.sliding_window_pattern``.
+``Gemma3TextConfig`` and leaves the rest at the defaults; llama.cpp (``src/llama-model.cpp``)
+reads or derives more: Gemma 2's ``attn_logit_softcapping`` and ``final_logit_softcapping``;
+the query scale (``query_pre_attn_scalar``: ``head_dim``, or ``hidden / heads`` for the 27B
+models, Gemma 2's 46 layers and Gemma 3's 62); Gemma 3's local RoPE base
+(``rope.freq_base_swa``, else 10 000), global RoPE scaling (``rope.scaling.type`` /
+``.factor``) and, when given, ``attention.sliding_window_pattern``.
 
 :func:`gemma_overrides` returns those as config attributes; ``gguf_convert`` sets them on the
 config before it is saved. The tensors need nothing here: transformers' Gemma tensor processor
-already subtracts the 1 that llama.cpp's converter adds to every norm weight.
-"""
+already subtracts the 1 that llama.cpp's converter adds to every norm weight."""
 
 from __future__ import annotations
 

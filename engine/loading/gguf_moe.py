@@ -2,21 +2,15 @@
 with ``llama.expert_count``): their config and their stacked expert tensors.
 
 llama.cpp stores a sparse layer's experts as 3-D tensors ``blk.N.ffn_{gate,up,down}_exps``
-(``[E, I, H]``, ``[E, I, H]``, ``[E, H, I]`` in row-major order; GGUF lists the dimensions
-innermost first) and the router as ``blk.N.ffn_gate_inp`` ``[E, H]``. Contracts:
-
-* :func:`moe_config` fixes the config transformers' GGUF reader makes of such a file: a Qwen3-MoE
-  file's ``moe_intermediate_size`` comes from ``qwen3moe.expert_feed_forward_length`` (the
-  reader leaves the default), and a llama file with experts becomes a ``MixtralConfig`` (the
-  reader makes a dense ``LlamaConfig`` of it). Other configs are returned unchanged.
-* :func:`expert_plan` replaces the conversion plan's entries for those tensors by
-  :class:`StackedExperts` under HF's fused names (``model.layers.N.mlp.experts.gate_up_proj``
-  = gate rows then up rows per expert, ``...down_proj``, ``model.layers.N.mlp.gate.weight``),
-  each dequantised by ``gguf``'s own dequantiser.
-* :func:`expert_packs` gives a quantised expert tensor's experts as packed weights, one per
-  expert, under HF's per-expert names (``engine.models.moe_model.expert_param_name``), for
-  ``quantization=auto`` (engine.quantization.moe builds the packed experts from them).
-"""
+(``[E, I, H]``, ``[E, I, H]``, ``[E, H, I]`` row-major) and the router as ``blk.N.ffn_gate_inp``
+``[E, H]``. :func:`moe_config` fixes the config transformers' GGUF reader makes of such a file
+(Qwen3-MoE's ``moe_intermediate_size`` from ``qwen3moe.expert_feed_forward_length``; a llama
+file with experts becomes a ``MixtralConfig``). :func:`expert_plan` replaces the conversion
+plan's entries for those tensors by :class:`StackedExperts` under HF's fused names
+(``mlp.experts.gate_up_proj`` = gate rows then up rows per expert, ``down_proj``,
+``mlp.gate.weight``), dequantised by ``gguf``'s own dequantiser. :func:`expert_packs` gives a
+quantised expert tensor's experts as packed weights, one per expert, under HF's per-expert
+names, for ``quantization=auto``."""
 
 from __future__ import annotations
 

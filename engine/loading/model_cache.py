@@ -1,20 +1,15 @@
 """``kvserve cache ls|prune``: what the cache directory holds and how to shrink it.
 
-The cache (``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``) holds:
-
-* ``models/<stem>-<key>/``: GGUF files converted into Hugging Face directories
-  (:mod:`engine.loading.gguf_convert`), one per GGUF *content* and converter format (the key),
-  shared by every venv and checkout on the machine; the big part (a 98 MB Q4 file becomes a
-  517 MB float copy). Their last use is the mtime of ``kvserve-last-use``, touched at each
-  start that uses them.
-* ``cpu-kernels/``: the compiled CPU kernels (one build per source version and CPU).
-* ``quant-probe/``: the start-up probe's verdicts (a few KB).
+The cache (``$KVSERVE_CACHE_DIR``, else ``~/.cache/kvserve``) holds ``models/<stem>-<key>/``
+(GGUF files converted into Hugging Face directories, :mod:`engine.loading.gguf_convert`, one per
+GGUF content and converter format, shared by every venv and checkout; the big part; last use the
+mtime of ``kvserve-last-use``, touched at each start that uses them), ``cpu-kernels/`` (the
+compiled CPU kernels) and ``quant-probe/`` (the start-up probe's verdicts).
 
 :func:`prune` removes converted models only: with no option, those no kvserve of this version
 reads (an older format or key, interrupted conversions' leftovers); ``older_than_days`` also
 those unused for that long; ``everything`` all of them. A removed model is converted again on
-its next use; the kernels and verdicts are left (rebuilding them costs minutes).
-"""
+its next use; the kernels and verdicts are left."""
 
 from __future__ import annotations
 

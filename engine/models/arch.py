@@ -3,7 +3,7 @@
 :func:`shape_from_hf_config` is the only reader of the sizes (layers, heads, KV heads, head dim,
 hidden, intermediate, vocabulary, context) from a Hugging Face config; it gives a
 :class:`ModelShape`, which ``kv-calc``, the FLOPs yardstick and :class:`ModelArch` share (a GGUF
-file's metadata is mapped onto the same config keys by ``bench.kv_calc.shape_from_gguf``).
+file's metadata is mapped onto the same config keys by ``loadgen.kv_calc.shape_from_gguf``).
 
 :class:`ModelArch` adds what running the model needs to that shape. One frozen dataclass covers
 Llama 2/3, Mistral, Qwen2 and Qwen3: they differ only in a few switches (QKV bias, q/k RMSNorm,

@@ -1,28 +1,18 @@
 """Batch-invariant CPU serving: a row's arithmetic does not depend on the other rows of its step.
 
-With ``EngineConfig.batch_invariant`` (the default), greedy output of a request is the same
-token for token whether it runs alone or beside any other requests, whole or in prefill chunks,
-after a prefix-cache hit or after a recompute preemption (as vLLM's batch-invariant mode and
-SGLang's deterministic inference promise). Without it, the linears pick a kernel by the number
-of rows in the step (int8 decode kernels, int8 tiles, bfloat16 panels, float copies above a
-measured row count, oneDNN above 128 rows), each with its own rounding, and attention takes
-SDPA's flash kernel for prompts (queries blocked by the chunk's length) and the decode kernel
-for decodes: a logit's last bits, and at a near tie the argmax, then follow the batch.
+With ``EngineConfig.batch_invariant`` (the default), greedy output of a request is the same token
+for token alone or beside any other requests, whole or in prefill chunks, after a prefix-cache
+hit or a recompute preemption (as vLLM's batch-invariant mode promises). Without it the linears
+and attention pick kernels by the step's row count, each with its own rounding.
 
 :func:`make_batch_invariant` fixes each row's route, after the weights are final and before the
-C++ decode stack is built (it reads the routes):
-
-* packed quantised linears (``QuantLinear`` / ``QuantConcat``): one int8 kernel at every row
-  count (4-bit: blocked layout; 8-bit: the decode kernel), activation scales per row and group
-  of 32, integer group sums, float accumulation in group order; float fallbacks dropped;
-* float linears (``PackedLinear``): the AVX2 panel kernel at every row count (no oneDNN);
-* attention (the torch backend on a CPU): every query row through the paged decode kernel over
-  the keys up to its position (``engine.attention.torch_backend``).
-
-What it does not cover: plain ``nn.Linear`` (MKL; only without the CPU kernels), a oneDNN-only
-packed linear, GPUs and the Triton backend. The cost is measured by
-benchmarks/batch_invariance.py (docs/cpu-and-gpu.md, "Batch-invariant greedy output").
-"""
+C++ decode stack is built: packed quantised linears use one int8 kernel at every row count
+(4-bit blocked, 8-bit the decode kernel; per-row activation scales, float accumulation in group
+order; float fallbacks dropped); float linears (``PackedLinear``) the AVX2 panel kernel; the
+torch attention backend on a CPU sends every query row through the paged decode kernel.
+Not covered: plain ``nn.Linear`` (only without the CPU kernels), a oneDNN-only packed linear,
+GPUs and the Triton backend. Its measured cost: docs/cpu-and-gpu.md, "Batch-invariant greedy
+output"."""
 
 from __future__ import annotations
 

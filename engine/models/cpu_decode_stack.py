@@ -1,28 +1,18 @@
 """A decode step's layer loop in one C++ call (CPU, float32): ``CpuDecodeStack``.
 
-At one sequence, a decode step of the embedded model spends a sizeable share of its time in
-Python around the kernels (module calls, views, the attention backend's bookkeeping, per
-layer: docs/performance.md#decode-stack).
-``DecodeStack`` (engine/cpu/csrc/decode_stack_cpu.cpp) runs the same kernels in the same order
-on the same tensors from C++, so its output is bit-identical to ``LlamaForCausalLM.forward``'s
-layer loop with the fused CPU ops and the torch backend's CPU decode kernel.
-
+``DecodeStack`` (engine/cpu/csrc/decode_stack_cpu.cpp) runs the kernels of the Python layer loop
+in the same order on the same tensors from C++ (saving the Python around them:
+docs/decisions.md#decode-stack), so its output is bit-identical to ``LlamaForCausalLM.forward``'s
+loop with the fused CPU ops and the torch backend's CPU decode kernel.
 ``build_decode_stack(model)`` returns one when the model can use it (no tensor parallelism, the
-fused CPU ops, float32, every projection a ``QuantLinear``, a ``QuantConcat`` of them (Q4_K_M
-files), a panel ``PackedLinear`` or a plain ``nn.Linear``; Llama-style layers, Gemma 3's
-(sandwich norms, GeGLU, a local RoPE table), Gemma 2's (the same, with soft-capped attention
-scores) or mixture-of-experts MLPs (packed experts, or float ones on the grouped path)),
-else None and the reason. ``accepts`` then decides per step: every row of the step a decode
-row of the torch backend's decode group in every KV group (no prefill), no more rows than the
-linears' decode kernels serve (``max_rows``: beyond, QuantLinear and PackedLinear switch to
-other kernels), float32, float16, bfloat16, int8 or int4 KV pools (not fp8), no KV observer or
-fp8 scales. A hybrid KV cache (``meta.layer_metas``) gives the stack each group's slots and
-tables and each layer its group. Anything else runs the Python loop.
-``KVSERVE_DECODE_STACK=0`` turns it off (for A/B runs).
-
-The stack holds references to the modules' weight tensors: it is built after the weights are
-final (quantisation adopted, linears packed) and must be rebuilt if a projection is replaced.
-"""
+fused CPU ops, float32, projections ``QuantLinear`` / ``QuantConcat`` / panel ``PackedLinear`` /
+``nn.Linear``; Llama-style, Gemma 2 / 3 or mixture-of-experts layers), else None and the reason.
+``accepts`` then decides per step: every row a decode row in every KV group, at most ``max_rows``
+rows (beyond, the linears switch kernels), float32, float16, bfloat16, int8 or int4 KV pools (not
+fp8), no KV observer or fp8 scales; a hybrid KV cache gives each group's slots and tables.
+Anything else runs the Python loop. ``KVSERVE_DECODE_STACK=0`` turns it off (A/B runs). The
+stack holds the modules' weight tensors: build it after the weights are final (quantisation
+adopted, linears packed), and again if a projection is replaced."""
 
 from __future__ import annotations
 
@@ -33,7 +23,7 @@ from torch import nn
 
 from engine import envs
 from engine.attention.torch_backend import CPU_KERNEL_FLOAT_POOLS
-from engine.kv_storage.formats import INT8_SCALE_FLOOR
+from engine.kv_format.formats import INT8_SCALE_FLOOR
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import PackedExperts
@@ -74,15 +64,15 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
         elif mod.blocked:
             kind = _Q4_BLOCKED
         elif mod.is_q4:
-            kind = _Q4_VNNI if mod.q4_kernel == "vnni" else _Q4
+            kind = _Q4_VNNI if mod.kernels.q4_kernel == "vnni" else _Q4
         elif mod.interleaved:
             kind = _Q8_INTERLEAVED
         else:
-            kind = _Q8_VNNI if mod.q8_kernel == "vnni" else _Q8
+            kind = _Q8_VNNI if mod.kernels.q8_kernel == "vnni" else _Q8
         return _Linear(kernels.StackLinear(kind, mod.qs, mod.d, mod.m, mod.bias,
                                            mod.out_features,
                                            mod.tiles_from or mod.lanes_from or mod.amx_from or 0,
-                                           mod.q4_tiles == "vnni"), rows)
+                                           mod.kernels.q4_tiles == "vnni"), rows)
     if isinstance(mod, PackedLinear):
         if mod.panels is None or mod.small_rows <= 0:
             return f"{mod.backend} packed linear (oneDNN only)"

@@ -1,29 +1,18 @@
 """Gemma 2 and Gemma 3 text decoders, on the Llama model's weights plumbing.
 
 What differs from :mod:`engine.models.llama` (HF ``modeling_gemma2`` / ``modeling_gemma3``):
-
-- RMSNorm scales by ``(1 + w)``. The checkpoint's ``w`` is stored here as ``1 + w`` at load (in
-  float32, then cast), so every layer-ops implementation (PyTorch, fused C++, Triton) runs it
-  as a plain RMSNorm. (In float32 this is HF's arithmetic exactly; in 16-bit dtypes HF scales
-  in float32 before rounding, so the last bit may differ.)
-- Sandwich norms: the attention output and the MLP output are each normalised
-  (``post_attention_layernorm``, ``post_feedforward_layernorm``) before their residual add,
-  and the MLP input by ``pre_feedforward_layernorm``.
-- Embeddings multiplied by ``sqrt(hidden)`` rounded to the model's dtype (as HF does).
-- GeGLU MLP: ``gelu_tanh(gate) * up`` (the layer ops' ``gelu_tanh_mul``: one fused pass on
-  the CPU, ``FusedCpuOps``).
-- Gemma 3: RMSNorm over each head's q and k before RoPE; sliding-window layers use their own
-  RoPE base (``arch.rope_local``), full layers the global one (with its scaling).
-- Queries scaled by ``query_pre_attn_scalar ** -0.5``.
-- Gemma 2: attention logits soft-capped (``cap * tanh(s / cap)`` before the mask: the
-  backends' ``softcap``, in the Triton kernels' tiles and the compiled CPU decode kernel's
-  registers) and final logits too. Gemma 2's and Gemma 3's layers run in the C++ decode stack
-  (engine/models/cpu_decode_stack.py), bit-identical to :meth:`GemmaDecoderLayer.forward`.
-
+RMSNorm scales by ``(1 + w)``, stored as ``1 + w`` at load so every layer-ops implementation runs
+a plain RMSNorm (HF's arithmetic exactly in float32; the last bit may differ in 16-bit dtypes);
+sandwich norms (``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+``post_feedforward_layernorm``); embeddings times ``sqrt(hidden)`` rounded to the dtype; a GeGLU
+MLP (``gelu_tanh_mul``); queries scaled by ``query_pre_attn_scalar ** -0.5``. Gemma 3: RMSNorm
+over each head's q and k before RoPE, sliding-window layers with their own RoPE base
+(``arch.rope_local``). Gemma 2: attention logits soft-capped (``cap * tanh(s / cap)`` before the
+mask, the backends' ``softcap``) and final logits too. Both run in the C++ decode stack
+(engine/models/cpu_decode_stack.py), bit-identical to :meth:`GemmaDecoderLayer.forward`.
 Weights load from HF names, also a ``Gemma3ForConditionalGeneration`` checkpoint's text part
 (``model.language_model.*`` / ``language_model.model.*``); its vision tower, if present, is
-skipped (kvserve serves text only).
-"""
+skipped (kvserve serves text only)."""
 
 from __future__ import annotations
 
@@ -39,7 +28,7 @@ from engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from engine.distributed.parallel_state import TPGroup
+    from engine.models.tp_group import TPGroup
 
 # Prefixes of a multimodal Gemma 3 checkpoint's text model -> the text-only names.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),

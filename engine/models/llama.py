@@ -22,7 +22,7 @@ from engine.models.rope import RotaryEmbedding
 from engine.quantization.packed_linear import PackedLinear, pack_linears
 
 if TYPE_CHECKING:
-    from engine.distributed.parallel_state import TPGroup
+    from engine.models.tp_group import TPGroup
 
 _TORCH_OPS = TorchLayerOps()
 
@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
     """Decoder over packed tokens. ``forward`` returns final hidden states ``[T, hidden]``;
     ``compute_logits`` projects only the rows that are sampled.
 
-    Tensor parallelism (``tp``, see ``engine.distributed.sharding``): ``arch`` holds this rank's
+    Tensor parallelism (``tp``, see ``engine.models.tp_sharding``): ``arch`` holds this rank's
     head and feature counts; the token table and the logits head hold this rank's vocabulary
     rows; lookups are summed and logits gathered across ranks, so ``forward`` and
     ``compute_logits`` return what the whole model would, on every rank."""

@@ -1,33 +1,18 @@
 """A mixture-of-experts feed-forward block: a router picks ``top_k`` experts per token, each
 expert is a SiLU-gated MLP, and a token's output is the routing-weighted sum of its experts'.
 
-Contracts:
-
-* :func:`route` is HF transformers' arithmetic (``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``):
-  softmax of the router logits in float32 over all experts, ``torch.topk`` (so ties and the
-  order of the chosen experts are HF's), then, with ``normalise``, the kept probabilities
-  divided by their sum. Returns float32 weights ``[T, k]`` and expert ids ``[T, k]``.
-* An experts module (:class:`MoeExperts` over float stacked weights, or
-  :class:`PackedExperts` over one packed linear per expert, engine.quantization.linear) maps
-  ``(x [T, H], weights, ids)`` to ``[T, H]`` = sum over a token's experts of
-  ``weight * down(silu(gate(x)) * up(x))``, added in ascending expert order as HF does.
-* The **grouped** path (:func:`grouped_moe`, the default) computes only the routed rows: the
-  ``T * k`` (token, expert) pairs are sorted by expert, and each expert that got tokens runs
-  one gate/up matmul and one down matmul over its own rows (llama.cpp's ``mul_mat_id`` and
-  vLLM's fused-MoE kernels do the same grouping). Its shapes depend on the routing (one host
-  sync for the per-expert counts), so it cannot be captured in a CUDA graph.
-* The **fused** path (``kvserve_kernels.fused_moe``, float experts on a CUDA device with
-  Triton) is the same grouping as two Triton grouped GEMMs with no host sync and fixed shapes:
-  eager and captured steps alike.
-* The **dense** path (:meth:`MoeExperts.dense`) runs every expert on every token as two
-  batched matmuls and weights the results by a ``[T, E]`` combine matrix that is zero off the
-  chosen experts: ``E / k`` times the FLOPs, but fixed shapes. It is used while a CUDA graph is
-  being captured without Triton (and on request, ``path="dense"``, for the benchmark).
-
-``MoeExperts.path``: ``"auto"`` (the default: fused on a CUDA device where Triton imports, else
-grouped), ``"grouped"``, ``"fused"`` (on a CPU only under ``TRITON_INTERPRET=1``: the kernel
-tests) or ``"dense"``.
-"""
+:func:`route` is HF's arithmetic (``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``): softmax of
+the router logits in float32, ``torch.topk`` (HF's ties and order), with ``normalise`` the kept
+probabilities divided by their sum; float32 weights ``[T, k]`` and expert ids ``[T, k]``. An
+experts module (:class:`MoeExperts`, float stacked weights, or :class:`PackedExperts`, one
+packed linear per expert) maps ``(x [T, H], weights, ids)`` to ``[T, H]`` = the sum over a
+token's experts of ``weight * down(silu(gate(x)) * up(x))``, in ascending expert order as HF.
+``MoeExperts.path``: ``"grouped"`` (:func:`grouped_moe`: only the routed rows, sorted by expert,
+one gate/up and one down matmul per expert; a host sync, so not capturable), ``"fused"``
+(``kvserve_kernels.fused_moe``: the same grouping as two Triton GEMMs, no host sync, capturable;
+on a CPU only under ``TRITON_INTERPRET=1``), ``"dense"`` (:meth:`MoeExperts.dense`: every expert
+on every token, ``E / k`` times the FLOPs but fixed shapes; while capturing without Triton, or
+on request), or ``"auto"`` (default: fused on a CUDA device where Triton imports, else grouped)."""
 
 from __future__ import annotations
 

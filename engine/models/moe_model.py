@@ -1,21 +1,15 @@
 """Qwen3-MoE and Mixtral: the Llama-family decoder (engine.models.llama) whose sparse layers
 replace the MLP by a mixture-of-experts block (engine.models.moe).
 
-Weights load from every HF naming these checkpoints use:
-
-* transformers >= 5: ``model.layers.N.mlp.gate.weight`` (router ``[E, H]``),
-  ``model.layers.N.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``...experts.down_proj``
-  ``[E, H, I]``;
-* Qwen3-MoE hub checkpoints: ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``;
-* Mixtral hub checkpoints: ``model.layers.N.block_sparse_moe.gate.weight`` and
-  ``...block_sparse_moe.experts.E.{w1,w3,w2}.weight`` (gate, up, down).
-
-Per-expert tensors are copied into the stacked parameters; a stacked parameter counts as
-loaded when given whole or when all its per-expert parts were. Qwen3-MoE's dense layers
-(``mlp_only_layers``) keep the plain fused MLP. Under tensor parallelism each rank holds every
-expert's slice of the intermediate features (engine/distributed/sharding.py) and ``tp`` is
-passed on to the layers, whose all-reduce after the MLP sums the experts' partial outputs.
-"""
+Weights load from every HF naming these checkpoints use: transformers >= 5's stacked
+``mlp.gate.weight`` ``[E, H]``, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
+``experts.down_proj`` ``[E, H, I]``; Qwen3-MoE hub checkpoints'
+``mlp.experts.E.{gate,up,down}_proj.weight``; Mixtral's ``block_sparse_moe.gate.weight`` and
+``block_sparse_moe.experts.E.{w1,w3,w2}.weight`` (gate, up, down). Per-expert tensors are copied
+into the stacked parameters; a stacked parameter counts as loaded when given whole or when all
+its per-expert parts were. Qwen3-MoE's dense layers (``mlp_only_layers``) keep the plain fused
+MLP. Under tensor parallelism each rank holds every expert's slice of the intermediate features
+and ``tp`` is passed on to the layers, whose all-reduce after the MLP sums the partial outputs."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.moe import MoeBlock
 
 if TYPE_CHECKING:
-    from engine.distributed.parallel_state import TPGroup
+    from engine.models.tp_group import TPGroup
 
 _ROUTER = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
 _STACKED = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")

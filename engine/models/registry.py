@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 def build_model(hf_config: Any, max_positions: int | None = None,
                 tp: Any = None) -> LlamaForCausalLM:
     """Instantiate (uninitialised weights) the model class for ``hf_config``; with ``tp`` (an
-    ``engine.distributed.parallel_state.TPGroup``) only this rank's shard of it."""
+    ``engine.models.tp_group.TPGroup``) only this rank's shard of it."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     known = [a for a in archs if a in _ARCHITECTURES]
     if archs and not known:
@@ -42,6 +42,6 @@ def build_model(hf_config: Any, max_positions: int | None = None,
         cls = GemmaForCausalLM if arch.model_type in GEMMA_MODEL_TYPES else LlamaForCausalLM
     if tp is None:
         return cls(arch, max_positions=max_positions)
-    from engine.distributed.sharding import local_arch
+    from engine.models.tp_sharding import local_arch
 
     return cls(local_arch(arch, tp.shard), max_positions=max_positions, tp=tp)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.pooling.params import PoolingParams
+from engine.params.pooling import PoolingParams
 
 
 def add_rows(acc: torch.Tensor | None, rows_sum: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.request import Sequence
-from engine.step_plan import PoolSpan
+from engine.step.plan import PoolSpan
 
 
 def pool_span(seq: Sequence, start: int, num_new: int) -> PoolSpan | None:

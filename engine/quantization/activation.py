@@ -1,25 +1,18 @@
 """``--activation-precision``: which activations the packed quantised linears multiply with.
 
 * ``int8``: each activation row rounded to int8 per group of 32 (amax/127), integer dot
-  products: llama.cpp's q8 kernels (engine/cpu/csrc/quant_gemm_*.cpp). Fast, and on the
-  embedded SmolLM2-135M Q4_1 file 96.3-96.5% teacher-forced top-1 agreement with the float model:
-  the README's "What is the capital of France?" answered wrongly (issue 65).
-* ``float32`` / ``bf16``: the faithful kernels (engine/cpu/kernels_faithful.py): the same
-  packed weights dequantised in registers, times float32 activations (AVX2/FMA; the AVX-512
-  build has this path too) or bfloat16 ones (AVX-512 BF16's ``vdpbf16ps``; float32 where not
-  built); batch-invariant as the int8 kernels are.
+  products: llama.cpp's q8 kernels (engine/cpu/csrc/quant_gemm_*.cpp). Fast, less faithful.
+* ``float32`` / ``bf16``: the faithful kernels (engine/cpu/kernels_faithful.py): the same packed
+  weights dequantised in registers, times float32 activations (AVX2/FMA) or bfloat16 ones
+  (AVX-512 BF16's ``vdpbf16ps``; float32 where not built); batch-invariant as the int8 kernels.
 * ``auto`` (default): the faithful path wherever its decode is within :data:`MARGIN` of the
-  int8 path's, else ``int8`` (issue 65's rule). Measured on the embedded file
-  (docs/performance.md, "Activation precision"): top-1 agreement with HF float32 100% (float32
-  activations), 98.8% (bf16), 96.5% (int8); but the faithful kernels cost 1.7x (bf16) to 2.2x
-  (float32) the int8 kernel's CPU time at one row, ~4x at 16, and have no kind in the C++
-  decode stack yet: outside the margin, so ``auto`` keeps ``int8`` (and the speed the README's
-  figures describe) until they come within it. ``float32`` is the explicit way to the float
-  model's answers on packed weights today.
+  int8 path's, else ``int8`` (issue 65's rule; today ``int8``: the faithful kernels are outside
+  the margin and have no kind in the C++ decode stack; figures:
+  docs/performance.md#activation-precision). ``float32`` is the explicit way to the float
+  model's answers on packed weights.
 
 5-bit weights (GGUF Q5_0/Q5_1) have no faithful kernel yet: they keep ``int8`` (logged).
-The choice is logged at start with what was chosen and why.
-"""
+The choice is logged at start with what was chosen and why."""
 
 from __future__ import annotations
 
@@ -94,7 +87,10 @@ def apply_activation_precision(model: nn.Module, requested: str,
     if not mods:
         return None
     chosen, why = choose(requested, quantization)
-    kept = [m for m in mods if not m.set_activation(chosen)]
+    for m in mods:
+        m.choose(activation=chosen)
+    kept = [m for m in mods
+            if any(p.kernels.activation != chosen for p in getattr(m, "parts", [m]))]
     if chosen != "int8" and len(kept) == len(mods):
         chosen, why = "int8", f"no packed weight has a faithful kernel ({why})"
     elif kept:

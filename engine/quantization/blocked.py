@@ -1,24 +1,18 @@
 """The blocked layout of a 4-bit weight, and back: ``to_blocked`` / ``from_blocked``.
 
-The rows layout (``engine.quantization.formats.PackedQ4``: ``qs`` uint8 ``[N, K/2]``, ``d`` and
-``m`` float32 ``[N, K/32]``) keeps each output column's groups together, as GGUF does; the
-decode kernel ``quant_gemm_q4`` reads one column's group at a time. The blocked layout keeps
-8 columns' groups interleaved so that one 32-byte load holds 8 columns x 4 k
-(``quant_gemm_q4_blocked``, engine/cpu/csrc/quant_gemm_q4_blocked.cpp, which states it byte by
-byte):
+The rows layout (``PackedQ4``: ``qs`` uint8 ``[N, K/2]``, ``d``, ``m`` float32 ``[N, K/32]``)
+keeps each output column's groups together, as GGUF does. The blocked layout keeps 8 columns'
+groups interleaved so that one 32-byte load holds 8 columns x 4 k
+(engine/cpu/csrc/quant_gemm_q4_blocked.cpp states it byte by byte):
 
 * ``qs`` uint8 ``[NB, G, 128]`` with ``NB = ceil(N / 8)``: block ``b``, group ``g``, bytes
   ``32 j + 4 c + i`` = rows-layout byte ``4 j + i`` of column ``8 b + c``'s group ``g``;
 * ``d``, ``m`` ``[NB, G, 8]``, in the smallest format that holds them exactly
-  (:func:`compact_scales`): float16 ``d`` and an empty ``m`` ``[NB, G, 0]`` where ``m = -8 d``
-  (a GGUF Q4_0: 18 bytes per 32 weights, as the file), float16 ``d`` and ``m`` where both are
-  float16 values (a GGUF Q4_1: 20 bytes), else float32 (24 bytes). A one-row decode reads
-  every byte once, so the smaller scales are read faster; the kernel widens them to the same
-  float32 values, so outputs do not change.
-
+  (:func:`compact_scales`): float16 ``d`` and an empty ``m`` where ``m = -8 d`` (Q4_0), float16
+  ``d`` and ``m`` where both are float16 values (Q4_1), else float32; the kernel widens them to
+  the same float32 values.
 The last block's missing columns are zeros. Both directions are exact (a permutation of
-bytes and floats plus that padding) and cost one copy of the weight.
-"""
+bytes and floats plus that padding) and cost one copy of the weight."""
 
 from __future__ import annotations
 

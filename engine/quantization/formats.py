@@ -3,34 +3,15 @@ decodes the blocks; ``engine.quantization.rtn`` quantises float weights onto the
 
 The formats hold a weight ``W [N, K]`` (``K`` a multiple of :data:`GROUP`) in groups of 32
 consecutive input elements of one output row, with float32 scales (GGUF stores fp16; float32
-costs 2 bytes more per group and saves a conversion per group in the kernel):
-
-* :class:`PackedQ4`: ``qs`` uint8 ``[N, K/2]``, ``d`` and ``m`` float32 ``[N, K/32]``;
-  ``w = d * q + m`` with ``q`` in 0..15. Byte ``j`` of group ``g`` holds ``q[32g + j]`` in its
-  low nibble and ``q[32g + j + 16]`` in its high nibble: GGUF's Q4_0/Q4_1 order.
-  Q4_1 is ``(d, m)`` as stored; Q4_0 (``w = d * (q - 8)``) is ``m = -8 d``, exact in float32;
-  Q4_K is ``d = d_super * sc``, ``m = -dmin * min`` per sub-block of 32 (products of an fp16
-  and a 6-bit integer: exact in float32).
-* :class:`PackedQ8`: ``qs`` int8 ``[N, K]``, ``d`` float32 ``[N, K/S]`` with the scale group
-  ``S`` 32 or 16, optional ``m`` float32 shaped like ``d`` (a min per scale group);
-  ``w = d[k // S] * q (+ m[k // S])``. Q8_0 is ``S = 32`` without ``m``; Q5_K is ``S = 32``
-  with ``m`` (``q`` in 0..31, the 5-bit value); Q6_K is ``S = 16`` without ``m`` (``q`` in
-  -32..31, its 16-element sub-blocks keep their own scale ``d * sc``); Q2_K is ``S = 16`` with
-  ``m`` (``q`` in 0..3, ``d * sc`` and ``-dmin * min`` per 16).
-
-* :class:`PackedQ5`: ``qs`` uint8 ``[N, K/32 * 20]``, ``d`` and ``m`` float32 ``[N, K/32]``;
-  ``w = d * q + m`` with ``q`` in 0..31. Each group of 32 is 20 bytes: 16 bytes of low nibbles
-  in Q4_0's order, then the 32 fifth bits as a little-endian uint32 (bit ``j``: element ``j``),
-  GGUF's Q5_0/Q5_1 blocks without their fp16 scales. Q5_0 (``w = d * (q - 16)``) is
-  ``m = -16 d``, exact in float32; Q5_1 is ``(d, m)`` as stored. 7 bits per weight (GGUF: 5.5
-  and 6), where widening to :class:`PackedQ8` would take 9 and 10.
+saves a conversion per group in the kernel): :class:`PackedQ4` (4-bit, GGUF's Q4_0/Q4_1
+nibble order), :class:`PackedQ8` (int8, a scale per 16 or 32 and an optional min),
+:class:`PackedQ5` (5-bit, Q5_0/Q5_1's nibbles and fifth bits); each class states its layout.
 
 ``dequantize()`` of each equals ``gguf.quants.dequantize`` of the source blocks (Q4_0, Q8_0
 and Q6_K bit for bit; with a min, up to one rounding of ``d * q + m`` where a fused
 multiply-add is used). Rows can be selected (``take_rows``) and concatenated (``cat``) without
 touching the values: that is how llama.cpp's Q/K row permutation is undone and how fused
-projections are built.
-"""
+projections are built."""
 
 from __future__ import annotations
 
@@ -44,7 +25,13 @@ SCALE_GROUPS = (16, 32)  # the 8-bit form's scale groups
 
 @dataclass
 class PackedQ4:
-    """4-bit groups of 32: ``w = d * q + m`` (see the module docstring for the layout)."""
+    """4-bit groups of 32: ``w = d * q + m`` with ``q`` in 0..15.
+
+    ``qs`` uint8 ``[N, K/2]``, ``d`` and ``m`` float32 ``[N, K/32]``. Byte ``j`` of group ``g``
+    holds ``q[32g + j]`` in its low nibble and ``q[32g + j + 16]`` in its high nibble: GGUF's
+    Q4_0/Q4_1 order. Q4_1 is ``(d, m)`` as stored; Q4_0 (``w = d * (q - 8)``) is ``m = -8 d``,
+    exact in float32; Q4_K is ``d = d_super * sc``, ``m = -dmin * min`` per sub-block of 32
+    (products of an fp16 and a 6-bit integer: exact in float32)."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -73,7 +60,13 @@ class PackedQ4:
 @dataclass
 class PackedQ8:
     """8-bit values, a scale per ``scale_group`` (16 or 32) of them and an optional min per
-    scale group: ``w = d * q (+ m)``. Construction checks the shapes (ValueError)."""
+    scale group: ``w = d * q (+ m)``. Construction checks the shapes (ValueError).
+
+    ``qs`` int8 ``[N, K]``, ``d`` float32 ``[N, K/S]``, optional ``m`` shaped like ``d``;
+    ``w = d[k // S] * q (+ m[k // S])``. Q8_0 is ``S = 32`` without ``m``; Q5_K is ``S = 32``
+    with ``m`` (``q`` in 0..31); Q6_K is ``S = 16`` without ``m`` (``q`` in -32..31, its
+    16-element sub-blocks keep their own scale ``d * sc``); Q2_K is ``S = 16`` with ``m``
+    (``q`` in 0..3, ``d * sc`` and ``-dmin * min`` per 16)."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -118,7 +111,14 @@ class PackedQ8:
 
 @dataclass
 class PackedQ5:
-    """5-bit groups of 32: ``w = d * q + m`` (see the module docstring for the layout)."""
+    """5-bit groups of 32: ``w = d * q + m`` with ``q`` in 0..31.
+
+    ``qs`` uint8 ``[N, K/32 * 20]``, ``d`` and ``m`` float32 ``[N, K/32]``. Each group of 32 is
+    20 bytes: 16 bytes of low nibbles in Q4_0's order, then the 32 fifth bits as a little-endian
+    uint32 (bit ``j``: element ``j``), GGUF's Q5_0/Q5_1 blocks without their fp16 scales. Q5_0
+    (``w = d * (q - 16)``) is ``m = -16 d``, exact in float32; Q5_1 is ``(d, m)`` as stored.
+    7 bits per weight (GGUF: 5.5 and 6), where widening to :class:`PackedQ8` would take 9 and
+    10."""
 
     qs: torch.Tensor
     d: torch.Tensor

@@ -1,40 +1,16 @@
 """GGUF's quantised block types decoded onto the packed forms of ``engine.quantization.formats``.
 
-Every mapping is exact (the packed form dequantises to ``gguf.quants.dequantize`` of the same
-blocks, see quant_formats' docstring for the rounding of a min):
-
-========  ============================  =========================================================
-type      GGUF block                    packed form
-========  ============================  =========================================================
-Q4_0      32: fp16 d, 16 B nibbles      PackedQ4, ``m = -8 d``
-Q4_1      32: fp16 d, m, 16 B nibbles   PackedQ4 as stored
-Q8_0      32: fp16 d, 32 int8           PackedQ8, scale per 32
-Q4_K      256: fp16 d, dmin, 12 B of    PackedQ4 per sub-block of 32: ``d * sc``, ``-dmin * mn``
-          6-bit sc/mn, 128 B nibbles    (nibbles re-laid out into Q4_0's order)
-Q5_K      Q4_K + 32 B of 5th bits       PackedQ8 (q in 0..31), scale and min per 32
-Q6_K      256: 128 B low 4 bits, 64 B   PackedQ8 (q - 32 in -32..31), scale ``d * sc`` per 16
-          high 2 bits, 16 int8 sc, d
-Q5_0      32: fp16 d, 4 B fifth bits,   PackedQ5 (nibbles and fifth bits as stored), ``m = -16 d``
-          16 B nibbles
-Q5_1      32: fp16 d, m, then as Q5_0   PackedQ5 as stored
-Q2_K      256: 16 B 4-bit sc/mn, 64 B   PackedQ8 (q in 0..3), scale ``d * sc`` and min
-          2-bit q, fp16 d, dmin         ``-dmin * mn`` per 16
-Q3_K      256: 32 B high-bit mask, 64   PackedQ8 (q in -4..3), scale ``d * (sc - 32)`` per 16
-          B 2-bit q, 12 B 6-bit sc, d
-IQ4_NL    32: fp16 d, 16 B indices      PackedQ8 (the non-linear table's int8 values), scale d
-IQ4_XS    256: d, 6-bit sc per 32,      PackedQ8 (table values), scale ``d * (sc - 32)`` per 32
-          128 B indices
-========  ============================  =========================================================
-
-Q2_K, Q3_K, IQ4_NL and IQ4_XS widen to 8 bits (2-4x their GGUF bytes, a third of float32's
-or less); products such as ``d * (sc - 32) * q`` need at most 24 significant bits, so every
-mapped value is exact (Q2_K's ``d * sc * q - dmin * mn`` rounds once, as gguf's does).
+Every mapping is exact: the packed form dequantises to ``gguf.quants.dequantize`` of the same
+blocks (see formats' docstring for the rounding of a min). Q4_0, Q4_1, Q4_K go to ``PackedQ4``;
+Q8_0, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS to ``PackedQ8`` (widened to 8 bits, products such
+as ``d * (sc - 32) * q`` needing at most 24 significant bits, so every mapped value is exact;
+Q2_K's ``d * sc * q - dmin * mn`` rounds once, as gguf's does); Q5_0, Q5_1 to ``PackedQ5``.
+The type-by-type table is on :func:`from_gguf_blocks`.
 
 The bit layouts follow ggml's reference dequantisers (``dequantize_row_q4_K`` etc., mirrored
 by ``gguf.quants``). Contract of :func:`from_gguf_blocks`: ``raw`` holds the bytes of a
 ``[N, K]`` tensor, row-major (``N`` rows of ``K / block elements`` blocks); returns a new packed
-weight (copies the data); raises ValueError for another type or a ``K`` the type cannot hold.
-"""
+weight (copies the data); raises ValueError for another type or a ``K`` the type cannot hold."""
 
 from __future__ import annotations
 
@@ -59,7 +35,33 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 
 
 def from_gguf_blocks(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Packed:
-    """Pack GGUF blocks of type ``qtype`` (one of :data:`SUPPORTED`); see the module contract."""
+    """Pack GGUF blocks of type ``qtype`` (one of :data:`SUPPORTED`); see the module contract.
+
+    ========  ============================  ====================================================
+    type      GGUF block                    packed form
+    ========  ============================  ====================================================
+    Q4_0      32: fp16 d, 16 B nibbles      PackedQ4, ``m = -8 d``
+    Q4_1      32: fp16 d, m, 16 B nibbles   PackedQ4 as stored
+    Q8_0      32: fp16 d, 32 int8           PackedQ8, scale per 32
+    Q4_K      256: fp16 d, dmin, 12 B of    PackedQ4 per sub-block of 32: ``d * sc``,
+              6-bit sc/mn, 128 B nibbles    ``-dmin * mn`` (nibbles re-laid out: Q4_0's order)
+    Q5_K      Q4_K + 32 B of 5th bits       PackedQ8 (q in 0..31), scale and min per 32
+    Q6_K      256: 128 B low 4 bits, 64 B   PackedQ8 (q - 32 in -32..31), ``d * sc`` per 16
+              high 2 bits, 16 int8 sc, d
+    Q5_0      32: fp16 d, 4 B fifth bits,   PackedQ5 (nibbles, fifth bits as stored),
+              16 B nibbles                  ``m = -16 d``
+    Q5_1      32: fp16 d, m, then as Q5_0   PackedQ5 as stored
+    Q2_K      256: 16 B 4-bit sc/mn, 64 B   PackedQ8 (q in 0..3), scale ``d * sc`` and min
+              2-bit q, fp16 d, dmin         ``-dmin * mn`` per 16
+    Q3_K      256: 32 B high-bit mask, 64   PackedQ8 (q in -4..3), ``d * (sc - 32)`` per 16
+              B 2-bit q, 12 B 6-bit sc, d
+    IQ4_NL    32: fp16 d, 16 B indices      PackedQ8 (the non-linear table's int8 values), d
+    IQ4_XS    256: d, 6-bit sc per 32,      PackedQ8 (table values), ``d * (sc - 32)`` per 32
+              128 B indices
+    ========  ============================  ====================================================
+
+    Q2_K, Q3_K, IQ4_NL and IQ4_XS widen to 8 bits (2-4x their GGUF bytes, a third of float32's
+    or less)."""
     if qtype not in BLOCKS:
         raise ValueError(f"GGUF block type {qtype} has no packed format here")
     n, k = shape

@@ -1,23 +1,18 @@
 """The interleaved layout of an 8-bit weight, and back: ``to_interleaved`` / ``from_interleaved``.
 
-The rows layout (``engine.quantization.formats.PackedQ8``: ``qs`` int8 ``[N, K]``, ``d`` and an
-optional ``m`` float32 ``[N, K/S]`` for a scale group ``S`` of 16 or 32) keeps each output's
-weights together, as GGUF does. The interleaved layout keeps 16 outputs' weights interleaved by
-4 bytes, so that one 64-byte load holds 16 outputs x 4 k and a register's lanes are 16 outputs
-(``quant_gemm_q8_interleaved``, engine/cpu/csrc/quant_gemm_q8_interleaved.cpp):
+The rows layout (``PackedQ8``: ``qs`` int8 ``[N, K]``, ``d`` and an optional ``m`` float32
+``[N, K/S]``, ``S`` 16 or 32) keeps each output's weights together. The interleaved layout keeps
+16 outputs' weights interleaved by 4 bytes, so one 64-byte load holds 16 outputs x 4 k
+(engine/cpu/csrc/quant_gemm_q8_interleaved.cpp):
 
 * ``qs`` uint8 ``[T, 16 K]`` with ``T = ceil(N / 16)``: tile ``t``, byte ``64 i + 4 o + j`` =
-  ``W[16 t + o, 4 i + j] + 128`` (the int8 value with its sign bit flipped: the kernel's
-  dot product multiplies unsigned weights by signed activations);
-* ``d``, ``m`` ``[T, 16 K/S]``: tile ``t``, element ``16 h + o`` = the scale (min) of
-  output ``16 t + o``'s scale group ``h``; float16 where every scale and min is a float16 value
-  (a GGUF Q8_0's scales are: 34 bytes per 32 weights, as the file, instead of 36), else
-  float32. A one-row decode reads every byte once, so smaller scales are read faster; the
-  kernel widens them to the same float32 values, so outputs do not change.
-
+  ``W[16 t + o, 4 i + j] + 128`` (the sign bit flipped: the kernel's dot product multiplies
+  unsigned weights by signed activations);
+* ``d``, ``m`` ``[T, 16 K/S]``: tile ``t``, element ``16 h + o`` = the scale (min) of output
+  ``16 t + o``'s scale group ``h``; float16 where every one is a float16 value (a GGUF Q8_0's),
+  else float32; the kernel widens them to the same float32 values.
 The last tile's missing outputs have zero weights and scales. Both directions are exact (a
-permutation of bytes and floats plus that padding) and cost one copy of the weight.
-"""
+permutation of bytes and floats plus that padding) and cost one copy of the weight."""
 
 from __future__ import annotations
 

@@ -1,86 +1,22 @@
 """Linear layers and embeddings over weights kept packed (``engine.quantization.formats``).
 
 ``QuantLinear(packed, bias)`` computes ``y = x @ W.T + b`` for ``W`` in 4-bit, 5-bit or 8-bit
-groups (8-bit: scales per 32 or 16, optional mins). 5-bit weights (GGUF's Q5_0/Q5_1) have one
-decode kernel, ``quant_gemm_q5`` (engine/cpu/csrc/quant_gemm_q5.cpp: the same int8 math, VNNI's
-dot product where built), and otherwise take the dequantised panels; the 4-bit and 8-bit
-settings below leave them alone:
-
-* up to ``dense_rows`` rows (decode steps): the C++ kernels ``quant_gemm_q4`` / ``quant_gemm_q8``
-  (engine/cpu/csrc/quant_gemm_cpu.cpp; ``quant_gemm_q4_vnni`` / ``quant_gemm_q8_vnni`` where the
-  CPU has AVX-512 VNNI and the start-up probe measured them faster), which quantise each activation
-  row to int8 per group of 32 and take integer dot products. The result differs from float by the activation's
-  rounding (at most half a step of ``amax/127`` per element, per group), as llama.cpp's does.
-  For 4-bit weights, batches from ``BATCH_TILE_ROWS`` rows run ``quant_gemm_q4_tiled`` instead
-  where the start-up probe measured it faster (``q4_batch`` ``tiles``):
-  the same integer sums, added in float in another order, so a sequence's logits can differ in
-  the last bits with the size of the batch it decodes in (as with vLLM's or llama.cpp's kernels).
-  Likewise 8-bit weights from ``LANES_ROWS`` rows on ``quant_gemm_q8_batch`` where it is built
-  (AVX-512 VNNI) and the start-up probe measured it faster (``q8_batch`` ``lanes``;
-  engine/cpu/csrc/quant_gemm_q8_batch.cpp: a batch's rows in a register's lanes, a big logits
-  head ~3x faster at 16 rows).
-* above (prefill), 4-bit weights where the start-up probe measured it faster (``q4_prefill``
-  ``int8``, usual on AVX2-only CPUs): ``quant_gemm_q4_tiled``, the decode
-  kernels' integer math laid out for many rows (engine/cpu/csrc/quant_gemm_q4_tiled.cpp).
-* otherwise above: panels of ``PANEL_ROWS`` output rows are dequantised to ``panel_dtype``
-  (float32, or bfloat16 where the start-up probe measured a bf16 matmul faster, usual on CPUs
-  with AMX/AVX-512 BF16; the activations are rounded to bf16 for it, the output
-  stays float32) and multiplied densely; compute-bound there, so the dequantisation is a small
-  extra.
-* 4-bit weights can be stored blocked instead (``q4_layout`` ``blocked``,
-  engine/quantization/blocked.py: 8 output columns' groups interleaved) where the start-up probe
-  measured it faster: then ``quant_gemm_q4_blocked`` serves every decode-sized input (the
-  tiles' math without their per-call repack) and the int8 prefill; panels are
-  dequantised from that layout. ``q4_kernel`` and ``q4_batch`` then have no effect.
-* the int8 tiles of both 4-bit layouts run on AVX-512 VNNI's dot product (``q4_tiles``
-  ``vnni``) where it is built and the start-up probe measured it faster: the same integer
-  sums and floats as the AVX2 tiles, bit for bit.
-* 8-bit weights can be stored interleaved instead (``q8_layout`` ``interleaved``,
-  engine/quantization/interleaved.py: 16 outputs' weights interleaved by 4 bytes) where the
-  start-up probe measured it faster: then ``quant_gemm_q8_interleaved`` serves every
-  decode-sized input, one row or a batch (16 outputs in a register's lanes on AVX-512 VNNI,
-  8 per register on AVX2, a row's 4 activation bytes broadcast: a row costs what its weights
-  take to stream, a batch ~3x (VNNI) or ~1.3x (AVX2) less than the decode kernel), in the
-  lanes kernel's float order, bit for bit, on either instruction set; panels are dequantised
-  from that layout. ``q8_kernel`` and ``q8_batch`` then have no effect.
-* interleaved 8-bit weights run batches of ``amx_from`` rows and more on AMX int8 tiles instead
-  (``q8_tiles`` ``amx``, where built and the OS grants the tile state: Sapphire Rapids and
-  later Xeons) where the start-up probe measured them faster, ``q8_amx_from`` (16 or 8 rows)
-  measured too: the same kernel's floats, bit for bit (engine/cpu/csrc/quant_gemm_q8_amx.cpp:
-  a Gemma 3 270M-shaped model's 262k-row Q8_0 head ~1.5x faster at 16 rows).
-* blocked 4-bit weights run inputs of ``q4_amx_from`` rows and more (a prefill; with
-  ``q4_amx_from`` 16, decode batches of 16 too) on AMX int8 tiles (``q4_amx`` ``on``, where
-  built and granted) where the start-up probe measured them faster: the same floats as the
-  int8 tiles, bit for bit, so batch-invariant mode keeps them (engine/cpu/csrc/
-  quant_gemm_q4_amx.cpp: a 2,048-row prefill chunk's projections ~1.5-2x faster than VNNI).
-* with a ``fallback`` (the float module it replaces, kept when the start-up probe found the
-  quantised path slower for batches on this machine): inputs of more than ``float_above`` rows
-  go to the fallback instead, so every row count runs on the path measured faster (what
-  the probe found on the development machines: docs/performance.md#quantised-linears).
-* batch-invariant (:meth:`QuantLinear.set_batch_invariant`, ``EngineConfig.batch_invariant``):
-  one kernel for every row count, whose per-row arithmetic does not depend on the other rows:
-  4-bit weights stored blocked and served by ``quant_gemm_q4_blocked`` (its 1-, 2- and 3-row
-  tiles do the same operations per row, in group order), 8-bit weights by their decode kernel
-  (tiles of 1-4 rows, the same operations per row) or, stored interleaved, by
-  ``quant_gemm_q8_interleaved`` (the same operations per row); no float fallback, no panels.
-  Row ``r``'s output is then bit-identical whatever the number of rows
-  (tests/models/test_batch_invariance.py).
-
-* faithful activations (:meth:`QuantLinear.set_activation` ``bf16``, the default through
-  ``--activation-precision auto``, engine/quantization/activation.py): every decode-sized input,
-  and in batch-invariant mode every input, goes to ``engine.cpu.kernels_faithful.gemm`` (the
-  weights, rows layout, dequantised in registers times bf16 activations on AVX-512 BF16, float32
-  elsewhere; no int8 rounding of the activations); the settings above then only matter for
-  5-bit weights, which keep int8.
-
-``QuantEmbedding`` looks ids up by dequantising only those rows; tied to the logits head, both
-share one packed tensor. Float32 CPU only; the packed tensors are buffers (they count in the
-module's ``buffers()`` and move with it, they are not parameters).
-"""
+groups (8-bit: scales per 32 or 16, optional mins). Up to ``dense_rows`` rows (decode) the C++
+int8 kernels serve (engine/cpu/csrc/quant_gemm_*.cpp: each activation row rounded to int8 per
+group of 32, integer dot products, as llama.cpp's); above (prefill), dequantised ``panel_dtype``
+panels or, for 4-bit weights, int8 tiles. Which kernel, layout (4-bit blocked, 8-bit
+interleaved), ISA (VNNI, AMX from ``q8_amx_from`` / ``q4_amx_from`` rows) and float fallback
+(above ``float_above`` rows) serve is the start-up probe's measured choice
+(``engine.quantization.kernel_choice``; figures: docs/decisions.md#quantised-linears); batch
+kernels add in another float order, so logits may differ in the last bits with the batch size.
+Batch-invariant (:meth:`QuantLinear.set_batch_invariant`): one kernel per weight for every row
+count, row ``r``'s output bit-identical whatever the rows; faithful activations
+(engine/quantization/activation.py) route decode-sized inputs to ``kernels_faithful.gemm``.
+``QuantEmbedding`` dequantises only looked-up rows. Float32 CPU only; packed tensors are buffers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -95,55 +31,31 @@ from engine.quantization.interleaved import (
     gather_rows,
     to_interleaved,
 )
+from engine.quantization.kernel_choice import (  # noqa: F401 (re-exported: importers of linear)
+    ACTIVATIONS,
+    AMX_FROM,
+    BATCH_TILE_ROWS,
+    DENSE_ROWS,
+    KERNELS,
+    LANES_ROWS,
+    PANEL_DTYPES,
+    Q4_AMX,
+    Q4_AMX_FROM,
+    Q4_BATCH,
+    Q4_LAYOUTS,
+    Q4_PREFILL,
+    Q4_TILES,
+    Q8_BATCH,
+    Q8_LAYOUTS,
+    Q8_TILES,
+    KernelChoice,
+    amx_available,
+    interleaved_available,
+    quant_kernels,
+    vnni_available,
+)
 
-DENSE_ROWS = 32  # rows above which the dequantise-then-matmul path is used
-PANEL_ROWS = 4096  # output rows dequantised at a time on that path (bounds the temporary)
-PANEL_DTYPES = (torch.float32, torch.bfloat16)
-KERNELS = ("base", "vnni")  # the decode kernels of either width
-Q4_PREFILL = ("panels", "int8")  # a 4-bit weight's dense path: dequantised panels or int8 tiles
-Q4_BATCH = ("kernel", "tiles")  # a 4-bit weight's decode batches: the decode kernel or int8 tiles
-BATCH_TILE_ROWS = 3  # the smallest batch the tiles may serve (below, the per-call repack costs)
-Q4_LAYOUTS = ("rows", "blocked")  # a 4-bit weight's storage (engine/quantization/blocked.py)
-Q4_TILES = ("avx2", "vnni")  # the 4-bit int8 tiles' instructions (the same floats either way)
-Q8_BATCH = ("kernel", "lanes")  # an 8-bit weight's decode batches: its decode kernel, or the lanes
-LANES_ROWS = 6  # the smallest batch the lanes kernel serves (a block of 16 rows costs ~the same)
-Q8_LAYOUTS = ("rows", "interleaved")  # an 8-bit weight's storage (quantization/interleaved.py)
-Q8_TILES = ("vnni", "amx")  # an interleaved 8-bit weight's batches: VNNI's lanes or AMX tiles
-AMX_FROM = ("16", "8")  # the row counts from which AMX tiles may serve (a measured choice)
-Q4_AMX = ("off", "on")  # a blocked 4-bit weight's rows from q4_amx_from on: VNNI/AVX2 or AMX
-Q4_AMX_FROM = (str(DENSE_ROWS + 1), "16")  # from which rows (prefill only, or decode batches too)
-# The activations' precision in the packed kernels: int8 groups (llama.cpp's q8 dot products),
-# or the faithful kernels (engine/cpu/kernels_faithful.py): bf16 on AVX-512 BF16, else float32.
-ACTIVATIONS = ("int8", "bf16", "float32")
-
-
-def quant_kernels():
-    """The compiled CPU module, or None (kernels disabled or unbuildable)."""
-    from engine.cpu.kernels import load
-
-    return load()
-
-
-def interleaved_available() -> bool:
-    """Whether ``quant_gemm_q8_interleaved`` was built (AVX2; AVX-512 VNNI where targeted)."""
-    k = quant_kernels()
-    return k is not None and bool(k.quant_gemm_q8_interleaved_available())
-
-
-def amx_available() -> bool:
-    """Whether ``quant_gemm_q8_interleaved``'s AMX tiles were built (the compiler targets
-    AMX-INT8 on this CPU) and the OS grants this process the tile state, unless
-    ``KVSERVE_CPU_AMX=0``."""
-    from engine import envs
-
-    k = quant_kernels()
-    return envs.cpu_amx_enabled() and k is not None and bool(k.quant_gemm_q8_amx_available())
-
-
-def vnni_available() -> bool:
-    """Whether the AVX-512 VNNI kernels were built (the compiler targets VNNI on this CPU)."""
-    k = quant_kernels()
-    return k is not None and bool(k.quant_gemm_q4_vnni_available())
+PANEL_ROWS = 4096  # output rows dequantised at a time on the dense path (bounds the temporary)
 
 
 class QuantLinear(nn.Module):
@@ -165,23 +77,9 @@ class QuantLinear(nn.Module):
         self.dense_rows = dense_rows
         self.fallback: nn.Module | None = None
         self.float_above: int | None = None
-        self.panel_dtype = torch.float32
-        self._gemm = self._kernels.quant_gemm_q4 if self.is_q4 else self._kernels.quant_gemm_q8
-        if self.is_q5:
-            self._gemm = self._kernels.quant_gemm_q5
-        self.q4_kernel = self.q8_kernel = "base"
-        self.q4_prefill = "panels"
-        self.q4_batch = "kernel"
-        self.q4_layout = "rows"
-        self.q4_tiles = "avx2"
-        self.q8_batch = "kernel"
-        self.q8_layout = "rows"
-        self.q8_tiles = "vnni"
-        self.q8_amx_from = AMX_FROM[0]
-        self.q4_amx = Q4_AMX[0]
-        self.q4_amx_from = Q4_AMX_FROM[0]
+        self.kernels = KernelChoice()  # replaced whole, by set_kernels / choose
+        self._gemm = self._decode_gemm()
         self.batch_invariant = False
-        self.activation = "int8"
 
     def set_batch_invariant(self) -> None:
         """Serve every row count with one kernel whose per-row arithmetic (int8 activation
@@ -190,74 +88,66 @@ class QuantLinear(nn.Module):
         (``quant_gemm_q4_blocked``), 8-bit weights keep their decode kernel (or, stored
         interleaved, ``quant_gemm_q8_interleaved``); a float fallback is dropped. Irreversible
         (the prefill panels and per-size routes are not used again)."""
-        self.set_q4_layout("rows" if self.faithful else "blocked")
+        self.choose(q4_layout="rows" if self.faithful else "blocked")
         self.fallback = self.float_above = None
         self.batch_invariant = True
 
     @property
     def faithful(self) -> bool:
-        """Whether the faithful kernel (:meth:`set_activation`) serves this weight."""
-        return self.activation != "int8"
+        """Whether the faithful kernel (``kernels.activation`` bf16 or float32) serves it."""
+        return self.kernels.activation != "int8"
 
-    def set_activation(self, name: str) -> bool:
-        """The activations' precision: ``int8`` (the int8 kernels above), ``bf16`` or
-        ``float32``: the faithful kernel (``engine.cpu.kernels_faithful.gemm``: the weights
-        dequantised in registers times bf16 activations on AVX-512 BF16 (float32 ones on other
-        CPUs), or float32 activations, everywhere) for every
-        decode-sized input, every input in batch-invariant mode (one kernel, the same per-row
-        operations at any row count); the weight returns to the rows layout. 5-bit weights
-        and a build without the faithful kernels keep ``int8``. Returns whether it applies."""
-        _one_of(name, ACTIVATIONS, "activation precision")
-        if name != "int8":
+    def set_kernels(self, choice: KernelChoice) -> None:
+        """Serve this weight as ``choice`` says (``engine.quantization.kernel_choice``).
+        ``activation``: ``int8`` (the int8 kernels above), or ``bf16`` / ``float32``: the
+        faithful kernel (``engine.cpu.kernels_faithful.gemm``, the weights dequantised in
+        registers times bf16 activations on AVX-512 BF16, float32 ones elsewhere) for every
+        decode-sized input, every input in batch-invariant mode, the weight back in the rows
+        layouts; 5-bit weights and a build without the faithful kernels keep their activation.
+        A weight keeps the layout of another format's field (a 4-bit weight's ``q8_layout``
+        stays ``rows``). A changed layout converts the weight in place, exactly, one copy of
+        the weight at a time (``interleaved`` needs AVX2: ValueError)."""
+        old = self.kernels
+        if choice.activation != "int8":
             from engine.cpu import kernels_faithful
 
             if self.is_q5 or kernels_faithful.load() is None:
-                return False
-            self.set_q4_layout("rows")
-            self.set_q8_layout("rows")
-        self.activation = name
-        return True
+                choice = replace(choice, activation=old.activation)
+        if choice.activation != "int8":
+            choice = replace(choice, q4_layout="rows", q8_layout="rows")
+        if not self.is_q4:
+            choice = replace(choice, q4_layout=old.q4_layout)
+        if not self.is_q8:
+            choice = replace(choice, q8_layout=old.q8_layout)
+        if choice.q8_layout != old.q8_layout:
+            if choice.q8_layout == "interleaved":
+                if not interleaved_available():
+                    raise ValueError("the interleaved 8-bit kernel is not built on this CPU (it "
+                                     "needs AVX2)")
+                self.qs, self.d, self.m = to_interleaved(self.qs, self.d, self.m)
+            else:
+                self.qs, self.d, self.m = from_interleaved(self.qs, self.d, self.m,
+                                                           self.out_features)
+        if choice.q4_layout != old.q4_layout:
+            if choice.q4_layout == "blocked":
+                self.qs, self.d, self.m = to_blocked(self.qs, self.d, self.m)
+            else:
+                self.qs, self.d, self.m = from_blocked(self.qs, self.d, self.m, self.out_features)
+        self.kernels = choice
+        self._gemm = self._decode_gemm()
 
-    def set_q4_kernel(self, name: str) -> None:
-        """Which decode kernel a 4-bit weight uses: ``base`` (``quant_gemm_q4``: AVX2, or scalar)
-        or ``vnni`` (``quant_gemm_q4_vnni``, where built). 8-bit weights ignore it."""
-        self._check_kernel(name)
-        self.q4_kernel = name
+    def choose(self, **changes) -> None:
+        """:meth:`set_kernels` with these fields of :attr:`kernels` changed."""
+        self.set_kernels(replace(self.kernels, **changes))
+
+    def _decode_gemm(self):
+        """The decode kernel of this weight's format and ``q4_kernel`` / ``q8_kernel``."""
+        k = self._kernels
+        if self.is_q5:
+            return k.quant_gemm_q5
         if self.is_q4:
-            self._gemm = (self._kernels.quant_gemm_q4_vnni if name == "vnni"
-                          else self._kernels.quant_gemm_q4)
-
-    def set_q8_kernel(self, name: str) -> None:
-        """As :meth:`set_q4_kernel` for 8-bit weights (``quant_gemm_q8`` or
-        ``quant_gemm_q8_vnni``); 4-bit and 5-bit weights ignore it."""
-        self._check_kernel(name)
-        self.q8_kernel = name
-        if not self.is_q4 and not self.is_q5:
-            self._gemm = (self._kernels.quant_gemm_q8_vnni if name == "vnni"
-                          else self._kernels.quant_gemm_q8)
-
-    def set_q4_prefill(self, name: str) -> None:
-        """A 4-bit weight's dense (prefill) path: ``panels`` (dequantised, ``panel_dtype``) or
-        ``int8`` (``quant_gemm_q4_tiled``: the decode kernels' int8 math, tiled). 8-bit weights
-        ignore it."""
-        self.q4_prefill = _one_of(name, Q4_PREFILL, "4-bit prefill path")
-
-    def set_q4_batch(self, name: str) -> None:
-        """A 4-bit weight's decode batches of ``BATCH_TILE_ROWS`` to ``dense_rows`` rows:
-        ``kernel`` (the decode kernel) or ``tiles`` (``quant_gemm_q4_tiled``: the same integer
-        math in another float summation order). 8-bit weights ignore it."""
-        self.q4_batch = _one_of(name, Q4_BATCH, "4-bit batch path")
-
-    def set_q8_batch(self, name: str) -> None:
-        """An 8-bit weight's decode batches of ``LANES_ROWS`` to ``dense_rows`` rows:
-        ``kernel`` (its decode kernel) or ``lanes`` (``quant_gemm_q8_batch``, AVX-512 VNNI
-        only: 16 rows in a register's lanes; the same integer sums in another float order, each
-        output in its own fixed order). Not in batch-invariant mode (one kernel for every row
-        count: the decode kernel); 4-bit and 5-bit weights ignore it."""
-        _one_of(name, Q8_BATCH, "8-bit batch path")
-        if name == "lanes":
-            _require_vnni()
-        self.q8_batch = name
+            return k.quant_gemm_q4_vnni if self.kernels.q4_kernel == "vnni" else k.quant_gemm_q4
+        return k.quant_gemm_q8_vnni if self.kernels.q8_kernel == "vnni" else k.quant_gemm_q8
 
     @property
     def is_q8(self) -> bool:
@@ -267,126 +157,43 @@ class QuantLinear(nn.Module):
     def lanes_from(self) -> int | None:
         """The row count from which decode-sized inputs of an 8-bit weight run
         ``quant_gemm_q8_batch`` (None: never)."""
-        return LANES_ROWS if self.is_q8 and self.q8_batch == "lanes" \
+        return LANES_ROWS if self.is_q8 and self.kernels.q8_batch == "lanes" \
             and not self.batch_invariant and not self.interleaved else None
-
-    def set_q8_layout(self, name: str) -> None:
-        """An 8-bit weight's storage: ``rows`` (GGUF's) or ``interleaved`` (where
-        ``quant_gemm_q8_interleaved`` is built: AVX2; served by it at every decode size, in the
-        float order of ``quant_gemm_q8_batch``); converted in place, exactly, one copy of the
-        weight at a time. 4-bit and 5-bit weights ignore it."""
-        _one_of(name, Q8_LAYOUTS, "8-bit layout")
-        if not self.is_q8 or name == self.q8_layout:
-            return
-        if name == "interleaved":
-            if not interleaved_available():
-                raise ValueError("the interleaved 8-bit kernel is not built on this CPU (it "
-                                 "needs AVX2)")
-            self.qs, self.d, self.m = to_interleaved(self.qs, self.d, self.m)
-        else:
-            self.qs, self.d, self.m = from_interleaved(self.qs, self.d, self.m,
-                                                       self.out_features)
-        self.q8_layout = name
 
     @property
     def interleaved(self) -> bool:
-        """Whether the weight is stored interleaved (:meth:`set_q8_layout`)."""
-        return self.q8_layout == "interleaved"
-
-    def set_q8_tiles(self, name: str) -> None:
-        """An interleaved 8-bit weight's batches from :attr:`amx_from` rows: ``vnni`` (the
-        kernel's AVX-512 VNNI lanes) or ``amx`` (its AMX int8 tiles, where
-        :func:`amx_available`). The same floats either way, bit for bit (batch-invariant
-        included): only the speed differs. Other weights ignore it."""
-        _one_of(name, Q8_TILES, "8-bit tiles")
-        if name == "amx":
-            _require_amx()
-        self.q8_tiles = name
-
-    def set_q8_amx_from(self, rows: str) -> None:
-        """The smallest row count (one of :data:`AMX_FROM`) that ``q8_tiles == "amx"`` sends
-        to the AMX tiles."""
-        self.q8_amx_from = _one_of(rows, AMX_FROM, "AMX row threshold")
-
-    def set_q4_amx(self, name: str) -> None:
-        """A blocked 4-bit weight's inputs of :attr:`amx_from` rows and more: ``off`` (the
-        int8 tiles of ``q4_tiles``) or ``on`` (AMX int8 tiles, where :func:`amx_available`).
-        The same floats either way, bit for bit (batch-invariant included): only the speed
-        differs. Other weights (and the rows layout) ignore it."""
-        _one_of(name, Q4_AMX, "4-bit AMX tiles")
-        if name == "on":
-            _require_amx()
-        self.q4_amx = name
-
-    def set_q4_amx_from(self, rows: str) -> None:
-        """The smallest row count (one of :data:`Q4_AMX_FROM`) that ``q4_amx == "on"`` sends
-        to the AMX tiles."""
-        self.q4_amx_from = _one_of(rows, Q4_AMX_FROM, "4-bit AMX row threshold")
+        """Whether the weight is stored interleaved (``kernels.q8_layout``)."""
+        return self.kernels.q8_layout == "interleaved"
 
     @property
     def amx_from(self) -> int | None:
         """The row count from which this weight runs on AMX tiles (None: never): an
         interleaved 8-bit weight's ``q8_amx_from`` (``q8_tiles == "amx"``), a blocked 4-bit
         weight's ``q4_amx_from`` (``q4_amx == "on"``)."""
-        if self.interleaved and self.q8_tiles == "amx":
-            return int(self.q8_amx_from)
-        if self.is_q4 and self.blocked and self.q4_amx == "on":
-            return int(self.q4_amx_from)
+        if self.interleaved and self.kernels.q8_tiles == "amx":
+            return int(self.kernels.q8_amx_from)
+        if self.is_q4 and self.blocked and self.kernels.q4_amx == "on":
+            return int(self.kernels.q4_amx_from)
         return None
 
     def _on_amx(self, rows: int) -> bool:
         return self.amx_from is not None and rows >= self.amx_from
 
-    def set_q4_tiles(self, name: str) -> None:
-        """The 4-bit int8 tiles' instructions (``quant_gemm_q4_tiled`` and
-        ``quant_gemm_q4_blocked``): ``avx2`` (maddubs) or ``vnni`` (AVX-512 VNNI's dpbusd,
-        where built). The same integer sums and floats either way, bit for bit: only the speed
-        differs. Other weights ignore it."""
-        _one_of(name, Q4_TILES, "4-bit tiles")
-        if name == "vnni":
-            _require_vnni()
-        self.q4_tiles = name
-
-    def set_q4_layout(self, name: str) -> None:
-        """A 4-bit weight's storage: ``rows`` (GGUF's) or ``blocked`` (served by
-        ``quant_gemm_q4_blocked`` at every decode size); converted in place, exactly, one copy
-        of the weight at a time. 8-bit weights ignore it."""
-        _one_of(name, Q4_LAYOUTS, "4-bit layout")
-        if not self.is_q4 or name == self.q4_layout:
-            return
-        if name == "blocked":
-            self.qs, self.d, self.m = to_blocked(self.qs, self.d, self.m)
-        else:
-            self.qs, self.d, self.m = from_blocked(self.qs, self.d, self.m, self.out_features)
-        self.q4_layout = name
-
     @property
     def blocked(self) -> bool:
-        """Whether the weight is stored blocked (:meth:`set_q4_layout`)."""
-        return self.q4_layout == "blocked"
+        """Whether the weight is stored blocked (``kernels.q4_layout``)."""
+        return self.kernels.q4_layout == "blocked"
 
     @property
     def tiles_from(self) -> int | None:
         """The row count from which decode-sized inputs run the tiles (None: never; a blocked
         weight has its own kernel for every row count)."""
-        return BATCH_TILE_ROWS if self.is_q4 and self.q4_batch == "tiles" and not self.blocked \
+        return BATCH_TILE_ROWS if self.is_q4 and self.kernels.q4_batch == "tiles" and not self.blocked \
             else None
-
-    @staticmethod
-    def _check_kernel(name: str) -> None:
-        _one_of(name, KERNELS, "decode kernel")
-        if name == "vnni":
-            _require_vnni()
 
     def keep_float_above(self, rows: int, fallback: nn.Module) -> None:
         """Send inputs of more than ``rows`` rows to ``fallback`` (same weights, float)."""
         self.fallback, self.float_above = fallback, rows
-
-    def set_panel_dtype(self, dtype: torch.dtype) -> None:
-        """The dtype of the dense path's dequantised panels and matmul (float32 or bfloat16)."""
-        if dtype not in PANEL_DTYPES:
-            raise ValueError(f"panel dtype must be float32 or bfloat16, not {dtype}")
-        self.panel_dtype = dtype
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``W[rows]`` as float32 (or bfloat16)."""
@@ -469,7 +276,7 @@ class QuantLinear(nn.Module):
                   m: torch.Tensor | None) -> torch.Tensor:
         from engine.cpu import kernels_faithful
 
-        return kernels_faithful.gemm(x2, qs, d, m, bf16=self.activation == "bf16")
+        return kernels_faithful.gemm(x2, qs, d, m, bf16=self.kernels.activation == "bf16")
 
     def _on_lanes(self, rows: int) -> bool:
         """Whether ``rows`` rows run ``quant_gemm_q8_batch`` (8-bit weights only)."""
@@ -481,13 +288,13 @@ class QuantLinear(nn.Module):
         ``q4_prefill == "int8"``."""
         if rows <= self.dense_rows:
             return self.blocked or (self.tiles_from is not None and rows >= self.tiles_from)
-        return self.is_q4 and self.q4_prefill == "int8" and not self.faithful
+        return self.is_q4 and self.kernels.q4_prefill == "int8" and not self.faithful
 
     def tiles(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, in] @ W.T`` (float32, no bias) on the 4-bit int8 tiles over this weight's
         layout (blocked, or repacked per call), on the instructions of ``q4_tiles`` (a blocked
         weight's inputs from :attr:`amx_from` rows on AMX tiles)."""
-        vnni = self.q4_tiles == "vnni"
+        vnni = self.kernels.q4_tiles == "vnni"
         if self.blocked:
             return self._kernels.quant_gemm_q4_blocked(x2, self.qs, self.d, self.m,
                                                        self.out_features, vnni,
@@ -495,7 +302,7 @@ class QuantLinear(nn.Module):
         return self._kernels.quant_gemm_q4_tiled(x2, self.qs, self.d, self.m, vnni)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
-        dt = self.panel_dtype
+        dt = self.kernels.panel_dtype
         xin = x2 if dt == torch.float32 else x2.to(dt)
         if self.out_features <= PANEL_ROWS:
             return F.linear(xin, self.dequantize_rows(torch.arange(self.out_features), dt)).float()
@@ -523,26 +330,6 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kind}{above}"
 
 
-def _require_vnni() -> None:
-    """A ValueError where the AVX-512 VNNI kernels are not built (a setting that needs them)."""
-    if not vnni_available():
-        raise ValueError("the AVX-512 VNNI kernels are not built on this CPU")
-
-
-def _require_amx() -> None:
-    """A ValueError where the AMX tiles are not available (a setting that needs them)."""
-    if not amx_available():
-        raise ValueError("the AMX tiles are not available on this CPU (they need AMX-INT8 and "
-                         "the OS's permission)")
-
-
-def _one_of(name: str, options: tuple[str, ...], what: str) -> str:
-    """``name``, if one of ``options``; else a ValueError naming ``what`` and the options."""
-    if name not in options:
-        raise ValueError(f"{what} must be one of {', '.join(options)}, not {name!r}")
-    return name
-
-
 class QuantConcat(nn.Module):
     """A fused projection whose parts are packed in different formats (a Q4_K_M file stores Q
     and K as Q4_K but V as Q6_K): ``y = [x @ W_0.T + b_0 | x @ W_1.T + b_1 | ...]``, one
@@ -567,61 +354,15 @@ class QuantConcat(nn.Module):
             part.set_batch_invariant()
         self.fallback = self.float_above = None
 
-    def set_panel_dtype(self, dtype: torch.dtype) -> None:
+    def set_kernels(self, choice: KernelChoice) -> None:
+        """:meth:`QuantLinear.set_kernels` on every part: the same value for each."""
         for part in self.parts:
-            part.set_panel_dtype(dtype)
+            part.set_kernels(choice)
 
-    def set_q4_kernel(self, name: str) -> None:
+    def choose(self, **changes) -> None:
+        """:meth:`QuantLinear.choose` on every part (each keeps its other choices)."""
         for part in self.parts:
-            part.set_q4_kernel(name)
-
-    def set_q8_kernel(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q8_kernel(name)
-
-    def set_q4_prefill(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q4_prefill(name)
-
-    def set_q4_batch(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q4_batch(name)
-
-    def set_q4_layout(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q4_layout(name)
-
-    def set_q4_tiles(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q4_tiles(name)
-
-    def set_q8_batch(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q8_batch(name)
-
-    def set_q8_layout(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q8_layout(name)
-
-    def set_q8_tiles(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q8_tiles(name)
-
-    def set_q8_amx_from(self, rows: str) -> None:
-        for part in self.parts:
-            part.set_q8_amx_from(rows)
-
-    def set_q4_amx(self, name: str) -> None:
-        for part in self.parts:
-            part.set_q4_amx(name)
-
-    def set_q4_amx_from(self, rows: str) -> None:
-        for part in self.parts:
-            part.set_q4_amx_from(rows)
-
-    def set_activation(self, name: str) -> bool:
-        """:meth:`QuantLinear.set_activation` on every part; whether all took it."""
-        return all([part.set_activation(name) for part in self.parts])
+            part.choose(**changes)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(rows.numel(), self.in_features, dtype=dtype)
@@ -668,7 +409,7 @@ class QuantisedModules:
     linears: dict[str, QuantLinear | QuantConcat] = field(default_factory=dict)
     embedding: QuantEmbedding | None = None
     # Packed experts of mixture-of-experts layers by path (``layers.N.moe.experts``;
-    # engine.quantization.moe). Not probed: swapped in whenever the linears are.
+    # engine.weight_prep.moe). Not probed: swapped in whenever the linears are.
     experts: dict[str, nn.Module] = field(default_factory=dict)
 
     def modules(self) -> list[QuantLinear | QuantConcat]:

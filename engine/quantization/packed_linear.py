@@ -1,27 +1,18 @@
 """Linear layers with weights re-laid out once at load time, for the CPU path.
 
-``F.linear`` on CPU goes to MKL's sgemm with the plain ``[out, in]`` weight and re-lays it out
-on every call, and MKL is tuned for large row counts, while a decode step has only as many rows
-as running sequences. Two packed backends, chosen by ``linear_backend(device, dtype)``:
+``F.linear`` on CPU re-lays the plain ``[out, in]`` weight out on every call, tuned for large row
+counts, while a decode step has as many rows as running sequences. Two packed backends, chosen
+by ``linear_backend(device, dtype)``: ``"onednn"`` (float32 or bfloat16, oneDNN's own packed
+layout) and ``"avx2-panels"`` (float32, x86 with AVX2+FMA: ``engine/cpu/csrc/small_gemm_cpu.cpp``
+over 16-column weight panels; faster at decode row counts, slower on long prefills:
+docs/decisions.md#packed-float-linears); ``"hybrid"`` (the default where both run) holds both
+packings, the panel kernel up to ``SMALL_ROWS`` rows and oneDNN above, while the model's linear
+weights are at most ``HYBRID_MAX_BYTES`` (beyond, ``"avx2-panels"``).
 
-* ``"onednn"`` (float32 or bfloat16, any CPU PyTorch was built with oneDNN for): oneDNN with its
-  own packed layout; faster than ``F.linear`` at decode row counts.
-* ``"avx2-panels"`` (float32, x86 with AVX2+FMA): our kernel in ``engine/cpu/csrc/small_gemm_cpu.cpp``
-  over 16-column weight panels. It beats oneDNN at decode row counts and falls behind it on
-  long prefill steps, where oneDNN's cache blocking pays
-  (docs/performance.md#packed-float-linears).
-* ``"hybrid"`` (the default where both run): both packings, the panel kernel up to
-  ``SMALL_ROWS`` rows and oneDNN above. It holds the weights twice, so it is chosen only while
-  the model's linear weights are at most ``HYBRID_MAX_BYTES``; beyond, ``"avx2-panels"``.
-
-Both are the same math as ``F.linear`` (float32 accumulation); only the summation order
-differs, as between any two BLAS libraries. ``KVSERVE_PACKED_LINEAR=0`` turns packing off,
-``=onednn`` skips the AVX2 kernel.
-
-Batch-invariant (:meth:`PackedLinear.set_batch_invariant`): the panel kernel for every row count
-(its per-row operations do not depend on the other rows); oneDNN, whose blocking follows the
-row count, is not used. Without the panel kernel (``onednn`` only) there is no such route.
-"""
+Both are ``F.linear``'s math (float32 accumulation), summed in another order.
+``KVSERVE_PACKED_LINEAR=0`` turns packing off, ``=onednn`` skips the AVX2 kernel. Batch-invariant
+(:meth:`PackedLinear.set_batch_invariant`): the panel kernel for every row count; oneDNN, whose
+blocking follows the row count, is not used (without the panel kernel there is no such route)."""
 
 from __future__ import annotations
 

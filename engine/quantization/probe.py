@@ -1,33 +1,21 @@
-"""The start-up probe behind ``quantization="auto"``: which row counts run on packed
-quantised weights and which on the float modules they replace, and how the packed
-modules' dense (prefill) path multiplies (dequantised float32 or bfloat16 panels, or for 4-bit
-weights int8 tiles), all by timing this model's modules on this machine.
+"""The start-up probe behind ``quantization="auto"``: which row counts run on packed quantised
+weights and which on the float modules they replace, and how the packed modules' dense
+(prefill) path multiplies, all by timing this model's modules on this machine.
 
-:func:`choose` first times the dense path with float32 and bfloat16 panels
-(:func:`probe_panels`, at the largest probed row count above the kernels' ``DENSE_ROWS``) and
-keeps the faster, then times a pass over every replaced linear, float against quantised, at each
-of ``PROBE_ROWS`` (decode of 1..64 sequences, and a prefill chunk) (:func:`probe`): the
-quantised path keeps the smallest counts it does not clearly lose, contiguously from one row
-(a :class:`Verdict`: ``quant``, ``hybrid`` or ``float``). ``engine.quantization.apply`` caches
-and applies the verdict.
-
-A verdict that noise cannot flip (issue 65): both candidates are timed in interleaved runs
-(:func:`_alternate`), and a measurement decides only when the two candidates' ranges of runs
-separate (:attr:`ProbeResult.decision`: every kept run of one side faster than every kept run
-of the other by ``SEPARATION``, the slowest quarter of each side's runs dropped as stalls);
-otherwise the documented default holds: the packed weights for the row probes, a setting's
-first option for the settings. A measurement whose runs are scattered (not :attr:`ProbeResult.confirmed`) is
-taken again and merged, and a verdict with scattered runs is not cached (the next start
-measures again). Whether the float weights may be kept at all is a memory question decided
-before timing (``engine.quantization.apply.float_memory_reason``): where it says no, the row
-probes are not run. ``choose(timer=...)`` injects the timer (tests drive it with noise).
-"""
+:func:`choose` times the dense path with float32 and bfloat16 panels (:func:`probe_panels`),
+then every replaced linear, float against quantised, at each of ``PROBE_ROWS`` (:func:`probe`):
+the quantised path keeps the smallest counts it does not clearly lose, contiguously from one row
+(a :class:`Verdict`: ``quant``, ``hybrid`` or ``float``); ``engine.weight_prep.apply`` caches and
+applies it. A verdict noise cannot flip (issue 65): runs interleaved (:func:`_alternate`), a
+measurement deciding only when the two sides' kept runs separate by ``SEPARATION`` (the slowest
+quarter dropped), else the documented default holds; scattered runs are measured again and such
+a verdict is not cached. Whether float weights may be kept is a memory question decided before
+timing (``float_memory_reason``). ``choose(timer=...)`` injects the timer (tests)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,215 +33,19 @@ from engine.quantization.linear import (
     interleaved_available,
     vnni_available,
 )
-
-
-@dataclass
-class ProbeResult:
-    """Seconds of one pass over all linears (and the logits head) on each path: the best of
-    the timed runs (``float_runs`` / ``quant_runs``, all of them)."""
-
-    float_s: float
-    quant_s: float
-    float_runs: tuple[float, ...] = ()
-    quant_runs: tuple[float, ...] = ()
-    undecided: bool = False  # two measurements disagreed: no verdict whatever the runs say
-
-    @property
-    def decision(self) -> str | None:
-        """``"quant"`` or ``"float"`` when that side is clearly faster: its kept runs
-        (:func:`_kept`: the slowest quarter dropped) all beat the other side's kept runs by
-        more than :data:`SEPARATION` (a stall only adds time, so a side whose true time is
-        within that margin of the other's can never win, however noisy the runs); None
-        when the two ranges overlap (no verdict: the caller's documented default holds). A
-        result without runs (a cached figure) compares its two figures."""
-        if self.undecided:
-            return None
-        if not (self.float_runs and self.quant_runs):
-            return "quant" if self.quant_s < self.float_s else "float"
-        f, q = _kept(self.float_runs), _kept(self.quant_runs)
-        if max(q) * (1 + SEPARATION) < min(f):
-            return "quant"
-        if max(f) * (1 + SEPARATION) < min(q):
-            return "float"
-        return None
-
-    @property
-    def use_quantised(self) -> bool:
-        """The second option (``quant_s``) is clearly faster (:attr:`decision`)."""
-        return self.decision == "quant"
-
-    @property
-    def float_clearly_faster(self) -> bool:
-        """The first option (``float_s``) is clearly faster (:attr:`decision`)."""
-        return self.decision == "float"
-
-    @property
-    def confirmed(self) -> bool:
-        """Each side's best run has a second run within 25% of it: the best is the machine's
-        speed, not a lucky or an unlucky moment (another busy process stalls every run)."""
-        return all(len(runs) >= 2 and sorted(runs)[1] <= 1.25 * min(runs)
-                   for runs in (self.float_runs, self.quant_runs))
-
-    def merged(self, other: ProbeResult) -> ProbeResult:
-        """Both measurements' runs together (a result without runs counts as one run)."""
-        f = (self.float_runs or (self.float_s,)) + (other.float_runs or (other.float_s,))
-        q = (self.quant_runs or (self.quant_s,)) + (other.quant_runs or (other.quant_s,))
-        return ProbeResult(min(f), min(q), f, q)
-
-
-SEPARATION = 0.05  # the relative gap by which two candidates' ranges must separate
-
-
-def _kept(runs: tuple[float, ...]) -> list[float]:
-    """``runs`` sorted, the slowest quarter dropped (stalls by another process only ever add
-    time), at least two kept."""
-    ordered = sorted(runs)
-    return ordered[:max(min(2, len(ordered)), len(ordered) - len(ordered) // 4)]
-
+from engine.quantization.verdict import (  # noqa: F401 (SEPARATION: re-exported)
+    SEPARATION,
+    SETTINGS,
+    ProbeResult,
+    Setting,
+    Verdict,
+)
 
 PROBE_ROWS = (1, 4, 16, 64, 256)
 DECODE_ROWS = (1, 16)  # the decode kernels' probe: one pass at each
 BATCH_ROWS = (BATCH_TILE_ROWS, 16)  # the 4-bit batch tiles' probe: one pass at each
 LANES_BATCH_ROWS = (LANES_ROWS, 16)  # the 8-bit lanes kernel's probe: one pass at each
 MAX_PROBE_ATTEMPTS = 2  # then an undecided measurement keeps the default
-
-
-@dataclass
-class Verdict:
-    """Which path serves which row counts: ``mode`` is ``quant`` (every size), ``hybrid``
-    (quantised up to ``float_above`` rows, float beyond) or ``float``; ``probes`` maps each
-    probed row count to its measurement."""
-
-    mode: str
-    float_above: int | None
-    probes: dict[int, ProbeResult]
-    settings: dict[str, Setting] = field(default_factory=dict)
-
-    def setting(self, key: str) -> str:
-        """The measured value of ``key`` (a :data:`SETTINGS` key), else its first option."""
-        s = self.settings.get(key)
-        return s.value if s is not None else SETTINGS[key][1][0]
-
-    @property
-    def panel_dtype(self) -> str:
-        return self.setting("panel_dtype")
-
-    @property
-    def q4_kernel(self) -> str:
-        return self.setting("q4_kernel")
-
-    @property
-    def q8_kernel(self) -> str:
-        return self.setting("q8_kernel")
-
-    @property
-    def q4_prefill(self) -> str:
-        return self.setting("q4_prefill")
-
-    @property
-    def q4_batch(self) -> str:
-        return self.setting("q4_batch")
-
-    @property
-    def q4_layout(self) -> str:
-        return self.setting("q4_layout")
-
-    @property
-    def q4_tiles(self) -> str:
-        return self.setting("q4_tiles")
-
-    @property
-    def q8_batch(self) -> str:
-        return self.setting("q8_batch")
-
-    @property
-    def q8_layout(self) -> str:
-        return self.setting("q8_layout")
-
-    @property
-    def q8_tiles(self) -> str:
-        return self.setting("q8_tiles")
-
-    @property
-    def q8_amx_from(self) -> str:
-        return self.setting("q8_amx_from")
-
-    @property
-    def q4_amx(self) -> str:
-        return self.setting("q4_amx")
-
-    @property
-    def q4_amx_from(self) -> str:
-        return self.setting("q4_amx_from")
-
-    def describe(self) -> str:
-        text = "; ".join(f"{rows} rows: quantised {r.quant_s * 1e3:.2f} ms, float "
-                         f"{r.float_s * 1e3:.2f} ms" for rows, r in self.probes.items())
-        return "; ".join(t for t in [text, *(s.describe() for s in self.settings.values())] if t)
-
-    @property
-    def confirmed(self) -> bool:
-        extra = [s.probe for s in self.settings.values() if s.probe is not None]
-        return all(r.confirmed for r in [*self.probes.values(), *extra])
-
-    def to_dict(self) -> dict:
-        return {"mode": self.mode, "float_above": self.float_above,
-                "probes": {str(n): [r.float_s, r.quant_s] for n, r in self.probes.items()},
-                "settings": {k: [s.value, *([s.probe.float_s, s.probe.quant_s] if s.probe else [])]
-                             for k, s in self.settings.items()}}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Verdict:
-        if d["mode"] not in ("quant", "hybrid", "float"):
-            raise ValueError(f"unknown verdict mode {d['mode']!r}")
-        probes = {int(n): ProbeResult(f, q) for n, (f, q) in d["probes"].items()}
-        settings = {}
-        for key, (value, *times) in d.get("settings", {}).items():
-            if key not in SETTINGS or value not in SETTINGS[key][1]:
-                raise ValueError(f"unknown setting {key}={value!r}")
-            settings[key] = Setting(key, value, ProbeResult(*times) if times else None)
-        return cls(d["mode"], d["float_above"], probes, settings)
-
-
-# A measured choice of the quantised modules: key -> (what it is, its options, the first the
-# default). The decode kernels' row limit (``QuantLinear.dense_rows``, 32) is deliberately not
-# one: measured lower (16 on an AMX machine), a short prompt would take the dense path on its
-# first run and the decode kernels after a prefix-cache hit, and the same request would then
-# decode differently (two numerics: int8-rounded activations vs bf16 panels).
-SETTINGS = {"panel_dtype": ("prefill panels", ("float32", "bfloat16")),
-            "q4_kernel": ("4-bit decode kernel", ("base", "vnni")),
-            "q8_kernel": ("8-bit decode kernel", ("base", "vnni")),
-            "q4_prefill": ("4-bit prefill", ("panels", "int8")),
-            "q4_batch": ("4-bit decode batches", ("kernel", "tiles")),
-            "q4_layout": ("4-bit layout", ("rows", "blocked")),
-            "q4_tiles": ("4-bit tiles", ("avx2", "vnni")),
-            "q8_batch": ("8-bit decode batches", ("kernel", "lanes")),
-            "q8_layout": ("8-bit layout", ("rows", "interleaved")),
-            "q8_tiles": ("8-bit interleaved batches", Q8_TILES),
-            "q8_amx_from": ("AMX tiles from rows", AMX_FROM),
-            "q4_amx": ("4-bit AMX tiles", Q4_AMX),
-            "q4_amx_from": ("4-bit AMX tiles from rows", Q4_AMX_FROM)}
-
-
-@dataclass
-class Setting:
-    """The value of a :data:`SETTINGS` key: its second option where ``probe`` measured it faster
-    (``probe.quant_s`` times the second option, ``probe.float_s`` the first)."""
-
-    key: str
-    value: str
-    probe: ProbeResult | None = None
-
-    @classmethod
-    def measured(cls, key: str, probe: ProbeResult) -> Setting:
-        return cls(key, SETTINGS[key][1][1 if probe.use_quantised else 0], probe)
-
-    def describe(self) -> str:
-        what, (first, second) = SETTINGS[self.key]
-        if self.probe is None:
-            return f"{what} {self.value}"
-        return (f"{what} {self.value} ({first} {self.probe.float_s * 1e3:.2f} ms, {second} "
-                f"{self.probe.quant_s * 1e3:.2f} ms)")
 
 
 @torch.no_grad()
@@ -378,21 +170,9 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
 
 def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
     """Set every quantised module's panel dtype and decode kernels as ``verdict`` says."""
-    dt = getattr(torch, verdict.panel_dtype)
+    choices = verdict.choices()
     for m in _leaf_modules(q):
-        m.set_panel_dtype(dt)
-        m.set_q4_kernel(verdict.q4_kernel)
-        m.set_q8_kernel(verdict.q8_kernel)
-        m.set_q4_prefill(verdict.q4_prefill)
-        m.set_q4_batch(verdict.q4_batch)
-        m.set_q4_layout(verdict.q4_layout)
-        m.set_q4_tiles(verdict.q4_tiles)
-        m.set_q8_batch(verdict.q8_batch)
-        m.set_q8_layout(verdict.q8_layout)
-        m.set_q8_tiles(verdict.q8_tiles)
-        m.set_q8_amx_from(verdict.q8_amx_from)
-        m.set_q4_amx(verdict.q4_amx)
-        m.set_q4_amx_from(verdict.q4_amx_from)
+        m.choose(**choices)
 
 
 def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
@@ -498,18 +278,19 @@ def _layer_leaves(q: QuantisedModules) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def _toggle(mods: list[nn.Module], rows: tuple[int, ...], setter: str, first, second,
+def _toggle(mods: list[nn.Module], rows: tuple[int, ...], choice: str, first, second,
             repeats: int, call=None) -> ProbeResult:
-    """Time a pass over ``mods`` at each of ``rows`` row counts after every module's
-    ``setter(first)`` (``float_s``) and after ``setter(second)`` (``quant_s``), alternated (the
-    switches untimed: a layout switch copies the weights); ``setter(first)`` again at the end.
+    """Time a pass over ``mods`` at each of ``rows`` row counts with every module's
+    ``KernelChoice`` field ``choice`` at ``first`` (``float_s``) and at ``second``
+    (``quant_s``), alternated (the switches untimed: a layout switch copies the weights);
+    ``first`` again at the end.
     ``call(module, x)`` runs one module (default: its forward)."""
     call = call or (lambda m, x: m(x))
     inputs = {n: _inputs(mods, n) for n in rows}
 
     def set_all(value) -> None:
         for m in mods:
-            getattr(m, setter)(value)
+            m.choose(**{choice: value})
 
     def run() -> None:
         for n in rows:
@@ -527,7 +308,7 @@ def probe_panels(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResul
     (``float_s``) against bfloat16 panels (``quant_s``), ``rows`` rows (the logits head is left
     out: prefill runs it on a few rows only). The modules are left with float32 panels."""
     mods = _layer_modules(q)
-    return _toggle(mods, (rows,), "set_panel_dtype", torch.float32, torch.bfloat16, repeats)
+    return _toggle(mods, (rows,), "panel_dtype", torch.float32, torch.bfloat16, repeats)
 
 
 def probe_q4_prefill(q: QuantisedModules, rows: int, panel_dtype: torch.dtype,
@@ -537,8 +318,8 @@ def probe_q4_prefill(q: QuantisedModules, rows: int, panel_dtype: torch.dtype,
     on panels, of ``panel_dtype``."""
     mods = [m for m in _layer_leaves(q) if m.is_q4]
     for m in mods:
-        m.set_panel_dtype(panel_dtype)
-    return _toggle(mods, (rows,), "set_q4_prefill", "panels", "int8", repeats)
+        m.choose(panel_dtype=panel_dtype)
+    return _toggle(mods, (rows,), "q4_prefill", "panels", "int8", repeats)
 
 
 def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
@@ -547,7 +328,7 @@ def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
     (the smallest the tiles may serve, and a larger one): their decode kernel (``float_s``)
     against the int8 tiles (``quant_s``). Left on the kernel."""
     mods = [m for m in _leaf_modules(q) if m.is_q4]
-    return _toggle(mods, rows, "set_q4_batch", "kernel", "tiles", repeats)
+    return _toggle(mods, rows, "q4_batch", "kernel", "tiles", repeats)
 
 
 def _q8_leaves(q: QuantisedModules) -> list[nn.Module]:
@@ -561,7 +342,7 @@ def probe_q8_batches(q: QuantisedModules, rows: tuple[int, ...] = LANES_BATCH_RO
     the largest) on decode batches of ``rows`` (the smallest the lanes kernel serves, and a
     larger one): their decode kernel (``float_s``) against ``quant_gemm_q8_batch``
     (``quant_s``). Left on the kernel."""
-    return _toggle(_q8_leaves(q), rows, "set_q8_batch", "kernel", "lanes", repeats)
+    return _toggle(_q8_leaves(q), rows, "q8_batch", "kernel", "lanes", repeats)
 
 
 def probe_q8_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
@@ -570,7 +351,7 @@ def probe_q8_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     and a batch of decodes) stored in the rows layout with their settings so far (``float_s``:
     the decode kernel, the lanes on batches where chosen) against the interleaved layout
     (``quant_s``: ``quant_gemm_q8_interleaved`` at both). Left in the rows layout."""
-    return _toggle(_q8_leaves(q), rows, "set_q8_layout", "rows", "interleaved", repeats)
+    return _toggle(_q8_leaves(q), rows, "q8_layout", "rows", "interleaved", repeats)
 
 
 def _interleaved_leaves(q: QuantisedModules) -> list[nn.Module]:
@@ -585,8 +366,8 @@ def probe_q8_tiles(q: QuantisedModules, rows: tuple[int, ...] = (int(AMX_FROM[0]
     from ``AMX_FROM[0]`` rows. Both give the same floats, bit for bit. Left on VNNI."""
     mods = _interleaved_leaves(q)
     for m in mods:
-        m.set_q8_amx_from(AMX_FROM[0])
-    return _toggle(mods, rows, "set_q8_tiles", *Q8_TILES, repeats)
+        m.choose(q8_amx_from=AMX_FROM[0])
+    return _toggle(mods, rows, "q8_tiles", *Q8_TILES, repeats)
 
 
 def probe_q8_amx_from(q: QuantisedModules, rows: tuple[int, ...] = (int(AMX_FROM[1]),),
@@ -594,7 +375,7 @@ def probe_q8_amx_from(q: QuantisedModules, rows: tuple[int, ...] = (int(AMX_FROM
     """With ``q8_tiles == "amx"``, the interleaved 8-bit modules on a batch of ``rows``
     (``AMX_FROM[1]``): AMX tiles from ``AMX_FROM[0]`` rows, so VNNI here (``float_s``),
     against AMX tiles from ``AMX_FROM[1]`` rows (``quant_s``). Left from ``AMX_FROM[0]``."""
-    return _toggle(_interleaved_leaves(q), rows, "set_q8_amx_from", *AMX_FROM, repeats)
+    return _toggle(_interleaved_leaves(q), rows, "q8_amx_from", *AMX_FROM, repeats)
 
 
 def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...] = DECODE_ROWS,
@@ -604,7 +385,7 @@ def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...]
     one pass at each of ``rows`` (a single stream and a batch of decodes; at one row a
     memory-bound weight can tie, and the batch then decides). Left on ``base``."""
     mods = [m for m in _leaf_modules(q) if m.is_q4 == is_q4 and not getattr(m, "is_q5", False)]
-    return _toggle(mods, rows, "set_q4_kernel" if is_q4 else "set_q8_kernel", "base", "vnni",
+    return _toggle(mods, rows, "q4_kernel" if is_q4 else "q8_kernel", "base", "vnni",
                    repeats)
 
 
@@ -614,7 +395,7 @@ def probe_q4_tiles(q: QuantisedModules, rows: tuple[int, ...], repeats: int = 3)
     decode batch and a prefill chunk): the AVX2 tiles (``float_s``) against the VNNI tiles
     (``quant_s``). Both give the same floats, bit for bit. Left on AVX2."""
     mods = [m for m in _layer_leaves(q) if m.is_q4]
-    return _toggle(mods, rows, "set_q4_tiles", "avx2", "vnni", repeats,
+    return _toggle(mods, rows, "q4_tiles", "avx2", "vnni", repeats,
                    call=lambda m, x: m.tiles(x))
 
 
@@ -624,23 +405,23 @@ def probe_q4_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     and a batch of decodes) stored in the rows layout with their settings so far
     (``float_s``) against the blocked layout (``quant_s``). Left in the rows layout."""
     mods = [m for m in _leaf_modules(q) if m.is_q4]
-    return _toggle(mods, rows, "set_q4_layout", "rows", "blocked", repeats)
+    return _toggle(mods, rows, "q4_layout", "rows", "blocked", repeats)
 
 
-def _blocked_q4_toggle(q: QuantisedModules, rows: tuple[int, ...], setter: str,
+def _blocked_q4_toggle(q: QuantisedModules, rows: tuple[int, ...], choice: str,
                        options: tuple[str, str], repeats: int) -> ProbeResult:
     """The layers' 4-bit projections stored blocked (converted for the measurement, their
     layout restored after) on their int8 tiles (``QuantLinear.tiles``) at ``rows``:
-    ``setter(options[0])`` (``float_s``) against ``setter(options[1])`` (``quant_s``)."""
+    ``choice`` at ``options[0]`` (``float_s``) against ``options[1]`` (``quant_s``)."""
     mods = [m for m in _layer_leaves(q) if m.is_q4]
-    layouts = [m.q4_layout for m in mods]
+    layouts = [m.kernels.q4_layout for m in mods]
     try:
         for m in mods:
-            m.set_q4_layout("blocked")
-        return _toggle(mods, rows, setter, *options, repeats, call=lambda m, x: m.tiles(x))
+            m.choose(q4_layout="blocked")
+        return _toggle(mods, rows, choice, *options, repeats, call=lambda m, x: m.tiles(x))
     finally:
         for m, layout in zip(mods, layouts):
-            m.set_q4_layout(layout)
+            m.choose(q4_layout=layout)
 
 
 def probe_q4_amx(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResult:
@@ -648,8 +429,8 @@ def probe_q4_amx(q: QuantisedModules, rows: int, repeats: int = 3) -> ProbeResul
     tiles of ``q4_tiles`` (``float_s``) against AMX tiles (``quant_s``), from
     ``Q4_AMX_FROM[0]`` rows. Both give the same floats, bit for bit. Left off."""
     for m in _layer_leaves(q):
-        m.set_q4_amx_from(Q4_AMX_FROM[0])
-    return _blocked_q4_toggle(q, (rows,), "set_q4_amx", Q4_AMX, repeats)
+        m.choose(q4_amx_from=Q4_AMX_FROM[0])
+    return _blocked_q4_toggle(q, (rows,), "q4_amx", Q4_AMX, repeats)
 
 
 def probe_q4_amx_from(q: QuantisedModules, rows: tuple[int, ...] = (int(Q4_AMX_FROM[1]),),
@@ -658,4 +439,4 @@ def probe_q4_amx_from(q: QuantisedModules, rows: tuple[int, ...] = (int(Q4_AMX_F
     ``rows`` (``Q4_AMX_FROM[1]``): AMX tiles from ``Q4_AMX_FROM[0]`` rows, so the int8 tiles
     here (``float_s``), against AMX tiles from ``Q4_AMX_FROM[1]`` (``quant_s``). Left from
     ``Q4_AMX_FROM[0]``."""
-    return _blocked_q4_toggle(q, rows, "set_q4_amx_from", Q4_AMX_FROM, repeats)
+    return _blocked_q4_toggle(q, rows, "q4_amx_from", Q4_AMX_FROM, repeats)

@@ -1,20 +1,15 @@
 """Per-machine cache of the quantised-vs-float verdict (``quantization=auto``'s start-up probe).
 
-The probe measures this machine; measuring again at every start costs seconds and, on a busy
-machine, can mislead (a run stalled by another process). So every verdict is stored (one whose
-runs disagreed decided by their medians) and later starts reuse it. ``cpu_probe`` (the engine
-option ``--cpu-probe``) says how: ``cached`` (default) reuses an entry and measures where there
-is none, ``force`` measures again and replaces it, ``off`` neither measures nor reads (the
-defaults serve). It is keyed by everything the
-measurement depends on: the CPU (model name and flags), the torch threads, the torch version,
-the CPU kernels' and the probe's sources, the instruction sets the paths may use
+Measuring again at every start costs seconds and, on a busy machine, can mislead, so every
+verdict is stored (one whose runs disagreed decided by their medians) and later starts reuse
+it. ``cpu_probe`` (``--cpu-probe``): ``cached`` (default) reuses an entry and measures where
+there is none, ``force`` measures again and replaces it, ``off`` neither measures nor reads
+(the defaults serve); ``KVSERVE_QUANT_REPROBE=1`` is ``force``. The key covers everything the
+measurement depends on: the CPU (model name and flags), the torch threads and version, the CPU
+kernels' and the probe's sources, the instruction sets the paths may use
 (``KVSERVE_CPU_MARCH``, ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
-``MKL_ENABLE_INSTRUCTIONS``) and the shapes and formats of the modules probed. A file that cannot
-be read or written is ignored (the probe runs). ``KVSERVE_QUANT_REPROBE=1`` is ``force``.
-
-Entries live in ``<cache dir>/quant-probe/<key>.json`` (cache dir: ``$KVSERVE_CACHE_DIR``,
-else ``~/.cache/kvserve``).
-"""
+``MKL_ENABLE_INSTRUCTIONS``) and the modules' shapes and formats. A file that cannot be read or
+written is ignored (the probe runs). Entries live in ``<cache dir>/quant-probe/<key>.json``."""
 
 from __future__ import annotations
 

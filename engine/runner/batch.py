@@ -1,4 +1,4 @@
-"""Flattening one step's plan (``engine.step_plan.StepPlan``) into the model's packed input.
+"""Flattening one step's plan (``engine.step.plan.StepPlan``) into the model's packed input.
 
 Private to the runner (``engine.runner.protocol``): the core never sees this layout; the
 runner maps its rows back to the plan's chunks in its ``StepOutput``.
@@ -7,11 +7,10 @@ Plain data in, plain data out: this module sees neither sequences nor the KV man
 sequence's new tokens sit side by side in one ``[T]`` batch (no padding), decodes first.
 Python work here is O(sequences + blocks); per-token indices (positions, slots) are computed
 with tensor ops, except in a decode-only step (one token per sequence), where a few Python ints
-are cheaper than the tensor indexing (106 -> 70 us a step with Gemma 3's six KV groups).
+are cheaper than the tensor indexing (docs/decisions.md#decode-only-step-indices).
 Everything in a :class:`ModelInput` is host (CPU) data: the model runner moves it to its device
 in one copy (``engine.runner.device_input``), or into a captured CUDA graph's static buffers
-(``engine.runner.cuda_graphs``).
-"""
+(``engine.runner.cuda_graphs``)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.step_output import PromptLogitRows
-from engine.step_plan import StepPlan
+from engine.step.output import PromptLogitRows
+from engine.step.plan import StepPlan
 
 
 @dataclass

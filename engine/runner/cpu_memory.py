@@ -67,7 +67,7 @@ def release_freed_memory() -> bool:
 
     Loading builds float copies, conversion buffers and probe inputs that are freed before
     serving, but glibc keeps freed heap pages mapped (the resident memory this gives back:
-    docs/performance.md#small-cpu-costs). True when it ran (glibc only)."""
+    docs/decisions.md#small-cpu-costs). True when it ran (glibc only)."""
     import ctypes
     import ctypes.util
     import gc

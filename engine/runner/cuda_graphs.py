@@ -1,28 +1,18 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
-A decode step of a large model on a GPU launches ~10 kernels per layer; at small batches the GPU
-waits on the CPU that launches them. Capturing the model's forward once per bucket of batch
-sizes and replaying it costs one launch per step instead.
-
-How a step maps onto a graph (``DecodeGraphs.run``):
-
-* only pure decode steps (one new token per sequence, no prompt logits) are replayed, with at
-  most ``max(sizes)`` sequences and at most ``max_blocks`` blocks per sequence; anything else
-  runs eagerly;
-* the batch is padded up to the smallest bucket that holds it. Padding rows have token 0 at
-  position 0, slot -1 (``store_kv`` skips it) and ``seq_len`` 0 (the decode kernel reads no key
-  and writes zeros), so they touch neither the KV pool nor the real rows;
-* every input lives in one static device buffer whose layout is fixed per engine: the step's
-  values are written into a pinned host mirror and cross in one asynchronous copy. The block
-  table has a fixed width (``ceil(max_model_len / block_size)``), and the decode kernel a fixed
-  split count per bucket (its result does not depend on the split count beyond rounding);
-* graphs share one memory pool and are captured largest first; their outputs are views into it,
-  valid until the next replay.
-
+At small batches the GPU waits on the CPU that launches a decode step's kernels; capturing the
+model's forward once per bucket of batch sizes and replaying it costs one launch per step.
+``DecodeGraphs.run``: only pure decode steps (one new token per sequence, no prompt logits) of
+at most ``max(sizes)`` sequences and ``max_blocks`` blocks each are replayed, anything else runs
+eagerly; the batch is padded to the smallest bucket that holds it (padding rows: token 0 at
+position 0, slot -1, ``seq_len`` 0, touching neither the KV pool nor the real rows); every input
+lives in one static device buffer of a layout fixed per engine, filled from a pinned host mirror
+in one asynchronous copy (the block table of fixed width ``ceil(max_model_len / block_size)``,
+a fixed decode split count per bucket); graphs share one memory pool and are captured largest
+first, their outputs views into it, valid until the next replay.
 The bookkeeping (buckets, layout, padding) is plain tensor code that also runs without CUDA
 (``capture=False`` replays nothing and runs the padded static batch eagerly), so the CPU tests
-check that a padded static step gives the same tokens as the eager one.
-"""
+check that a padded static step gives the same tokens as the eager one."""
 
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """``dtype="auto"`` on the CPU: float32 or bfloat16, chosen by timing this model's own linear
-shapes on this machine, never by a CPU-flag rule.
+shapes on this machine, never by a CPU-flag rule (which dtype is faster depends on the machine
+and the row counts: docs/decisions.md#dtype-auto-on-the-cpu).
 
-Why measure: on a CPU with AMX / AVX-512 BF16, bf16 matmuls beat float32 at many rows but lose
-at one row, and on an AVX2-only CPU bf16 is emulated and slower everywhere (figures:
-docs/performance.md#dtype-auto-on-the-cpu). So which dtype serves faster depends on the machine
-and on the row counts, and a flag test can pick a slower one.
-
-The objective (stated, so that the choice can be checked): one request of
-``PREFILL_ROWS`` prompt tokens and ``DECODE_STEPS`` generated tokens at one row each, i.e.
-``t(PREFILL_ROWS rows) + DECODE_STEPS * t(1 row)`` over one layer's projections (QKV, O,
-gate/up, down). Each dtype is timed alternately, best of several runs, twice; the verdict
-(the better best run where the two disagree) is cached per machine (``engine.quantization.probe_cache``, keyed by the CPU, threads,
-torch and the shapes). Packed-weight checkpoints never get here: their kernels take float32
-activations and their prefill panels' dtype is probed separately
-(``engine.quantization.probe.probe_panels``).
-"""
+The objective: one request of ``PREFILL_ROWS`` prompt tokens and ``DECODE_STEPS`` generated
+tokens at one row each, i.e. ``t(PREFILL_ROWS rows) + DECODE_STEPS * t(1 row)`` over one layer's
+projections (QKV, O, gate/up, down). Each dtype is timed alternately, best of several runs,
+twice; the verdict (the better best run where the two disagree) is cached per machine
+(``engine.quantization.probe_cache``, keyed by the CPU, threads, torch and the shapes).
+Packed-weight checkpoints never get here: their kernels take float32 activations and their
+prefill panels' dtype is probed separately (``engine.quantization.probe.probe_panels``)."""
 
 from __future__ import annotations
 

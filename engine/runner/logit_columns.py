@@ -1,20 +1,17 @@
 """Sampled rows' logits computed only where a grammar allows tokens.
 
-A constrained row's logits are set to -inf outside the tokens its grammar allows before anything
-reads them (``engine.structured``: masking comes before penalties, temperature and logprobs).
-Where the grammar allows few tokens (a forced key or separator, an enum, a number's digits),
-projecting the hidden state onto the whole vocabulary computes logits that are thrown away:
-on the embedded model the head is 49,152 rows of 576, about a fifth of a decode step, and a
-jump-forward step verifies up to nine such rows. ``restricted_logits`` computes those rows'
-logits for the allowed columns only and leaves the rest of each row at -inf, the numbers the
-full head and the mask give together, bit for bit: the head computes the columns with the same
-kernel and arithmetic (``LlamaForCausalLM.compute_logits_columns``; a head that cannot promise
-that declines, and the step takes the full head).
+A constrained row's logits are -inf outside the tokens its grammar allows before anything reads
+them (masking comes before penalties, temperature and logprobs). Where the grammar allows few
+tokens (a forced key or separator, an enum, a number's digits), projecting onto the whole
+vocabulary computes logits that are thrown away. ``restricted_logits`` computes those rows'
+logits for the allowed columns only and leaves the rest at -inf: the numbers the full head and
+the mask give together, bit for bit (the head computes the columns with the same kernel and
+arithmetic, ``LlamaForCausalLM.compute_logits_columns``; a head that cannot promise that
+declines, and the step takes the full head).
 
 The engine hands the runner a :class:`SampleColumns` per step; ``columns()`` is called after
 the forward pass, so a bitmask filled on a worker thread during the pass is waited for only
-then.
-"""
+then."""
 
 from __future__ import annotations
 

@@ -1,33 +1,18 @@
 """GPU memory budget for the KV pool: pure arithmetic on one snapshot of the device's figures.
 
-Contract (vLLM's meaning of ``gpu_memory_utilization``):
-
-* ``utilization`` is the share of the *whole device* this instance may occupy. Everything that is
-  already on the device and is not PyTorch's own cache counts against it: other processes, this
-  process's CUDA context, NCCL/cuBLAS handles outside the caching allocator
-  (``non_torch = (total - free) - torch_reserved``).
-* kvserve's own peak counts against it too: ``torch_peak`` is ``max_memory_allocated`` since a
-  reset taken before profiling the largest step the scheduler may issue (weights, activations,
-  sampler, chunked prompt logprobs). That step recurs while serving, so its peak must still fit
-  once the KV pool is allocated.
-* A ``reserve`` stays unbudgeted for fragmentation of the caching allocator and workspaces
-  allocated later (cuBLAS, Triton autotuning, CUDA graphs); default ``max(256 MiB, 2% of total)``.
+Contract (vLLM's meaning of ``gpu_memory_utilization``): ``utilization`` is the share of the
+*whole device* this instance may occupy. Against it count everything on the device that is not
+PyTorch's own cache (``non_torch = (total - free) - torch_reserved``: other processes, this
+process's CUDA context, NCCL/cuBLAS handles), kvserve's own peak (``torch_peak``, the
+``max_memory_allocated`` of the largest step the scheduler may issue, profiled after a reset),
+and a ``reserve`` for fragmentation and later workspaces (default ``max(256 MiB, 2% of total)``):
 
   ``budget = utilization * total - non_torch - torch_peak - reserve``
-
-* The budget is never more than can be had now: what is free on the device plus what PyTorch
-  holds but has not handed out, less the activation headroom (``torch_peak - torch_allocated``)
-  and the reserve, i.e. ``free + torch_reserved - torch_peak - reserve``. No separate cap is
-  needed for that: substituting ``non_torch`` gives
-  ``budget = (free + torch_reserved - torch_peak - reserve) - (1 - utilization) * total``, and
-  where the figures do not add up (``total - free < torch_reserved``, a snapshot racing another
-  process) ``non_torch`` is clamped to 0 and ``free + torch_reserved > total`` keeps it true.
-  Tests check the bound.
-
-``kv_cache_budget`` raises ``ValueError`` naming the figures in GiB and the settings to change
-when the budget is not positive. ``MemorySnapshot.capture`` is the only code here that touches
-CUDA.
-"""
+It is never more than can be had now, ``free + torch_reserved - torch_peak - reserve``:
+substituting ``non_torch`` gives that less ``(1 - utilization) * total``, and where the figures
+do not add up (a snapshot racing another process) ``non_torch`` is clamped to 0. Tests check the
+bound. ``kv_cache_budget`` raises ``ValueError`` naming the figures in GiB and the settings to
+change when the budget is not positive. ``MemorySnapshot.capture`` alone touches CUDA."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Owns the model weights, the KV pools and the attention backend on one device.
 
 It implements the runner seam (``engine.runner.protocol.Runner``): it receives the scheduler's
-plain ``engine.step_plan.StepPlan`` and never sees a ``Sequence``, the scheduler or the KV
+plain ``engine.step.plan.StepPlan`` and never sees a ``Sequence``, the scheduler or the KV
 manager. Which blocks a sequence owns is decided there; here they are only indices into the
 pools.
 
@@ -9,10 +9,10 @@ pools.
 one flat batch (``engine.runner.batch``) and the forward pass. It returns, per chunk that
 samples, its logits rows and, for prompt positions whose logprobs were asked for, their
 reduced logprobs (target logprob, rank, top-k), computed ``PROMPT_LOGPROB_CHUNK`` rows of
-logits at a time (``engine.step_output.StepOutput``). The KV pools are allocated once, here,
+logits at a time (``engine.step.output.StepOutput``). The KV pools are allocated once, here,
 at start-up: one ``(K, V)`` pair per layer, each
 ``[num_blocks, block_size, kv_heads, row_width]`` of the ``kv_cache_dtype``'s storage
-(``engine/kv_storage/formats.py``: row_width is head_dim, or head_dim + 2 for int8's scale).
+(``engine/kv_format/formats.py``: row_width is head_dim, or head_dim + 2 for int8's scale).
 """
 
 from __future__ import annotations
@@ -28,21 +28,19 @@ import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.kv_cache.groups import KVGroupLayout, plan_kv_groups
 from engine.kv_cache.host.copier import HostTierCopier
 from engine.kv_cache.host.memory import allocate_host_pools
-from engine.kv_storage.formats import KVFormat, kv_format, resolve_kv_cache_dtype
-from engine.kv_storage.rope_shift import shift_block_keys
+from engine.kv_format.formats import KVFormat, kv_format, resolve_kv_cache_dtype
+from engine.kv_format.rope_shift import shift_block_keys
 from engine.models.arch import ModelArch
 from engine.models.batch_invariant import make_batch_invariant
 from engine.models.cpu_decode_stack import build_decode_stack
 from engine.models.layer_ops import graph_layer_ops, layer_ops_for
 from engine.models.registry import build_model
 from engine.models.rope import RotaryEmbedding
-from engine.quantization.apply import serves_packed_gguf
 from engine.quantization.packed_linear import PackedLinear
-from engine.quantization.prepare import prepare_weights
 from engine.runner.batch import ModelInput, build_model_input
 from engine.runner.cpu_memory import cpu_kv_budget
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
@@ -50,15 +48,17 @@ from engine.runner.device import resolve_device, set_device_for_thread
 from engine.runner.device_input import HostToDeviceStager, to_device
 from engine.runner.dtype_choice import resolve_dtype
 from engine.runner.logit_columns import SampleColumns, restricted_logits
-from engine.runner.triton_import import import_torch_dynamo_without_triton, triton_wanted
 from engine.sampling.prompt_logprobs import (
     PROMPT_LOGPROB_CHUNK,
     PromptLogprobs,
     prompt_logprobs_in_chunks,
     reduce_logits,
 )
-from engine.step_output import StepOutput
-from engine.step_plan import KeyShift, StepPlan
+from engine.step.output import StepOutput
+from engine.step.plan import KeyShift, StepPlan
+from engine.triton_import import import_torch_dynamo_without_triton, triton_wanted
+from engine.weight_prep.apply import serves_packed_gguf
+from engine.weight_prep.prepare import prepare_weights
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -82,8 +82,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         # 2 MiB pages where the kernel allows them (as numpy asks for its large arrays): the
-        # attention kernels stride across the pool, and with 4 KiB pages the embedded model's
-        # 16 x 48-token greedy workload ran at 324-329 tok/s against 352-369 (AMD EPYC).
+        # attention kernels stride across the pool, and 4 KiB pages made decode slower
+        # (docs/decisions.md#kv-pool-huge-pages).
         try:
             pages.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
@@ -102,7 +102,7 @@ class ModelRunner:
                  files_dir: Path | None = None, tp: Any = None) -> None:
         """``files_dir``: the model's (converted) directory; with ``quantization="auto"`` the
         GGUF it came from is read for packed weights; int4/int8 quantise the loaded weights.
-        ``tp`` (an ``engine.distributed.parallel_state.TPGroup``): this runner is one rank of a
+        ``tp`` (an ``engine.models.tp_group.TPGroup``): this runner is one rank of a
         tensor-parallel group; ``weights`` are this rank's shards, the pools hold its KV heads,
         and every method that sizes or runs something is called on every rank in the same
         order (its collectives pair up)."""
@@ -274,10 +274,10 @@ class ModelRunner:
                                                                           torch.Tensor]]:
         """fp8 and int4 pools: one prefill of ``token_ids`` (cut to what one step and the pool
         hold) with every layer's K/V observed, then each layer's ``kv_scales`` set from the
-        maxima (``engine.kv_storage.calibration``: fp8 per-head scales; int4 per-channel key
+        maxima (``engine.kv_format.calibration``: fp8 per-head scales; int4 per-channel key
         smoothing, the value entry None). Before serving only: it writes the first blocks
         of the pool, which no request owns yet. Returns the scales."""
-        from engine.kv_storage.calibration import KVAbsMax, KVChannelAbsMax
+        from engine.kv_format.calibration import KVAbsMax, KVChannelAbsMax
 
         kind = self.kv_format.kind
         if kind not in ("fp8", "int4"):
@@ -356,7 +356,7 @@ class ModelRunner:
 
     def _shift_keys(self, shifts: Sequence[KeyShift]) -> None:
         """Streaming eviction's K-shift (``StepPlan.shifts``): re-rotate the K rows of each
-        shift's blocks by ``-delta`` in every layer (``engine.kv_storage.rope_shift``). Runs
+        shift's blocks by ``-delta`` in every layer (``engine.kv_format.rope_shift``). Runs
         before the step's copies and forward pass."""
         rot = self.model.rotary
         with torch.inference_mode():

@@ -21,11 +21,11 @@ import torch
 
 if TYPE_CHECKING:
     from engine.kv_cache.groups import KVGroupLayout
-    from engine.kv_storage.formats import KVFormat
+    from engine.kv_format.formats import KVFormat
     from engine.models.arch import ModelArch
     from engine.quantization.probe import Verdict
-    from engine.step_output import StepOutput
-    from engine.step_plan import StepPlan
+    from engine.step.output import StepOutput
+    from engine.step.plan import StepPlan
 
 
 class Runner(Protocol):

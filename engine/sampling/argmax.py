@@ -2,22 +2,16 @@
 
 On a CPU with the C++ kernels built, one call: ``first_argmax_rows`` (engine/cpu/csrc/
 argmax_cpu.cpp) scans each row once, in segments over the threads, and returns the same index,
-ties and NaN included. It measured faster than both paths below at every shape, warm and above
-all cold: in a decode step the argmax runs right after the logits head has flushed the caches,
-where each PyTorch op costs several times its warm time (docs/performance.md#greedy-argmax).
+ties and NaN included (it serves wherever built: docs/decisions.md#greedy-argmax).
 
-Without the kernels (or for a non-contiguous or non-float32 input): PyTorch's ``max(dim=-1)`` /
-``argmax`` runs each row as one thread's serial compare-and-track loop (~0.8 ns a logit here:
-0.22 ms for one row of Gemma 3's 262,144 logits, 1.7 ms for 16 rows on two threads), while
-``amax`` without the index is vectorised and threaded. So a long row takes two passes: the
-maximum of every chunk (``amax``), then the first chunk holding the row's maximum and the first
-maximal index inside it: the same index as ``argmax``, ties and all (the first chunk that holds
-the maximum holds its first occurrence). The chunk length divides the row (vocabularies are
-highly composite: 1,024 for 49,152 and 262,144, 1,187 for 151,936, 1,002 for 128,256), else a
-ragged tail is taken on its own. Rows whose maximum is NaN, short rows and other devices keep
-``max(dim=-1)`` (NaN counts as the maximum there). ``PYTHONPATH=. python
-benchmarks/greedy_argmax.py`` measures the three paths.
-"""
+Without the kernels (or for a non-contiguous or non-float32 input), a long row takes two
+passes of PyTorch ops, since ``max(dim=-1)`` / ``argmax`` is one thread's serial loop while
+``amax`` is vectorised and threaded: the maximum of every chunk (``amax``), then the first chunk
+holding the row's maximum and the first maximal index inside it (the same index as ``argmax``,
+ties and all). The chunk length divides the row where it can (:func:`chunk_length`), else a
+ragged tail is taken on its own. Rows whose maximum is NaN, short rows (:func:`two_passes_pay`)
+and other devices keep ``max(dim=-1)`` (NaN counts as the maximum there).
+docs/decisions.md has the three paths' figures."""
 
 from __future__ import annotations
 
@@ -27,9 +21,9 @@ import torch
 
 CHUNK = 1024
 # Where the two passes are used (measured on AVX-512 and AVX2 builds of PyTorch, two threads:
-# docs/performance.md#greedy-argmax): rows of at least MIN_WIDTH logits, and at least
+# docs/decisions.md#greedy-argmax): rows of at least MIN_WIDTH logits, and at least
 # PER_THREAD logits for each thread of the single pass (which runs rows in parallel): below
-# that the handful of extra small ops (~50 us) cost what the vectorised pass saves.
+# that the handful of extra small ops cost what the vectorised pass saves.
 MIN_WIDTH = 16384
 PER_THREAD = 65536
 
@@ -48,7 +42,8 @@ def chunk_length(width: int) -> int:
 @lru_cache(maxsize=1)
 def _vectorised() -> bool:
     # PyTorch's own CPU kernels, as dispatched on this machine: without AVX2 (the DEFAULT
-    # capability, or ATEN_CPU_CAPABILITY=default) amax is scalar too and two passes cost 2.5x.
+    # capability, or ATEN_CPU_CAPABILITY=default) amax is scalar too and two passes cost more
+    # (docs/decisions.md#greedy-argmax).
     return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 

@@ -1,16 +1,14 @@
 """A row's ``n`` largest logits, as ``torch.topk`` gives them, without sorting the vocabulary.
 
-``torch.topk`` over a CPU row of a large vocabulary costs ~2-5 ns a logit (1.2 ms for one row
-of Gemma 3's 262,144 logits; 7.8 ms for 16 rows): top-k and top-p sampling paid it every
-step. The ``n`` largest values all lie in the ``n`` chunks with the largest maxima: if the
-``n``-th largest chunk maximum is t, at least ``n`` values are >= t (those maxima), so the
-``n``-th largest value is >= t, and every value above it sits in a chunk whose maximum is >=
-it, i.e. in one of those chunks (a tie at t may come from an equal chunk: a tie either
-way, as topk's own choice among ties). So: the chunks' maxima (``amax``, vectorised and
-threaded), ``topk`` over them, ``topk`` over the ``n`` chosen chunks' values only
-(``n x CHUNK`` of them). The values are topk's, bit for bit, sorted largest first; the indices
-are topk's wherever values are not tied.
-"""
+``torch.topk`` over a CPU row of a large vocabulary is a per-step cost of top-k and top-p
+sampling (docs/decisions.md#topk-over-candidates). The ``n`` largest values all lie in the ``n``
+chunks with the largest maxima: if the ``n``-th largest chunk maximum is t, at least ``n``
+values are >= t, so the ``n``-th largest value is >= t, and every value above it sits in a chunk
+whose maximum is >= it (a tie at t may come from an equal chunk: a tie either way, as topk's
+own choice among ties). So: the chunks' maxima (``amax``, vectorised and threaded), ``topk``
+over them, ``topk`` over the ``n`` chosen chunks' values only (``n x CHUNK`` of them). The
+values are topk's, bit for bit, sorted largest first; the indices are topk's wherever values
+are not tied."""
 
 from __future__ import annotations
 

@@ -1,23 +1,18 @@
 """Logit processors that run before temperature: logit bias, min-tokens masking and penalties.
 
-Each function edits a ``[N, V]`` float logits tensor in place, touching only the cells that
-the processor changes (the biased tokens, the masked ones, the tokens a row has seen), so a batch
-where nobody uses it pays one Python check per row and no tensor work, and the penalties cost
-O(tokens) rather than O(V) per row (their token ids have to reach the device once per step).
+Each function edits a ``[N, V]`` float logits tensor in place, touching only the cells the
+processor changes, so a batch where nobody uses it pays one Python check per row and no tensor
+work, and the penalties cost O(tokens) rather than O(V) per row. In ``Sampler``'s order
+(vLLM's): (1) ``logit_bias``: ``logit[t] += bias[t]``; (2) ``min_tokens``: while
+``len(output) < min_tokens`` the EOS ids and ``stop_token_ids`` get ``-inf``, whatever
+``ignore_eos`` says; (3) ``repetition_penalty`` p (HF/CTRL): for every token seen in prompt or
+output, a positive logit is divided by p and a negative one multiplied by p; (4)
+``frequency_penalty`` / ``presence_penalty`` (OpenAI), over output tokens only: ``logit[t] -=
+count[t] * frequency_penalty + (count[t] > 0) * presence_penalty``.
 
-Formulas (and the order ``Sampler`` applies them in, vLLM's):
-1. ``logit_bias``: ``logit[t] += bias[t]``.
-2. ``min_tokens``: while ``len(output) < min_tokens`` the EOS ids and ``stop_token_ids`` get
-   ``-inf``, whatever ``ignore_eos`` says.
-3. ``repetition_penalty`` p (HF/CTRL): for every token seen in prompt or output, a positive logit
-   is divided by p and a negative one multiplied by p.
-4. ``frequency_penalty`` / ``presence_penalty`` (OpenAI): over output tokens only,
-   ``logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty``.
-
-The logit-bias tensors of a row are built once per request (kept in ``SamplingRow.cache``),
-not every step. Token ids outside ``[0, V)`` are ignored here: checking them against the vocabulary is the
-server's job, and one bad request must not fail the step for everybody else.
-"""
+A row's logit-bias tensors are built once per request (``SamplingRow.cache``). Token ids outside
+``[0, V)`` are ignored here: checking them is the server's job, and one bad request must not
+fail the step for everybody else."""
 
 from __future__ import annotations
 

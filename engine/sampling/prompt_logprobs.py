@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import Logprob
+from engine.request_output import Logprob
 
 # Rows of logits alive at once. 512 x a 152k vocabulary is ~300 MB of float32 per buffer.
 PROMPT_LOGPROB_CHUNK = 512

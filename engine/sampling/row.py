@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
 
 
 @dataclass

@@ -1,26 +1,18 @@
 """Vectorised next-token sampling for one engine step.
 
 ``Sampler.__call__`` takes the logits of every row that samples this step and returns one token
-per row, plus the raw-distribution logprobs the rows asked for. Per step:
-
-1. logit processors (``engine.sampling.penalties``): logit bias, min-tokens masking, repetition penalty,
-   frequency/presence penalties — only on rows that use them;
-2. greedy rows (temperature 0, or top_k 1) take the argmax of the processed logits;
-3. the other rows: temperature, top-k, top-p, min-p, then inverse-CDF sampling: one uniform
-   ``u`` per row picks the first token whose cumulative probability reaches ``u``. A seeded row
-   draws its ``u`` from its own generator, so its tokens depend only on its seed, its logits and
-   how many tokens it has drawn: the same in any batch. Unseeded rows share the Sampler's
-   generator. (An exponential race, ``argmax(probs / Exponential(1))``, gives the same
-   guarantees but needs V random numbers per row, far dearer on a CPU than one uniform plus
-   a cumsum: docs/performance.md#greedy-argmax.) When every sampled row truncates its
-   vocabulary (top-k, or a top-p nucleus among its largest logits), all of this runs over the
-   candidates only (engine/sampling/truncated.py): the same distribution, the same ``u``.
+per row, plus the raw-distribution logprobs the rows asked for. Per step: (1) logit processors
+(``engine.sampling.penalties``), only on rows that use them; (2) greedy rows (temperature 0, or
+top_k 1) take the argmax of the processed logits; (3) the other rows: temperature, top-k, top-p,
+min-p, then inverse-CDF sampling (why: docs/decisions.md#top-k--top-p-sampling-within-the-candidates):
+one uniform ``u`` per row picks the first token whose cumulative probability reaches ``u``. A
+seeded row draws its ``u`` from its own generator, so its tokens depend only on its seed, its
+logits and how many tokens it has drawn, in any batch; unseeded rows share the Sampler's
+generator. When every sampled row truncates its vocabulary, all of this runs over the
+candidates only (engine/sampling/truncated.py): the same distribution.
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits as passed in,
-before any processing: vLLM's default), and ``rank = 1 + #tokens with a strictly higher
-logprob``. When every row is greedy and unprocessed (the common case) a step costs one argmax,
-plus the logprob work only if some row asked for logprobs.
-"""
+before any processing: vLLM's default), and ``rank = 1 + #tokens with a strictly higher logprob``."""
 
 from __future__ import annotations
 
@@ -29,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import Logprob
+from engine.params.sampling import SamplingParams
+from engine.request_output import Logprob
 from engine.sampling import penalties
 from engine.sampling.argmax import first_argmax
 from engine.sampling.candidates import top_candidates
-from engine.sampling.params import SamplingParams
 from engine.sampling.prompt_logprobs import add_top_entries
 from engine.sampling.row import SamplingRow
 from engine.sampling.truncated import (
@@ -249,7 +241,7 @@ def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 # Sorting a whole vocabulary costs far more than an argmax on a CPU
-# (docs/performance.md#greedy-argmax). The nucleus of a language model
+# (docs/decisions.md#greedy-argmax). The nucleus of a language model
 # almost always lies within its few hundred most likely tokens, so top-p first looks there
 # (NUCLEUS_CANDIDATES) and sorts the whole row only when those candidates hold less than
 # top_p of the mass.

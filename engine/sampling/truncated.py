@@ -1,22 +1,16 @@
 """Top-k / top-p sampling drawn among a row's candidates, without a pass over the vocabulary
 for the softmax, the cumulative sum and the masked copy.
 
-The sampler's general path (engine/sampling/sampler.py) copies the logits, divides them by
-the temperature, masks each full row to -inf outside top-k / top-p / min-p, takes the softmax
-and the cumulative sum over the whole row and searches it for ``(1 - u) x total``: five
-passes and three row-sized temporaries (each a fresh allocation that faults its pages in).
-When every row keeps only part of its vocabulary (top-k below the vocabulary, or a top-p
-whose nucleus lies within the row's largest candidates, as it almost always does for a
-language model) all of that happens within the candidates: the same masks (top-k keeps what
-ties the k-th candidate; top-p the smallest prefix of the candidates, largest first, whose
-mass over the WHOLE row reaches p; min-p against the largest kept), the softmax over the kept
-candidates, and the inverse CDF over them in vocabulary order, with the same uniform ``u``:
-the same distribution and the same token as the general path except where ``u`` falls within
-float rounding of a boundary between two tokens' cumulative sums (the sums are taken over
-fewer terms). A row whose candidates hold less than its top-p of the mass returns ``None``
-for the whole batch: the general path (a full sort) serves it. ``PYTHONPATH=. python
-benchmarks/sampling_cost.py`` measures both.
-"""
+When every row keeps only part of its vocabulary (top-k below the vocabulary, or a top-p whose
+nucleus lies within the row's largest candidates) the sampler's general path
+(engine/sampling/sampler.py) runs within the candidates: the same masks (top-k keeps what ties
+the k-th candidate; top-p the smallest prefix of the candidates, largest first, whose mass over
+the WHOLE row reaches p; min-p against the largest kept), the softmax over the kept candidates,
+and the inverse CDF over them in vocabulary order, with the same uniform ``u``: the same
+distribution and the same token as the general path except where ``u`` falls within float
+rounding of a boundary between two tokens' cumulative sums. A row whose candidates hold less
+than its top-p of the mass returns ``None`` for the whole batch: the general path (a full sort)
+serves it. Figures: docs/decisions.md#top-k--top-p-sampling-within-the-candidates."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.kv_cache.groups import KVGroupLayout
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
 
 
 class FieldValueError(ValueError):

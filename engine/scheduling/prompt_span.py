@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.request import Sequence
-from engine.step_plan import PromptLogitSpan
+from engine.step.plan import PromptLogitSpan
 
 
 def prompt_logit_span(seq: Sequence, start: int, num_new: int) -> PromptLogitSpan | None:

@@ -1,71 +1,36 @@
 """Iteration-level scheduler: which sequences run this step, and how many tokens each.
 
-Policy, whole (one screen):
-
-1. Running sequences advance first, in admission order: a decode takes one token, a chunked
-   prefill takes its next chunk; each takes from the step's token budget
-   (``max_num_batched_tokens``). When the KV pool cannot hold a running sequence's new tokens,
-   a victim is preempted (``engine.scheduling.preemption``): among the running sequences of the lowest priority
-   class (every sequence is one class under ``scheduling_policy="fcfs"``), the request running
-   the MOST SEQUENCES gives back its most recently admitted one; on a tie, the most recently
-   admitted sequence goes (vLLM's LIFO rule: the least work lost). Why not plain LIFO: a
-   large-``n`` request admitted first would keep the whole pool while every newer request is
-   preempted in turn; charging per running sequence makes it yield its own samples first,
-   while single-sample requests keep LIFO. A sequence may end up preempting itself.
-   ``preemption_mode``: recompute frees its blocks (its full blocks usually survive in the
-   prefix cache, or spill to the host tier, which makes re-admission cheap); swap moves its
-   computed KV to the host tier; auto swaps when moving the blocks out and back is expected to
-   cost less than recomputing its tokens. Swap falls back to recompute when there is no host
-   tier or it has no room.
-2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order
-   (arrival only under fcfs) while the budget, the sequence cap (``max_num_seqs``) and the
-   pool allow. A swapped-out sequence is swapped back in and resumes where it stopped. Any
-   other admission first looks up the prefix cache (device, then host); the rest of its tokens
-   is its prefill, chunked to the budget. Samples 2..n of a request are parked outside the
-   queue until sample 1 has computed the prompt (then they share its full blocks), so they
-   cost nothing per step while they wait.
-3. Speculative decoding (``speculative_config``; ``engine.scheduling.drafts``): before the
-   running sequences advance, decoding ones get drafts from the proposer (unless the batch is
-   above the adaptive switch); a sequence with a draft takes ``1 + len(draft)`` tokens of the
-   budget. After the step the core reports the tokens verification kept and
-   ``update_from_output`` rolls the KV back to them. Constrained sequences with no such draft
-   get their grammar's forced tokens as one (jump-forward, ``ScheduledSeq.forced``).
-4. Streaming eviction (``--kv-eviction``; ``engine.kv_cache.streaming``): before a running
-   sequence's chunk its middle blocks past sinks + window are evicted (the plan carries the
-   kept keys' re-rotation); the KV manager and the plan count cache positions, the
-   ``Sequence`` text positions. Prefix caching and sibling sharing are off under it.
-
-The waiting queue is a heap (``engine.scheduling.waiting_queue``): O(log n) per insert and admission.
-The scheduler owns the waiting and running sets and the KV manager with its host tier (built
-from the runner's pool geometry, ``engine.scheduling.kv_pool``): every allocate, free, look-up
-and commit goes through it. The seam with the engine core is two calls a step: ``schedule``
-returns a ``SchedulerOutput`` (the core runs the copies of its ``plan`` and calls
-``complete_copies``, then runs the forward pass, samples and checks stops), and
-``update_from_output(out, result)`` applies the core's per-sequence decisions
-(``engine.scheduling.step_result``): it commits the chunks' K/V, appends the tokens, rolls
-rejected drafts back and frees finished sequences exactly once. Between steps a request ends
-only through ``abort_request``. What leaves the scheduler for the model side is
-``SchedulerOutput.plan`` (``engine.step_plan.StepPlan``): plain data, no ``Sequence`` and no
-KV manager.
-"""
+Policy (step by step on :class:`Scheduler`): running sequences advance first, in admission order,
+from the step's token budget (``max_num_batched_tokens``), preempting a victim when the KV pool
+cannot hold one's new tokens (``engine.scheduling.preemption``; ``preemption_mode`` recompute,
+swap or auto); if nothing was preempted, waiting sequences are admitted in (priority, arrival)
+order while the budget, ``max_num_seqs`` and the pool allow, after a prefix-cache look-up;
+speculative drafts and jump-forward tokens join decoding sequences
+(``engine.scheduling.speculation``); streaming eviction (``engine.kv_cache.streaming``) drops
+middle blocks before a running sequence's chunk.
+The scheduler owns the waiting (a heap: ``engine.scheduling.waiting_queue``) and running sets and
+the KV manager with its host tier: every allocate, free, look-up and commit goes through it. The
+seam with the core is two calls a step: ``schedule`` (its ``plan``, a plain-data
+``engine.step.plan.StepPlan``, goes to the model side) and ``update_from_output(out, result)``
+(the core's decisions, ``engine.step.result``). A request ends between steps only by abort."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.kv_cache.manager import PrefixHit
 from engine.pooling.span import pool_span
 from engine.request import Request, SeqStatus, Sequence
-from engine.scheduling.drafts import forced_drafts, propose_drafts
-from engine.scheduling.kv_pool import KVPool, build_kv
+from engine.scheduling.kv_setup import KVPool, build_kv
 from engine.scheduling.preemption import pick_victim
 from engine.scheduling.prompt_span import prompt_logit_span
-from engine.scheduling.step_result import StepResult
+from engine.scheduling.speculation import forced_drafts, propose_drafts
 from engine.scheduling.waiting_queue import WaitingQueue
 from engine.spec_decode.proposer import Proposer
-from engine.step_plan import BlockCopyOrders, SeqChunk, StepPlan
+from engine.step.plan import BlockCopyOrders, SeqChunk, StepPlan
+from engine.step.result import StepResult
 from engine.structured.jump_forward import JumpForward
 
 _NO_COPIES = BlockCopyOrders()
@@ -74,7 +39,7 @@ _NO_COPIES = BlockCopyOrders()
 @dataclass
 class ScheduledSeq:
     """The scheduler's own record of one scheduled sequence (the core's view); the model side
-    gets the matching :class:`~engine.step_plan.SeqChunk` of ``SchedulerOutput.plan``."""
+    gets the matching :class:`~engine.step.plan.SeqChunk` of ``SchedulerOutput.plan``."""
 
     seq: Sequence
     num_new_tokens: int  # the draft included
@@ -103,10 +68,51 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Policy, whole:
+
+    1. Running sequences advance first, in admission order: a decode takes one token, a chunked
+       prefill its next chunk; each takes from the step's token budget
+       (``max_num_batched_tokens``). When the KV pool cannot hold a running sequence's new
+       tokens, a victim is preempted (``engine.scheduling.preemption``): among the running
+       sequences of the lowest priority class (one class under ``scheduling_policy="fcfs"``),
+       the request running the MOST SEQUENCES gives back its most recently admitted one; on a
+       tie, the most recently admitted sequence goes (vLLM's LIFO rule: the least work lost).
+       Charging per running sequence makes a large-``n`` request yield its own samples first
+       instead of keeping the pool while every newer request is preempted in turn. A sequence
+       may end up preempting itself. ``preemption_mode``: recompute frees its blocks (its full
+       blocks usually survive in the prefix cache, or spill to the host tier); swap moves its
+       computed KV to the host tier; auto swaps when moving the blocks out and back is expected
+       to cost less than recomputing its tokens. Swap falls back to recompute when there is no
+       host tier or it has no room.
+    2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order
+       (arrival only under fcfs) while the budget, the sequence cap (``max_num_seqs``) and the
+       pool allow. A swapped-out sequence is swapped back in and resumes where it stopped. Any
+       other admission first looks up the prefix cache (device, then host); the rest of its
+       tokens is its prefill, chunked to the budget. Samples 2..n of a request are parked
+       outside the queue until sample 1 has computed the prompt (then they share its full
+       blocks), so they cost nothing per step while they wait.
+    3. Speculative decoding (``speculative_config``; ``engine.scheduling.speculation``): before
+       the running sequences advance, decoding ones get drafts from the proposer (unless the
+       batch is above the adaptive switch); a sequence with a draft takes ``1 + len(draft)``
+       tokens of the budget. After the step the core reports the tokens verification kept and
+       ``update_from_output`` rolls the KV back to them. Constrained sequences with no such
+       draft get their grammar's forced tokens as one (jump-forward, ``ScheduledSeq.forced``).
+    4. Streaming eviction (``--kv-eviction``; ``engine.kv_cache.streaming``): before a running
+       sequence's chunk its middle blocks past sinks + window are evicted (the plan carries the
+       kept keys' re-rotation); the KV manager and the plan count cache positions, the
+       ``Sequence`` text positions. Prefix caching and sibling sharing are off under it.
+
+    ``schedule`` returns a ``SchedulerOutput``: the core runs the copies of its ``plan`` and
+    calls ``complete_copies``, then runs the forward pass, samples and checks stops;
+    ``update_from_output(out, result)`` commits the chunks' K/V, appends the tokens, rolls
+    rejected drafts back and frees finished sequences exactly once. The KV manager is built
+    from the runner's pool geometry (``engine.scheduling.kv_setup``).
+    """
+
     def __init__(self, config: EngineConfig, pool: KVPool,
                  proposer: Proposer | None = None,
                  jump_forward: JumpForward | None = None) -> None:
-        """Builds the KV manager over ``pool`` (``engine.scheduling.kv_pool.build_kv``):
+        """Builds the KV manager over ``pool`` (``engine.scheduling.kv_setup.build_kv``):
         ``self.kv``, which others may read (stats, snapshots) but never change. With a
         sliding window on every layer, a running sequence's blocks wholly behind it are
         given back each step. With ``config.kv_eviction`` (``self.stream``) a running

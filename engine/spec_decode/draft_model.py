@@ -1,28 +1,18 @@
 """Draft-model proposer: a small model of the same vocabulary proposes its greedy continuation.
 
-It runs its own runner (``engine.runner.protocol.Runner``: a ``ModelRunner`` with weights and
-a paged KV pool of as many blocks as the target's) and its own ``KVCacheManager`` (no prefix
-caching; a ``HybridKVCacheManager`` for a draft whose layers mix sliding-window and full
-attention, such as Gemma 3 270M drafting for a larger Gemma 3: one table per KV group, the
-window groups giving back the blocks behind their window, never ones a rollback can reach),
-in the engine's thread, inside the scheduler's ``propose`` call. Per sequence it
-remembers the tokens whose K/V its pool holds (``_fed``). One ``propose`` call, batched over
-the sequences asking for drafts:
-
-1. sync: the context only ever grows by accepted tokens, so the draft's K/V stays valid up to
-   the first position where what it fed (its own earlier drafts included) differs from the
-   context; the rest is rolled back (``KVCacheManager.truncate``), as the target's is;
-2. catch-up: one step computes each sequence's missing tokens (the pending one at least; a
-   whole prompt the first time) and its logits at the last: draft token 0 = their argmax. At
-   most ``max_step_tokens`` tokens per call: a sequence whose catch-up does not fit gets a
-   chunk of it and no draft this step (it goes on at the next);
-3. k - 1 one-row steps feed each draft token and take the next argmax.
+It runs its own runner (a ``ModelRunner`` with weights and a paged KV pool of as many blocks as
+the target's) and its own ``KVCacheManager`` (no prefix caching; a ``HybridKVCacheManager`` for a
+draft mixing sliding-window and full attention), on the engine thread, inside the scheduler's
+``propose`` call; per sequence it remembers the tokens whose K/V its pool holds (``_fed``). One
+``propose`` call, batched over the sequences asking for drafts: (1) sync: the draft's K/V past
+the first position where what it fed differs from the context is rolled back
+(``KVCacheManager.truncate``); (2) catch-up: one step computes each sequence's missing tokens,
+draft token 0 the argmax at the last (at most ``max_step_tokens`` per call: a sequence whose
+catch-up does not fit gets a chunk and no draft this step); (3) k - 1 one-row steps.
 
 Greedy drafts are deterministic functions of the context, so the verifier's point-mass rule
-keeps the output exactly the target's, sampling included (accepting d with probability p(d)).
-A sequence whose draft blocks cannot be allocated gets no draft this step. ``release`` frees a
-finished sequence's draft state (the scheduler calls it when a sequence finishes).
-"""
+keeps the output exactly the target's, sampling included. A sequence whose draft blocks cannot
+be allocated gets no draft this step. ``release`` frees a finished sequence's draft state."""
 
 from __future__ import annotations
 
@@ -35,7 +25,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.runner.protocol import Runner
 from engine.sampling.argmax import first_argmax
 from engine.spec_decode.proposer import DraftRequest
-from engine.step_plan import SeqChunk, StepPlan
+from engine.step.plan import SeqChunk, StepPlan
 
 
 class DraftModelProposer:

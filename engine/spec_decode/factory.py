@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import Proposer
 

@@ -1,25 +1,18 @@
 """Verification of drafts against the target model: exact, for greedy and for sampling.
 
 A speculating sequence's step computes logits at k+1 positions: row j follows the context plus
-``draft[:j]``. Row j's ``SamplingRow`` must carry the same history (``output_token_ids`` +
-``draft[:j]``), so that penalties, min-tokens and logit bias see what they would see in the
-non-speculative step at that position (``rows_for_draft``).
-
-* Greedy rows: the target token of row j is the argmax of its processed logits; the run is the
-  longest prefix of the draft equal to those targets, then the target of the first mismatch
-  (or of row k when every draft matched). Identical to decoding one token per step.
-* Sampled rows (the standard rejection rule; an n-gram draft is a point mass q = 1 on its
-  token): with p_j the row's final distribution (processors, temperature, top-k, top-p, min-p:
-  ``Sampler.target_probs``), draft token d_j is accepted with probability p_j(d_j); on the first
-  rejection the token is drawn from p_j with d_j removed and renormalised, and the run ends; if
-  every draft is accepted a bonus token is drawn from p_k. Each emitted token is then
-  distributed exactly as p_j given the emitted prefix: P(d) = p(d), and for t != d,
-  P(t) = (1 - p(d)) * p(t) / (1 - p(d)) = p(t).
+``draft[:j]``, and row j's ``SamplingRow`` carries the same history (``rows_for_draft``), so
+processors see what the non-speculative step would. Greedy rows: the run is the longest prefix
+of the draft equal to the rows' argmax targets, then the target of the first mismatch (or of
+row k): identical to one token per step. Sampled rows (the standard rejection rule; an n-gram
+draft is a point mass): with p_j the row's final distribution (``Sampler.target_probs``), d_j
+is accepted with probability p_j(d_j); on the first rejection the token is drawn from p_j with
+d_j removed and renormalised, and the run ends; if every draft is accepted a bonus token is
+drawn from p_k. Each emitted token is distributed exactly as p_j given the emitted prefix.
 
 Uniforms come from the row's own generator (seeded requests) or the sampler's shared CPU
 generator; draws are on the host (one per verified position), the distributions stay on the
-logits' device.
-"""
+logits' device."""
 
 from __future__ import annotations
 

@@ -2,27 +2,17 @@
 
 A ``GrammarBackend`` compiles a ``StructuredSpec`` into an opaque compiled grammar (thread-safe;
 raises ``GrammarError`` naming the problem) and makes ``Matcher`` objects from it. A matcher
-belongs to one sequence and is driven by the engine thread only:
-
-* ``accept(token)``: advance by one sampled token; False (state unchanged) if the grammar
-  forbids it;
-* ``fill_bitmask(bitmask, row)``: write the allowed next tokens into row ``row`` of a bitmask
-  made by ``allocate_bitmask`` (bit ``t`` of the row set iff token ``t`` is allowed; EOS only
-  where the grammar can end);
-* ``rollback(k)``: undo the last ``k`` accepted tokens;
-* ``is_terminated()``: the grammar has ended (it accepted a stop token);
-* ``error()``: why the matcher can go no further (llguidance's parser limits or a dead end),
-  else None;
-* ``forced_text()``: the longest text every continuation of the grammar's current state starts
-  with ("" when the next character is free), and ``forced_tokens()``: the library's own
-  tokenization of it. Neither changes the matcher; jump-forward drafts are made from them
-  (``engine.structured.jump_forward``).
+belongs to one sequence and is driven by the engine thread only: ``accept(token)`` (False,
+state unchanged, if the grammar forbids it), ``fill_bitmask(bitmask, row)`` (bit ``t`` set iff
+token ``t`` is allowed; EOS only where the grammar can end), ``rollback(k)``,
+``is_terminated()``, ``error()`` (why it can go no further, else None), ``forced_text()`` (the
+longest text every continuation starts with) and ``forced_tokens()`` (the library's own
+tokenization of it); the last two change nothing and feed jump-forward drafts.
 
 ``fill_bitmasks(matchers, bitmask, rows)`` fills row ``rows[i]`` from ``matchers[i]`` (in
 parallel where the library can); ``apply_bitmask(logits, bitmask, rows)`` sets the forbidden
 logits of those rows (the same row numbers in both tensors) to -inf, in place, on the logits'
-device.
-"""
+device."""
 
 from __future__ import annotations
 
@@ -31,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.structured.spec import StructuredSpec
+from engine.params.structured import StructuredSpec
 
 
 class GrammarError(ValueError):

@@ -1,22 +1,16 @@
 """``GrammarCache``: vets and compiles constraints off the engine thread, once per canonical text.
 
 ``submit(spec)`` returns a ``Future`` of the compiled grammar at once (a finished one on a cache
-hit); ``compile_fn`` (vet, then compile: engine.structured.outputs) runs on the cache's own
-worker thread, so neither the event loop nor the engine thread ever waits on it. ``compile``
-blocks until it is done and raises the ``GrammarError`` (the server calls it on a worker thread
-before submitting, so that a constraint that does not compile is a 400).
+hit); ``compile_fn`` (vet, then compile) runs on the cache's own worker thread, a niced daemon,
+so neither the event loop nor the engine thread ever waits on it. ``compile`` blocks until done
+and raises the ``GrammarError`` (the server calls it on a worker thread first: a 400).
 
-Bounds: at most ``max_pending`` constraints wait to be compiled, a quarter of them (at least
-one) from one client, the least recently served client's first
-(engine.structured.compile_queue); one more is a ``CompileQueueFullError`` (a 503) rather than
-an unbounded queue. A refused constraint is
-remembered for ``refusal_ttl`` seconds (at most ``MAX_REFUSALS`` of them), so a client that
-repeats a hostile constraint gets its 400 at once instead of occupying the worker again;
-``refuse`` adds one found at run time (a mask past its deadline). The cache holds at most
-``capacity`` compiled grammars (least recently used dropped). Thread-safe. The worker is a
-daemon thread (a compile that never ends cannot hold the process's exit) niced on Linux, so
-that a big schema's compile yields the cores to the engine's steps.
-"""
+Bounds: at most ``max_pending`` constraints wait, a quarter of them (at least one) per client,
+the least recently served client's first (engine.structured.compile_queue); one more is a
+``CompileQueueFullError`` (a 503). A refused constraint is remembered for ``refusal_ttl``
+seconds (at most ``MAX_REFUSALS``), so a repeat gets its 400 at once; ``refuse`` adds one found
+at run time. At most ``capacity`` compiled grammars are held (least recently used dropped).
+Thread-safe."""
 
 from __future__ import annotations
 
@@ -31,9 +25,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from engine.params.structured import StructuredSpec
 from engine.structured.backend import GrammarError
 from engine.structured.compile_queue import CompileQueue, CompileQueueFullError
-from engine.structured.spec import StructuredSpec
 from engine.structured.stats import COMPILE_BUCKETS
 
 MAX_REFUSALS = 4096

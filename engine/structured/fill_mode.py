@@ -4,7 +4,7 @@ measurement.
 Filling on a worker thread while the forward pass runs hides a cheap fill entirely (a JSON
 schema's masks), but a costly one (xgrammar on a bounded regex repetition) then competes with
 the forward pass for the same cores, and on two cores that is slower than filling first
-(docs/performance.md#grammar-libraries). Which
+(docs/decisions.md#grammar-libraries). Which
 wins depends on the grammar, the batch and the machine, so ``FillModeChooser`` times constrained
 steps (wall time from the fill's start to the masked logits, per sampled row) in both modes,
 alternating for ``trial`` steps each, keeps the mode with the lower median for ``hold`` steps,

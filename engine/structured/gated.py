@@ -1,29 +1,22 @@
 """``GatedMatcher``: a request's matcher while its reasoning model may think.
 
 It wraps the constraint's own matcher (or none: a thinking budget alone) behind a
-``ThinkingGate`` (engine/sampling/thinking.py) and answers the ``Matcher`` protocol in phases:
-
-* **idle** (the prompt did not open the thought): the model either opens one, its first token
-  being the opening marker's first, or answers at once; so the mask allows the marker's first
-  token and whatever the constraint allows (a model that skips its thought is constrained from
-  its first token). A token that both could begin is taken as the marker's;
-* **opening**: the rest of the opening marker is forced (a marker once begun is finished);
-* **thinking**: every token allowed (an all-ones mask row); the thought's tokens are counted
-  and watched for the closing marker;
-* **forcing**: the budget is spent: only the closing marker's next token is allowed
-  (``forced_tokens`` offers the rest as a jump-forward draft);
-* **answering**: the closing marker is complete (or the model answered from idle): the
-  wrapped matcher, from its start state, masks every token; with none, everything is allowed.
+``ThinkingGate`` (engine/params/thinking.py) and answers the ``Matcher`` protocol in phases:
+**idle** (the mask allows the opening marker's first token and whatever the constraint allows;
+a token both could begin is the marker's), **opening** (the rest of the marker forced),
+**thinking** (every token allowed; the thought's tokens counted and watched for the closing
+marker), **forcing** (the budget is spent: only the closing marker's next token; the rest
+offered as a jump-forward draft), **answering** (the wrapped matcher from its start state; with
+none, everything allowed).
 
 Every accepted token is logged with its phase, so ``rollback`` (speculative drafts, grammar
-prefixes) undoes exactly what ``accept`` did, across the phase boundaries too.
-"""
+prefixes) undoes exactly what ``accept`` did, across the phase boundaries too."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.sampling.thinking import ThinkingGate
+from engine.params.thinking import ThinkingGate
 from engine.structured.backend import Matcher
 
 

@@ -1,20 +1,17 @@
 """What a constraint's grammar can do, read off xgrammar's rule table before any request runs
 it: whether every rule a matcher can reach can also end, and how much text one rule can force.
 
-A rule that can never end (a JSON schema whose object requires itself, ``a ::= "(" a ")"``, a
-character class that matches nothing) admits no finite string: a matcher led into it allows
-tokens forever, and its forced text (jump-forward, ``Matcher.forced_text``) never ends, so the
-libraries build it until memory runs out. ``check_shape`` refuses such a constraint (a
-``GrammarError``, a 400 naming the rule) and bounds the rest: ``forced_bound`` is an upper bound
-on the bytes one rule on a matcher's stack can force (the shortest completion of the longest
-alternative, repetitions counted), so the forced text at any state is at most that times the
-stack's depth. Jump-forward drafts are made only where it is at most ``FORCED_LIMIT``
-(engine.structured.routing); a grammar the analysis cannot read (an expression type it does not
-know, too many passes) is never refused for it and gets no jump-forward.
+A rule that can never end admits no finite string (a matcher led into it allows tokens forever
+and its forced text never ends): ``check_shape`` refuses such a constraint (a ``GrammarError``,
+a 400 naming the rule) and bounds the rest: ``forced_bound`` is an upper bound on the bytes one
+rule on a matcher's stack can force (the shortest completion of the longest alternative,
+repetitions counted), so the forced text at any state is at most that times the stack's depth.
+Jump-forward drafts are made only where it is at most ``FORCED_LIMIT``
+(engine.structured.routing); a grammar the analysis cannot read is never refused for it and
+gets no jump-forward.
 
 Both libraries implement the same language for a spec, so xgrammar's parse of it (the grammar,
-not the compiled token masks: cheap, no tokenizer) stands for llguidance's too.
-"""
+not the compiled token masks: cheap, no tokenizer) stands for llguidance's too."""
 
 from __future__ import annotations
 
@@ -22,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.params.structured import StructuredSpec
 from engine.structured.backend import GrammarError
-from engine.structured.spec import StructuredSpec
 
 FORCED_LIMIT = 4096  # bytes one rule may force for jump-forward drafts to be made from it
 _SAT = 1 << 40  # lengths saturate here ("more than anything that could be generated")

@@ -2,7 +2,7 @@
 ``json_object``, regexes and choices (EBNF grammars and structural tags stay with xgrammar,
 whose syntax they are written in). Which library serves a constraint is measured per
 constraint (engine.structured.routing): llguidance fills a bounded-repetition regex's mask
-much faster than xgrammar, xgrammar a JSON schema's (docs/performance.md#grammar-libraries).
+much faster than xgrammar, xgrammar a JSON schema's (docs/decisions.md#grammar-libraries).
 
 The bitmask is xgrammar's layout (int32 words, bit ``t`` of row ``r`` = token ``t`` allowed), so
 rows of either library share one tensor. JSON uses the same compact separators as the xgrammar
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from engine.params.structured import StructuredSpec
 from engine.structured.backend import GrammarError
-from engine.structured.spec import StructuredSpec
 from engine.structured.xgrammar_backend import apply_bitmask_on_cpu
 
 KINDS = frozenset({"json", "json_object", "regex", "choice"})

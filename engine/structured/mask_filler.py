@@ -1,20 +1,16 @@
 """Filling a step's grammar bitmasks on a worker thread, each row under a deadline.
 
-A mask fill is one call into a grammar library that nothing can interrupt. Vetting
-(engine.structured.vetting) refuses constraints whose masks are slow on its probe walk, but a
-grammar can turn slow later, on a path the probe did not take; without a bound one such row
-stalls every request in the step. So ``MaskFiller`` runs every fill on a worker thread (both
-libraries release the GIL while they fill), and ``FillJob.wait`` waits for each row at most
-``deadline`` seconds from the moment that row's fill began. A row past it is given up: it is
-reported as failed (its request ends), its worker is retired (it finishes that one fill, into
-its own row of a bitmask nobody reads any more, and exits) and a fresh worker runs the rows
-after it. A row whose matcher is in an error state, or whose mask allows no token at all, fails
-the same way. Every other row's bits are exactly those of an unbounded fill.
+A mask fill is one uninterruptible call into a grammar library, and a grammar can turn slow on
+a path vetting did not take. So ``MaskFiller`` runs every fill on a worker thread (both
+libraries release the GIL), and ``FillJob.wait`` waits for each row at most ``deadline`` seconds
+from the moment that row's fill began. A row past it is reported failed (its request ends), its
+worker retired (it finishes into a bitmask nobody reads and exits) and a fresh worker runs the
+rows after it; a row whose matcher is in error, or whose mask allows no token, fails the same
+way. Every other row's bits are exactly those of an unbounded fill.
 
 Workers are daemon threads: a fill that never ends can hold neither a step nor the process's
 exit. One job at a time is in flight (the engine thread waits on each before the next); the
-worker count only grows by the rows given up.
-"""
+worker count only grows by the rows given up."""
 
 from __future__ import annotations
 

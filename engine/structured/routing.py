@@ -1,20 +1,16 @@
 """``RoutingBackend``: the engine's face of both grammar libraries; each constraint is compiled by
 the library its vetting chose (engine.structured.vetting).
 
-No one library wins everywhere: xgrammar fills a JSON schema's mask faster than llguidance,
-llguidance a bounded-repetition regex's much faster than xgrammar
-(docs/performance.md#grammar-libraries). So with ``backend="auto"`` a constraint of a kind both
-serve (engine.structured.llguidance_backend.KINDS) is probed with both, on a seeded random walk,
-and the faster median wins; other kinds (EBNF grammars, structural tags) are xgrammar's (its
-syntax; llguidance's GBNF conversion turns rules into greedy lexemes, which changes what some
-grammars accept). ``backend="xgrammar"`` / ``"llguidance"`` force a library (for the kinds
-llguidance serves; xgrammar keeps the rest). Without the llguidance package installed, ``auto``
-is xgrammar. ``compile(spec, verdict)`` compiles with the verdict's library; its matchers make
+With ``backend="auto"`` a constraint of a kind both serve (``llguidance_backend.KINDS``) is
+probed with both on a seeded random walk and the faster median wins (no library wins
+everywhere: docs/decisions.md#grammar-libraries); other kinds (EBNF grammars, structural
+tags) are xgrammar's. ``backend="xgrammar"`` / ``"llguidance"`` force a library (for the kinds
+llguidance serves; xgrammar keeps the rest). Without the llguidance package, ``auto`` is
+xgrammar. ``compile(spec, verdict)`` compiles with the verdict's library; its matchers make
 jump-forward drafts only where the verdict allows it (a bounded forced text).
 
 Both libraries use the same bitmask layout, so one step's rows may come from either: the
-fill groups matchers by library, and the masking is xgrammar's.
-"""
+fill groups matchers by library, and the masking is xgrammar's."""
 
 from __future__ import annotations
 
@@ -27,10 +23,10 @@ from typing import Any
 
 import torch
 
+from engine.config.structured import BACKENDS
+from engine.params.structured import StructuredSpec
 from engine.structured.backend import GrammarBackend, GrammarError, Matcher
-from engine.structured.config import BACKENDS
 from engine.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
-from engine.structured.spec import StructuredSpec
 from engine.structured.vetting import Verdict
 from engine.structured.xgrammar_backend import XGrammarBackend, XGrammarMatcher
 

@@ -1,26 +1,18 @@
 """``VetWorker``: constraint vetting (engine.structured.vetting) in a child process that a
 deadline kills.
 
-A grammar library's compile or mask fill is one C++ call that nothing in Python can interrupt,
-and a hostile constraint can make one run for minutes or allocate until the host's memory is
-gone. So the engine never compiles a constraint it has not vetted, and vetting runs in a child
-process: a fresh interpreter started with ``python -c`` that imports only this package (a script
-that embeds the engine needs no ``__main__`` guard), talking pickled messages over a socket
-pair. It starts with the first constraint (its start-up is not counted against one) and is
-niced once ready, so that the engine's own threads win the cores; its address space is capped
-at ``memory_limit`` bytes above what it holds then (an allocation past that fails inside the
-child: a refusal, not the host's OOM killer).
+A grammar library's compile or mask fill is one uninterruptible C++ call, and a hostile
+constraint can run for minutes or exhaust memory, so vetting runs in a child process: a fresh
+interpreter (``python -c``, importing only this package) talking pickled messages over a socket
+pair, started with the first constraint, niced once ready, its address space capped at
+``memory_limit`` bytes above what it holds then (an allocation past it fails in the child).
 
 One constraint at a time: ``vet`` sends it and reads the results as they come (the grammar's
-shape, then each library's probe). Once the child has spent ``timeout`` seconds of CPU on it,
-or ``WALL_FACTOR`` times that of wall time (a busy machine slows the niced child, and that must
-not refuse a plain constraint), the child is killed, a new one started, and the verdict made on
-what arrived (a library that finished its probe before the deadline still serves). A child
-that dies (a crash inside a library) refuses its constraint and is replaced the same way.
-
-``vet`` is thread-safe and blocking (the grammar cache's compile thread calls it). ``close``
-kills the child; it never waits for one.
-"""
+shape, then each library's probe). After ``timeout`` CPU seconds on it, or ``WALL_FACTOR`` times
+that of wall time, the child is killed, a new one started, and the verdict made on what arrived;
+a child that dies refuses its constraint and is replaced the same way. ``vet`` is thread-safe
+and blocking (the grammar cache's compile thread calls it); ``close`` kills the child without
+waiting."""
 
 from __future__ import annotations
 
@@ -35,9 +27,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.params.structured import StructuredSpec
 from engine.structured.backend import GrammarError
 from engine.structured.grammar_shape import GrammarShape
-from engine.structured.spec import StructuredSpec
 from engine.structured.vetting import LibraryProbe, Verdict, Vetter, decide
 
 logger = logging.getLogger("kvserve.engine")

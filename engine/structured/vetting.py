@@ -4,17 +4,14 @@ is its token mask cheap enough to compute at every step.
 ``Vetter.run(spec)`` yields, in order: the grammar's ``GrammarShape``
 (engine.structured.grammar_shape; a grammar that admits no finite output is refused there), then
 one ``LibraryProbe`` per candidate library: compiled, then walked along a seeded random path of
-up to ``PROBE_STEPS`` tokens, each mask fill timed in CPU seconds of the calling thread (so a
-busy machine does not inflate it). The first library's walk is replayed by the next, so both are
-timed on the same path. A library is refused for the constraint when it does not compile it,
-when its mask allows nothing where the walk stands (an empty language), or when one fill takes
-more than ``SLOW_FILL_S`` or the median more than ``SLOW_MEDIAN_S``: such a mask would stall
-every step of the engine. ``decide`` picks the library with the fastest median among those that
-passed (llguidance first in the walk: its parser is bounded by fuel, so it always finishes).
+up to ``PROBE_STEPS`` tokens (the next library replays the first one's path), each mask fill
+timed in CPU seconds of the calling thread. A library is refused when it does not compile the
+constraint, when its mask allows nothing where the walk stands, or when one fill takes more than
+``SLOW_FILL_S`` or the median more than ``SLOW_MEDIAN_S``. ``decide`` picks the fastest median
+among those that passed (llguidance walks first: its parser is bounded by fuel).
 
 It runs in a child process that a deadline can kill (engine.structured.vet_worker), so what it
-yields is plain, picklable data; ``decide`` also works on what arrived before the deadline.
-"""
+yields is plain, picklable data; ``decide`` also works on what arrived before the deadline."""
 
 from __future__ import annotations
 
@@ -28,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.config.structured import BACKENDS
+from engine.params.structured import StructuredSpec
 from engine.structured.backend import GrammarBackend, GrammarError
-from engine.structured.config import BACKENDS
 from engine.structured.grammar_shape import GrammarShape, check_shape
 from engine.structured.llguidance_backend import KINDS, LLGuidanceBackend
-from engine.structured.spec import StructuredSpec
 from engine.structured.xgrammar_backend import XGrammarBackend
 
 PROBE_STEPS = 12

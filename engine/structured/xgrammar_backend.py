@@ -1,6 +1,6 @@
 """``GrammarBackend`` on xgrammar: for JSON schemas its per-token mask fill is faster than
 llguidance's, for bounded-repetition regexes much slower
-(docs/performance.md#grammar-libraries), so engine.structured.routing measures both per constraint;
+(docs/decisions.md#grammar-libraries), so engine.structured.routing measures both per constraint;
 EBNF grammars and structural tags are xgrammar's alone.
 
 JSON is constrained to compact separators (``", "`` and ``": "``, no free whitespace): a small
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from engine.params.structured import StructuredSpec
 from engine.structured.backend import GrammarError
-from engine.structured.spec import StructuredSpec
 
 
 class XGrammarMatcher:
@@ -116,7 +116,7 @@ class XGrammarBackend:
 
         CPU logits: the rows' bits unpacked by numpy and masked row by row, the same result as
         xgrammar's CPU kernel in a fraction of its time
-        (docs/performance.md#grammar-libraries). Other devices: xgrammar's own kernel."""
+        (docs/decisions.md#grammar-libraries). Other devices: xgrammar's own kernel."""
         if logits.device.type == "cpu" and bitmask.device.type == "cpu":
             apply_bitmask_on_cpu(logits, bitmask, rows, min(logits.shape[-1], self.vocab_size))
             return

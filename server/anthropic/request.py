@@ -2,36 +2,16 @@
 translation into a ``/v1/chat/completions`` body (``chat_body``), so that the chat template,
 tool calling, constraints and the reasoning split behave exactly as they do there.
 
-The mapping (docs/anthropic.md has the user's version):
-
-* ``system`` (a string or text blocks) -> a first ``system`` message;
-* a ``user`` message's text blocks -> a ``user`` message (blocks joined by newlines); each
-  ``tool_result`` block -> a ``tool`` message answering its ``tool_use_id`` (its text; with
-  ``is_error`` prefixed ``Error: ``);
-* an ``assistant`` message's text -> its content, each ``tool_use`` block -> a tool call
-  (``input`` as JSON arguments); ``thinking`` / ``redacted_thinking`` blocks are left out of the
-  prompt (the templates of thinking models drop past thoughts); a last ``assistant`` message is
-  a prefill: the output continues it (``continue_final_message``);
-* ``tools`` (``{"name", "description"?, "input_schema"}``) -> function tools; ``tool_choice``
-  ``auto`` | ``any`` | ``tool`` | ``none`` -> ``auto`` | ``required`` | a named function |
-  ``none``, ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``;
-* ``max_tokens``, ``stop_sequences`` (-> ``stop``), ``temperature``, ``top_p``, ``top_k``;
-  ``metadata.user_id`` -> ``user``;
-* ``thinking`` ``{"type": "enabled", "budget_tokens": N}`` (or ``adaptive``, ``between_tools``)
-  -> the template variable ``enable_thinking: true``, ``budget_tokens`` -> the chat request's
-  ``thinking_token_budget`` (the thought's closing marker is forced after that many tokens:
-  server/reasoning/gate.py); ``{"type": "disabled"}`` -> ``enable_thinking: false`` and any thought left out
-  of the answer; ``display: "omitted"`` sends thinking blocks with an empty thought;
-* ``output_config.format`` (``{"type": "json_schema", "schema"}``) -> ``response_format``
-  (the answer is constrained to the schema, as structured outputs are); ``effort`` is ignored;
-* kvserve's sampling extras (``seed``, ``min_p``, ``chat_template_kwargs``, ...: PASSTHROUGH)
-  pass through, as on the Responses API.
+The mapping (docs/anthropic.md has the user's version; field by field on :func:`chat_messages`
+and :meth:`MessagesRequest.chat_body`): ``system`` and ``messages`` -> chat messages, ``tools``
+and ``tool_choice`` -> function tools, ``thinking`` -> the template's ``enable_thinking`` and
+the chat request's ``thinking_token_budget``, ``output_config.format`` -> ``response_format``,
+the sampling fields and kvserve's extras (``PASSTHROUGH``) as they are.
 
 Refused with a 400: image, document and other non-text blocks, server tools (``web_search``,
 ``bash``, ... any ``type`` but ``custom``), ``system`` or other roles in ``messages``, a
 ``tool_result`` that answers no earlier ``tool_use``. Other fields (``cache_control``,
-``service_tier``, ``container``, ``mcp_servers``, ...) are accepted and ignored.
-"""
+``service_tier``, ``container``, ``mcp_servers``, ...) are accepted and ignored."""
 
 from __future__ import annotations
 
@@ -132,6 +112,24 @@ class MessagesRequest(CountTokensRequest):
         return self
 
     def chat_body(self, *, counting: bool = False) -> dict[str, Any]:
+        """The chat body, the messages as :func:`chat_messages` writes them and:
+
+        * ``tools`` (``{"name", "description"?, "input_schema"}``) -> function tools;
+          ``tool_choice`` ``auto`` | ``any`` | ``tool`` | ``none`` -> ``auto`` | ``required`` |
+          a named function | ``none``; ``disable_parallel_tool_use`` ->
+          ``parallel_tool_calls: false``;
+        * ``max_tokens``, ``stop_sequences`` (-> ``stop``), ``temperature``, ``top_p``,
+          ``top_k``; ``metadata.user_id`` -> ``user``;
+        * ``thinking`` ``{"type": "enabled", "budget_tokens": N}`` (or ``adaptive``,
+          ``between_tools``) -> the template variable ``enable_thinking: true``,
+          ``budget_tokens`` -> the chat request's ``thinking_token_budget`` (the thought's
+          closing marker is forced after that many tokens: server/reasoning/gate.py);
+          ``{"type": "disabled"}`` -> ``enable_thinking: false`` and any thought left out of the
+          answer; ``display: "omitted"`` sends thinking blocks with an empty thought;
+        * ``output_config.format`` (``{"type": "json_schema", "schema"}``) ->
+          ``response_format`` (the answer constrained to the schema); ``effort`` is ignored;
+        * kvserve's sampling extras (``seed``, ``min_p``, ``chat_template_kwargs``, ...:
+          PASSTHROUGH) pass through, as on the Responses API."""
         body = super().chat_body(counting=counting)
         body.update(max_tokens=self.max_tokens, stream=self.stream)
         if self._format is not None:
@@ -151,7 +149,17 @@ class MessagesRequest(CountTokensRequest):
 
 def chat_messages(system: str | list[dict[str, Any]] | None,
                   messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
-    """The conversation as ``/v1/chat/completions`` messages (see the module's mapping)."""
+    """The conversation as ``/v1/chat/completions`` messages:
+
+    * ``system`` (a string or text blocks) -> a first ``system`` message;
+    * a ``user`` message's text blocks -> a ``user`` message (blocks joined by newlines); each
+      ``tool_result`` block -> a ``tool`` message answering its ``tool_use_id`` (its text; with
+      ``is_error`` prefixed ``Error: ``);
+    * an ``assistant`` message's text -> its content, each ``tool_use`` block -> a tool call
+      (``input`` as JSON arguments); ``thinking`` / ``redacted_thinking`` blocks are left out
+      of the prompt (the templates of thinking models drop past thoughts); a last
+      ``assistant`` message is a prefill: the output continues it
+      (``continue_final_message``)."""
     out: list[dict[str, Any]] = []
     if system:
         text = system if isinstance(system, str) else "\n".join(

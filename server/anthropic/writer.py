@@ -1,24 +1,18 @@
 """The message object of the Messages API, whole (``MessageDraft.message``) or as Anthropic's
 stream of typed events (``MessageEvents``).
 
-``content``: a ``thinking`` block first when the output has a thought (a reasoning parser is on,
-and thinking was not disabled; its ``signature`` is an opaque digest of the thought, which this
-server never checks; its thought is empty with ``thinking.display: "omitted"``), then a ``text`` block with the answer (the text before the first tool call;
-none when empty), then a ``tool_use`` block per call (``toolu_`` ids, ``input`` the parsed
-arguments), parsed as on ``/v1/chat/completions``. ``stop_reason``: ``tool_use`` (the output made
-calls and ended by itself), ``max_tokens``, ``model_context_window_exceeded`` (``max_tokens``
-was more than the context window had room for, and the window ended it), ``stop_sequence`` (with ``stop_sequence`` the one
-matched) or ``end_turn``. ``usage``: ``input_tokens`` (the prompt's tokens not served by the
-prefix cache), ``cache_read_input_tokens`` (those it served), ``cache_creation_input_tokens``
-(always 0) and ``output_tokens``.
-
-A stream: ``message_start`` (the message with empty content and the usage so far) and ``ping``
-once the first output is in; per block ``content_block_start``, ``content_block_delta``s
-(``thinking_delta`` then one ``signature_delta``; ``text_delta``; one ``input_json_delta`` with a
-call's whole arguments) and ``content_block_stop``; then ``message_delta`` (``stop_reason``,
-``stop_sequence``, the final usage) and ``message_stop``. A failure mid-way is an ``error``
-event in Anthropic's error shape.
-"""
+``content``: a ``thinking`` block first when the output has a thought (its ``signature`` an
+opaque digest this server never checks; empty with ``thinking.display: "omitted"``), a ``text``
+block with the answer (the text before the first tool call; none when empty), a ``tool_use``
+block per call (``toolu_`` ids, ``input`` the parsed arguments). ``stop_reason``: ``tool_use``,
+``max_tokens``, ``model_context_window_exceeded``, ``stop_sequence`` (with ``stop_sequence``)
+or ``end_turn``. ``usage``: ``input_tokens`` (not served by the prefix cache),
+``cache_read_input_tokens``, ``cache_creation_input_tokens`` (always 0), ``output_tokens``.
+A stream: ``message_start`` and ``ping`` once the first output is in; per block
+``content_block_start``, its deltas (``thinking_delta`` then one ``signature_delta``;
+``text_delta``; one ``input_json_delta`` with a call's whole arguments) and
+``content_block_stop``; then ``message_delta`` (stop reason, final usage) and ``message_stop``;
+a failure mid-way is an ``error`` event in Anthropic's error shape."""
 
 from __future__ import annotations
 
@@ -29,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import RequestOutput
+from engine.request_output import RequestOutput
 from server.anthropic.errors import error_body
 from server.errors import APIError
 from server.reasoning.formats import ReasoningFormat

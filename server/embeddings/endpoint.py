@@ -20,9 +20,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from engine.outputs import RequestOutput
-from engine.pooling.params import PoolingParams
-from engine.sampling.params import SamplingParams
+from engine.params.pooling import PoolingParams
+from engine.params.sampling import SamplingParams
+from engine.request_output import RequestOutput
 from engine.scheduling.admission import FieldValueError, check_limits
 from server.embeddings.prompts import cosine, rerank_ids, yes_probability
 from server.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest

@@ -8,7 +8,7 @@ import struct
 import time
 from typing import Any
 
-from engine.outputs import RequestOutput
+from engine.request_output import RequestOutput
 
 
 def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -7,19 +7,12 @@
 - ``GET /kv/events``: server-sent events, ``event: state`` with the same document whenever it
   changed (polled every ``interval`` seconds, 0.1..10, default 0.5). Each stream ends by itself
   after :data:`STREAM_LIFETIME` seconds with ``retry: RETRY_MS``: an EventSource reconnects
-  after that many milliseconds and gets the current state at once.
+  after that many milliseconds and gets the current state at once. The lifetime bounds what a
+  stream costs the engine thread (a snapshot per interval) under ``--limit-concurrency``; at
+  the limit the reconnect gets the 503 and the page falls back to polling ``/kv/state``.
 
 With ``--api-key`` all three need the key (a header, or ``?key=`` since a browser cannot send a
-header for a page or an EventSource: server/auth.py). A snapshot costs the engine thread about
-a millisecond per few thousand blocks, once per interval per open page.
-
-Why a bounded lifetime rather than exempting the stream from ``--limit-concurrency`` as
-``/health`` is: an open stream is a request in flight *and* an open connection, and each costs
-the engine thread a snapshot per interval, so an exempt stream would be an unbounded cost that
-the limit no longer caps. Bounded, a page holds its slot for at most :data:`STREAM_LIFETIME`
-seconds at a time; when the server is at its limit the reconnect gets the 503, the EventSource
-closes and the page falls back to polling ``/kv/state``, which holds no slot between polls.
-"""
+header for a page or an EventSource: server/auth.py)."""
 
 from __future__ import annotations
 

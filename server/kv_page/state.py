@@ -1,32 +1,14 @@
 """``/kv/state``'s JSON: a :class:`engine.kv_cache.snapshot.KVSnapshot` as plain data, with the
 shared prefixes' first tokens as text and the §3.1 arithmetic for the running configuration.
 
-The document (``"version": 1``; every count in blocks unless named ``*_tokens`` / ``*bytes``)::
-
-    seq_no, time                 snapshot number (grows by one each) and unix time
-    block_size, prefix_caching
-    tiers: [{name, num_blocks, free, cached_free, used, cached}]   device first; host, disk
-                                 when present (free + cached_free + used == num_blocks)
-    blocks: "ffuusc..."          one letter per device block: f free, c cached and evictable,
-                                 u in use, s in use and shared (``legend`` spells them out)
-    requests: [{seq_id, request_id, num_tokens, num_computed_tokens, num_blocks, block_ids,
-                num_shared_blocks, shared_tokens, num_cached_tokens, swapped,
-                groups: [{group, num_blocks, block_ids}]}]      num_blocks: every group's;
-                                 block_ids: group 0's; ``groups`` empty unless hybrid
-    kv_groups: [{group, num_layers, window}]   hybrid KV layouts (one table per group and
-                                 sequence over the one pool); empty otherwise
-    prefix_cache: {queries_tokens, hits_tokens, hit_rate,
-                   top: [{num_tokens, num_requests, text}]}      the largest shared prefixes
-    counters: {evictions, spills, loads, offloads, host_evictions}   cumulative
-    arithmetic: {num_layers, num_kv_heads, head_dim, kv_cache_dtype, row_bytes,
-                 bytes_per_token, bytes_per_block, formula, max_model_len,
-                 bytes_per_max_len_seq, live_tokens, reserved_tokens, live_fraction}
-                                 live_tokens: slots of device blocks holding computed KV (a
-                                 shared block once); reserved_tokens: used blocks x block_size
+The document (``"version": 1``; every count in blocks unless named ``*_tokens`` / ``*bytes``)
+is spelled out key by key on :func:`state_document`: the snapshot's number and time, each KV
+tier's block counts (device first), one letter per device block, every request's blocks, the
+hybrid KV groups, the prefix cache's hits and largest shared prefixes, cumulative counters and
+the bytes-per-token arithmetic.
 
 ``/kv/events`` sends the same document as ``event: state`` whenever it changed (checked every
-``interval`` seconds), and ``: ping`` comments in between.
-"""
+``interval`` seconds), and ``: ping`` comments in between."""
 
 from __future__ import annotations
 
@@ -39,8 +21,31 @@ VERSION = 1
 
 
 def state_document(snap: KVSnapshot, decode: Callable[[tuple[int, ...]], str]) -> dict[str, Any]:
-    """The JSON-able document of ``snap`` (module docstring); ``decode`` turns token ids into
-    text (the page escapes it: it is inserted as text, never as HTML)."""
+    """The JSON-able document of ``snap``; ``decode`` turns token ids into text (the page
+    escapes it: it is inserted as text, never as HTML). The document (``"version": 1``; every
+    count in blocks unless named ``*_tokens`` / ``*bytes``)::
+
+        seq_no, time                 snapshot number (grows by one each) and unix time
+        block_size, prefix_caching
+        tiers: [{name, num_blocks, free, cached_free, used, cached}]   device first; host, disk
+                                     when present (free + cached_free + used == num_blocks)
+        blocks: "ffuusc..."          one letter per device block: f free, c cached and
+                                     evictable, u in use, s in use and shared (``legend``)
+        requests: [{seq_id, request_id, num_tokens, num_computed_tokens, num_blocks, block_ids,
+                    num_shared_blocks, shared_tokens, num_cached_tokens, swapped,
+                    groups: [{group, num_blocks, block_ids}]}]      num_blocks: every group's;
+                                     block_ids: group 0's; ``groups`` empty unless hybrid
+        kv_groups: [{group, num_layers, window}]   hybrid KV layouts (one table per group and
+                                     sequence over the one pool); empty otherwise
+        prefix_cache: {queries_tokens, hits_tokens, hit_rate,
+                       top: [{num_tokens, num_requests, text}]}      the largest shared prefixes
+        counters: {evictions, spills, loads, offloads, host_evictions}   cumulative
+        arithmetic: {num_layers, num_kv_heads, head_dim, kv_cache_dtype, row_bytes,
+                     bytes_per_token, bytes_per_block, formula, max_model_len,
+                     bytes_per_max_len_seq, live_tokens, reserved_tokens, live_fraction}
+                                     live_tokens: slots of device blocks holding computed KV (a
+                                     shared block once); reserved_tokens: used blocks x block_size
+    """
     g = snap.geometry
     bs = g.block_size
     seqs = [{

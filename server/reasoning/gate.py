@@ -1,4 +1,4 @@
-"""The thinking gate of one chat request (engine/sampling/thinking.py), built from its rendered
+"""The thinking gate of one chat request (engine/params/thinking.py), built from its rendered
 prompt.
 
 A request gets a gate when its output may open with a thought and something must happen at the
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling.params import SamplingParams
-from engine.sampling.thinking import ThinkingGate
+from engine.params.sampling import SamplingParams
+from engine.params.thinking import ThinkingGate
 from server.reasoning.formats import ReasoningFormat
 
 

@@ -1,27 +1,11 @@
-"""Items of the Responses API: a request's ``input`` read into normalised items, items turned
-into chat messages (the conversation the chat template renders), and a finished output turned
-into output items.
-
-Input items (each break is a ``FieldError`` naming ``input.<i>...``):
-
-* a string ``input``: one user message;
-* a message, ``{"role": "user"|"system"|"developer"|"assistant", "content": str | [parts]}``
-  (``"type": "message"`` optional); text parts only (``input_text``, ``output_text``, ``text``,
-  ``refusal``): images, files and audio are refused;
-* ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the model made;
-* ``{"type": "function_call_output", "call_id", "output"}``: its result (text, or text parts);
-* ``{"type": "reasoning", "content": [{"type": "reasoning_text", "text"}], "summary": [...]}``:
-  a thought the model had; it becomes the next assistant message's ``reasoning_content``, which
-  the chat template renders where it takes it (Qwen3's does for the turn in progress) and
-  ignores otherwise. Its text is the ``reasoning_text`` parts, else the summary's texts; an item
-  with no text (empty, or only ``encrypted_content``) is left out.
+"""Items of the Responses API: a request's ``input`` read into normalised items
+(:func:`read_input`, which lists the accepted shapes), items turned into chat messages (the
+conversation the chat template renders: :func:`chat_messages`), and a finished output turned
+into output items (:func:`output_items`).
 
 Normalised items are the API's own shapes, each with an ``id`` (kept when given): what
-``GET /v1/responses/{id}/input_items`` lists. ``chat_messages`` turns items (input and output
-alike) into ``/v1/chat/completions`` messages: a function_call joins the assistant message
-before it (the model's text, then its calls) or opens one; a function_call_output becomes a
-``tool`` message.
-"""
+``GET /v1/responses/{id}/input_items`` lists. Text parts only: images, files and audio are
+refused, each break a ``FieldError`` naming ``input.<i>...``."""
 
 from __future__ import annotations
 
@@ -42,7 +26,21 @@ def item_id(prefix: str) -> str:
 
 
 def read_input(value: Any) -> list[dict[str, Any]]:
-    """The request's ``input`` as normalised items (see the module's docstring)."""
+    """The request's ``input`` as normalised items (each break a ``FieldError`` naming
+    ``input.<i>...``):
+
+    * a string ``input``: one user message;
+    * a message, ``{"role": "user"|"system"|"developer"|"assistant", "content": str | [parts]}``
+      (``"type": "message"`` optional); text parts only (``input_text``, ``output_text``,
+      ``text``, ``refusal``): images, files and audio are refused;
+    * ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the model made;
+    * ``{"type": "function_call_output", "call_id", "output"}``: its result (text, or parts);
+    * ``{"type": "reasoning", "content": [{"type": "reasoning_text", "text"}], "summary":
+      [...]}``: a thought the model had; it becomes the next assistant message's
+      ``reasoning_content``, which the chat template renders where it takes it (Qwen3's does
+      for the turn in progress) and ignores otherwise. Its text is the ``reasoning_text``
+      parts, else the summary's texts; an item with no text (empty, or only
+      ``encrypted_content``) is left out."""
     if isinstance(value, str):
         return [_message("user", value, None)]
     if not isinstance(value, list):
@@ -137,7 +135,9 @@ def message_text(item: dict[str, Any]) -> str:
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Normalised items (input or output) as ``/v1/chat/completions`` messages."""
+    """Normalised items (input or output) as ``/v1/chat/completions`` messages: a
+    function_call joins the assistant message before it (the model's text, then its calls) or
+    opens one; a function_call_output becomes a ``tool`` message."""
     out: list[dict[str, Any]] = []
     thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for item in items:

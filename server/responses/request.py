@@ -5,18 +5,14 @@ A Responses request is served by the chat machinery: ``chat_body`` writes the co
 and the options as a ``/v1/chat/completions`` body, so the chat template, tool calling and
 structured outputs behave exactly as they do there.
 
-Accepted and honoured: ``model``, ``input``, ``instructions``, ``previous_response_id``,
-function ``tools`` (``{"type": "function", "name", "description"?, "parameters"?,
-"strict"?}``), ``tool_choice`` (``none`` | ``auto`` | ``required`` | ``{"type": "function",
-"name"}``), ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``,
+Honoured: ``model``, ``input``, ``instructions``, ``previous_response_id``, function ``tools``,
+``tool_choice``, ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``,
 ``json_schema``), ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``store``,
-``metadata``, ``user``; vLLM's sampling extras (``seed``, ``top_k``, ...) pass through.
-Accepted with no effect: ``include`` (only ``[]``), ``reasoning``, ``max_tool_calls`` (it bounds
-built-in tools, of which there are none), ``truncation: "disabled"``, ``service_tier``,
-``prompt_cache_key`` and the like. Refused with a 400: built-in tools (web search, file search,
-computer use, MCP, ...), ``background``, ``conversation``, ``prompt`` (stored prompts),
-``truncation: "auto"``, ``top_logprobs``, other ``include`` values.
-"""
+``metadata``, ``user``; vLLM's sampling extras pass through. Accepted with no effect:
+``include`` (only ``[]``), ``reasoning``, ``max_tool_calls``, ``truncation: "disabled"``,
+``service_tier``, ``prompt_cache_key`` and the like. Refused with a 400: built-in tools,
+``background``, ``conversation``, ``prompt``, ``truncation: "auto"``, ``top_logprobs``, other
+``include`` values."""
 
 from __future__ import annotations
 

@@ -1,29 +1,18 @@
 """The response object of the Responses API, whole or as its stream of typed events.
 
-A response is ``completed``, or ``incomplete`` with ``incomplete_details.reason
-"max_output_tokens"`` when ``max_output_tokens`` cut it, or ``failed`` (streams only: the engine
-failed mid-way; a non-streamed failure is an HTTP error). ``output`` holds the model's text as
-one assistant ``message`` (when it wrote text, or made no call) and a ``function_call`` item per
-call, parsed as on ``/v1/chat/completions``. ``usage``: ``input_tokens`` (with
-``input_tokens_details.cached_tokens``, the prompt tokens the prefix cache served),
-``output_tokens``, ``total_tokens``.
+A response is ``completed``, ``incomplete`` (``incomplete_details.reason "max_output_tokens"``)
+or ``failed`` (streams only; a non-streamed failure is an HTTP error).
+``output``: a ``reasoning`` item first when a reasoning parser split a thought off, the model's
+text as one assistant ``message`` (when it wrote text, or made no call), a ``function_call``
+item per call (parsed as on ``/v1/chat/completions``). ``usage``: ``input_tokens`` (with
+``input_tokens_details.cached_tokens``), ``output_tokens`` (with
+``output_tokens_details.reasoning_tokens``), ``total_tokens``.
 
 A stream is ``event: <type>`` / ``data: {json}`` pairs, each with a growing
-``sequence_number``, and no ``[DONE]``: ``response.created``, ``response.in_progress``; per
-message ``response.output_item.added``, ``response.content_part.added``,
-``response.output_text.delta``..., ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done``; per call
-``response.output_item.added``, ``response.function_call_arguments.delta``,
-``response.function_call_arguments.done``, ``response.output_item.done``; then
-``response.completed`` (or ``response.incomplete``, or ``response.failed`` with the error).
-
-With a reasoning parser (server/reasoning) a thought comes first as a ``reasoning`` item
-(``content: [{"type": "reasoning_text", "text"}]``, ``summary: []``), streamed as
-``response.output_item.added``, ``response.reasoning_text.delta``...,
-``response.reasoning_text.done``, ``response.output_item.done``; its tokens are
-``usage.output_tokens_details.reasoning_tokens``. Reasoning items given back as input are left
-out of the prompt (the templates of these models drop past thoughts).
-"""
+``sequence_number``, and no ``[DONE]``: ``response.created``, ``response.in_progress``, then per
+item ``response.output_item.added``, its deltas (``output_text``, ``reasoning_text``,
+``function_call_arguments``; a message's inside its ``content_part``) and ``.done`` events,
+``response.output_item.done``; then ``response.completed`` (or ``.incomplete``, ``.failed``)."""
 
 from __future__ import annotations
 
@@ -32,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import RequestOutput
+from engine.request_output import RequestOutput
 from server.errors import APIError
 from server.reasoning.fields import reasoning_tokens
 from server.reasoning.formats import ReasoningFormat

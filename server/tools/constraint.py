@@ -1,35 +1,23 @@
 """The constraint on a request's tool calls: xgrammar's structural tag for the format
 (``xgrammar.get_model_structural_tag``: ``qwen_3`` for hermes, ``llama``, ``qwen_3_coder``,
-``deepseek_r1`` for deepseek_v3, ``deepseek_v3_1`` for deepseek_v31; for mistral, which
-xgrammar has no tag for, ``mistral_tag`` built the same way; a format's own
-``structural_tag``, harmony's, before either), as a ``StructuredSpec`` the engine compiles and
-caches like any other constraint.
+``deepseek_r1`` for deepseek_v3, ``deepseek_v3_1`` for deepseek_v31; ``mistral_tag`` for
+mistral, which xgrammar has no tag for; a format's own ``structural_tag``, harmony's, first),
+as a ``StructuredSpec`` the engine compiles and caches like any other constraint.
 
-* ``auto``: free text until the format's trigger (``<tool_call>``, ``{"name": ``,
-  ``[TOOL_CALLS]``), then the call, its arguments constrained to the tool's ``parameters``
-  schema; then free text again;
-* ``required``: as auto, with at least one call before the output may end;
-* a named function: exactly one call of that function;
-* ``parallel_tool_calls: false``: the output ends after the first call;
-* ``none``: no constraint.
-
-Mistral's calls are one ``[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]`` array (a space
-may follow the marker; calls are separated by ``", "``), which ends the output when it is
-required, named or the only call allowed; in the v11 form, ``[TOOL_CALLS]name[ARGS]{...}``
-per call, like hermes' blocks. ``required`` and a named function start with the marker (no
-text first).
-
-Inside the arguments at most ``MAX_WHITESPACE`` whitespace characters come in a row.
-
-The reasoning block of thinking models is not constrained (``reasoning="disabled"``) and their
-think tags may appear in the free text.
-"""
+``auto``: free text until the format's trigger, then the call with its arguments held to the
+tool's ``parameters`` schema, then free text again; ``required``: as auto, at least one call
+before the output may end, and no text first; a named function: exactly one call of it, no text
+first; ``parallel_tool_calls: false``: the output ends after the first call; ``none``: no
+constraint. Mistral's array form ends the output when it is required, named or the only call
+allowed; its v11 form is per call, like hermes' blocks. Inside the arguments at most
+``MAX_WHITESPACE`` whitespace characters come in a row. The reasoning block of thinking models
+is not constrained (``reasoning="disabled"``) and their think tags may appear in free text."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.structured.spec import StructuredSpec
+from engine.params.structured import StructuredSpec
 from server.tools.base import ToolCallFormat
 from server.tools.mistral import MistralFormat
 from server.tools.request import ToolSet

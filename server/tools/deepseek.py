@@ -1,20 +1,16 @@
 """``deepseek_v3`` and ``deepseek_v31`` (vLLM's names): DeepSeek's calls, all in one block
-between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>`` (special tokens of DeepSeek's
-tokenizers: the output is decoded with special tokens kept), one
-``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` per call:
+between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>`` (special tokens: the output is
+decoded with special tokens kept), one ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` per call:
 
-* V3 (and R1, whose template writes the same):
-  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``,
-  calls separated by a newline; xgrammar's ``deepseek_r1`` tag;
-* V3.1 (and V3.2-Exp): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``,
-  calls back to back; xgrammar's ``deepseek_v3_1`` tag.
+* V3 (and R1): ``function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``, calls
+  separated by a newline; xgrammar's ``deepseek_r1`` tag;
+* V3.1 (and V3.2-Exp): ``NAME<｜tool▁sep｜>{...}``, calls back to back; ``deepseek_v3_1`` tag.
 
 Both forms are read whichever the model writes; the format's name decides which kvserve writes
-(the default prompt) and constrains. A block counts when every call in it is complete (a block
-cut short by the end of the output keeps its finished calls only if nothing follows them but
-whitespace). DeepSeek's official templates join a past call's ``arguments`` to text, so they
-get the JSON text; a template that writes them ``|tojson`` (vLLM's newer example) gets a dict.
-"""
+and constrains. A block counts when every call in it is complete (a block cut short by the end
+of the output keeps its finished calls only if nothing follows them but whitespace). Past calls
+reach the template with ``arguments`` as JSON text (DeepSeek's official templates join it to
+text; a template that writes them ``|tojson`` gets a dict)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,18 @@
 """Tool-call output formats: how a model writes a call, named as vLLM's ``--tool-call-parser``.
 
-* ``hermes`` (Hermes 2 Pro, Qwen2.5, Qwen3; kvserve's default): one block per call,
-  ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``; xgrammar's ``qwen_3`` tag.
-* ``llama3_json`` (Llama 3.1+): a bare JSON object per call, ``{"name": "f", "parameters":
-  {...}}``, optionally after ``<|python_tag|>``; xgrammar's ``llama`` tag.
-* ``mistral`` (Mistral, Mixtral, Mistral Nemo/Small): ``[TOOL_CALLS]`` and then either a JSON
-  array of calls, ``[{"name": "f", "arguments": {...}}, ...]`` (tokenizers before v11; one
-  block, several calls), or, from tokenizer v11 on, ``name[ARGS]{...}`` (one ``[TOOL_CALLS]``
-  per call; an ``[CALL_ID]id`` before ``[ARGS]`` is skipped). Both are parsed whichever the
-  model writes; kvserve writes and constrains the form the chat template shows (``[ARGS]`` in
-  it: v11, else the array). xgrammar has no tag for it: server/tools/constraint.py builds one.
-  ``[TOOL_CALLS]`` is a special token, so the output is decoded with special tokens kept
-  (server/tools/mistral.py).
-
-* ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): ``<tool_call>\n<function=f>\n<parameter=a>\n
-  value\n</parameter>\n</function>\n</tool_call>``, values typed by the tool's schema
-  (server/tools/qwen3_coder.py).
-* ``deepseek_v3`` (DeepSeek V3, R1) and ``deepseek_v31`` (V3.1, V3.2-Exp): the calls between
-  ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>`` (server/tools/deepseek.py).
-* ``openai`` (gpt-oss): harmony's channels, analysis / commentary to ``functions.f`` / final
-  (server/tools/harmony.py).
-* ``granite`` (Granite 3.x: ``<|tool_call|>[...]``) and ``phi4_mini_json`` (Phi-4-mini:
-  ``functools[...]``): a marker and a JSON array of calls, as mistral's array
-  (server/tools/json_array.py).
+* ``hermes`` (kvserve's default; Hermes 2 Pro, Qwen2.5, Qwen3): ``<tool_call>{json}</tool_call>``
+  per call; ``llama3_json`` (Llama 3.1+): a bare ``{"name", "parameters"}`` object;
+* ``mistral``: ``[TOOL_CALLS]`` then a JSON array of calls (tokenizers before v11) or
+  ``name[ARGS]{...}`` per call (v11+); both read, the template's form written and constrained;
+* ``qwen3_coder`` (server/tools/qwen3_coder.py), ``deepseek_v3`` / ``deepseek_v31``
+  (server/tools/deepseek.py), ``openai`` (gpt-oss's harmony channels: server/tools/harmony.py),
+  ``granite`` and ``phi4_mini_json`` (a marker and a JSON array: server/tools/json_array.py).
 
 A format (server/tools/base.py) knows the strings that open a call, where a call block ends,
-how to read one and how to write a message's calls. ``choose_format`` picks one for a chat
-template when the operator names none.
-"""
+how to read one and how to write a message's calls; each format's docstring or class spells
+out its syntax and its xgrammar tag (server/tools/constraint.py). ``choose_format`` picks one
+for a chat template when the operator names none. Formats whose markers are special tokens
+decode the output with special tokens kept."""
 
 from __future__ import annotations
 

@@ -1,37 +1,17 @@
-"""``openai`` (vLLM's name; gpt-oss): OpenAI's harmony format. The output is a run of messages,
-the first continuing the prompt's ``<|start|>assistant``, each later one opened by
-``<|start|>assistant``:
+"""``openai`` (vLLM's name; gpt-oss): OpenAI's harmony format, a run of messages, each later one
+opened by ``<|start|>assistant``::
 
     <|channel|>analysis<|message|>...thinking...<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
-        {...}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
     <|start|>assistant<|channel|>final<|message|>...answer...<|return|>
 
-A message's header (before ``<|message|>``) names its channel and, for a call, its recipient
-(``to=functions.NAME``, before or after the channel); its body runs to ``<|end|>``,
-``<|call|>`` or ``<|return|>`` (or to the end of the output: gpt-oss stops on ``<|call|>`` and
-``<|return|>``, which may not reach the text). The channels, as vLLM maps them:
-
-* ``analysis``: the reasoning (``reasoning_content``), kept apart from the content;
-* a message to ``functions.NAME`` (on ``commentary``, or any channel): a tool call, its body the
-  arguments' JSON (a body that is no JSON object, or a name not among the tools, is dropped);
-* ``final``, and ``commentary`` with no recipient (a preamble to the user): the content.
-
-Text before any header (a model that writes no harmony at all) is content. The markers are
-special tokens of gpt-oss's tokenizer: the output is decoded with special tokens kept.
-
-The messages are read from the decoded text (server/tools/harmony_text.py, which says why not
-with ``openai-harmony``), as events by server/tools/harmony_parser.py.
-
-The constraint (``structural_tag``): an optional analysis message, then for ``auto`` a final
-message or calls, for ``required`` calls, for a named function that function's call; each call
-is ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`` with the arguments
-held to the tool's schema, then ``<|call|>`` or the end of the output (gpt-oss's ``<|call|>``
-and ``<|return|>`` are stop tokens, which a constraint allows only where the output may end, so
-a message may end there; the text never holds them then); free text (the analysis, a final
-answer) holds no harmony marker. (xgrammar's own ``harmony`` tag lets ``required`` end with no
-call when the analysis channel is allowed, and forbids the analysis otherwise.)
-"""
+A header names the channel and, for a call, its recipient; a body runs to ``<|end|>``,
+``<|call|>``, ``<|return|>`` or the end of the output. As vLLM maps them: ``analysis`` is the
+reasoning; a message to ``functions.NAME`` a tool call (its body the arguments' JSON; a body that
+is no JSON object, or an unknown name, is dropped); ``final`` and ``commentary`` with no
+recipient, and text before any header, the content. Markers are special tokens: the output is
+decoded with them kept. Read from the decoded text (server/tools/harmony_text.py), as events by
+server/tools/harmony_parser.py; the constraint is :func:`harmony_tag`'s."""
 
 from __future__ import annotations
 
@@ -88,7 +68,15 @@ class HarmonyFormat(ToolCallFormat):
 
 
 def harmony_tag(tools: Any) -> Any:
-    """The structural tag for a ``ToolSet`` (see the module's docstring)."""
+    """The structural tag for a ``ToolSet``: an optional analysis message, then for ``auto`` a
+    final message or calls, for ``required`` calls, for a named function that function's call;
+    each call is ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`` with
+    the arguments held to the tool's schema, then ``<|call|>`` or the end of the output
+    (gpt-oss's ``<|call|>`` and ``<|return|>`` are stop tokens, which a constraint allows only
+    where the output may end, so a message may end there; the text never holds them then); free
+    text (the analysis, a final answer) holds no harmony marker. (xgrammar's own ``harmony`` tag
+    lets ``required`` end with no call when the analysis channel is allowed, and forbids the
+    analysis otherwise.)"""
     from xgrammar import structural_tag as st
 
     chosen = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]

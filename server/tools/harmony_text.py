@@ -6,7 +6,7 @@ its constraint). ``HarmonyReader`` reads a stream into body deltas and finished 
 ``openai-harmony``'s ``StreamableParser`` reads the same messages from harmony token ids, but it
 needs its o200k vocabulary file (downloaded on first use, ``TIKTOKEN_ENCODINGS_BASE`` offline)
 and gpt-oss's own token ids, while kvserve's parsers read the detokenised text of any tokenizer;
-so the messages are read from the text here, and tests/unit/test_tool_formats_harmony.py checks
+so the messages are read from the text here, and tests/server/tools/test_tool_formats_harmony.py checks
 this reader against ``StreamableParser`` where the vocabulary loads.
 """
 

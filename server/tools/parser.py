@@ -1,30 +1,18 @@
 """The model's text back into OpenAI tool calls, whole (``parse_tool_calls``) or as it streams
 (``StreamingToolParser``); both give the same result for the same text.
 
-The rules, for a format (``server.tools.formats``) and the request's tool names:
-
-* a call is a block opened by one of the format's markers that decodes to a known function
-  name and an arguments object; a block cut short by the end of the output still counts when
-  what it holds is complete JSON; a block may hold several calls (mistral's JSON array), which
-  count only if all of them do;
-* a block that is not a call (malformed JSON, an unknown name) is plain text;
-* ``content`` is the text before the first call, its trailing whitespace dropped (None when
-  nothing is left); text after the first call that is not a call is dropped;
-* with no call at all, the content is the whole text, unchanged.
-
-While streaming, text that could still be the start of a marker, and whitespace that could
-precede a call, is held back until what follows decides it: a marker's raw text never reaches
-the content of a valid call.
-
-``names`` may carry the tools' parameter schemas (``server.tools.request.ToolNames``, what
-``ToolSet.names`` gives): formats that write untyped values (qwen3_coder) type them by it.
-
-A format with a parser of its own (``ToolCallFormat.parser_class``: harmony's channels) gets
-it from ``StreamingToolParser(fmt, names)``; ``HarmonyToolParser`` (harmony_parser.py) gives
-the final channel as
-content (with or without calls), the calls to the tools, and the analysis channel as reasoning
-(``take_reasoning()``; not content).
-"""
+For a format (``server.tools.formats``) and the request's tool names: a call is a block opened
+by one of the format's markers that decodes to a known function name and an arguments object
+(a block cut short by the end of the output counts when what it holds is complete JSON; a block
+of several calls counts only if all of them do); any other block is plain text. ``content`` is
+the text before the first call, trailing whitespace dropped (None when empty); text after the
+first call that is not a call is dropped; with no call the content is the whole text.
+While streaming, text that could still start a marker, and whitespace that could precede a
+call, is held back until what follows decides it. ``names`` may carry the tools' parameter
+schemas (``ToolSet.names``) to type untyped values (qwen3_coder). A format with a parser of
+its own (``ToolCallFormat.parser_class``: harmony's ``HarmonyToolParser``) gets it from
+``StreamingToolParser(fmt, names)``; it gives the analysis channel as reasoning
+(``take_reasoning()``), not content."""
 
 from __future__ import annotations
 

@@ -2,26 +2,17 @@
 
 A template that references ``tools`` renders them itself (HF ``apply_chat_template`` style):
 it gets ``tools=[...]`` (OpenAI's function-tool objects), assistant messages with
-``tool_calls`` (``function.arguments`` as a dict where the JSON string holds an object, as HF
-templates expect, or as the text for a template that joins it to text, DeepSeek's; ``content``
-"" when null) and ``tool`` messages with ``tool_call_id``,
-``name`` (the called function) and ``content``. Call ids reach the template as the format
-writes them (mistral's: 9 letters and digits, which its templates insist on).
+``tool_calls`` (``function.arguments`` a dict where the JSON string holds an object, or the
+text for a template that joins it to text, DeepSeek's; ``content`` "" when null) and ``tool``
+messages with ``tool_call_id``, ``name`` and ``content``. Call ids reach the template as the
+format writes them (mistral's: 9 letters and digits).
 
-A template that does not (the embedded SmolLM2's ChatML) gets kvserve's default tool prompt,
-all in plain messages:
-
-* a system preamble, ``DEFAULT_PREAMBLE``: the tools as JSON lines inside ``<tools></tools>``
-  and how to call one: for ``hermes`` a ``<tool_call>\\n{"name": ..., "arguments": ...}\\n
-  </tool_call>`` block per call, for ``llama3_json`` a bare ``{"name": ..., "parameters":
-  ...}`` object, for ``mistral`` ``[TOOL_CALLS]`` and a JSON array of ``{"name": ...,
-  "arguments": ...}`` calls (``[TOOL_CALLS]name[ARGS]{...}`` per call in its v11 form), for
-  the others as the format writes a call (``ToolCallFormat.how_to_call``);
-  appended to the first system message, or a system message of its own first;
-* an assistant message's calls written into its content the same way, after its text;
-* ``tool`` messages as a user turn of ``<tool_response>\\n...\\n</tool_response>`` blocks
-  (consecutive results in one turn).
-"""
+A template that does not (the embedded SmolLM2's ChatML) gets kvserve's default tool prompt in
+plain messages: ``DEFAULT_PREAMBLE`` (the tools as JSON lines inside ``<tools></tools>`` and
+how the format writes a call: ``ToolCallFormat.how_to_call``) appended to the first system
+message or as one of its own first; an assistant message's calls written into its content the
+same way, after its text; ``tool`` messages as one user turn of ``<tool_response>`` blocks per
+run of consecutive results."""
 
 from __future__ import annotations
 

@@ -11,20 +11,8 @@
 
 one ``<tool_call>`` block per call (a bare ``<function=...>...</function>`` is read too, as
 vLLM's parser does). A value is the text between its tags, less one whitespace character at
-each end (the newlines the model writes there); it is converted to the type the tool's JSON
-schema gives the parameter, as vLLM's ``qwen3_coder`` parser does:
-
-* ``string`` (or a type list holding it, or no schema for the parameter): the text as is;
-* ``null`` (any case) for a parameter that is not only a string: None;
-* ``integer``: an int; ``number``: an int when integral, else a float; ``boolean``:
-  ``true``/``false`` (any case);
-* ``object`` / ``array`` (and anything else): JSON, else a Python literal, else the text;
-* an ``enum`` or ``const`` without a type: the JSON value when it is one of them, else the
-  text;
-* a value that does not convert stays the text (and the call still counts).
-
-The constraint is xgrammar's ``qwen_3_coder`` tag (its ``qwen_xml`` JSON-schema style).
-"""
+each end, converted to the type the tool's JSON schema gives the parameter as vLLM's parser
+does (:func:`convert_value`). The constraint is xgrammar's ``qwen_3_coder`` tag."""
 
 from __future__ import annotations
 
@@ -125,7 +113,16 @@ def _types(schema: Mapping[str, Any]) -> list[str]:
 
 def convert_value(raw: str, schema: Any) -> Any:
     """A raw parameter value as the type ``schema`` (the parameter's JSON schema, None when
-    the tool does not declare it) gives it; see the module's docstring."""
+    the tool does not declare it) gives it, as vLLM's ``qwen3_coder`` parser does:
+
+    * ``string`` (or a type list holding it, or no schema for the parameter): the text as is;
+    * ``null`` (any case) for a parameter that is not only a string: None;
+    * ``integer``: an int; ``number``: an int when integral, else a float; ``boolean``:
+      ``true``/``false`` (any case);
+    * ``object`` / ``array`` (and anything else): JSON, else a Python literal, else the text;
+    * an ``enum`` or ``const`` without a type: the JSON value when it is one of them, else the
+      text;
+    * a value that does not convert stays the text (and the call still counts)."""
     if not isinstance(schema, Mapping):
         return raw
     types = _types(schema)

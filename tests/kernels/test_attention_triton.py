@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_storage.formats import dequantize_rows, kv_format, quantize_rows
+from engine.kv_format.formats import dequantize_rows, kv_format, quantize_rows
 from tests.kernels.conftest import DEVICE, make_block_tables
 
 pytest.importorskip("triton")

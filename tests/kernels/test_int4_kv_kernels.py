@@ -1,4 +1,4 @@
-"""int4 KV pools in the Triton kernels against the PyTorch format (engine/kv_storage/formats.py).
+"""int4 KV pools in the Triton kernels against the PyTorch format (engine/kv_format/formats.py).
 
 The kernels work in the rotated basis: ``store_kv`` packs rows it is given already rotated, and
 the attention kernels read the pool as plain 4-bit rows (``dequantize_int4_plain``). So:
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_storage.formats import _quantize_int4, dequantize_int4_plain, int4_row_width
+from engine.kv_format.formats import _quantize_int4, dequantize_int4_plain, int4_row_width
 from tests.kernels.conftest import DEVICE, make_paged_case
 
 pytest.importorskip("triton")

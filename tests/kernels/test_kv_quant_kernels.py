@@ -1,8 +1,8 @@
 """8-bit KV pools in the Triton kernels (``store_kv``, ``paged_decode_attention``,
-``paged_attention``, ``copy_blocks``) against the PyTorch format of engine/kv_storage/formats.py
+``paged_attention``, ``copy_blocks``) against the PyTorch format of engine/kv_format/formats.py
 and the float reference kernels run over the dequantised pool.
 
-The quantisation error itself is the format's business (tests/unit/test_kv_quant.py); here the
+The quantisation error itself is the format's business (tests/engine/kv_format/test_kv_quant.py); here the
 kernels must read exactly what the format stores: attention over an int8/fp8 pool equals the
 reference attention over that pool dequantised, to float32 rounding.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_storage.formats import dequantize_rows, kv_format, quantize_rows
+from engine.kv_format.formats import dequantize_rows, kv_format, quantize_rows
 from tests.kernels.conftest import DEVICE, make_paged_case
 
 pytest.importorskip("triton")

@@ -17,10 +17,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.loading.generation_defaults import GenerationDefaults
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
+from engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.scheduling.admission import check_num_seqs, check_priority
 from engine.stats import EngineStats
 

@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.serve import free_port
+from loadgen.serve import free_port
 
 
 class ServerThread:

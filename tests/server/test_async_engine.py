@@ -14,7 +14,7 @@ from engine.async_engine import (
     QueueFullError,
     RequestAbortedError,
 )
-from engine.sampling.params import SamplingParams
+from engine.params.sampling import SamplingParams
 from tests.server.fakes import FakeCore
 
 
@@ -267,7 +267,7 @@ def test_a_stalled_reader_holds_one_output_not_a_backlog(engine):
     """Outputs are cumulative: the stream keeps only the newest; the final is never lost."""
     import gc
 
-    from engine.outputs import RequestOutput
+    from engine.request_output import RequestOutput
 
     async def run():
         stream = engine.submit([65], SamplingParams(max_tokens=60), "stalled")
@@ -287,7 +287,7 @@ def test_a_stalled_reader_holds_one_output_not_a_backlog(engine):
 
 
 def test_an_error_supersedes_a_pending_output_and_is_never_dropped(engine):
-    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.request_output import CompletionOutput, RequestOutput
 
     async def run():
         engine.core.pause()

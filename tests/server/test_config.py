@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from server.cli import _settings, build_parser, main
 from server.config_file import ServerSettings, load_config_file, resolve
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import yaml
 
-from bench.serve import free_port
 from engine.async_engine import AsyncEngine
+from loadgen.serve import free_port
 from server.app import build_app
 from tests.server.fakes import FakeCore
 from tests.server.helpers import ServerThread

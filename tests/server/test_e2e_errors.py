@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.server.helpers import assert_error, sample, scrape
-from tests.sse_events import parse_events
+from tests.support.sse_events import parse_events
 
 pytestmark = pytest.mark.slow
 

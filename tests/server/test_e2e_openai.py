@@ -11,8 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.conftest import KV_CACHE_BYTES
 from tests.server.helpers import sample, scrape
+from tests.support.real_server import KV_CACHE_BYTES
 
 pytestmark = pytest.mark.slow
 

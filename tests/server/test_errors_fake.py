@@ -18,7 +18,7 @@ from server.app import build_app
 from server.config_file import ServerSettings
 from tests.server.fakes import FakeCore
 from tests.server.helpers import ServerThread, assert_error, sample, scrape
-from tests.sse_events import parse_events
+from tests.support.sse_events import parse_events
 
 
 def _serve(core: FakeCore, **settings):

@@ -122,7 +122,7 @@ print("triton imported:", "triton" in sys.modules)
 
 
 def test_converting_a_gguf_on_a_cpu_host_never_imports_triton(tmp_path):
-    from tests.models.conftest import _make_llama_gguf
+    from tests.support.tiny_models import _make_llama_gguf
 
     gguf = tmp_path / "tiny.gguf"
     _make_llama_gguf(gguf, tied=True, quantised=True)

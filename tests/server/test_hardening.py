@@ -16,14 +16,14 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.loading.tiny import byte_tokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.request_output import CompletionOutput, RequestOutput
 from server.app import begin_drain, build_app
 from server.cli import exposure_warning, uvicorn_config
 from server.config_file import ServerSettings
 from server.serving import merge_streams
 from tests.server.fakes import FAIL_PROMPT, FakeCore, FakeTokenizer
 from tests.server.helpers import ServerThread, assert_error
-from tests.sse_events import parse_events
+from tests.support.sse_events import parse_events
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.loading.tiny import make_tiny_model_dir
 from server.app import build_app
 from server.config_file import ServerSettings

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from engine.loading.tiny import make_tiny_model_dir
-from tests.kv_remote_redis import RedisServer
 from tests.server.helpers import sample, scrape, start_server_process
+from tests.support.kv_remote_redis import RedisServer
 
 pytestmark = pytest.mark.slow
 BS = 16

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.server.helpers import assert_error, sample, scrape, start_server_process
-from tests.sse_events import parse_events
+from tests.support.sse_events import parse_events
 
 pytestmark = pytest.mark.slow  # a real model; ~1 minute
 

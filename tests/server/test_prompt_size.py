@@ -18,7 +18,7 @@ from tests.server.helpers import assert_error, start_server_process
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 1024  # tests/server/conftest.py FLAGS
+MAX_MODEL_LEN = 1024  # tests/support/real_server.py FLAGS
 LONGEST = "\n" + " " * 80  # SmolLM2's longest token: 81 characters
 
 

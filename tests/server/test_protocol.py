@@ -8,13 +8,13 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from engine.outputs import Logprob
+from engine.request_output import Logprob
 from server.errors import format_validation_errors
 from server.logprobs import CompletionLogprobs, chat_logprobs
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.sse import DONE, event
 from tests.server.fakes import FakeTokenizer
-from tests.sse_events import parse_events
+from tests.support.sse_events import parse_events
 
 
 def _error(model, **body) -> tuple[str, str | None]:

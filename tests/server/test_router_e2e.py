@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.serve import free_port
 from engine.loading.tiny import make_tiny_model_dir
+from loadgen.serve import free_port
 from tests.server.helpers import start_server_process
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,10 @@ import threading
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_cache.disk.config import DiskTierConfig, parse_size
+from engine.config.kv_disk import DiskTierConfig, parse_size
 from engine.kv_cache.disk.store import DiskStore
 from engine.loading.tiny import make_tiny_model_dir
-from tests.unit.disk_blocks import BLOCK, block_hash, fill, payload, readable
+from tests.support.disk_blocks import BLOCK, block_hash, fill, payload, readable
 
 FP = hashlib.sha256(b"router-reset").digest()
 BS = 4

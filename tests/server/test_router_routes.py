@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.kv_events.config import KVEventsConfig
+from engine.config.kv_events import KVEventsConfig
 from server.app import build_app
 from server.config_file import ServerSettings
 from server.router_routes import resolve_endpoint

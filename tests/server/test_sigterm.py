@@ -18,7 +18,7 @@ import pytest
 from server.cli import ENGINE_DIED_EXIT_STATUS
 from tests.server.fake_server_main import DIE_PROMPT
 from tests.server.helpers import ROOT, assert_error, start_server_process
-from tests.sse_events import parse_events
+from tests.support.sse_events import parse_events
 
 
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:

@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.serve import free_port
 from engine.loading.tiny import make_tiny_model_dir
+from loadgen.serve import free_port
 from tests.server.helpers import sample, scrape
-from tests.sse_events import parse_events
+from tests.support.sse_events import parse_events
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

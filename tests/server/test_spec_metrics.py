@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.loading.tiny import make_tiny_model_dir
 from server.app import build_app
 from tests.server.helpers import ServerThread, sample, scrape

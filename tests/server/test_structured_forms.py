@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from engine.structured.spec import StructuredSpec
+from engine.params.structured import StructuredSpec
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

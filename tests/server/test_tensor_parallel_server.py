@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.serve import free_port
 from engine.loading.tiny import make_tiny_model_dir
+from loadgen.serve import free_port
 from server.cli import ENGINE_DIED_EXIT_STATUS
 from tests.server.helpers import start_server_process
 

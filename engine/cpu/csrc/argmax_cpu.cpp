@@ -2,10 +2,10 @@
 // first maximal value: torch.argmax's index, ties to the first, and for a row holding a NaN
 // the first NaN's (NaN counts as the maximum there, as in PyTorch).
 //
-// Why a kernel: right after the logits head has streamed its weights (178 MB for Gemma 3)
-// through the caches, every PyTorch op runs cold; the two-pass argmax of ATen ops
-// (engine/sampling/argmax.py) then took ~0.4 ms for one row of 262,144 logits where it takes
-// 0.07 ms warm. One call scans each row once: the row in segments of 32,768 logits split over
+// Why a kernel: right after the logits head has streamed its weights through the caches,
+// every PyTorch op runs cold, and the two-pass argmax of ATen ops (engine/sampling/argmax.py)
+// is several small ops (figures: docs/decisions.md#greedy-argmax). One call scans each row
+// once: the row in segments of 32,768 logits split over
 // the threads, each segment's lanes keeping their first maximum and its index (a later value
 // replaces it only when strictly greater), then the lanes and the segments combined in order
 // (the largest value; among equal ones, the lowest index): the first maximal index of the row.

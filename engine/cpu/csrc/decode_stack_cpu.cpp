@@ -1,7 +1,7 @@
 // The decoder layer stack of a decode step in one call (CPU, float32): for a step whose rows
 // are all decode rows (one new token per sequence, or the few rows of a short query against a
-// cached context), the Python layer loop costs ~50 us per layer in module calls, views and
-// argument checks around kernels that themselves take ~100 us; this runs the same loop in C++.
+// cached context), the Python layer loop's module calls, views and argument checks are a
+// large share of the step (docs/decisions.md#decode-stack); this runs the same loop in C++.
 //
 // It calls exactly the kernels the Python path calls, in the same order, on the same tensors
 // (engine/models/llama.py DecoderLayer.forward with FusedCpuOps and the torch attention
@@ -138,8 +138,8 @@ at::Tensor activation(const at::Tensor& gate_up, int64_t act) {
 // same ATen ops in the same order: the same bits. With M.concurrent the experts that got rows
 // run one per thread (each kernel call then has its thread alone: nested OpenMP regions get a
 // team of one), instead of one after another on every thread: a decode step's experts are
-// products of 1-2 rows over ~2 MB each with a barrier after it (measured: decode steps
-// 1.05-1.20x at 16 sequences, 1.02x at one, docs/performance.md). Each output column is one
+// products of 1-2 rows with a barrier after each (see docs/decisions.md#moe-experts-one-per-thread).
+// Each output column is one
 // thread's arithmetic either way (StackLinear::thread_invariant), and the routed outputs are
 // added in ascending expert order afterwards, so the bits do not change.
 at::Tensor moe_forward(const StackMoe& M, const at::Tensor& x) {
@@ -170,7 +170,8 @@ at::Tensor moe_forward(const StackMoe& M, const at::Tensor& x) {
   };
   std::exception_ptr failure;
   // One expert per thread, or a plain loop outside any OpenMP region: inside even an inactive
-  // region every kernel call measured ~4x slower (its team no longer the pooled one).
+  // region every kernel call is slower (its team no longer the pooled one;
+  // docs/decisions.md#moe-experts-one-per-thread).
   if (M.concurrent && U > 1 && !omp_in_parallel()) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < U; i++) {

@@ -1,6 +1,6 @@
 // int4 KV rows in C++ (engine/kv_storage/formats.py: int4_rotate and _quantize_int4), for the
 // decode stack's stores and its query/output rotations. Bit-identical to the Python functions
-// (tests/unit/test_cpu_int4_rows.py holds them to torch.equal): the same float32 operations in
+// (tests/kernels/cpu/test_cpu_int4_rows.py holds them to torch.equal): the same float32 operations in
 // the same order, each rounded to float32 as torch rounds it.
 //
 //   rotate:   per group of g elements (g = 32, or head_dim when head_dim % 32 != 0), the fast

@@ -1,7 +1,8 @@
 // Writes one step's K and V rows into the paged pools (CPU): pool row slots[t] of k_cache and
 // v_cache becomes row t of k and v; a negative slot is skipped (a row with nothing to keep).
-// One call for both pools replaces two index_copy_ calls per layer (~8 us each at decode sizes,
-// most of it dispatch). Rows are moved as bytes, so float32, bf16, int8 (scale in-row) and
+// One call for both pools replaces two index_copy_ calls per layer (at decode sizes mostly
+// dispatch: docs/decisions.md#kv-store-kernel). Rows are moved as bytes, so float32, bf16,
+// int8 (scale in-row) and
 // fp8 pools are all served; k/v must have the pool's dtype and row shape. Slots are checked
 // against the pool size before anything is written.
 #include "torch_lite.h"

@@ -210,8 +210,8 @@ void qk_block(const float* q, int64_t G, int64_t D, const S* const* rows, const 
 // head at a time: 8 FMA chains and one kvserve::hsum8 per head, the arithmetic of qk_tile and
 // hsum4 per score, bit for bit. For a lone row over widened keys (int4 rows): there no tile of
 // heads shares a key load, and 8 independent chains per head keep the FMA units busy where
-// qk_block's 4-key tiles of narrow heads did not (a SmolLM2-shaped decode row 1.2x slower).
-// Out of line: inlined, it cost the prompt rows' loop around it ~12% (Gemma 3 shape, int4).
+// qk_block's 4-key tiles of narrow heads did not. Out of line: inlined, it slowed the prompt
+// rows' loop around it (docs/decisions.md#paged-decode-key-loads).
 [[maybe_unused]] __attribute__((noinline)) void qk_block8(const float* q, int64_t G, int64_t D,
                                                          const float* const* rows, const float* rs,
                                                          float* sc, int64_t stride) {
@@ -240,12 +240,10 @@ inline void widen_rows(const T* const* rows, int64_t m, int64_t D, const float* 
 }
 
 // Prefetch every cache line of rows[i], i in [from, to), rows of `width` elements, into L2: the
-// pool's blocks lie scattered, so the hardware cannot run ahead of them (into L1 instead,
-// decode steps of 16 sequences were ~1.2x slower: AMD EPYC Zen 4, 2026-12-04). Byte rows
+// pool's blocks lie scattered, so the hardware cannot run ahead of them (L2, not L1). Byte rows
 // (int8's D + 2, int4's D / 2 + D / 16) need not start on a line: the lines from their first
-// byte's to their last's, each once (stepping from the first byte and adding the last one
-// made int8 and int4 decodes 1.2-1.5x slower). Float rows keep the plain stride (the address
-// arithmetic made a float16 decode row ~3% slower with its K/V in L2).
+// byte's to their last's, each once. Float rows keep the plain stride. Each choice was the
+// faster one measured (docs/decisions.md#paged-decode-key-loads).
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t from, int64_t to, int64_t width) {
   if constexpr (sizeof(T) == 1) {

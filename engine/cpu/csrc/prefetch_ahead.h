@@ -3,9 +3,9 @@
 // A decode step of a few rows reads each weight once and is bound by memory; where a thread's
 // tiles are short streams (the blocked 4-bit layout's 4 blocks of G x 128 bytes) the hardware
 // prefetchers do not learn them before they end, and where they are one long stream (the
-// interleaved 8-bit head's tiles, 16 x K bytes each, one after another) they still left the
-// 262k-row head of a Gemma 3 270M-shaped model ~1.15x slower than with these prefetches
-// (quant_gemm_q8_interleaved.cpp). Nothing is computed from the prefetched bytes: results are
+// interleaved 8-bit head's tiles, 16 x K bytes each, one after another) they still leave it
+// slower than with these prefetches (docs/decisions.md#quantised-linears). Nothing is
+// computed from the prefetched bytes: results are
 // unchanged bit for bit, only where the bytes wait changes.
 #pragma once
 

@@ -9,7 +9,7 @@
 // quad j - 4 after) holding both blocks' 4 bytes of each column side by side, as the blocked
 // layout already keeps them per block. The activations' int8 rows (padded with zeros to a
 // multiple of 16) are packed group by group, a block of 16 rows' group contiguous (16 x 32
-// bytes: one tile load reads 8 whole cache lines; ~10% faster than the rows' own stride), and
+// bytes: one tile load reads 8 whole cache lines, faster than the rows' own stride), and
 // are the A tile; TDPBSUD (signed activations x unsigned nibbles 0..15) gives the group's
 // 16 x 16 exact int32 sums, the sums the VNNI tiles (quant_q4_tile.h) take. The float epilogue
 // is theirs, operation for operation and in group order, 16 columns a register:
@@ -18,8 +18,9 @@
 // other rows (batch-invariant).
 //
 // Up to 256 rows (a decode batch, a short prefill) each thread unpacks a tile into its own
-// buffer just before running its rows (1.47 -> ~1.6x VNNI at 16 rows against unpacking the
-// whole weight first). More rows go in slabs of 64 tiles (1,024 columns): threads first unpack
+// buffer just before running its rows (faster than unpacking the whole weight first:
+// docs/decisions.md#quantised-linears). More rows go in slabs of 64 tiles (1,024 columns):
+// threads first unpack
 // the slab's tiles (a static split; the buffer, 1,024 x K bytes, bounds the memory a big head
 // would take), then split (chunk of 256 rows, tile) pairs chunk by chunk: a chunk's
 // activations (256 x K bytes) stay in L2 while a thread runs the slab's tiles over them, and

@@ -111,9 +111,8 @@ kvserve_q4_tile::Ahead blocks_ahead(const Blocked& w, int64_t from, int64_t to) 
 // Threads split the column tiles (NB blocks each); with kUnpack each thread first unpacks its
 // tile's nibbles into a buffer it keeps across calls (worth it from a few rows on). Each tile
 // prefetches the tile kLead ahead of it (a thread's first tile: the kLead after it), which a
-// static schedule makes the same thread's next ones. Measured on the layer stacks of SmolLM2
-// and a Gemma 3 270M-shaped model, weights from DRAM, two threads: one row ~1.4x faster, 16
-// rows ~1.15x (benchmarks/q4_linears.py; a lead of 2 tiles beat 1 at one row, 1 beat 2 at 16).
+// static schedule makes the same thread's next ones (the lead per row count:
+// docs/decisions.md#quantised-linears).
 template <int RT, int NB, bool kUnpack, int SC, bool kV = false>
 void gemm(const Blocked& w, int64_t N, const int8_t* x, const float* dx, const float* sx,
           int64_t M, int64_t K, float* y) {
@@ -223,12 +222,12 @@ at::Tensor quant_gemm_q4_blocked(at::Tensor x, at::Tensor qs, at::Tensor d,
     kvserve_q4_tile::with_vnni(vnni, "quant_gemm_q4_blocked", [&](auto v) {
       constexpr bool V = decltype(v)::value;
       // One or two rows stay on AVX2 (the same floats): there a step is bound by memory, and
-      // the VNNI tiles measured no faster (benchmarks/vnni_batches.py).
+      // the VNNI tiles measured no faster (docs/decisions.md).
       if (M == 1) {
         gemm<1, 4, false, SC, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
       } else if (M == 2) {
         gemm<2, 2, false, SC, false>(w, N, rows.q, rows.d, rows.s, M, K, yp);
-      } else {  // VNNI leaves registers for 3 rows x 4 blocks (measured: 3 x 2 is faster on AVX2)
+      } else {  // VNNI leaves registers for 3 rows x 4 blocks (AVX2: 3 x 2, the faster there)
         gemm<3, V ? 4 : 2, true, SC, V>(w, N, rows.q, rows.d, rows.s, M, K, yp);
       }
     });

@@ -17,8 +17,8 @@
 // Per output element, the same integer sums as quant_gemm_q4 (exactly), added in float in
 // group order (the decode kernel's order differs): equal up to float summation order. The
 // repack (an 8x8 transpose of 32-bit quads per group in registers) costs about one pass over
-// the weight per call: against the decode kernel it loses at one row (~0.9x on AVX2) and wins
-// from 2-3 rows (1.5x at 3, 2.3x at 16). AVX2; without it the same math runs in scalar code.
+// the weight per call: against the decode kernel it loses at one row and wins from 2-3 rows
+// (docs/decisions.md#quantised-linears). AVX2; without it the same math runs in scalar code.
 // Whether it serves prefill (against dequantised panels) and decode batches of 3+ rows (against
 // the decode kernel) is measured at start-up (engine/models/quant_probe.py). The tile math after
 // the repack is quant_q4_tile.h's, shared with quant_gemm_q4_blocked.cpp (weights stored in

@@ -1,11 +1,9 @@
 // quant_gemm_q8_interleaved on AMX int8 tiles (quant_amx.h): where a decode batch's rows make
-// the VNNI path compute-bound (a Gemma 3 270M-shaped model's 262k-row Q8_0 head at 16 rows:
-// ~20 ms on two SPR vCPUs against ~8 ms to stream its 178 MB), one tile multiply does what
-// 128 vpdpbusd do. Measured there (a scale group of 32 is a K of 32, half a tile multiply's
-// 64, and each group's sums leave the tile to be scaled): 16 rows 19.2 -> 12.9 ms (1.5x),
-// 8 rows 1.25x, one to four rows slower than VNNI (one row 7.9 against 6.0 ms); so the
-// caller sends batches from a row count the start-up probe measured (engine/quantization/
-// probe.py, q8_tiles and q8_amx_from).
+// the VNNI path compute-bound (a large head at 16 rows), one tile multiply does what 128
+// vpdpbusd do. A scale group of 32 is a K of 32, half a tile multiply's 64, and each group's
+// sums leave the tile to be scaled, so AMX wins only from some row count on and loses below it
+// (figures: docs/decisions.md#quantised-linears); the caller sends batches from a row count
+// the start-up probe measured (engine/quantization/probe.py, q8_tiles and q8_amx_from).
 //
 // The interleaved layout is AMX's B operand as stored: a tile of 16 outputs keeps 4 bytes of
 // each output per 64-byte step, so a scale group's S weights (S/4 steps, contiguous) load as

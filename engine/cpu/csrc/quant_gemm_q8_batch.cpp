@@ -6,14 +6,14 @@
 //
 // The decode kernel (quant_gemm_q8_vnni) puts 64 weights of one output in a register: per row
 // and 64 weights it needs a sign fix, a dpbusd, a per-lane scale vector (a permute), a
-// conversion and an FMA, and a horizontal sum per output at the end; at 16 rows the 262,144 x
-// 640 logits head of a Gemma 3 model then takes ~25 ms. Here the activations of 16 rows are
+// conversion and an FMA, and a horizontal sum per output at the end, per row: slow for a large
+// head at 16 rows. Here the activations of 16 rows are
 // interleaved once per call (one register: 4 consecutive k of each of the 16 rows), and each 4
 // weights of an output are broadcast to all lanes (plus 128, an XOR: vpdpbusd multiplies
 // unsigned by signed bytes; the 128 * sum(qx) this adds is subtracted up front, per row and
 // scale group, exactly), so one vpdpbusd does 16 rows x 4 k; a scale group's 4 or 8 of them
 // sum in int32, then one conversion and one FMA with the lanes' d*dx add the group in float,
-// in group order, for 16 rows at once (~3x the decode kernel at 16 rows). The mins' m*sx add
+// in group order, for 16 rows at once (docs/decisions.md#quantised-linears). The mins' m*sx add
 // up in a second accumulator, added last. Four outputs share each activation load; rows go in
 // blocks of 16, lanes past the last row are zero and not stored. A block costs about the same
 // whatever its rows, so the decode kernel stays faster for a few rows (below ~6).

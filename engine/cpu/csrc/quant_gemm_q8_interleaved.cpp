@@ -19,8 +19,8 @@
 // (batch-invariant serving can use it at every row count). Rows go in blocks of up to 8
 // sharing each weight load; threads split the tiles.
 // With a block of rows or fewer (a decode step), each tile prefetches into L2 the weights and
-// scales of the tile kLead ahead, spread over its scale groups (prefetch_ahead.h): the one-row
-// 262k-row head of a Gemma 3 270M-shaped model ~1.15x faster (SPR, 2 threads), same floats.
+// scales of the tile kLead ahead, spread over its scale groups (prefetch_ahead.h), same floats
+// (docs/decisions.md#quantised-linears).
 //
 // AVX2 (no vpdpbusd; also where VNNI is built, with avx2=true): a register holds 8 outputs
 // (half a tile: two registers per 64-byte step), the weights' sign bit flipped back, and each

@@ -7,7 +7,7 @@
 // columns at once) add the group in float, in group order. Scalar code without AVX2. Where
 // AVX-512 VNNI is built, the kVnni tiles replace each maddubs and 16-bit add by one
 // _mm256_dpbusd_epi32 into the int32 group sums (no widening): the same sums, the same floats
-// bit for bit, ~1.1-1.2x faster from 3 rows on (benchmarks/vnni_batches.py); which serves is
+// bit for bit, faster from 3 rows on (docs/decisions.md#q4-vnni-tiles); which serves is
 // measured at start-up (engine/quantization/probe.py, setting q4_tiles).
 //
 // Scales come in three formats (Scales): float32 d and m; float16 d and m (a GGUF's own
@@ -40,7 +40,7 @@ constexpr int64_t kBlockBytes = 128;  // packed bytes per block and group
 enum Scales : int { kF32 = 0, kF16 = 1, kF16Q40 = 2 };
 
 // Ahead and prefetch_share: prefetch_ahead.h (a tile's weights are too short a stream for
-// the hardware prefetchers; there measured ~13 GB/s from DRAM without them, ~31 reachable).
+// the hardware prefetchers: docs/decisions.md#quantised-linears).
 using kvserve_prefetch::Ahead;
 using kvserve_prefetch::prefetch_share;
 

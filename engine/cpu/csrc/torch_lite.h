@@ -1,7 +1,7 @@
 // The parts of torch the kernels use (the tensor type, its factories, dtypes, TORCH_CHECK),
-// without <torch/extension.h>: that header brings pybind11 and every ATen operator and costs
-// 20-50 s of compile per source file on two cores (a bare file including it: 50.8 s, this
-// header's core, <ATen/core/Tensor.h>: 3.6 s; AMD EPYC, busy). Only bindings.cpp, the Python
+// without <torch/extension.h>: that header brings pybind11 and every ATen operator and
+// multiplies each source file's compile time (docs/decisions.md#torch-lite-header).
+// Only bindings.cpp, the Python
 // module itself, includes <torch/extension.h>. The kernels name at:: (torch::Tensor is the
 // same type: at::Tensor).
 #pragma once

@@ -9,9 +9,8 @@
 // linear starts, at most `ahead` bytes past that start), until fn returns. The lines land in
 // that core's caches and in the shared L3, where the linear then finds them. Nothing is
 // computed from the loaded bytes: results are unchanged bit for bit, only where the bytes wait
-// changes. (Measured on the Gemma 3 270M-shaped file, 2 threads, AVX-512 Zen 4: the layer
-// stack 3.43 -> 3.24 ms a step with 4 MiB ahead; wrapping the shorter serial parts too, the
-// norms and the activation, gained nothing: a parallel region costs what they could save.)
+// changes. Only the attention is wrapped: the shorter serial parts (the norms, the activation)
+// gain nothing, a parallel region costing what they could save (docs/decisions.md#weight-prefetch-serial).
 //
 // Contract: serial(fn) returns after fn returns, and rethrows what fn threw (outside the
 // parallel region: an exception must not cross it). With one thread, inside a parallel

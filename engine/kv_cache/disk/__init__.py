@@ -1,7 +1,7 @@
 """The disk KV tier (``--kv-disk-dir``/``--kv-disk-size``): prefix blocks in checksummed
 segment files under a directory, surviving restarts and shared by the servers of one host.
 
-- :mod:`.config`: the frozen, validated options;
+- the options: :mod:`engine.config.kv_disk` (frozen, validated);
 - :mod:`.fingerprint`: what gives the bytes meaning (a different fingerprint is never read);
 - :mod:`.segment`: the file format (records with a CRC each) and its scanner;
 - :mod:`.store`: the directory: index rebuilt from the segments, LRU eviction, locks, the
@@ -14,7 +14,6 @@ segment files under a directory, surviving restarts and shared by the servers of
 - :mod:`.tier`: the engine's facade (arrival look-up, admission gate, commit write-through).
 """
 
-from engine.kv_cache.disk.config import DiskTierConfig, parse_size
 from engine.kv_cache.disk.fingerprint import KVFingerprint
 
-__all__ = ["DiskTierConfig", "KVFingerprint", "parse_size"]
+__all__ = ["KVFingerprint"]

@@ -5,23 +5,12 @@ Layout: ``DIR/kv-<24 hex digits>/`` per fingerprint (its segments ``*.kvs``, ``m
 evicting or pruning at once. Only what kvserve makes is counted or ever deleted: sub-directories
 named ``kv-`` and 24 hex digits, and the files in them; anything else in ``DIR`` is left alone.
 
-* **Live fingerprints.** A store holds a shared ``flock`` on its fingerprint's ``in-use.lock``
-  for its whole life (:func:`hold_in_use`). Another fingerprint's directory is evicted from only
-  while nobody holds that lock (an exclusive, non-blocking ``flock`` succeeds), and segment by
-  segment only while no writer holds the segment's own ``flock`` (a server too old to take
-  ``in-use.lock`` loses at most closed segments, as to its own LRU eviction).
-* **Order** (:func:`evict_others`): other fingerprints first, least recently used first (the
-  newest modification time of their files: segments are appended to, ``in-use.lock`` is
-  touched when a store opens and closes), each one's segments oldest first, its directory
-  removed once no segment is left; then the caller evicts its own least recently used segments
-  (``engine.kv_cache.disk.store``).
-* **Orphans** (:func:`prune_orphans`, at start): files nobody holds and nobody touched for
-  ``PRUNE_AGE_S``: temporary files (``.manifest-*.tmp``, ``.probe-*``), segment files without a
-  valid header (shorter than one, not a segment's magic, or naming another fingerprint than
-  their directory), and fingerprint directories left with no segment (not in use). A segment
-  missing from the manifest is no orphan: the manifest is a start-up shortcut a crash never
-  writes.
-"""
+A store holds a shared ``flock`` on its fingerprint's ``in-use.lock`` for its whole life
+(:func:`hold_in_use`); another fingerprint is evicted from only while nobody holds that lock,
+and a segment only while no writer holds its own ``flock``. :func:`evict_others` takes other
+fingerprints first, least recently used first, each one's segments oldest first;
+:func:`prune_orphans` removes, at start, files nobody holds or touched for ``PRUNE_AGE_S``
+(their rules are on each function)."""
 
 from __future__ import annotations
 
@@ -188,7 +177,12 @@ class Evicted:
 
 def evict_others(base: Path, own: Path, need: int) -> Evicted:
     """Free at least ``need`` bytes from fingerprints other than ``own`` that no store uses,
-    least recently used first (see the module docstring); less when there is not that much.
+    least recently used first (the newest modification time of their files: segments are
+    appended to, ``in-use.lock`` is touched when a store opens and closes), each one's segments
+    oldest first, its directory removed once no segment is left; a fingerprint only while
+    nobody holds its ``in-use.lock``, a segment only while no writer holds its ``flock`` (a
+    server too old to take ``in-use.lock`` loses at most closed segments). Less when there is
+    not that much. The caller then evicts its own least recently used segments.
     Call under :func:`evict_lock`."""
     out = Evicted()
     others = []
@@ -240,7 +234,12 @@ def _orphan_reason(f: _File, fp_hex: str) -> str | None:
 
 
 def prune_orphans(base: Path, now: float | None = None) -> list[Path]:
-    """Delete the orphans of ``base`` (module docstring) and return them. Call under
+    """Delete the orphans of ``base`` and return them: files nobody holds and nobody touched for
+    ``PRUNE_AGE_S``: temporary files (``.manifest-*.tmp``, ``.probe-*``), segment files without
+    a valid header (shorter than one, not a segment's magic, or naming another fingerprint than
+    their directory), and fingerprint directories left with no segment (not in use). A segment
+    missing from the manifest is no orphan: the manifest is a start-up shortcut a crash never
+    writes. Call under
     :func:`evict_lock`; ``now``: wall-clock seconds (file times are compared with it)."""
     now = time.time() if now is None else now
     removed: list[Path] = []

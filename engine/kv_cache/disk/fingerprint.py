@@ -5,7 +5,7 @@ in another sub-directory, and every segment header repeats the fingerprint).
 Covered: the weights' identity (resolved path, and name, size and mtime of every file of the
 model), load format and seed (dummy weights), dtype, KV dtype and pool layout (block size,
 layers, KV heads, row width), the KV row layout's version (int4's group order and rotation,
-for one: ``engine.kv_storage.formats.ROW_LAYOUT_VERSIONS``), the model config (RoPE settings,
+for one: ``engine.kv_format.formats.ROW_LAYOUT_VERSIONS``), the model config (RoPE settings,
 head layout, windows), the quantisation mode and linear backend (they change the computed
 values), KV scale calibration, tensor-parallel rank and size, and this format's version.
 """

@@ -1,22 +1,15 @@
 """Whether the disk tier may write now, why not, and when to try again.
 
-The tier is an optional cache: a directory that cannot be used (full, read-only, an I/O error,
-deleted, not creatable at start) costs the cache only, never the server. :class:`DiskHealth`
-is the state machine behind that:
+The tier is an optional cache: a directory that cannot be used costs the cache only, never the
+server. :class:`DiskHealth` is the state machine: **ok** (writing; the first failure moves to
+*down* and logs one WARNING naming the directory and the OS's reason); **down** (writes dropped
+and counted; a retry is due ``delay_s`` after the last failure, doubling from
+``RetryPolicy.first_s`` up to ``max_s``); **probation** (a retry found the directory usable;
+writes go on, but a failure now is the same outage: no second WARNING, the delay doubles; the
+first successful write logs the recovery once and starts the backoff over).
 
-* **ok**: writing. The first failure moves to *down* and logs one WARNING (the directory, what
-  failed, the OS's reason).
-* **down**: writes are dropped (counted by the store); a retry is due ``delay_s`` after the
-  last failure, the delay doubling from ``RetryPolicy.first_s`` up to ``max_s``.
-* **probation**: a retry found the directory usable (created, a file written); writes go on,
-  but a failure now is the same outage going on (no second WARNING, the delay doubles) -- a
-  disk that still fails on real writes cannot make the log flap. The first successful write
-  logs the recovery once and starts the backoff over.
-
-Every failure (of a write, of opening the directory, of a retry) counts in ``errors``. The
-state is changed by one thread at a time (the store's constructor, then its writer thread);
-other threads only read ``available`` and ``full``.
-"""
+Every failure counts in ``errors``. The state is changed by one thread at a time (the store's
+constructor, then its writer thread); other threads only read ``available`` and ``full``."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
-"""DiskStore: one fingerprint's segment files under ``DIR/kv-<fingerprint>/``.
-
-Contract:
-
-* Start-up: the directory is created if needed and proven writable; if it cannot be (full,
-  read-only, not creatable) the store starts all the same, without writing (below). The index
-  (block hash -> record) is rebuilt from the segments themselves, helped by ``manifest.json``
-  (written at close) only for segments whose size it states exactly. A segment whose header is
-  not this fingerprint's is skipped and a torn tail ends its segment, each said by one WARNING
-  naming the file. Then orphans are pruned and the directory brought under its size
-  (``engine.kv_cache.disk.budget``).
-* ``submit(hash, payload)`` queues a write and never blocks: with the queue full, or after the
-  disk filled up, the block is dropped and counted. One writer thread appends records to this
-  server's active segment (created exclusively, held under ``flock``) and starts a new one
-  past ``segment_bytes``; other servers' segments are never written (one writer per segment).
-* ``read(hash)`` returns verified payload bytes or None; a record failing its checks is logged,
-  counted and removed from the index (never returned).
-* ``size_bytes`` bounds the whole directory, every fingerprint's files together: before a new
-  segment is started, other fingerprints nobody uses are evicted first (least recently used
-  first), then this one's least recently used whole segments (a read refreshes its segment); a
-  segment another writer holds is skipped; ``DIR/kv-evict.lock`` keeps two servers from
-  evicting at once (``engine.kv_cache.disk.budget``). Segments other servers add or delete are
-  picked up by :meth:`refresh` (called by look-ups at most once a second, and before evicting).
-* A failed write (disk full, read-only, an I/O error, the directory deleted) cuts the partial
-  record off and marks the tier down (``engine.kv_cache.disk.health``: one WARNING, counted in
-  ``stats.write_errors``; ``stats.disk_full`` only when the disk is full); while down, blocks
-  are dropped, reads go on, and the writer thread retries with backoff, recreating the
-  directory; a retry that finds it usable resumes writing.
-"""
+"""DiskStore: one fingerprint's segment files under ``DIR/kv-<fingerprint>/``; non-blocking
+queued writes, verified reads, a size bound over the whole directory, failing open. The full
+contract is on :class:`DiskStore`."""
 
 from __future__ import annotations
 
@@ -43,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.config.kv_disk import DiskTierConfig
 from engine.kv_cache.disk.budget import (
     directory_bytes,
     evict_lock,
@@ -52,7 +27,6 @@ from engine.kv_cache.disk.budget import (
     prune_orphans,
     release_in_use,
 )
-from engine.kv_cache.disk.config import DiskTierConfig
 from engine.kv_cache.disk.health import DiskHealth, RetryPolicy
 from engine.kv_cache.disk.manifest import load_manifest, save_manifest
 from engine.kv_cache.disk.queued_writes import QueuedWrites
@@ -95,11 +69,39 @@ def _probe(directory: Path) -> None:
 
 
 class DiskStore(QueuedWrites):
+    """Contract:
+
+    * Start-up: the directory is created if needed and proven writable; if it cannot be (full,
+      read-only, not creatable) the store starts all the same, without writing. The index
+      (block hash -> record) is rebuilt from the segments themselves, helped by
+      ``manifest.json`` (written at close) only for segments whose size it states exactly. A
+      segment whose header is not this fingerprint's is skipped and a torn tail ends its
+      segment, each said by one WARNING naming the file. Then orphans are pruned and the
+      directory brought under its size (``engine.kv_cache.disk.budget``).
+    * ``submit(hash, payload)`` queues a write and never blocks: with the queue full, or after
+      the disk filled up, the block is dropped and counted. One writer thread appends records to
+      this server's active segment (created exclusively, held under ``flock``) and starts a new
+      one past ``segment_bytes``; other servers' segments are never written.
+    * ``read(hash)`` returns verified payload bytes or None; a record failing its checks is
+      logged, counted and removed from the index (never returned).
+    * ``size_bytes`` bounds the whole directory, every fingerprint's files together: before a
+      new segment is started, other fingerprints nobody uses are evicted first (least recently
+      used first), then this one's least recently used whole segments (a read refreshes its
+      segment); a segment another writer holds is skipped; ``DIR/kv-evict.lock`` keeps two
+      servers from evicting at once. Segments other servers add or delete are picked up by
+      :meth:`refresh` (called by look-ups at most once a second, and before evicting).
+    * A failed write (disk full, read-only, an I/O error, the directory deleted) cuts the
+      partial record off and marks the tier down (``engine.kv_cache.disk.health``: one WARNING,
+      counted in ``stats.write_errors``; ``stats.disk_full`` only when the disk is full); while
+      down, blocks are dropped, reads go on, and the writer thread retries with backoff,
+      recreating the directory; a retry that finds it usable resumes writing.
+    """
+
     def __init__(self, config: DiskTierConfig, fingerprint: bytes, fingerprint_hex: str,
                  block_bytes: int, retry: RetryPolicy = RetryPolicy(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Never raises for the directory's sake: one that cannot be used starts the store
-        down (module docstring). ``retry``: the backoff; ``clock``: its time (tests)."""
+        down (class docstring). ``retry``: the backoff; ``clock``: its time (tests)."""
         self.config = config
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes

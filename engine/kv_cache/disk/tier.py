@@ -1,56 +1,18 @@
 """DiskTier: the engine's facade over the disk store, under the host tier.
 
-The flow, by the engine thread unless said otherwise:
+The engine thread drives it: on a request's arrival the blocks of the longest prompt hit that
+only the disk holds get host blocks and a read job for the reader thread (the load overlaps
+other requests' steps); at the admission gate the prompt is looked up again; finished reads are
+named in the host prefix cache (``poll``), where the scheduler's ordinary prefix look-up finds
+and loads them back (``cached_tokens`` counts them like host hits); writes go to the writer
+thread by ``--kv-disk-write-policy`` (``write-through`` or ``on-evict``). Each step of that flow
+is spelled out on :class:`DiskTier`.
 
-* **Arrival** (``on_arrival``, from ``EngineCore.add_request``): the prompt's chained hashes are
-  looked up device -> host -> disk. The blocks of the longest hit that only the disk holds
-  (``engine.kv_cache.disk.plan``: the run after what memory holds; with a hybrid KV cache, each
-  group's chain and the blocks its window needs) get host blocks (at most half of the free host
-  blocks, one reference each) and a read job for the reader thread: the load overlaps other
-  requests' steps while the request waits in the queue.
-* **At the gate** the prompt is looked up again (at most ``_GATE_LOOKUPS`` times): blocks the
-  device or host held on arrival may have been evicted by the requests that ran meanwhile, and
-  blocks the staging area could not take then (many arrivals at once, a small host tier) may
-  fit now; this read may take every free host block but its own host hits, and the blocks
-  held for the requests behind it are released for it first.
-* **Arrived** (``poll``, at the start of every step and from the gate): each finished job's
-  verified blocks are named in the host prefix cache and kept referenced while the request
-  waits (the device's spills, which evict free host blocks, cannot take them), then released
-  (free-cached, head of the chain most recently used) at the first step after it left the
-  queue; its unread blocks are released unnamed at once. The scheduler's ordinary
-  prefix look-up then finds them in the host tier and loads them back to the device:
-  ``cached_tokens`` counts them like host hits.
-* **Admission gate** (``ready``, ``Scheduler.admission_gate``): a request whose blocks are
-  still loading is admitted once they arrived; while the scheduler has other work it waits in
-  the queue; with nothing else to run the engine thread waits for its reads (bounded). If the
-  cost model says recomputing its tokens is cheaper than reading them, it is admitted at once
-  (blocks that arrive later still go to the host cache).
-* **Writes**, by ``--kv-disk-write-policy``. ``write-through`` (``after_step``, after every
-  step's commit): blocks a sequence has just committed, in every KV group (a window group's
-  blocks that slid out in the same step too: still named in the device cache), are copied out
-  of the device pools and queued for the writer thread. ``on-evict`` (``_on_host_evict``, the
-  host pool's eviction hook): a named host block about to be reused is queued from host
-  memory, and so is a device block whose spill to the host was dropped (no host block free);
-  at a clean shutdown every named block still in host or device memory is written back.
-  Either way a full queue drops the block, and a hash the disk already holds is skipped.
-
-Tensor parallelism (``shards``, set by ``engine.kv_cache.disk.build``): this facade runs on
-rank 0 and decides for every rank, and each rank's store holds that rank's share of a block
-(its KV heads) under its own fingerprint. ``shards`` (``engine.distributed.kv_tiers``) sends
-the other ranks each read job (the same hashes into the same host blocks of their own pools)
-and each write (the same device or host blocks, each rank skipping what its store holds); a
-finished read counts only the leading blocks every rank read and verified (the minimum over
-ranks, agreed in ``poll``), so that every rank then loads the same blocks.
-
-The store is a ``DiskStore``, or with ``--kv-remote-url`` an ``engine.kv_cache.remote``
-``ChainStore`` (disk then Redis/Valkey, or Redis/Valkey alone) behind the same interface: it
-adds ``read_many`` (batched reads), ``stored_everywhere`` (write skipping), ``probe`` (a
-hybrid cache's look-up) and ``remote_snapshot``.
-
-Block bytes on disk: the K then V block of the pool's first tensor, then its second, ... as
-stored (scales included for int8), ``block_bytes`` in all: every layer's, or with a hybrid KV
-cache one group's layers (a pool block is one group's page; its hash is salted by the group).
-"""
+Under tensor parallelism this facade runs on rank 0 and decides for every rank; each rank's
+store holds its share of a block under its own fingerprint (``shards``). The store is a
+``DiskStore``, or with ``--kv-remote-url`` a ``ChainStore`` (``engine.kv_cache.remote``) behind
+the same interface. Block bytes on disk: each pool tensor's K then V block, as stored
+(``block_bytes`` in all; a hybrid cache's block is one group's layers, its hash salted)."""
 
 from __future__ import annotations
 
@@ -94,6 +56,49 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class DiskTier:
+    """The flow, by the engine thread unless said otherwise:
+
+    * **Arrival** (``on_arrival``, from ``EngineCore.add_request``): the prompt's chained hashes
+      are looked up device -> host -> disk. The blocks of the longest hit that only the disk
+      holds (``engine.kv_cache.disk.plan``: the run after what memory holds; with a hybrid KV
+      cache, each group's chain and the blocks its window needs) get host blocks (at most half
+      of the free host blocks, one reference each) and a read job for the reader thread: the
+      load overlaps other requests' steps while the request waits in the queue.
+    * **At the gate** the prompt is looked up again (at most ``_GATE_LOOKUPS`` times): blocks
+      the device or host held on arrival may have been evicted since, and blocks the staging
+      area could not take then may fit now; this read may take every free host block but its
+      own host hits, and the blocks held for the requests behind it are released for it first.
+    * **Arrived** (``poll``, at the start of every step and from the gate): each finished job's
+      verified blocks are named in the host prefix cache and kept referenced while the request
+      waits (the device's spills cannot take them), then released (free-cached, head of the
+      chain most recently used) at the first step after it left the queue; its unread blocks
+      are released unnamed at once. The scheduler's ordinary prefix look-up then finds them in
+      the host tier and loads them back to the device: ``cached_tokens`` counts them like host
+      hits.
+    * **Admission gate** (``ready``, ``Scheduler.admission_gate``): a request whose blocks are
+      still loading is admitted once they arrived; while the scheduler has other work it waits
+      in the queue; with nothing else to run the engine thread waits for its reads (bounded).
+      If the cost model says recomputing its tokens is cheaper than reading them, it is
+      admitted at once (blocks that arrive later still go to the host cache).
+    * **Writes**, by ``--kv-disk-write-policy``. ``write-through`` (``after_step``, after every
+      step's commit): blocks a sequence has just committed, in every KV group (a window group's
+      blocks that slid out in the same step too), are copied out of the device pools and
+      queued for the writer thread. ``on-evict`` (``_on_host_evict``, the host pool's eviction
+      hook): a named host block about to be reused is queued from host memory, and so is a
+      device block whose spill to the host was dropped (no host block free); at a clean
+      shutdown every named block still in host or device memory is written back. Either way a
+      full queue drops the block, and a hash the disk already holds is skipped.
+
+    Tensor parallelism (``shards``, set by ``engine.kv_cache.disk.build``): ``shards``
+    (``engine.distributed.kv_tiers``) sends the other ranks each read job (the same hashes into
+    the same host blocks of their own pools) and each write (each rank skipping what its store
+    holds); a finished read counts only the leading blocks every rank read and verified (the
+    minimum over ranks, agreed in ``poll``), so that every rank then loads the same blocks.
+
+    A ``ChainStore`` store adds ``read_many`` (batched reads), ``stored_everywhere`` (write
+    skipping), ``probe`` (a hybrid cache's look-up) and ``remote_snapshot``.
+    """
+
     def __init__(self, store: DiskStore, kv, device_pools: KVPools, host_pools: KVPools,
                  cost: SwapCostModel | None = None,
                  settle_host: Callable[[], None] | None = None) -> None:
@@ -112,7 +117,7 @@ class DiskTier:
         self._device = [t for kv in device_pools for t in kv]
         # numpy views of the host pools (uint8 [blocks, bytes]): the reader thread's copies
         # (60+ per block) cost several times less this way than through torch
-        # (docs/performance.md#small-cpu-costs)
+        # (docs/decisions.md#small-cpu-costs)
         self._host = [_flat_bytes(t).numpy() for kv in host_pools for t in kv]
         self._host_widths = [h.shape[1] for h in self._host]
         self.block_bytes = sum(self._host_widths)
@@ -232,7 +237,7 @@ class DiskTier:
             off += width
 
     def poll(self) -> None:
-        """Hand finished reads to the host prefix cache (see the module docstring); release
+        """Hand finished reads to the host prefix cache (see the class docstring); release
         the blocks held for requests that left the queue."""
         pool = self.kv.host.pool
         done = self._prefetcher.take_done()
@@ -274,7 +279,7 @@ class DiskTier:
             pool.free(hb)
 
     def ready(self, seq, busy: bool) -> bool:
-        """The admission gate: may ``seq`` be admitted now? (module docstring)"""
+        """The admission gate: may ``seq`` be admitted now? (class docstring)"""
         while True:
             job = self._jobs.get(seq.seq_id)
             if job is not None and job.done.is_set():

@@ -1,22 +1,16 @@
 """The host tier's bookkeeping: host blocks, the host prefix cache, and one step's block copies.
 
-The host pool mirrors the device pool: blocks of the same layout (the tensors live in
-``ModelRunner.host_kv_caches``), named by the same chained block hashes. Its metadata is a
-second :class:`~engine.kv_cache.block_pool.BlockPool`, so a host block is in exactly one of the
-device pool's states:
-
-- in use (``ref_count > 0``): held by a swapped-out sequence, and/or *pinned* by a copy of the
-  current step (one reference per pending copy, dropped by :meth:`HostKVCache.finish_copies`);
-- free-cached: holds a hash, evictable in LRU order — the host prefix cache;
-- free-uncached: holds nothing worth keeping.
+The host pool mirrors the device pool (same layout, tensors in ``ModelRunner.host_kv_caches``,
+same chained block hashes); its metadata is a second :class:`~engine.kv_cache.block_pool.BlockPool`,
+so a host block is in use (held by a swapped-out sequence and/or *pinned* by a pending copy of
+this step, dropped by :meth:`HostKVCache.finish_copies`), free-cached (the host prefix cache, LRU)
+or free-uncached.
 
 Copies are only *recorded* while the scheduler runs and executed once per step, before the
-model runs, device->host first and host->device second. That order makes every mixture safe
-within one step: a device block evicted (spilled) and then reused as the destination of a
-load-back is read before it is overwritten, and a host block written by a spill and then loaded
-back is written before it is read. Pins make sure that no host block is the destination of two
-copies, or overwritten while a copy still has to read it, within one step.
-"""
+model runs, device->host first and host->device second: a device block spilled and then reused
+as a load-back's destination is read before it is overwritten, and a host block written by a
+spill and then loaded back is written before it is read. Pins make sure no host block is the
+destination of two copies, or overwritten while a copy still has to read it, within one step."""
 
 from __future__ import annotations
 
@@ -28,7 +22,7 @@ from engine.kv_cache.hashing import BlockHash
 
 # Rough device rates behind the "auto" preemption choice (see SwapCostModel.for_model). They
 # only need the right order of magnitude: the choice is between costs that differ by orders
-# of magnitude (the CPU rates' origin: docs/performance.md#preemption-cost-model).
+# of magnitude (the CPU rates' origin: docs/decisions.md#preemption-cost-model).
 _PREFILL_FLOPS = {"cpu": 1.0e11, "cuda": 1.0e14}
 _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 1.0e10}
 

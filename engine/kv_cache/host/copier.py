@@ -2,37 +2,16 @@
 
 ``HostTierCopier(device_pools, host_pools, device).copy(d2h, h2d)``: ``d2h`` are (device block,
 host block) pairs (write-backs, swap-outs), ``h2d`` (host block, device block) pairs (load-backs,
-swap-ins). Semantics are those of ``copy_blocks`` on every layer's K and V, d2h before h2d.
+swap-ins). Semantics are those of ``copy_blocks`` on every layer's K and V, d2h before h2d. On
+CUDA (staged mode) the host never waits for the device inside ``copy``: the moves run on a side
+stream through pinned staging buffers, the compute stream waits on an event that covers the
+d2h gather and the h2d, and the scatter into the host pools is left pending (the ordering is
+spelled out on :class:`HostTierCopier`). On CPU ``copy`` runs ``copy_blocks`` synchronously.
 
-On CUDA (staged mode) the host never waits for the device inside ``copy``:
-
-1. a side stream waits for the compute stream (the blocks it reads were written by queued work);
-2. d2h: the blocks are gathered per layer (``index_select``) into one device staging tensor
-   ``[2 * layers, N, *block]``;
-3. h2d: the host blocks are gathered on the CPU into a pinned staging tensor, moved with one
-   non-blocking transfer and scattered per layer (``index_copy_``) into the device pools;
-4. event ``ready``; the compute stream waits on it. It covers the d2h *gather* as well as the
-   h2d: the device blocks just written back are free again and this step may overwrite them;
-5. d2h: one non-blocking transfer of the staging tensor into a pinned host staging buffer;
-   event ``done``. The scatter into the host pools is left pending.
-
-Not ``kvserve_kernels.copy_blocks`` on CUDA: its Triton path builds its mapping and offset tensors with
-``torch.tensor(..., device=)``/``.to(device)`` from pageable memory, each of which synchronizes
-the stream, i.e. waits for the queued compute work and for the transfers just enqueued. Index
-tensors here travel non-blocking from pinned memory; the cost is 2 launches per layer.
-
-``wait_d2h()`` waits for ``done`` and scatters the pending write-backs into the host pools:
-only after it do the host pools hold the last call's d2h blocks, and only after it may the
-host overwrite those pools or the staging buffers. ``copy`` calls it first, so the next step's
-copies read and reuse host blocks safely; call it yourself before reading host pools on the CPU
-(tests, shutdown). An h2d that reads a host block written by a d2h of the *same* call lands
-that write-back first. On CPU (not staged) ``copy`` runs ``copy_blocks`` synchronously.
-
-Host pools need not be pinned: every transfer goes through this class's pinned staging
-buffers (grown to a power of two as needed, then kept: up to twice the largest step's moves per
-direction). Block ids must be in range and each call's destination blocks distinct
-(``copy_blocks``'s contract); ``ValueError`` otherwise.
-"""
+``wait_d2h()`` lands the pending write-backs: only after it do the host pools hold the last
+call's d2h blocks and may the host overwrite them; ``copy`` calls it first, call it yourself
+before reading host pools on the CPU. Host pools need not be pinned. Block ids must be in range
+and each call's destinations distinct (``copy_blocks``'s contract); ``ValueError`` otherwise."""
 
 from __future__ import annotations
 
@@ -41,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from engine.kv_storage.formats import byte_view
+from engine.kv_format.formats import byte_view
 
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -59,7 +38,26 @@ def _check_ids(ids: list[int], n: int, what: str, distinct: bool) -> None:
 
 class HostTierCopier:
     """Moves KV blocks between ``device_pools`` and ``host_pools`` (lists of per-layer (K, V)
-    of one block shape and dtype); see the module docstring for the ordering contract.
+    of one block shape and dtype). ``copy`` in staged mode (CUDA), in order:
+
+    1. a side stream waits for the compute stream (the blocks it reads were written by queued
+       work);
+    2. d2h: the blocks are gathered per layer (``index_select``) into one device staging tensor
+       ``[2 * layers, N, *block]``;
+    3. h2d: the host blocks are gathered on the CPU into a pinned staging tensor, moved with one
+       non-blocking transfer and scattered per layer (``index_copy_``) into the device pools;
+    4. event ``ready``; the compute stream waits on it. It covers the d2h *gather* as well as
+       the h2d: the device blocks just written back are free again and this step may overwrite
+       them;
+    5. d2h: one non-blocking transfer of the staging tensor into a pinned host staging buffer;
+       event ``done``. The scatter into the host pools is left pending until ``wait_d2h``.
+
+    Not ``kvserve_kernels.copy_blocks`` on CUDA: its Triton path builds its mapping and offset
+    tensors from pageable memory, each of which synchronizes the stream; index tensors here
+    travel non-blocking from pinned memory, at 2 launches per layer. An h2d that reads a host
+    block written by a d2h of the *same* call lands that write-back first. Every transfer goes
+    through this class's pinned staging buffers (grown to a power of two as needed, then kept:
+    up to twice the largest step's moves per direction).
 
     ``staged`` defaults to ``device.type == "cuda"``; tests force it on CPU to run the staged
     bookkeeping (without streams) against the synchronous truth."""
@@ -91,7 +89,7 @@ class HostTierCopier:
     # ---- the contract ------------------------------------------------------------------
 
     def copy(self, d2h: list[tuple[int, int]], h2d: list[tuple[int, int]]) -> None:
-        """This step's moves, d2h before h2d (see the module docstring). On return the compute
+        """This step's moves, d2h before h2d (see the class docstring). On return the compute
         stream is ordered after every device-side read and write of this call."""
         self.wait_d2h()
         n_dev, n_host = self._dev[0].shape[0], self._host[0].shape[0]

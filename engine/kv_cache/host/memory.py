@@ -1,29 +1,15 @@
 """The host KV tier's memory: one flat buffer of the exact size, page-locked in place on CUDA.
 
-Why not ``torch.empty(shape, pin_memory=True)`` per layer: PyTorch's caching host allocator
-rounds every pinned allocation up to a power of two, so 60 per-layer tensors of 68 MB take
-128 MB each (asking 4 GiB pins ~8 GB). Here one buffer of exactly the needed bytes is allocated
-as ordinary memory and page-locked with ``cudaHostRegister``, which pins the range it is given.
+Not ``torch.empty(shape, pin_memory=True)`` per layer: PyTorch's caching host allocator rounds
+every pinned allocation up to a power of two. One buffer of exactly the needed bytes is
+allocated as ordinary memory and page-locked with ``cudaHostRegister``, which pins the range it
+is given (``torch.cuda.cudart().cudaHostRegister(ptr, size, flags)`` / ``cudaHostUnregister(ptr)``
+return a ``cudaError``, 0 = success; the GIL is released during the call).
 
-Contract of ``allocate_host_pools(num_layers, shape, dtype, pin)``:
-
-* ``layers[i] == (K_i, V_i)``: contiguous tensors of ``shape``/``dtype``, views into ``buffer``
-  (uint8, ``nbytes`` long). Each view starts on a 256-byte boundary; they do not overlap;
-  ``nbytes`` is the sum of their sizes, each rounded up to 256 bytes. Contents are uninitialised
-  (a host block is only read after a copy filled it).
-* ``pin=True`` needs CUDA (``ValueError`` otherwise: pinning is meaningless without a GPU and
-  asking for it points at a wrong device choice). If registration fails (the driver's return
-  code is not success), a warning is logged and the buffer stays usable, unpinned:
-  ``pinned`` says which. ``tensor.is_pinned()`` is true for the views of a registered buffer.
-* Unregistration happens once: when the memory itself is freed (the last view is gone), or
-  earlier by ``close()``; after ``close()`` the views still work, as pageable memory. Process
-  exit skips it (the driver drops the registration with the process; unpinning 100 GB is slow).
-
-Verified against torch (``torch/csrc/cuda/shared/cudart.cpp``, present in every version this
-project supports): ``torch.cuda.cudart().cudaHostRegister(ptr: int, size: int, flags: int)`` and
-``cudaHostUnregister(ptr: int)`` return a ``cudaError`` enum (``int()`` of it is the code,
-0 = success); the GIL is released during the call. Registering a few GB takes seconds.
-"""
+:func:`allocate_host_pools` gives per-layer (K, V) views into that buffer, each on a 256-byte
+boundary, uninitialised; ``pin=True`` needs CUDA, and a failed registration leaves the buffer
+usable, unpinned (``pinned`` says which). Unregistration happens once, when the memory is freed
+or at ``close()``; process exit skips it. The full contract is on :func:`allocate_host_pools`."""
 
 from __future__ import annotations
 
@@ -109,7 +95,19 @@ def _register(array: np.ndarray, start: int, size: int) -> weakref.finalize | No
 def allocate_host_pools(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
                         pin: bool) -> HostPools:
     """Allocate ``num_layers`` (K, V) pools of ``shape``/``dtype`` in one flat host buffer,
-    page-locked when ``pin``. See the module docstring for the contract."""
+    page-locked when ``pin``. Contract:
+
+    * ``layers[i] == (K_i, V_i)``: contiguous tensors of ``shape``/``dtype``, views into
+      ``buffer`` (uint8, ``nbytes`` long). Each view starts on a 256-byte boundary; they do not
+      overlap; ``nbytes`` is the sum of their sizes, each rounded up to 256 bytes. Contents are
+      uninitialised (a host block is only read after a copy filled it).
+    * ``pin=True`` needs CUDA (``ValueError`` otherwise: pinning is meaningless without a GPU
+      and asking for it points at a wrong device choice). If registration fails (the driver's
+      return code is not success), a warning is logged and the buffer stays usable, unpinned:
+      ``pinned`` says which. ``tensor.is_pinned()`` is true for the views of a registered buffer.
+    * Unregistration happens once: when the memory itself is freed (the last view is gone), or
+      earlier by ``close()``; after ``close()`` the views still work, as pageable memory.
+      Process exit skips it (the driver drops the registration with the process)."""
     if num_layers < 1 or not shape or min(shape) < 1:
         raise ValueError(f"host pools need >= 1 layer and a non-empty shape; got "
                          f"{num_layers} layers of {tuple(shape)}")

@@ -1,23 +1,16 @@
 """HostTier: the host KV tier, a component the device ``KVCacheManager`` holds.
 
-Its public interface has the shape of vLLM's offloading manager, in block hashes and block ids
-(it knows nothing of a sequence's device table, its tokens or its hashes in progress):
-
-- ``lookup(hashes) -> int``: how many leading blocks of a hash chain the host holds;
-- ``prepare_load(hashes)`` pins those host blocks, ``load(host_blocks, device_blocks)``
-  orders their copies into fresh device blocks (a load-back of a prefix hit);
-- ``prepare_store(device_block, hash)``: an evicted device block is about to be reused, keep
-  its KV (the spill; the manager wires it to ``BlockPool.on_evict``);
-- ``take_copies()`` hands out the step's copy orders, ``complete_copies()`` releases the pins
-  once they ran (``flush_copies`` does both around a copy function);
-- swap: ``swap_out(seq_id, blocks, names, num_tokens)`` keeps a preempted sequence's KV in host
-  blocks (named blocks the host already holds are shared, not copied); ``swap_in`` gives it
-  device blocks of the device pool again (named blocks still there are shared, not copied).
+Its interface has the shape of vLLM's offloading manager, in block hashes and block ids (it
+knows nothing of a sequence's device table, tokens or hashes in progress): ``lookup(hashes)``,
+``prepare_load`` / ``load`` (a prefix hit's load-back into fresh device blocks),
+``prepare_store`` (the spill of an evicted device block, wired to ``BlockPool.on_evict``),
+``take_copies`` / ``complete_copies`` (``flush_copies`` does both around a copy function), and
+``swap_out`` / ``swap_in`` of a preempted sequence (blocks the other side already holds are
+shared, not copied).
 
 All copies are recorded while the scheduler runs and executed once per step before the model
-runs, device->host first (see :mod:`engine.kv_cache.host.blocks` for why that order is safe). Host
-references are held by swapped sequences and by pins of the step's pending copies, nothing else.
-"""
+runs, device->host first (:mod:`engine.kv_cache.host.blocks` says why that order is safe). Host
+references are held by swapped sequences and by pins of the step's pending copies, nothing else."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 Valkey server, shared by every replica that uses it, beside (or instead of) the disk tier and
 driven by the same facade (``engine.kv_cache.disk.tier.DiskTier``).
 
-- :mod:`.config`: the URL and the tier's knobs, frozen and validated;
+- the URL and the tier's knobs: :mod:`engine.config.kv_remote` (frozen, validated);
 - :mod:`.record`: a value is the disk tier's checksummed record behind its fingerprint header;
 - :mod:`.client`: redis-py with timeouts and no inline retries;
 - :mod:`.health`: failing open: a server down or slow costs misses, one WARNING, retries;
@@ -10,7 +10,6 @@ driven by the same facade (``engine.kv_cache.disk.tier.DiskTier``).
 - :mod:`.chain`: disk then remote behind the disk store's interface.
 """
 
-from engine.kv_cache.remote.config import RemoteTierConfig
 from engine.kv_cache.remote.stats import RemoteTierStats
 
-__all__ = ["RemoteTierConfig", "RemoteTierStats"]
+__all__ = ["RemoteTierStats"]

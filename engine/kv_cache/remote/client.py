@@ -1,14 +1,12 @@
 """The remote store's connection: redis-py (with hiredis when installed), synchronous, safe to
 share between threads (a connection pool; each thread's command takes its own connection).
 
-Chosen over valkey-glide by ``benchmarks/kv_remote_clients.py`` (docs/kv-cache.md's remote
-tier section has the figures): the look-up the engine thread waits for was 2x faster through
-redis-py, ``MGET`` reads even, writes (off the engine thread) faster through glide, and glide's
-Python client is asyncio-only where the tier's callers are threads.
+Chosen over valkey-glide by measurement (docs/kv-cache.md's remote
+tier section has the figures): the look-up the engine thread waits for was faster through
+redis-py, and glide's Python client is asyncio-only where the tier's callers are threads.
 
 Every command has a socket timeout and no client-side retry: a failure reaches the store at
-once, which marks the tier down (``engine.kv_cache.remote.health``) instead of retrying inline.
-"""
+once, which marks the tier down (``engine.kv_cache.remote.health``) instead of retrying inline."""
 
 from __future__ import annotations
 

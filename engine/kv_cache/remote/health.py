@@ -1,21 +1,15 @@
 """Whether the remote store is used now, why not, and when to try again.
 
-The remote tier is a cache: a server that is down, unreachable or slow costs misses (the blocks
-are recomputed) and dropped writes, never a failed or stalled request. The state machine is
-the disk tier's (``engine.kv_cache.disk.health``), its ``RetryPolicy`` included:
-
-* **ok**: look-ups, reads and writes go to the server. The first failure (a refused
-  connection, a timeout, a protocol error) moves to *down* and logs one WARNING.
-* **down**: nothing is sent; look-ups and reads are misses, writes are dropped (counted). The
-  writer thread pings the server ``delay_s`` after the last failure, the delay doubling from
-  ``RetryPolicy.first_s`` up to ``max_s``.
-* **probation**: a ping answered; traffic resumes, but a failure now is the same outage going
-  on (no second WARNING, the delay doubles): a flapping server cannot flood the log. The first
-  command that succeeds logs the recovery once.
+The remote tier is a cache: a server that is down, unreachable or slow costs misses and dropped
+writes, never a failed or stalled request. The state machine is the disk tier's
+(``engine.kv_cache.disk.health``, its ``RetryPolicy`` included): **ok** (traffic goes to the
+server; the first failure moves to *down* with one WARNING); **down** (nothing is sent: misses,
+dropped writes; the writer pings ``delay_s`` after the last failure, doubling up to ``max_s``);
+**probation** (a ping answered; traffic resumes, a failure now is the same outage; the first
+command that succeeds logs the recovery once).
 
 Unlike the disk's, this state is changed from three threads (the engine thread's look-ups, the
-reader's reads, the writer's writes and pings): every change holds a lock.
-"""
+reader's reads, the writer's writes and pings): every change holds a lock."""
 
 from __future__ import annotations
 

@@ -3,29 +3,11 @@ it (replicas on other hosts included), with the disk store's interface
 (``engine.kv_cache.disk.store.DiskStore``: ``lookup``, ``read``, ``submit``, ``flush``,
 ``close``, ``snapshot``, ``writable``, ``in``) so that ``DiskTier`` drives it unchanged.
 
-Contract:
-
-* Keys: ``{prefix}:{fingerprint hex}:{block hash hex}`` (``kvserve:`` by default); values: the
-  disk tier's checksummed record behind its fingerprint header (``.record``). Nothing else is
-  written; the server's ``maxmemory-policy`` (``allkeys-lru``) evicts, and an evicted block is
-  a miss like any other.
-* ``lookup(chain)``: one pipelined ``EXISTS`` per block, one round trip, on the caller's
-  (engine) thread, bounded by ``timeout_s``; the leading run found is the answer.
-* ``read`` / ``read_many``: ``MGET`` (the reader thread), bounded by ``io_timeout_s``; a value
-  that fails its checks is never returned: logged, counted, deleted (best effort), a miss.
-* ``submit(hash, payload)`` queues a write and never blocks: with the queue full, or the store
-  down, the block is dropped and counted. One writer thread encodes and ``SET``s in pipelined
-  batches.
-* A command that fails (refused, timed out, an error answer) marks the store down
-  (``.health``: one WARNING per outage): while down nothing is sent, look-ups and reads are
-  misses, writes are dropped; the writer thread pings after 1 s doubling to 60 s and the store
-  resumes when the server answers.
-* ``clear()`` (``POST /reset_prefix_cache``, every tier or ``?tier=remote``) deletes every
-  key of this fingerprint (``SCAN`` + ``UNLINK``): the shared cache, for every replica.
-* ``in`` / ``len`` answer from what this server knows (blocks it wrote or found, at most
-  ``KNOWN_CAP``, the oldest forgotten first), never with a round trip: ``DiskTier`` asks per
-  committed block whether to write it.
-"""
+Keys ``{prefix}:{fingerprint hex}:{block hash hex}``, values the disk tier's checksummed record;
+the server's ``maxmemory-policy`` evicts. Look-ups are one pipelined round trip on the engine
+thread, bounded by ``timeout_s``; reads and writes run on their own threads; a failed command
+marks the store down (``.health``) and nothing is sent until a ping answers. The full contract
+is on :class:`RemoteStore`."""
 
 from __future__ import annotations
 
@@ -35,10 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from engine.config.kv_remote import RemoteTierConfig
 from engine.kv_cache.disk.health import OK, RetryPolicy
 from engine.kv_cache.disk.queued_writes import QueuedWrites
 from engine.kv_cache.remote.client import CLIENT_ERRORS, RemoteClient
-from engine.kv_cache.remote.config import RemoteTierConfig
 from engine.kv_cache.remote.health import RemoteHealth
 from engine.kv_cache.remote.record import BadRecord, decode_value, encode_value
 from engine.kv_cache.remote.stats import RemoteTierStats
@@ -50,11 +32,36 @@ KNOWN_CAP = 1 << 16
 
 
 class RemoteStore(QueuedWrites):
+    """Contract:
+
+    * Keys: ``{prefix}:{fingerprint hex}:{block hash hex}`` (``kvserve:`` by default); values:
+      the disk tier's checksummed record behind its fingerprint header (``.record``). Nothing
+      else is written; the server's ``maxmemory-policy`` (``allkeys-lru``) evicts, and an
+      evicted block is a miss like any other.
+    * ``lookup(chain)``: one pipelined ``EXISTS`` per block, one round trip, on the caller's
+      (engine) thread, bounded by ``timeout_s``; the leading run found is the answer.
+    * ``read`` / ``read_many``: ``MGET`` (the reader thread), bounded by ``io_timeout_s``; a
+      value that fails its checks is never returned: logged, counted, deleted (best effort), a
+      miss.
+    * ``submit(hash, payload)`` queues a write and never blocks: with the queue full, or the
+      store down, the block is dropped and counted. One writer thread encodes and ``SET``s in
+      pipelined batches.
+    * A command that fails (refused, timed out, an error answer) marks the store down
+      (``.health``: one WARNING per outage): while down nothing is sent, look-ups and reads are
+      misses, writes are dropped; the writer thread pings after 1 s doubling to 60 s and the
+      store resumes when the server answers.
+    * ``clear()`` (``POST /reset_prefix_cache``, every tier or ``?tier=remote``) deletes every
+      key of this fingerprint (``SCAN`` + ``UNLINK``): the shared cache, for every replica.
+    * ``in`` / ``len`` answer from what this server knows (blocks it wrote or found, at most
+      ``KNOWN_CAP``, the oldest forgotten first), never with a round trip: ``DiskTier`` asks per
+      committed block whether to write it.
+    """
+
     def __init__(self, config: RemoteTierConfig, fingerprint: bytes, fingerprint_hex: str,
                  block_bytes: int, retry: RetryPolicy = RetryPolicy(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Never raises for the server's sake: one that does not answer starts the store
-        down, retried (module docstring)."""
+        down, retried (class docstring)."""
         self.config = config
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes

@@ -1,0 +1,1 @@
+"""Options every layer reads: the engine's, and each feature's (frozen, validated, no engine imports)."""

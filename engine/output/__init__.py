@@ -1,1 +1,0 @@
-"""Output side of a step: incremental detokenising, stop checks and building RequestOutputs."""

@@ -1,0 +1,1 @@
+"""What a request asks for: sampling, structured-output, pooling and thinking parameters."""

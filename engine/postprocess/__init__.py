@@ -1,0 +1,1 @@
+"""After sampling, per request: incremental detokenising, stop checks and building RequestOutputs."""
