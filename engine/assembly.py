@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from engine.adapters import Adapters
 from engine.config.engine import EngineConfig
 from engine.distributed.runner_factory import build_runner
 from engine.kv_cache.disk.build import build_disk_tier, staging_blocks
@@ -106,6 +107,9 @@ def assemble(core, config: EngineConfig) -> None:
     core.kv_events = (attach_kv_events(core.kv, core.disk, layout,
                                        config=config.kv_events_config)
                       if config.kv_events_config.active else None)
+    core.adapters = _adapters(config, core)
+    if core.adapters is not None and core.kv_events is not None:
+        core.kv_events.recorder.lora_of = core.adapters.lora_of  # events carry the adapter
     core.spec_counters = SpecDecodeCounters(spec.num_speculative_tokens if spec else 0)
     core.sampler = Sampler(seed=config.seed)
     core._spec_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -137,6 +141,21 @@ def assemble(core, config: EngineConfig) -> None:
     log_startup(core)
     if core.runner.device.type == "cpu":
         release_freed_memory()  # loading's freed buffers back to the OS
+
+
+def _adapters(config: EngineConfig, core) -> Adapters | None:
+    """The LoRA registry over the runner's slots, with ``config.lora_modules`` loaded (a
+    file that cannot be served fails the start with its reason); None when LoRA is off."""
+    weights = getattr(core.runner, "lora", None)
+    if not config.enable_lora or weights is None:
+        return None
+    arch = core.runner.arch
+    adapters = Adapters(weights, config.max_loras, config.max_lora_rank, arch.num_heads,
+                        arch.num_kv_heads)
+    for name, path in config.lora_modules:
+        adapters.add(adapters.read(name, path))
+    core.scheduler.lora = adapters.slots
+    return adapters
 
 
 def _calibrate_kv_scales(core) -> None:

@@ -368,6 +368,33 @@ class AsyncEngine:
         fut = self.call_on_engine_thread(lambda: self.core.reset_prefix_cache(tiers))
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
+    def lora_adapters(self) -> list[tuple[str, str, int]]:
+        """(name, path, lora_id) of every loaded LoRA adapter, in load order (any thread)."""
+        adapters = getattr(self.core, "adapters", None)
+        return [] if adapters is None else list(adapters.listing)
+
+    async def load_lora_adapter(self, name: str, path: str, timeout: float = 30.0) -> int:
+        """Read the adapter at ``path`` off the loop and register it as ``name``; returns its
+        lora_id. ``ValueError`` (a 400) when LoRA is off, the name is taken or the files
+        cannot be served by this model."""
+        adapters = getattr(self.core, "adapters", None)
+        if adapters is None:
+            raise ValueError("LoRA adapters are off: start the server with --enable-lora")
+        if name in adapters.names:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        adapter = await asyncio.to_thread(adapters.read, name, path)
+        fut = self.call_on_engine_thread(lambda: adapters.add(adapter))
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+
+    async def unload_lora_adapter(self, name: str, timeout: float = 30.0) -> None:
+        """Forget adapter ``name``: new requests cannot select it, running ones finish on it.
+        ``KeyError`` (a 404) when no adapter of that name is loaded."""
+        adapters = getattr(self.core, "adapters", None)
+        if adapters is None or name not in adapters.names:
+            raise KeyError(name)
+        fut = self.call_on_engine_thread(lambda: adapters.remove(name))
+        await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+
     # ---- called from any thread ------------------------------------------------------------
 
     def call_on_engine_thread(self, fn: Any) -> concurrent.futures.Future:

@@ -24,6 +24,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 
+from engine.adapters import Adapters
 from engine.assembly import assemble
 from engine.config.engine import EngineConfig
 from engine.core_stats import engine_stats
@@ -70,6 +71,7 @@ class EngineCore:
     runner: Runner  # the model side: one call per step, ``execute(plan)``
     scheduler: Scheduler  # builds and owns the KV manager (``kv``: read-only here)
     structured: StructuredOutputs  # constrained decoding
+    adapters: Adapters | None  # LoRA adapters (engine/adapters.py), None when LoRA is off
     sampler: Sampler
 
     def __init__(self, config: EngineConfig) -> None:
@@ -93,6 +95,11 @@ class EngineCore:
         """Raise ValueError (user-facing) if this request can never be served. Pure; see
         ``engine.scheduling.admission.check_request``."""
         check_request(self.config, self.limits, prompt_token_ids, params, priority)
+        if params.lora_name is not None:
+            if self.adapters is None:
+                raise ValueError("this engine serves no LoRA adapters (start it with "
+                                 "--enable-lora)")
+            self.adapters.check(params.lora_name)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,
@@ -113,6 +120,8 @@ class EngineCore:
             req.metrics.arrival_time = arrival_time
         if params.cache_salt:
             req.cache_extra_keys = (("salt", params.cache_salt),)
+        if self.adapters is not None:
+            self.adapters.resolve(req)  # its lora_id, and its adapter in its KV keys
         for i in range(params.n):
             generator = None
             if params.seed is not None:

@@ -48,6 +48,7 @@ QUANT_REPROBE = "KVSERVE_QUANT_REPROBE"
 DECODE_CONFIG = "KVSERVE_DECODE_CONFIG"
 PREFILL_CONFIG = "KVSERVE_PREFILL_CONFIG"
 API_KEY = "KVSERVE_API_KEY"
+ALLOW_RUNTIME_LORA_UPDATING = "KVSERVE_ALLOW_RUNTIME_LORA_UPDATING"
 
 # What limits the instructions the measured paths use: our kernels' build target and the caps
 # on PyTorch's own (ATen's vectorised ops, oneDNN's matmuls, MKL's dense float32 matmuls). The
@@ -65,6 +66,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(API_KEY, "unset",
            "the API key when no `--api-key`/`api-key` option is given: requests to /v1/* "
            "must carry `Authorization: Bearer KEY`"),
+    EnvVar(ALLOW_RUNTIME_LORA_UPDATING, "0",
+           "`1` (or `true`, vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` spelling) mounts "
+           "POST /v1/load_lora_adapter and /v1/unload_lora_adapter when no "
+           "`--[no-]allow-runtime-lora-updating` option is given"),
     EnvVar(CPU_KERNELS, "1", "`0` turns the C++ CPU kernels off (the PyTorch route runs)"),
     EnvVar(CPU_MARCH, "native",
            "the `-march` the CPU kernels are built for, under their own name (e.g. `haswell` "
@@ -153,6 +158,12 @@ def cache_dir() -> str | None:
 def api_key() -> str | None:
     """``$KVSERVE_API_KEY``, None when unset or empty."""
     return _get(API_KEY) or None
+
+
+def allow_runtime_lora_updating() -> bool:
+    """True only when ``KVSERVE_ALLOW_RUNTIME_LORA_UPDATING`` is ``1`` or ``true`` (any
+    case: vLLM's variable is documented as ``True``)."""
+    return (_get(ALLOW_RUNTIME_LORA_UPDATING) or "").strip().lower() in ("1", "true")
 
 
 def cpu_kernels_enabled() -> bool:

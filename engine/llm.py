@@ -125,6 +125,20 @@ class LLM:
         bar.close()
         return [done[i] for i in ids]
 
+    def load_lora_adapter(self, name: str, path: str) -> int:
+        """Load a LoRA adapter (a PEFT directory or a LoRA GGUF) as ``name``, selected by
+        ``SamplingParams(lora_name=name)``; needs ``enable_lora=True``. Returns its lora_id."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise ValueError("LoRA adapters are off: construct the LLM with enable_lora=True")
+        return adapters.add(adapters.read(name, path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (KeyError if it is not loaded)."""
+        if self.engine.adapters is None:
+            raise KeyError(name)
+        self.engine.adapters.remove(name)
+
     def stats(self) -> dict[str, int | float]:
         """The engine's counters, flat (``EngineStats.as_dict``): preemptions, prefix-cache
         queries/hits in tokens, blocks free/used, host-tier offload counts and bytes."""

@@ -39,6 +39,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     admit_order: int = -1  # when it was last admitted to the running set (for preemption)
+    lora_slot: int = -1  # the LoRA slot it pins while running or swapped out (-1: none)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
@@ -74,6 +75,8 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cache_extra_keys: tuple = ()
+    # The LoRA adapter it runs under (engine.adapters; 0: the base model), fixed on arrival.
+    lora_id: int = 0
     error: str | None = None  # why the engine ended it, when an internal error did
     # Set with ``error`` when the request's own input is at fault (e.g. "constraint_failed":
     # its grammar failed while it ran); None: an internal error.

@@ -120,3 +120,29 @@ def copy_blocks(src: torch.Tensor | Sequence[torch.Tensor],
         blocks = [s_pool[s].clone() for s, _ in pairs]
         for (_, d), block in zip(pairs, blocks, strict=True):
             d_pool[d] = block.to(d_pool.device)
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    """``y[t] = x[t] @ a[row_slots[t]].T`` in float32 (``x`` ``[T, K]``, ``a`` ``[S, N, K]``),
+    0 for rows whose slot is -1. Returns a new float32 ``[T, N]``."""
+    y = torch.zeros(x.shape[0], a.shape[1], device=x.device, dtype=torch.float32)
+    for slot in row_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = row_slots == slot
+        y[rows] = x[rows].float() @ a[slot].float().t()
+    return y
+
+
+def lora_expand_ref(y: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor,
+                    out: torch.Tensor, y_offset: int, out_offset: int) -> None:
+    """``out[t, out_offset:out_offset+M] += (y[t, y_offset:y_offset+R] @ b[row_slots[t]].T)``
+    cast to ``out``'s dtype, in place (``y`` ``[T, N]`` float32, ``b`` ``[S, M, R]``), for rows
+    whose slot is not -1; everything else in ``out`` is left as it is."""
+    m, r = b.shape[1:]
+    for slot in row_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = row_slots == slot
+        delta = y[rows, y_offset:y_offset + r] @ b[slot].float().t()
+        out[rows, out_offset:out_offset + m] += delta.to(out.dtype)

@@ -24,9 +24,12 @@ TEXT = (
 )
 
 
-def forced(llm: LLM, ids: list[int], start: int = 1) -> list[tuple[int, float]]:
-    """(rank, log-prob) of ``ids[p]`` given ``ids[:p]``, for ``p`` from ``start`` on."""
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+def forced(llm: LLM, ids: list[int], start: int = 1,
+           lora_name: str | None = None) -> list[tuple[int, float]]:
+    """(rank, log-prob) of ``ids[p]`` given ``ids[:p]``, for ``p`` from ``start`` on (under
+    LoRA adapter ``lora_name``, when given)."""
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1,
+                                             lora_name=lora_name))[0]
     return [(out.prompt_logprobs[p][ids[p]].rank, out.prompt_logprobs[p][ids[p]].logprob)
             for p in range(start, len(ids))]
 
@@ -36,12 +39,14 @@ def top1(llm: LLM, ids: list[int]) -> list[bool]:
     return [rank == 1 for rank, _ in forced(llm, ids)]
 
 
-def continuation_hits(llm: LLM, pairs: Iterable[tuple[list[int], list[int]]]) -> tuple[int, int]:
+def continuation_hits(llm: LLM, pairs: Iterable[tuple[list[int], list[int]]],
+                      lora_name: str | None = None) -> tuple[int, int]:
     """Over (prompt, continuation) pairs: continuation tokens that are the engine's top-1
-    given everything before them, and how many continuation tokens there are."""
+    given everything before them (under adapter ``lora_name``, when given), and how many
+    continuation tokens there are."""
     hits = total = 0
     for prompt, cont in pairs:
-        ranks = forced(llm, prompt + cont, start=len(prompt))
+        ranks = forced(llm, prompt + cont, start=len(prompt), lora_name=lora_name)
         hits += sum(rank == 1 for rank, _ in ranks)
         total += len(ranks)
     return hits, total

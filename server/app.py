@@ -4,7 +4,9 @@ Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (server
 ``/v1/messages`` and ``/v1/messages/count_tokens`` (server/anthropic), ``/v1/models``,
 ``/v1/models/{id}``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``, the
 KV page (server/kv_page/, off with ``--no-kv-page``), with ``--profiler-dir`` the profiler's
-(server/profile_routes.py), and the endpoints routers probe (server/router_routes.py). The app
+(server/profile_routes.py), with ``--allow-runtime-lora-updating`` the LoRA load/unload routes
+(server/lora_routes.py; ``/v1/models`` lists the loaded adapters after the base model), and
+the endpoints routers probe (server/router_routes.py). The app
 owns no model code; the engine's own thread runs it, and tokenising runs on worker threads:
 the event loop only parses, validates and frames. ``/health`` answers ``{"status": "ok"}``
 while serving; ``/openapi.json`` documents the errors as sent (server/openapi_errors.py).
@@ -53,7 +55,7 @@ from server.reasoning.formats import choose_reasoning
 from server.responses.endpoint import add_routes as add_responses_routes
 from server.responses.store import ResponseStore
 from server.router_routes import add_routes as add_router_routes
-from server.serving import ServingContext
+from server.serving import ServingContext, model_not_found
 from server.tools.formats import choose_format
 from server.tools.prompt import renders_tools, template_source, tool_conversation
 
@@ -172,19 +174,33 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def model_card(name: str) -> dict[str, Any]:
+    def model_card(name: str, root: str | None = None, parent: str | None = None
+                   ) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
-                "root": ctx.model_root or name, "parent": None,
+                "root": root or ctx.model_root or name, "parent": parent,
                 "max_model_len": engine.max_model_len}
+
+    def adapter_cards() -> dict[str, dict[str, Any]]:
+        """A card per loaded LoRA adapter (vLLM's: ``root`` its path, ``parent`` the base
+        model's reported name), by name, in load order."""
+        return {name: model_card(name, path, ctx.model_name)
+                for name, path, _ in engine.lora_adapters() if name not in ctx.served_model_names}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in ctx.served_model_names]}
+        """The base model's served names, then each loaded LoRA adapter."""
+        return {"object": "list", "data": [*(model_card(n) for n in ctx.served_model_names),
+                                           *adapter_cards().values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        ctx.check_model(model_id)  # 404 for a model this server does not serve
-        return model_card(model_id)
+        model = ctx.check_model(model_id)  # 404 for a model this server does not serve
+        if ctx.lora_of(model) is None:
+            return model_card(model_id)
+        card = adapter_cards().get(model)
+        if card is None:  # unloaded since the check
+            raise model_not_found(model_id, ctx.served_model_names, ctx.lora_names())
+        return card
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -200,6 +216,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     add_anthropic_routes(app, ctx)  # the Messages API (server/anthropic)
     add_embeddings_routes(app, ctx)  # /v1/embeddings, /v1/rerank, /v1/score (server/embeddings)
     add_router_routes(app, ctx, settings, version())  # what sglang-router / vllm-router probe
+    _log_lora(ctx)
+    if settings.allow_runtime_lora_updating:
+        from server.lora_routes import add_routes as add_lora_routes
+
+        add_lora_routes(app, ctx)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+        logger.warning("runtime LoRA updating is on: clients may load any adapter path this "
+                       "server can read (POST /v1/load_lora_adapter%s)",
+                       "" if settings.api_key else "; no --api-key is set")
     if settings.kv_page:
         from server.kv_page.routes import add_routes as add_kv_page_routes
 
@@ -222,6 +246,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
         return JSONResponse(await asyncio.to_thread(_detokenize, ctx, req))
 
     return app
+
+
+def _log_lora(ctx: ServingContext) -> None:
+    """State the LoRA adapters served from the start; warn about one that a served name of the
+    base model hides (a request naming it gets the base model)."""
+    adapters = ctx.engine.lora_adapters()
+    if adapters:
+        logger.info("LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p, _ in adapters))
+    hidden = [n for n, _, _ in adapters if n in ctx.served_model_names]
+    if hidden:
+        logger.warning("LoRA adapter(s) %s have a served name of the base model: requests "
+                       "naming them get the base model; give them other names",
+                       ", ".join(repr(n) for n in hidden))
 
 
 def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:

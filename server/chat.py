@@ -171,7 +171,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt = await chat_prompt(ctx, req, xrid, client_of(raw))
     cid = new_id("chatcmpl")
     streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, cid,
-                              req.priority, xrid)
+                              req.priority, xrid, model=model)
     with aborted_on_error(streams):
         logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid,
                     cid, len(prompt.ids), req.n, req.max_new_tokens, bool(req.stream))

@@ -47,6 +47,8 @@ def _settings(args: argparse.Namespace):
                     "checkpoint (its own model classes read the weights)")
     if "api_key" not in flags and envs.api_key():
         flags["api_key"] = envs.api_key()
+    if "allow_runtime_lora_updating" not in flags and envs.allow_runtime_lora_updating():
+        flags["allow_runtime_lora_updating"] = True  # vLLM's environment-variable gate
     return resolve(flags, getattr(args, "config", None))
 
 

@@ -71,7 +71,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise bad_request(str(exc)) from None
     await check_constraint(ctx, params, xrid, client_of(raw))
     cid = new_id("cmpl")
-    streams = submit_or_error(ctx, prompts, params, cid, req.priority, xrid)
+    streams = submit_or_error(ctx, prompts, params, cid, req.priority, xrid, model=model)
     with aborted_on_error(streams):
         logger.info("request_id=%s %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%s, "
                     "stream=%s", xrid, cid, len(prompts), [len(ids) for _, ids in prompts],

@@ -63,6 +63,8 @@ class ServerSettings:
     ``profiler_dir`` enables ``/start_profile`` and ``/stop_profile`` (server/profile_routes.py);
     a session stops by itself after ``profiler_max_seconds`` or ``profiler_max_iters`` engine
     steps (0: no such cap; why the defaults: engine/profiling.py).
+    ``allow_runtime_lora_updating`` mounts the LoRA load/unload routes
+    (server/lora_routes.py; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     """
 
     host: str = "127.0.0.1"
@@ -89,6 +91,7 @@ class ServerSettings:
     profiler_dir: str | None = None
     profiler_max_seconds: float = 30.0
     profiler_max_iters: int = 1000
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None and \
@@ -172,6 +175,7 @@ class Option:
     nullable: bool = False
     aliases: tuple[str, ...] = ()  # other spellings on the command line (llama.cpp's -c, -np)
     nargs: str | None = None  # "+": a list on the command line (vLLM's served names)
+    dump: Callable[[Any], Any] | None = None  # the value as a config file holds it
 
 
 def _size(value: Any) -> Any:
@@ -182,6 +186,13 @@ def _task(value: Any) -> str:
     """``--task``, or vLLM's ``--runner`` / ``--convert`` values (pooling, classify)."""
     value = str(value)
     return TASK_SPELLINGS.get(value, value)
+
+
+def _lora_module(value: Any) -> Any:
+    """One ``--lora-modules`` entry as text: ``name=path`` or JSON (a flag), or a mapping with
+    ``name`` and ``path`` (a YAML file), written as its JSON; parsed and checked by
+    ``EngineConfig`` (``engine.config.lora.parse_lora_modules``)."""
+    return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
 def _json_object(value: Any) -> Any:
@@ -339,6 +350,20 @@ ENGINE_OPTIONS = [
            "this host's index; node 0 serves HTTP, the others only run their ranks"),
     Option("distributed-timeout", "distributed_timeout", "engine", float,
            "seconds before a collective fails (a dead or hung rank stops the server)"),
+    Option("enable-lora", "enable_lora", "engine", bool,
+           "serve LoRA adapters beside the base model: a request's 'model' names one "
+           "(--lora-modules, or loaded at run time with --allow-runtime-lora-updating)",
+           boolean=True),
+    Option("lora-modules", "lora_modules", "engine", _lora_module,
+           "LoRA adapters loaded at start, each name=path or JSON '{\"name\": ..., \"path\": "
+           "...}' (vLLM's forms; a PEFT directory or a llama.cpp LoRA .gguf); a request selects one by its name as "
+           "'model' (needs --enable-lora; default: none)", nargs="+",
+           dump=lambda modules: [f"{n}={p}" for n, p in modules]),
+    Option("max-loras", "max_loras", "engine", int,
+           "LoRA adapters held on the device at once (their slots): the adapters of one "
+           "step's requests, as vLLM's max LoRAs per batch"),
+    Option("max-lora-rank", "max_lora_rank", "engine", int,
+           "the highest rank of an adapter that may be loaded"),
 ]
 SERVER_OPTIONS = [
     Option("host", "host", "server", str, "address to listen on"),
@@ -418,6 +443,11 @@ SERVER_OPTIONS = [
            "GET /v1/responses/{id} (least recently used out first; 0: store nothing)"),
     Option("responses-store-max-bytes", "responses_store_max_bytes", "server", _size,
            "the most bytes (as JSON) the stored responses may hold, e.g. 256MiB"),
+    Option("allow-runtime-lora-updating", "allow_runtime_lora_updating", "server", bool,
+           "mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING; also $KVSERVE_ALLOW_RUNTIME_LORA_UPDATING): a "
+           "client may then make the server read any adapter path it can see; behind "
+           "--api-key when one is set (default: off, the routes answer 404)", boolean=True),
 ]
 _BY_NAME = {o.name: o for o in ENGINE_OPTIONS + SERVER_OPTIONS}
 _BY_NAME["model"] = Option("model", "model", "engine", str, "model path or name",
@@ -467,6 +497,8 @@ def _convert(option: Option, value: Any, source: str) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false; got {value!r}")
         return value
+    if option.nargs is not None and isinstance(value, dict):
+        value = [value]  # one entry given as a mapping (a --lora-modules JSON object)
     if option.nargs is not None and isinstance(value, list):
         return [_convert(dataclasses.replace(option, nargs=None), v, source) for v in value]
     if option.type in (int, float) and isinstance(value, bool):
@@ -532,6 +564,7 @@ def as_yaml_dict(engine: EngineConfig, server: ServerSettings) -> dict[str, Any]
     for name, o in sorted(_BY_NAME.items()):
         src = engine if o.target == "engine" else server
         value = getattr(src, o.field)
-        out[name] = (value.as_dict() if hasattr(value, "as_dict") else
+        out[name] = (o.dump(value) if o.dump is not None else
+                     value.as_dict() if hasattr(value, "as_dict") else
                      list(value) if isinstance(value, tuple) else value)
     return out

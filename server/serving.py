@@ -1,8 +1,9 @@
-"""What the completions and chat endpoints share: the serving context, model checks, request
-limits (the engine config's own checks, as 400s naming the request's field), submitting prompts
-to the engine, merging streams, the SSE loop of both streaming endpoints (``stream_events``: each
-endpoint only says what events one output makes), watching for a client that went away, and
-turning engine exceptions into HTTP errors. The server talks to ``AsyncEngine`` only.
+"""What the completions and chat endpoints share: the serving context, model checks (the base
+model's served names and the loaded LoRA adapters: ``check_model``, applied in ``submit_all``),
+request limits (the engine config's own checks, as 400s naming the request's field), submitting
+prompts to the engine, merging streams, the SSE loop of both streaming endpoints
+(``stream_events``: each endpoint only says what events one output makes), watching for a
+client that went away, and turning engine exceptions into HTTP errors. The server talks to ``AsyncEngine`` only.
 
 Ownership of engine requests: from ``submit_or_error`` on, the endpoint owns its streams and
 must abort them on any failure (``aborted_on_error``); once it returns a streaming response, the
@@ -86,13 +87,28 @@ class ServingContext:
         defaults = getattr(self.engine, "generation_defaults", None)
         return dict(defaults.values) if defaults is not None else {}
 
+    def lora_names(self) -> list[str]:
+        """The loaded LoRA adapters' names, in load order (any of them may be unloaded at any
+        await: what a request selected is checked again when it is submitted)."""
+        return [name for name, _, _ in self.engine.lora_adapters()]
+
     def check_model(self, model: str | None) -> str:
-        """The served name to report; 404 for a model this server does not serve."""
+        """The model name to report for a request's ``model``: the first served name for the
+        base model (no ``model``, or any of its served names), the adapter's own name for a
+        loaded LoRA adapter (as vLLM reports it); 404 ``model_not_found`` otherwise. A base
+        name wins over an adapter of the same name. What the returned name selects is
+        ``lora_of`` it; ``submit_all`` applies it."""
         if model is None or model in self.served_model_names:
             return self.model_name
-        raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                            f"{', '.join(repr(n) for n in self.served_model_names)}.",
-                       type="invalid_request_error", param="model", code="model_not_found")
+        adapters = self.lora_names()
+        if model in adapters:
+            return model
+        raise model_not_found(model, self.served_model_names, adapters)
+
+    def lora_of(self, model: str) -> str | None:
+        """The LoRA adapter that ``model`` (a name ``check_model`` returned) runs under: None
+        for the base model."""
+        return None if model in self.served_model_names else model
 
     def check_limits(self, *, num_prompts: int, n: int, priority: int,
                      logprobs: int | None = None, logprobs_param: str = "logprobs") -> None:
@@ -106,6 +122,23 @@ class ServingContext:
                          logprobs=logprobs, logprobs_param=logprobs_param)
         except FieldValueError as exc:
             raise bad_request(str(exc), param=exc.field) from None
+
+
+# At most this many adapter names are listed in a model_not_found message.
+_NAMES_SHOWN = 8
+
+
+def model_not_found(model: str, served: list[str], adapters: list[str]) -> APIError:
+    """The OpenAI-shaped 404 for a ``model`` that is neither a served name of the base model
+    nor a loaded LoRA adapter, naming those this server serves."""
+    names = ", ".join(repr(n) for n in served)
+    if adapters:
+        shown = ", ".join(repr(n) for n in adapters[:_NAMES_SHOWN])
+        more = f" and {len(adapters) - _NAMES_SHOWN} more" if len(adapters) > _NAMES_SHOWN \
+            else ""
+        names += f", and the LoRA adapter(s) {shown}{more}"
+    return APIError(404, f"The model `{model}` does not exist; this server serves {names}.",
+                    type="invalid_request_error", param="model", code="model_not_found")
 
 
 class RequestFailedError(RuntimeError):
@@ -167,10 +200,20 @@ def engine_error(exc: BaseException, ctx: ServingContext, request_id: str) -> AP
 
 
 def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
-               params: SamplingParams, base_id: str, priority: int = 0) -> list[RequestStream]:
+               params: SamplingParams, base_id: str, priority: int = 0, *,
+               model: str) -> list[RequestStream]:
     """Validate every prompt (``engine.check_request``, once: ``submit`` does not repeat it),
-    then submit them all; on any failure nothing stays submitted."""
+    then submit them all; on any failure nothing stays submitted. ``model`` is the name
+    ``ctx.check_model`` returned: every request runs under the LoRA adapter it names
+    (``SamplingParams.lora_name``), or the base model; an adapter unloaded since the check is
+    the 404 ``model_not_found``. The one place where a request's ``model`` reaches its
+    params."""
     engine = ctx.engine
+    lora = ctx.lora_of(model)
+    if lora != params.lora_name:
+        params = params.clone(lora_name=lora)
+    if lora is not None and lora not in (adapters := ctx.lora_names()):
+        raise model_not_found(lora, ctx.served_model_names, adapters)
     for i, (_, ids) in enumerate(prompts):
         try:
             engine.check_request(ids, params)
@@ -374,10 +417,11 @@ async def check_constraint(ctx: ServingContext, params: SamplingParams, request_
 
 def submit_or_error(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
                     params: SamplingParams, base_id: str, priority: int,
-                    request_id: str) -> list[RequestStream]:
-    """``submit_all``, with any failure mapped to its HTTP error."""
+                    request_id: str, *, model: str) -> list[RequestStream]:
+    """``submit_all`` (``model``: what ``ctx.check_model`` returned), with any failure mapped
+    to its HTTP error."""
     try:
-        return submit_all(ctx, prompts, params, base_id, priority)
+        return submit_all(ctx, prompts, params, base_id, priority, model=model)
     except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
         raise engine_error(exc, ctx, request_id) from None
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.config.kv_events import KVEventsConfig
 from engine.config.kv_eviction import KVEvictionSpec
+from engine.config.lora import check_lora_options, parse_lora_modules
 from engine.config.speculative import SpeculativeConfig
 from engine.config.structured import StructuredOutputsConfig
 
@@ -187,6 +188,14 @@ class EngineConfig:
     # The remote KV tier (engine/kv_cache/remote/): redis://HOST:PORT/DB of a Redis or Valkey
     # server shared by replicas, beside or instead of the disk tier (None: off).
     kv_remote_url: str | None = None
+    # LoRA adapters (engine/lora/): served beside the base model, selected per request by
+    # ``SamplingParams.lora_name``; ``max_loras`` of them on the device at once, ranks up to
+    # ``max_lora_rank``; ``lora_modules``: (name, path) loaded at start (vLLM's forms are
+    # parsed by engine/config/lora.py; adapters also load and unload at run time).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] | list | str | None = ()
 
     def __post_init__(self) -> None:
         self._normalise_names()
@@ -268,6 +277,10 @@ class EngineConfig:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         self._check_disk_tier()
         self._check_remote_tier()
+        object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+        check_lora_options(self.enable_lora, self.max_loras, self.max_lora_rank,
+                           self.lora_modules, self.tensor_parallel_size,
+                           self.speculative_config is not None)
 
     def _check_remote_tier(self) -> None:
         if self.kv_remote_url is None:

@@ -30,7 +30,7 @@ _SOURCES = ["bindings.cpp", "paged_decode_cpu.cpp", "fused_ops_cpu.cpp", "small_
             "quant_gemm_q8_interleaved.cpp", "quant_gemm_q8_amx.cpp", "quant_gemm_q4_amx.cpp",
             "quant_dequant_cpu.cpp", "quant_gemm_q5.cpp",
             "kv_store_cpu.cpp", "decode_stack_cpu.cpp", "paged_decode_cpu_int4.cpp",
-            "int4_rows_cpu.cpp", "argmax_cpu.cpp"]
+            "int4_rows_cpu.cpp", "argmax_cpu.cpp", "lora_cpu.cpp"]
 _NAME = "kvserve_cpu_kernels"
 _module = None
 _failed = False

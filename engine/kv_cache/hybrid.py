@@ -148,7 +148,8 @@ class HybridKVCacheManager:
             dev = next((i for i, b in enumerate(blocks) if b is ON_HOST), len(blocks))
             names = hashes_by_group[g][skip:k]
             if dev < len(names) and self.pool.events is not None:  # KV events: their tokens
-                self.pool.events.describe_chain(hashes_by_group[g], token_ids, skip + dev, k, g)
+                self.pool.events.describe_chain(hashes_by_group[g], token_ids, skip + dev, k, g,
+                                                extra_keys)
             hits.append(PrefixHit([b.block_id for b in blocks[:dev]], k * bs,
                                   tuple(names[:dev]), tuple(names[dev:]), skip))
         hit = HybridPrefixHit(tuple(hits), k * bs) if k else empty

@@ -172,7 +172,8 @@ class KVCacheManager(HostSwap):
             if n:
                 if self.pool.events is not None:  # their tokens, for when they are loaded back
                     self.pool.events.describe_chain(hashes, token_ids, len(block_ids),
-                                                    len(block_ids) + n, self.kv_group)
+                                                    len(block_ids) + n, self.kv_group,
+                                                    extra_keys)
                 host_hashes = tuple(hashes[len(block_ids):len(block_ids) + n])
                 hit = PrefixHit(block_ids, hit.num_tokens + n * bs, hit.block_hashes,
                                 host_hashes)
@@ -371,7 +372,8 @@ class KVCacheManager(HostSwap):
             if block.block_hash is None:
                 if events is not None:
                     events.describe(hashes[i], hashes[i - 1] if i else None,
-                                    token_ids[i * bs:(i + 1) * bs], self.kv_group)
+                                    token_ids[i * bs:(i + 1) * bs], self.kv_group,
+                                    state.extra_keys)
                 pool.register(block, hashes[i])
         state.num_committed = num_full
 

@@ -25,16 +25,18 @@ from engine.kv_events.events import (
     KVCacheEvent,
 )
 
-_Entry = tuple  # (parent hash | None, token ids, group index)
+_Entry = tuple  # (parent hash | None, token ids, group index, (lora_id, lora_name) | None)
 
 
 class _Run:
     """An event being built: consecutive stores of one chain, or removals, in one medium."""
 
-    __slots__ = ("kind", "medium", "group", "hashes", "parent", "tokens")
+    __slots__ = ("kind", "medium", "group", "hashes", "parent", "tokens", "lora")
 
-    def __init__(self, kind: str, medium: str, group: int, parent: bytes | None) -> None:
+    def __init__(self, kind: str, medium: str, group: int, parent: bytes | None,
+                 lora: tuple[int, str] | None = None) -> None:
         self.kind, self.medium, self.group, self.parent = kind, medium, group, parent
+        self.lora = lora
         self.hashes: list[bytes] = []
         self.tokens: list[int] = []
 
@@ -55,12 +57,12 @@ class TierHook:
         self.recorder.removed(self.medium, block_hash)
 
     def describe(self, block_hash: bytes, parent: bytes | None, tokens: Sequence[int],
-                 group: int = 0) -> None:
-        self.recorder.describe(block_hash, parent, tokens, group)
+                 group: int = 0, keys: tuple = ()) -> None:
+        self.recorder.describe(block_hash, parent, tokens, group, keys)
 
     def describe_chain(self, hashes: Sequence[bytes], token_ids: Sequence[int], start: int,
-                       end: int, group: int = 0) -> None:
-        self.recorder.describe_chain(hashes, token_ids, start, end, group)
+                       end: int, group: int = 0, keys: tuple = ()) -> None:
+        self.recorder.describe_chain(hashes, token_ids, start, end, group, keys)
 
     def cleared(self) -> None:
         self.recorder.cleared()
@@ -80,6 +82,9 @@ class KVEventRecorder:
         self._runs: list[_Run | AllBlocksCleared] = []
         self._tiers: list[TierHook] = []
         self.undescribed = 0  # stores of a hash whose tokens were unknown (not published)
+        # The LoRA adapter named by a block's extra keys, as (lora_id, lora_name), or None
+        # for the base model (set by the engine when LoRA is on: engine.adapters).
+        self.lora_of: Callable[[tuple], tuple[int, str] | None] | None = None
 
     def tier(self, medium: str, cached: dict | None = None) -> TierHook:
         """The hook a pool of ``medium`` (hash map ``cached``) or the disk tier calls."""
@@ -89,31 +94,36 @@ class KVEventRecorder:
 
     # ---- what the KV side tells ----------------------------------------------------------
     def describe(self, block_hash: bytes, parent: bytes | None, tokens: Sequence[int],
-                 group: int = 0) -> None:
-        """``block_hash`` names ``tokens`` after ``parent`` (None: the first block)."""
+                 group: int = 0, keys: tuple = ()) -> None:
+        """``block_hash`` names ``tokens`` after ``parent`` (None: the first block), under the
+        request's cache ``keys`` (its LoRA adapter is published with the block)."""
         if block_hash not in self._catalog:
-            self._catalog[block_hash] = (parent, tuple(tokens), group)
+            self._catalog[block_hash] = (parent, tuple(tokens), group, self._lora(keys))
 
     def describe_chain(self, hashes: Sequence[bytes], token_ids: Sequence[int], start: int,
-                       end: int, group: int = 0) -> None:
+                       end: int, group: int = 0, keys: tuple = ()) -> None:
         """Blocks ``start .. end - 1`` of the chain ``hashes`` of ``token_ids`` (a prefix hit's
         blocks that a lower tier holds, about to be loaded back)."""
         bs = self.block_size
+        lora = self._lora(keys)
         for i in range(start, end):
             if hashes[i] not in self._catalog:
                 self._catalog[hashes[i]] = (hashes[i - 1] if i else None,
-                                            tuple(token_ids[i * bs:(i + 1) * bs]), group)
+                                            tuple(token_ids[i * bs:(i + 1) * bs]), group, lora)
+
+    def _lora(self, keys: tuple) -> tuple[int, str] | None:
+        return self.lora_of(keys) if keys and self.lora_of is not None else None
 
     def stored(self, medium: str, block_hash: bytes) -> None:
         entry = self._catalog.get(block_hash)
         if entry is None:
             self.undescribed += 1
             return
-        parent, tokens, group = entry
+        parent, tokens, group, lora = entry
         run = self._runs[-1] if self._runs else None
         if not (isinstance(run, _Run) and run.kind == "stored" and run.medium == medium
                 and run.group == group and run.hashes[-1] == parent):
-            run = _Run("stored", medium, group, parent)
+            run = _Run("stored", medium, group, parent, lora)
             self._runs.append(run)
         run.hashes.append(block_hash)
         run.tokens.extend(tokens)
@@ -163,5 +173,6 @@ class KVEventRecorder:
         if run.kind == "removed":
             return BlockRemoved(tuple(run.hashes), run.medium,
                                 group.group_idx if group is not None else None)
+        lora_id, lora_name = run.lora if run.lora is not None else (None, None)
         return BlockStored(tuple(run.hashes), run.parent, tuple(run.tokens), self.block_size,
-                           run.medium, group)
+                           run.medium, group, lora_id, lora_name)

@@ -12,7 +12,10 @@ rows (beyond, the linears switch kernels), float32, float16, bfloat16, int8 or i
 fp8), no KV observer or fp8 scales; a hybrid KV cache gives each group's slots and tables.
 Anything else runs the Python loop. ``KVSERVE_DECODE_STACK=0`` turns it off (A/B runs). The
 stack holds the modules' weight tensors: build it after the weights are final (quantisation
-adopted, linears packed), and again if a projection is replaced."""
+adopted, linears packed), and again if a projection is replaced. LoRA adapters
+(``engine.lora``): a wrapped projection's base runs here, and each step with adapter rows
+adds their delta after it with the kernel the Python path uses (``lora_apply_``): the
+``cpu-kernel`` LoRA kind only (another keeps such steps in Python)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from torch import nn
 from engine import envs
 from engine.attention.torch_backend import CPU_KERNEL_FLOAT_POOLS
 from engine.kv_format.formats import INT8_SCALE_FLOOR
+from engine.lora.layer import LoRALinear
 from engine.models.layer_ops import FusedCpuOps, TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import PackedExperts
@@ -92,23 +96,34 @@ class CpuDecodeStack:
 
     def __init__(self, model: nn.Module, kernels, ops: FusedCpuOps) -> None:
         self._stack = kernels.DecodeStack()
+        self._lora = getattr(model, "lora", None)  # the adapters' slots, when LoRA is on
+        loras: list[tuple[int, int, tuple]] = []
         self._ops = ops
         self.max_rows = NO_LIMIT
         self._layers = list(model.layers)
         self._final = model.norm
         self._moe = []  # the MoE blocks (their ``record`` switch keeps a step in Python)
-        for layer in self._layers:
+        for i, layer in enumerate(self._layers):
             specs = {}
             moe = getattr(layer, "moe", None)
             names = ("qkv_proj", "o_proj") if moe is not None else (
                 "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-            for name in names:
-                specs[name] = self._spec(kernels, getattr(layer, name),
-                                         f"layer {layer.layer_idx} {name}")
+            for m, name in enumerate(names):
+                mod = getattr(layer, name)
+                if isinstance(mod, LoRALinear):
+                    lora = mod.weights.stack_specs(layer.layer_idx, name)
+                    if lora is not None:
+                        loras.append((i, m, lora))
+                    mod = mod.base
+                specs[name] = self._spec(kernels, mod, f"layer {layer.layer_idx} {name}")
             if moe is not None:
                 specs["moe"] = self._moe_spec(kernels, moe, layer.layer_idx)
                 self._moe.append(moe)
             self._stack.add_layer(_layer(kernels, layer, specs))
+        for i, m, (a, bs, ranks, offsets) in loras:
+            self._stack.set_lora(i, m, a, bs, ranks, offsets)
+        # LoRA steps run here only when every wrapped projection's delta does.
+        self._lora_here = self._lora is not None and self._lora.kind == "cpu-kernel"
         self._stack.set_prefetch(envs.stack_prefetch_bytes())
         self._groups: list[int] | None = None  # the layers' KV groups as last set
         self._bound_caches: list | None = None
@@ -163,6 +178,8 @@ class CpuDecodeStack:
         if (not kv_caches or kv_caches[0][0].dtype not in STACK_POOL_DTYPES
                 or x.dtype != torch.float32):
             return False
+        if self._lora is not None and self._lora.batch is not None and not self._lora_here:
+            return False
         return all(layer.kv_observer is None and layer.kv_scales is None
                    for layer in self._layers) and not any(m.record for m in self._moe)
 
@@ -185,9 +202,11 @@ class CpuDecodeStack:
             coss.append(local_rope[0])
             sins.append(local_rope[1])
         self.calls += 1
+        batch = self._lora.batch if self._lora is not None else None
         return self._stack.forward(x, coss, sins, [m.slot_mapping for m in metas],
                                    [g.tables_i32 for g in decode], [g.lens_i32 for g in decode],
-                                   self._final.weight.detach(), self._final.eps)
+                                   self._final.weight.detach(), self._final.eps,
+                                   None if batch is None else batch.row_slots)
 
 
 def _group_metas(meta) -> tuple[list, list[int] | None]:

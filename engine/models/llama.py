@@ -22,6 +22,7 @@ from engine.models.rope import RotaryEmbedding
 from engine.quantization.packed_linear import PackedLinear, pack_linears
 
 if TYPE_CHECKING:
+    from engine.lora.weights import LoRAWeights
     from engine.models.tp_group import TPGroup
 
 _TORCH_OPS = TorchLayerOps()
@@ -157,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
         self.ops: TorchLayerOps = _TORCH_OPS  # the runner may swap in the fused CPU ops
         # The C++ decode-step layer loop (engine.models.cpu_decode_stack), set by the runner.
         self.decode_stack: FastDecodeStack | None = None
+        # LoRA adapters' slots and the step's rows by adapter (engine.lora.layer.attach_lora).
+        self.lora: LoRAWeights | None = None
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim,
                                       max_positions or arch.max_position_embeddings)
 

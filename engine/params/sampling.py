@@ -62,6 +62,8 @@ class SamplingParams:
     thinking: ThinkingGate | None = None
     # A pooling request (engine.pooling): prefill only, one vector back, nothing generated.
     pooling: PoolingParams | None = None
+    # The LoRA adapter the request runs under, by its loaded name (None: the base model).
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

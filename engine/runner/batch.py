@@ -54,6 +54,8 @@ class ModelInput:
     extra_slot_mappings: tuple[torch.Tensor, ...] = ()
     # Pooling chunks (``SeqChunk.pool``): (chunk index, first flat row, end flat row, head ids)
     pool_rows: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
+    # Each sequence's LoRA slot (-1: base); empty when no chunk runs under an adapter.
+    lora_slots: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +163,8 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         extra_block_tables=extra_tables,
         extra_slot_mappings=extra_slots,
         pool_rows=tuple(pool_rows),
+        lora_slots=(tuple(s.lora_slot for s in plan.seqs)
+                    if any(s.lora_slot >= 0 for s in plan.seqs) else ()),
     )
 
 

@@ -190,7 +190,7 @@ class DecodeGraphs:
     # ---- replay ---------------------------------------------------------------------------
 
     def can_run(self, inp: ModelInput) -> bool:
-        return (bool(self._graphs) and inp.is_pure_decode
+        return (bool(self._graphs) and inp.is_pure_decode and not inp.lora_slots
                 and inp.num_seqs <= self.layout.max_batch
                 and inp.block_tables.shape[1] <= self.layout.max_blocks)
 

@@ -34,6 +34,9 @@ from engine.kv_cache.host.copier import HostTierCopier
 from engine.kv_cache.host.memory import allocate_host_pools
 from engine.kv_format.formats import KVFormat, kv_format, resolve_kv_cache_dtype
 from engine.kv_format.rope_shift import shift_block_keys
+from engine.lora.batch import LoRABatch
+from engine.lora.layer import attach_lora
+from engine.lora.weights import LoRAWeights
 from engine.models.arch import ModelArch
 from engine.models.batch_invariant import make_batch_invariant
 from engine.models.cpu_decode_stack import build_decode_stack
@@ -142,6 +145,15 @@ class ModelRunner:
                     f"packed quantised linears + {self.dtype} copies for batches above "
                     f"{self.quant_verdict.float_above} rows")
         logger.info("resident weights: %.1f MiB (%s)", self.weight_bytes / 2**20, what)
+        # LoRA adapters' device slots (engine.lora), wrapped around the final projections
+        # (before the decode stack, which adds their delta itself).
+        self.lora: LoRAWeights | None = None
+        if config.enable_lora:
+            self.lora = attach_lora(self.model, config.max_loras, config.max_lora_rank,
+                                    self.device, self.dtype)
+            logger.info("LoRA: %d adapter slots of rank <= %d over %d projections (%s)",
+                        config.max_loras, config.max_lora_rank, len(self.lora.shapes),
+                        self.lora.kind)
         self.model.ops = layer_ops_for(self.device, self.dtype)
         if self.device.type == "cpu":
             self.model.decode_stack, why_not = build_decode_stack(self.model)
@@ -476,6 +488,10 @@ class ModelRunner:
         (``_pool``). Pure decode steps replay a CUDA
         graph when one was captured, everything else runs eagerly after one host->device
         copy."""
+        if self.lora is not None:
+            self.lora.batch = (LoRABatch.build(inp.lora_slots, inp.query_lens, self.device,
+                                               row_slots=self.lora.stacked)
+                               if inp.lora_slots else None)
         if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
             if inp.sample_indices.numel() != hidden.shape[0]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.config.engine import EngineConfig
 from engine.kv_cache.manager import PrefixHit
+from engine.lora.slots import LoRASlots
 from engine.pooling.span import pool_span
 from engine.request import Request, SeqStatus, Sequence
 from engine.scheduling.kv_setup import KVPool, build_kv
@@ -152,6 +153,10 @@ class Scheduler:
         # the scheduled sequences' ids once their chunks' blocks are committed, before any of
         # them is rolled back or freed.
         self.after_commit: Callable[[list[str]], object] | None = None
+        # LoRA slots (engine.adapters, when LoRA is on): a sequence of an adapter pins its
+        # slot from admission until it leaves the running set; with every slot pinned by
+        # other adapters it waits at the head of the queue.
+        self.lora: LoRASlots | None = None
 
     # ---- queue management --------------------------------------------------------------
 
@@ -199,6 +204,7 @@ class Scheduler:
                 if not parked:
                     del self._parked[seq.request.request_id]
         self.kv.free(seq.seq_id)
+        self._unpin_lora(seq)
         if self.stream is not None:
             self.stream.forget(seq.seq_id)
         if self.proposer is not None:
@@ -271,12 +277,14 @@ class Scheduler:
             start = seq.num_computed_tokens
             if s.draft:
                 chunks.append(SeqChunk([seq.token_ids[start], *s.draft], start,
-                                       table(seq.seq_id), True, None, len(s.draft)))
+                                       table(seq.seq_id), True, None, len(s.draft),
+                                       lora_slot=seq.lora_slot))
             else:
                 chunks.append(SeqChunk(seq.token_ids[start:start + s.num_new_tokens],
                                        self._cached(seq), table(seq.seq_id), s.sample,
                                        prompt_logit_span(s.seq, s.start, s.num_new_tokens),
-                                       pool=pool_span(seq, start, s.num_new_tokens)))
+                                       pool=pool_span(seq, start, s.num_new_tokens),
+                                       lora_slot=seq.lora_slot))
             if self.hybrid:  # every KV group's table (engine.kv_cache.hybrid)
                 tables = kv.group_tables(seq.seq_id)
                 chunks[-1].block_table, chunks[-1].extra_tables = tables[0], tables[1:]
@@ -329,6 +337,7 @@ class Scheduler:
             out.swapped_out.append(seq)
         else:
             self.kv.free(seq.seq_id)
+            self._unpin_lora(seq)
             seq.num_computed_tokens = 0
             self.num_preemptions_recompute += 1
         seq.num_preemptions += 1
@@ -360,6 +369,8 @@ class Scheduler:
             if self.admission_gate is not None and not self.admission_gate(
                     seq, bool(self.running or out.scheduled)):
                 break
+            if not self._pin_lora(seq):
+                break
             prefix = self._prefix_for(seq)
             start = prefix.num_tokens
             if self.stream is not None:  # a recomputation resuming past the evicted gap
@@ -370,6 +381,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             cached = self.stream.cache_pos(seq.seq_id, start) if self.stream else start
             if self.kv.allocate(seq.seq_id, cached + num_new, prefix) is None:
+                self._unpin_lora(seq)
                 break
             self.waiting.pop()
             self.kv.record_prefix_stats(seq.num_tokens, prefix.num_tokens)
@@ -395,6 +407,23 @@ class Scheduler:
         out.swapped_in.append(seq)
         out.scheduled.append(ScheduledSeq(seq, num_new, self._samples(seq, num_new)))
         return num_new
+
+    def _pin_lora(self, seq: Sequence) -> bool:
+        """Pin the slot of ``seq``'s adapter (placing it when not resident); False when every
+        slot is pinned by other adapters. True at once for the base model."""
+        lora_id = seq.request.lora_id
+        if not lora_id or seq.lora_slot >= 0 or self.lora is None:
+            return True
+        slot = self.lora.acquire(lora_id)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _unpin_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0 and self.lora is not None:
+            self.lora.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING

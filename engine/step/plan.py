@@ -71,6 +71,8 @@ class SeqChunk:
     extra_tables: tuple[list[int], ...] = ()
     # The rows a pooling request sums (engine.pooling); such a chunk never samples.
     pool: PoolSpan | None = None
+    # The LoRA slot the chunk runs under (engine.lora; -1: the base model).
+    lora_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:

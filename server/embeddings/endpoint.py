@@ -106,11 +106,13 @@ def _encode(ctx: ServingContext, texts: list[str | list[int]], field: str,
 
 
 async def _run(ctx: ServingContext, raw: Request, prompts: Prompts, params: SamplingParams,
-               field: str, prefix: str, body) -> Response:
+               field: str, prefix: str, body, model: str) -> Response:
+    """Submit ``prompts`` under ``model`` (what ``ctx.check_model`` returned: the base model
+    or a LoRA adapter) and answer ``body(rid, finals)``."""
     xrid = request_id_of(raw)
     _check_prompts(ctx, prompts, params, field)
     rid = new_id(prefix)
-    streams = submit_or_error(ctx, prompts, params, rid, 0, xrid)
+    streams = submit_or_error(ctx, prompts, params, rid, 0, xrid, model=model)
     logger.info("request_id=%s %s: %d input(s), %d tokens", xrid, rid, len(prompts),
                 sum(len(ids) for _, ids in prompts))
     return await respond(raw, streams, ctx, xrid, None, lambda finals: body(rid, finals))
@@ -134,12 +136,12 @@ async def create_embeddings(ctx: ServingContext, req: EmbeddingRequest, raw: Req
     def body(rid: str, finals: list[RequestOutput]) -> dict[str, Any]:
         return embeddings_body(rid, model, finals, req.encoding_format)
 
-    return await _run(ctx, raw, prompts, params, "input", "embd", body)
+    return await _run(ctx, raw, prompts, params, "input", "embd", body, model)
 
 
 async def _pair_scores(ctx: ServingContext, raw: Request, pairs: list[tuple[str, str]],
                        instruction: str | None, truncate: int | None, field: str,
-                       prefix: str, make_body) -> Response:
+                       prefix: str, make_body, model: str) -> Response:
     """Score (query, document) pairs: the reranker's yes/no template, or the cosine of the
     two embeddings; ``make_body(rid, scores, finals)``."""
     pooling = _pooling(ctx)
@@ -165,7 +167,7 @@ async def _pair_scores(ctx: ServingContext, raw: Request, pairs: list[tuple[str,
         def body(rid: str, finals: list[RequestOutput]) -> dict[str, Any]:
             return make_body(rid, [yes_probability(o.pooled) for o in finals], finals)
 
-        return await _run(ctx, raw, prompts, params, field, prefix, body)
+        return await _run(ctx, raw, prompts, params, field, prefix, body, model)
     # embed: one vector per distinct text, scores by cosine
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     _limits(ctx, len(texts), field)
@@ -177,7 +179,7 @@ async def _pair_scores(ctx: ServingContext, raw: Request, pairs: list[tuple[str,
         vec = {t: o.pooled for t, o in zip(texts, finals, strict=True)}
         return make_body(rid, [cosine(vec[q], vec[d]) for q, d in pairs], finals)
 
-    return await _run(ctx, raw, prompts, params, field, prefix, body)
+    return await _run(ctx, raw, prompts, params, field, prefix, body, model)
 
 
 async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request) -> Response:
@@ -189,7 +191,7 @@ async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request) -
         return rerank_body(rid, model, docs, scores, req.top_n, req.return_documents, finals)
 
     return await _pair_scores(ctx, raw, pairs, req.instruction, req.truncate_prompt_tokens,
-                              "documents", "rerank", make_body)
+                              "documents", "rerank", make_body, model)
 
 
 async def create_score(ctx: ServingContext, req: ScoreRequest, raw: Request) -> Response:
@@ -199,4 +201,4 @@ async def create_score(ctx: ServingContext, req: ScoreRequest, raw: Request) -> 
         return score_body(rid, model, scores, finals)
 
     return await _pair_scores(ctx, raw, req.pairs(), req.instruction,
-                              req.truncate_prompt_tokens, "text_2", "score", make_body)
+                              req.truncate_prompt_tokens, "text_2", "score", make_body, model)

@@ -68,7 +68,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     try:
         prompt = await chat_prompt(ctx, chat, xrid, client_of(raw))
         streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, rid,
-                                  chat.priority, xrid)
+                                  chat.priority, xrid, model=model)
     except APIError as exc:
         exc.param = _as_input(exc.param)
         raise

@@ -313,7 +313,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 4. the scheduler's per-request state
     ("engine.request",),
     # 5. libraries the model and the sampler are built from
-    ("engine.quantization", "engine.attention", "engine.sampling"),
+    ("engine.quantization", "engine.attention", "engine.sampling", "engine.lora"),
     # 6. the architectures (with TP's rank state), and the step's messages
     ("engine.models", "engine.step"),
     # 7. KV bookkeeping, checkpoints, pooling, per-request finishing
@@ -329,7 +329,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 12. the scheduler and the typed counters
     ("engine.scheduling", "engine.stats"),
     # 13. the core and its assembly
-    ("engine.core", "engine.assembly", "engine.core_stats"),
+    ("engine.core", "engine.assembly", "engine.core_stats", "engine.adapters"),
     # 14. the engine's faces
     ("engine.async_engine", "engine.llm", "engine"),  # "engine": its __init__.py alone
     # 15. the benchmark client (`kvserve bench`), a client of the engine and the server's API

@@ -41,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up over [gate | up] (CPU, fp32)",
         nogil());
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, fp32)", nogil());
+  m.def("lora_apply_", &lora_apply_,
+        "out += each row's LoRA delta: B_p[s] (A_p[s] x), s = slots[t] >= 0 (CPU, fp32)", nogil());
   m.def("small_gemm_pack", &small_gemm_pack, "pack W [N, K] into 16-column panels", nogil());
   m.def("small_gemm_supported", &small_gemm_supported, "built with AVX2+FMA");
   m.def("small_gemm", &small_gemm, "x @ W^T (+ b) for few rows (CPU, fp32, AVX2)", nogil());
@@ -133,7 +135,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_kv_caches", &DecodeStack::set_kv_caches)
       .def("set_layer_groups", &DecodeStack::set_layer_groups)
-      .def("forward", &DecodeStack::forward, nogil())
+      .def("set_lora", &DecodeStack::set_lora)
+      .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"),
+           py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("final_norm"), py::arg("final_eps"), py::arg("lora_rows") = py::none(),
+           nogil())
       .def("set_prefetch", &DecodeStack::set_prefetch)
       .def_property_readonly("prefetch", &DecodeStack::prefetch)
       .def_property_readonly("prefetched_bytes", &DecodeStack::prefetched_bytes)

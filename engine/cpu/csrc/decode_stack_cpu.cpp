@@ -289,12 +289,23 @@ void DecodeStack::index_weights() {
   indexed_ = layers_.size();
 }
 
+void DecodeStack::set_lora(int64_t layer, int64_t module, at::Tensor a,
+                           std::vector<at::Tensor> b, at::Tensor ranks,
+                           std::vector<int64_t> offsets) {
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && module >= 0 &&
+                  module < 4,
+              "DecodeStack::set_lora: layer ", layer, " module ", module);
+  if (loras_.size() < layers_.size()) loras_.resize(layers_.size());
+  loras_[layer][module] = kvserve_stack::StackLoRA{std::move(a), std::move(b), std::move(ranks),
+                                                   std::move(offsets)};
+}
+
 at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables,
                                 std::vector<at::Tensor> sin_tables,
                                 std::vector<at::Tensor> group_slots,
                                 std::vector<at::Tensor> group_tables,
                                 std::vector<at::Tensor> group_lens, at::Tensor final_norm,
-                                double final_eps) {
+                                double final_eps, std::optional<at::Tensor> lora_rows) {
   TORCH_CHECK(!layers_.empty() && k_caches_.size() == layers_.size(),
               "DecodeStack: layers and KV pools must be set before forward");
   TORCH_CHECK(cos_tables.size() == sin_tables.size() && group_slots.size() == group_tables.size() &&
@@ -320,7 +331,14 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
                      &seq_lens = group_lens[g];
     const int64_t H = L.num_heads, KVH = L.num_kv_heads, D = L.head_dim;
     const int64_t q_size = H * D, kv_size = KVH * D;
+    // Each projection's output gains its rows' LoRA delta where the step has adapter rows.
+    auto lora = [&](int m, const at::Tensor& in, const at::Tensor& y) {
+      if (!lora_rows.has_value() || i >= loras_.size() || !loras_[i][m].has_value()) return;
+      const auto& l = *loras_[i][m];
+      lora_apply_(y, in, *lora_rows, l.a, l.b, l.ranks, l.offsets);
+    };
     const at::Tensor qkv = L.qkv(h);
+    lora(0, h, qkv);
     S.at_linear(o_linear_[i]);
     at::Tensor q, attn;
     // Q/K norms, RoPE, the KV store and the attention. The attention runs one task per
@@ -374,14 +392,20 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos_tables
       store();
       attend();
     }
-    const at::Tensor o = L.o(attn.reshape({t, q_size}));
+    const at::Tensor attn_rows = attn.reshape({t, q_size});
+    const at::Tensor o = L.o(attn_rows);
+    lora(1, attn_rows, o);
     if (L.moe.has_value()) {
       x = kvserve_stack::moe_forward(*L.moe, add_rms_norm_(o, residual, L.post_norm, L.eps));
     } else {
       h = L.pre_ff_norm.has_value()  // Gemma's sandwich
               ? add_rms_norm_(rms_norm(o, L.post_norm, L.eps), residual, *L.pre_ff_norm, L.eps)
               : add_rms_norm_(o, residual, L.post_norm, L.eps);
-      x = (*L.down)(kvserve_stack::activation((*L.gate_up)(h), L.act));
+      const at::Tensor gate_up = (*L.gate_up)(h);
+      lora(2, h, gate_up);
+      const at::Tensor act = kvserve_stack::activation(gate_up, L.act);
+      x = (*L.down)(act);
+      lora(3, act, x);
     }
     // The layer's end and the next layer's input norm (or the final norm).
     if (L.post_ff_norm.has_value()) x = rms_norm(x, *L.post_ff_norm, L.eps);

@@ -4,6 +4,7 @@
 
 #include "torch_lite.h"
 
+#include <array>
 #include <optional>
 #include <vector>
 
@@ -84,6 +85,16 @@ struct StackLayer {
   double softcap = 0.0;
 };
 
+// One projection's LoRA slots (lora_cpu.cpp lora_apply_'s weights): A [S, P*R, K], P parts of
+// B transposed [S, R, O_p], ranks [S, P], each part's output offset. The tensors are shared with the
+// Python side, which writes adapters into them between steps.
+struct StackLoRA {
+  at::Tensor a;
+  std::vector<at::Tensor> b;
+  at::Tensor ranks;
+  std::vector<int64_t> offsets;
+};
+
 }  // namespace kvserve_stack
 
 class DecodeStack {
@@ -97,12 +108,18 @@ class DecodeStack {
   // Which KV group each layer attends with (a hybrid KV cache: index into forward's slots,
   // block_tables and seq_lens); every layer group 0 until set.
   void set_layer_groups(std::vector<int64_t> groups);
+  // LoRA slots of layer `layer`'s projection `module` (0 qkv, 1 o, 2 gate_up, 3 down): with
+  // forward's lora_rows, each row's adapter delta is added to that projection's output, by the
+  // same kernel as the Python path (engine/lora/weights.py).
+  void set_lora(int64_t layer, int64_t module, at::Tensor a, std::vector<at::Tensor> b,
+                at::Tensor ranks, std::vector<int64_t> offsets);
   // Final hidden states [T, hidden] of decode rows x [T, hidden] (the embedding output, which
   // becomes the residual stream and is overwritten, as in the Python path). cos/sin: the RoPE
   // tables (StackLayer::rope indexes them); slots/block_tables/seq_lens: one per KV group.
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
-                     std::vector<at::Tensor> seq_lens, at::Tensor final_norm, double final_eps);
+                     std::vector<at::Tensor> seq_lens, at::Tensor final_norm, double final_eps,
+                     std::optional<at::Tensor> lora_rows = std::nullopt);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // While one thread does a serial part of the step, the other loads the next linears'
   // weights, at most ahead_bytes past the next one's start (weight_prefetch.h); 0: off.
@@ -112,6 +129,7 @@ class DecodeStack {
 
  private:
   std::vector<kvserve_stack::StackLayer> layers_;
+  std::vector<std::array<std::optional<kvserve_stack::StackLoRA>, 4>> loras_;  // per layer
   std::vector<int64_t> groups_;  // per layer
   std::vector<at::Tensor> k_caches_, v_caches_;
   bool int8_ = false;

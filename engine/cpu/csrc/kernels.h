@@ -5,6 +5,7 @@
 #include "torch_lite.h"
 
 #include <string>
+#include <vector>
 
 // softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
 // (Gemma 2's attention logit soft-capping); 0: off.
@@ -34,6 +35,10 @@ at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight,
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor gelu_tanh_mul(at::Tensor gate_up);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
+// lora_cpu.cpp: out += the LoRA delta of each row's adapter slot (-1: none), per part; b holds
+// each part's B transposed, [S, R, O_p].
+void lora_apply_(at::Tensor out, at::Tensor x, at::Tensor slots, at::Tensor a,
+                 std::vector<at::Tensor> b, at::Tensor ranks, std::vector<int64_t> offsets);
 at::Tensor small_gemm_pack(at::Tensor w);
 bool small_gemm_supported();
 at::Tensor small_gemm(at::Tensor x, at::Tensor panels, int64_t N,
