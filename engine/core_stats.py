@@ -8,7 +8,7 @@ import dataclasses
 from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.remote.stats import RemoteTierStats
 from engine.kv_events.stats import KVEventsStats
-from engine.stats import EngineStats, HostTierStats
+from engine.stats import EngineStats, HostTierStats, LoRAStats
 from engine.structured.stats import StructuredStats
 
 
@@ -20,6 +20,21 @@ def _structured_stats(core) -> StructuredStats:
         return stats
     return dataclasses.replace(stats, jump_forward_drafted=jf.drafted,
                                jump_forward_accepted=jf.accepted)
+
+
+def _lora_stats(core) -> LoRAStats:
+    adapters = core.adapters
+    if adapters is None:
+        return LoRAStats()
+    sched = core.scheduler
+
+    def names(seqs) -> tuple[str, ...]:
+        return tuple(sorted({s.request.params.lora_name for s in seqs
+                             if s.request.params.lora_name is not None}))
+
+    waiting = [*sched.waiting, *(s for parked in sched.parked_seqs() for s in parked)]
+    return LoRAStats(adapters.slots.max_loras, len(adapters.names), names(sched.running),
+                     names(waiting), adapters.slots.num_loads)
 
 
 def engine_stats(core) -> EngineStats:
@@ -52,6 +67,7 @@ def engine_stats(core) -> EngineStats:
         computed_tokens=core.counters["computed_tokens"],
         spec_decode=core.spec_counters.snapshot(),
         structured=_structured_stats(core),
+        lora=_lora_stats(core),
         kv_events=(core.kv_events.stats() if core.kv_events is not None
                    else KVEventsStats()),
         host=HostTierStats.from_offload(

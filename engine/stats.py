@@ -63,6 +63,18 @@ class HostTierStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """LoRA adapters (engine.adapters): slots, and the adapters of the running and the waiting
+    requests by name (vLLM's ``vllm:lora_requests_info``); zeros when LoRA is off."""
+
+    max_loras: int = 0  # 0: LoRA off
+    loaded: int = 0
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    slot_loads: int = 0  # adapters placed into a device slot, cumulative
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One snapshot of the engine. Gauges describe the moment; token, step, preemption and
     prefix-cache counts are cumulative since start-up (prefix-cache queries/hits in tokens)."""
@@ -98,6 +110,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     structured: StructuredStats = field(default_factory=StructuredStats)
     kv_events: KVEventsStats = field(default_factory=KVEventsStats)
+    lora: LoRAStats = field(default_factory=LoRAStats)
 
     def replace(self, **changes: object) -> EngineStats:
         return dataclasses.replace(self, **changes)
@@ -109,8 +122,9 @@ class EngineStats:
         out: dict[str, int | float] = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self)
             if f.name not in ("host", "disk", "remote", "spec_decode", "structured",
-                              "kv_events")}
+                              "kv_events", "lora")}
         out.update(dataclasses.asdict(self.host))
+        out.update(lora_loaded=self.lora.loaded, lora_slot_loads=self.lora.slot_loads)
         out.update({f"kv_events_{k}": v for k, v in dataclasses.asdict(self.kv_events).items()})
         out.update({f"disk_{k}": v for k, v in dataclasses.asdict(self.disk).items()})
         out.update({f"remote_{k}": v for k, v in dataclasses.asdict(self.remote).items()})

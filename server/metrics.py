@@ -13,6 +13,7 @@ Two sources feed one private registry (one per app, so tests can build many apps
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -289,6 +290,21 @@ class _EngineCollector(Collector):
         info.add_metric([self.model_name, self.kv_cache_dtype], 1.0)
         yield info
         yield self._cache_config_info(stats)
+        if stats.lora.max_loras:
+            yield self._lora_info(stats)
+
+    def _lora_info(self, stats: EngineStats) -> Metric:
+        """vLLM's ``vllm:lora_requests_info``: the adapters of the running and the waiting
+        requests (comma-separated names) and the slots, as labels; the value is the time."""
+        lora = stats.lora
+        g = GaugeMetricFamily("kvserve:lora_requests_info",
+                              "LoRA adapters of the running and waiting requests (vLLM's "
+                              "vllm:lora_requests_info); the value is the scrape time.",
+                              labels=["max_lora", "running_lora_adapters",
+                                      "waiting_lora_adapters"])
+        g.add_metric([str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting)],
+                     time.time())
+        return g
 
     def _cache_config_info(self, stats: EngineStats) -> Metric:
         """vLLM's ``vllm:cache_config_info``: llm-d's scheduler reads ``block_size`` (and

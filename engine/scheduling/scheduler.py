@@ -215,6 +215,10 @@ class Scheduler:
         if seq.index == 0:
             self._release_parked(seq.request)  # they must now compute the prompt themselves
 
+    def parked_seqs(self) -> list[list[Sequence]]:
+        """Samples 2..n waiting for their sample 1, per request (read-only)."""
+        return list(self._parked.values())
+
     @property
     def num_waiting_seqs(self) -> int:
         """Sequences not running and not finished (queued, parked, swapped out)."""

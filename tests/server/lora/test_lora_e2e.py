@@ -138,6 +138,13 @@ def test_multi_lora_serving(served):
     assert r.status_code == 404
     # the others serve on, unchanged
     assert _complete(client, "sql") == refs["sql"] and _complete(client, "tiny") == refs["tiny"]
+    # vLLM's lora_requests_info, in the real Prometheus text format
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(f"{url}/metrics", timeout=60).text)}
+    sample = families["kvserve:lora_requests_info"].samples[0]
+    assert sample.labels["max_lora"] == "4" and sample.value > 0
 
 
 def test_the_runtime_routes_need_the_key(served):
