@@ -6,12 +6,18 @@ with empty choices and the usage, then ``[DONE]``.
 
 With tools (server/tools) and a tool_choice other than ``none``, the output is constrained to
 the tool-call format and parsed: ``message.tool_calls`` (``call_<hex>`` ids, 9 letters and
-digits for mistral; arguments as JSON text), ``content`` the text before the first call (null if none), ``finish_reason``
-``"tool_calls"`` when the output has a call and ended by itself (``"length"`` stays). A format
-whose call marker is a special token (mistral's ``[TOOL_CALLS]``) decodes the output with
-special tokens kept, as vLLM does. A stream
-sends each finished call as two deltas, ``{"index", "id", "type", "function": {"name",
-"arguments": ""}}`` then ``{"index", "function": {"arguments": JSON}}``.
+digits for mistral; arguments as JSON text), ``content`` the text before the first call (null
+if none), ``finish_reason`` ``"tool_calls"`` when the output has a call and ended by itself
+(``"length"`` stays). A format whose call marker is a special token (mistral's
+``[TOOL_CALLS]``) decodes the output with special tokens kept, as vLLM does. Calls are read
+incrementally (server/tools/parser.py): a stream opens each call with ``{"index", "id",
+"type", "function": {"name", "arguments": ""}}`` once its name is written, then sends
+``{"index", "function": {"arguments": piece}}`` as its arguments are written (a format read
+whole: one piece when the call ends); the pieces concatenate to the call's arguments. An
+output cut by ``max_tokens`` inside a call gives that call as far as it was written (arguments
+possibly incomplete JSON, ``finish_reason: "length"``), never its markup as content; cut before
+its name, the call is left out (no ``tool_calls``). The non-streamed message holds what the
+stream's deltas add up to.
 """
 
 from __future__ import annotations
@@ -50,7 +56,14 @@ from server.serving import (
 )
 from server.sse import event
 from server.tools.constraint import tool_call_spec
-from server.tools.parser import StreamingToolParser, ToolCall, parse_tool_calls, reads_channels
+from server.tools.parser import (
+    ArgumentsDelta,
+    CallStart,
+    StreamingToolParser,
+    ToolCall,
+    parse_tool_calls,
+    reads_channels,
+)
 from server.tools.prompt import tool_conversation
 from server.tools.request import ToolSet
 
@@ -234,7 +247,8 @@ class _ChatWriter:
                 extra = {"reasoning_content": reasoning, "reasoning": reasoning}
         if self.names is None:
             return {"role": "assistant", "content": text, **extra}, c.finish_reason
-        parsed = parse_tool_calls(text, self.ctx.tool_format, self.names)
+        parsed = parse_tool_calls(text, self.ctx.tool_format, self.names, incremental=True,
+                                  cut=c.finish_reason == "length")
         if parsed.reasoning is not None and self.show_reasoning:
             extra = {"reasoning_content": parsed.reasoning, "reasoning": parsed.reasoning}
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content, **extra}
@@ -245,6 +259,19 @@ class _ChatWriter:
     def _call_json(self, call: ToolCall) -> dict[str, Any]:
         return {"id": self.ctx.tool_format.call_id(), "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}}
+
+    def _call_parts(self, events: list, calls: list[int], i: int) -> Iterator[dict[str, Any]]:
+        """The ``delta.tool_calls`` entries of choice ``i``'s call events: a call's head
+        (``calls[i]`` counts the calls opened), then its arguments pieces."""
+        for e in events:
+            if isinstance(e, (CallStart, ToolCall)):
+                body = self._call_json(ToolCall(e.name, ""))
+                calls[i] += 1
+                yield {"index": calls[i] - 1, **body}
+            if isinstance(e, (ArgumentsDelta, ToolCall)):
+                text = e.text if isinstance(e, ArgumentsDelta) else e.arguments
+                if text:
+                    yield {"index": calls[i] - 1, "function": {"arguments": text}}
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         choices = []
@@ -268,7 +295,7 @@ class _ChatWriter:
         sent_tokens = [0] * n
         done = [False] * n
         names = self.names
-        parsers = [StreamingToolParser(self.ctx.tool_format, names)
+        parsers = [StreamingToolParser(self.ctx.tool_format, names, incremental=True)
                    for _ in range(n)] if names is not None else []
         splitters = [self._splitter() for _ in range(n)]
         calls = [0] * n
@@ -296,7 +323,7 @@ class _ChatWriter:
             i = c.index
             events = parsers[i].feed(piece)
             if c.finish_reason is not None:
-                events += parsers[i].finish()
+                events += parsers[i].finish(cut=c.finish_reason == "length")
             thought = parsers[i].take_reasoning()
             if thought and self.show_reasoning:
                 yield self._chunk({"index": i, "delta": {"reasoning_content": thought,
@@ -309,14 +336,9 @@ class _ChatWriter:
                                    "logprobs": self._logprobs(c, sent_tokens[i]),
                                    "finish_reason": None})
             sent_tokens[i] = len(c.token_ids)
-            for call in (e for e in events if isinstance(e, ToolCall)):
-                body = self._call_json(call)
-                head = {**body, "function": {"name": call.name, "arguments": ""}}
-                for part in ({"index": calls[i], **head},
-                             {"index": calls[i], "function": {"arguments": call.arguments}}):
-                    yield self._chunk({"index": i, "delta": {"tool_calls": [part]},
-                                       "logprobs": None, "finish_reason": None})
-                calls[i] += 1
+            for part in self._call_parts(events, calls, i):
+                yield self._chunk({"index": i, "delta": {"tool_calls": [part]},
+                                   "logprobs": None, "finish_reason": None})
             if c.finish_reason is not None:
                 done[i] = True
                 yield self._chunk({"index": i, "delta": {}, "logprobs": None,

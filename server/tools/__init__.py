@@ -9,5 +9,6 @@ format is; ``qwen3_coder``, ``deepseek`` and ``harmony`` one format (family) eac
 ``prompt``: the conversation as the chat template gets it (the template's own ``tools``
 support, else kvserve's documented default preamble). ``constraint``: the xgrammar structural
 tag that constrains the calls. ``parser``: finished or streamed text back into OpenAI's
-``tool_calls``.
+``tool_calls`` (incrementally: arguments as they are written, a call cut short as far as it
+was written); ``partial``: reading a call's head and arguments while it is written.
 """

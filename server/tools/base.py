@@ -8,7 +8,9 @@ formats that write them untyped) and how to write a message's calls (``render_ca
 kvserve's default prompt). Hooks a format may override: ``structural_tag`` (its own constraint
 instead of xgrammar's built-in tag), ``how_to_call`` (the default prompt's instruction),
 ``template_arguments`` (a past call's arguments as the chat template takes them),
-``for_template`` (the format as a given chat template writes it) and
+``for_template`` (the format as a given chat template writes it), ``call_head`` (a call's
+name and where its arguments start, read while the call is written, for formats whose
+arguments can stream: server/tools/partial.py) and
 ``parser_class`` (a parser of its own instead of the marker-and-block one).
 """
 
@@ -19,6 +21,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from server.tools.partial import CallHead, json_call_head
 
 Schemas = Mapping[str, Mapping[str, Any]]  # a request's tools' parameter schemas, by name
 
@@ -75,6 +79,15 @@ class ToolCallFormat:
         if text[start] != "{":
             return len(prefix)  # a prefix with no object after it: just text
         return json_object_end(text, start)
+
+    def call_head(self, block: str) -> CallHead | None:
+        """The head of the call that ``block`` (starting at a marker, possibly unfinished)
+        opens: its name once written, and where its arguments' JSON value starts; None until
+        the name is known, and always for a format whose calls do not write the name first and
+        then the arguments as one JSON object (arrays of calls, XML, DeepSeek's blocks: their
+        calls are read whole). The default reads a ``{"name", "arguments" | "parameters"}``
+        object after the prefix."""
+        return json_call_head(block, len(self._prefix(block)))
 
     def structural_tag(self, tools: Any) -> Any | None:
         """The constraint for a ``ToolSet`` (``calls_expected``), if the format builds its own

@@ -17,8 +17,9 @@ from server.tools.parser import Event, StreamingToolParser, ToolCall
 class HarmonyToolParser(StreamingToolParser):
     own_content = True  # its content is the final channel's, calls or none
 
-    def __init__(self, fmt: ToolCallFormat, names: Collection[str]) -> None:
-        super().__init__(fmt, names)
+    def __init__(self, fmt: ToolCallFormat, names: Collection[str],
+                 incremental: bool = False) -> None:
+        super().__init__(fmt, names, incremental)  # calls come whole either way
         self._reader = HarmonyReader()
         self._reasoning: list[str] = []
 
@@ -30,7 +31,7 @@ class HarmonyToolParser(StreamingToolParser):
     def feed(self, delta: str) -> list[Event]:
         return self._events(self._reader.feed(delta))
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
         return self._events(self._reader.finish())
 
     def _events(self, read: list[Any]) -> list[Event]:

@@ -21,6 +21,7 @@ from server.tools.base import (
     decode_call_object,
     json_object_end,
 )
+from server.tools.partial import CallHead
 
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
 _ALNUM_RUN = re.compile(r"[A-Za-z0-9]*")
@@ -93,6 +94,21 @@ class MistralFormat(ToolCallFormat):
                 if i == len(text):
                     return None
         return i if text[i] == "{" else -1
+
+    def call_head(self, block: str) -> CallHead | None:
+        """A lone call object's head, or v11's ``name[ARGS]{`` once its ``{`` is written; None
+        for an array of calls (read whole)."""
+        start = len(self._prefix(block))
+        while start < len(block) and block[start].isspace():
+            start += 1
+        if block[start:start + 1] in ("[", ""):
+            return None
+        if block[start] == "{":
+            return super().call_head(block)
+        at = self._v11_arguments(block, start)
+        if at is None or at < 0:
+            return None
+        return CallHead(_NAME_CHARS.match(block, start).group(), at)
 
     def decode_calls(self, block: str, schemas: Schemas | None = None
                      ) -> tuple[DecodedCall, ...] | None:
