@@ -9,7 +9,7 @@ from engine.kv_cache.disk.stats import DiskTierStats
 from engine.kv_cache.remote.stats import RemoteTierStats
 from engine.kv_events.stats import KVEventsStats
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.stats import EngineStats, HostTierStats
+from engine.stats import EngineStats, HostTierStats, LoRAStats
 from server.metrics import ServerMetrics
 
 LEGACY_KEYS = {
@@ -30,6 +30,7 @@ JUMP_FORWARD_KEYS = {"structured_jump_forward_drafted", "structured_jump_forward
 DISK_KEYS = {f"disk_{f.name}" for f in dataclasses.fields(DiskTierStats)}
 REMOTE_KEYS = {f"remote_{f.name}" for f in dataclasses.fields(RemoteTierStats)}
 KV_EVENTS_KEYS = {f"kv_events_{f.name}" for f in dataclasses.fields(KVEventsStats)}
+LORA_KEYS = {"lora_loaded", "lora_slot_loads"}
 STRUCTURED_KEYS = {"structured_compiles", "structured_compile_failures", "structured_cache_hits",
                    "structured_compile_seconds_sum", "structured_constrained_rows",
                    "structured_restricted_rows"}
@@ -41,7 +42,7 @@ def test_flat_form_keeps_the_offline_api_keys():
     assert LEGACY_KEYS <= set(flat)  # kept; new counters may join
     assert set(flat) - LEGACY_KEYS == {"num_blocks_released_window",
                                        "num_blocks_evicted_stream"} | SPEC_KEYS | STRUCTURED_KEYS \
-        | KV_GROUP_KEYS | JUMP_FORWARD_KEYS | DISK_KEYS | REMOTE_KEYS | KV_EVENTS_KEYS
+        | KV_GROUP_KEYS | JUMP_FORWARD_KEYS | DISK_KEYS | REMOTE_KEYS | KV_EVENTS_KEYS | LORA_KEYS
     per_pos = EngineStats(spec_decode=SpecDecodeStats(2, 8, 3, (2, 1, 0, 0))).as_dict()
     assert per_pos["spec_decode_num_accepted_tokens_pos1"] == 1
     assert set(per_pos) - set(flat) == {f"spec_decode_num_accepted_tokens_pos{j}"
@@ -55,15 +56,18 @@ def test_every_metric_reads_a_real_field():
     host = HostTierStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(HostTierStats))})
     stats = EngineStats(**{f.name: i + 1 for i, f in enumerate(dataclasses.fields(EngineStats))
                            if f.name not in ("host", "disk", "remote", "spec_decode",
-                                             "structured", "kv_events")},
+                                             "structured", "kv_events", "lora")},
                         host=host, spec_decode=SpecDecodeStats(4, 16, 7, (3, 2, 1, 1)),
                         disk=DiskTierStats(**{f.name: i + 1 for i, f in
                                               enumerate(dataclasses.fields(DiskTierStats))}),
                         remote=RemoteTierStats(**{f.name: i + 1 for i, f in
                                                   enumerate(dataclasses.fields(RemoteTierStats))}),
                         kv_events=KVEventsStats(**{f.name: i + 1 for i, f in
-                                                   enumerate(dataclasses.fields(KVEventsStats))}))
+                                                   enumerate(dataclasses.fields(KVEventsStats))}),
+                        lora=LoRAStats(4, 3, ("sql",), ("chat", "fr"), 5))
     text = ServerMetrics("m", lambda: stats).render().decode()
+    assert ('kvserve:lora_requests_info{max_lora="4",running_lora_adapters="sql",'
+            'waiting_lora_adapters="chat,fr"}') in text
     assert 'kvserve:kv_cache_used_blocks{model_name="m"} 15.0' in text
     assert 'kvserve:kv_offload_spills_total{model_name="m"} 10.0' in text
     assert 'kvserve:num_preemptions_by_mode_total{mode="swap",model_name="m"} 8.0' in text
