@@ -46,10 +46,7 @@ class Adapters:
         started = time.perf_counter()
         adapter = load_adapter(name, path, num_heads=self._heads[0],
                                num_kv_heads=self._heads[1])
-        self.weights.check(adapter)
-        if adapter.rank > self.slots.max_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above "
-                             f"--max-lora-rank {self.slots.max_rank}")
+        self.weights.check(adapter)  # shapes, and each pair's rank against --max-lora-rank
         logger.info("LoRA adapter %r read from %s in %.2f s: rank %d, %s, %.1f MiB", name,
                     path, time.perf_counter() - started, adapter.rank,
                     "+".join(adapter.targets), adapter.num_bytes / 2**20)

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """The rows of a packed batch that run under an adapter, grouped by slot.
+    """The rows of a packed batch that run under an adapter.
 
-    ``groups``: (slot, rows) for every slot with rows this step, rows as a ``slice`` when they
-    are one run of the flat batch, else a LongTensor of row indices on the device.
     ``row_slots``: every row's slot (-1: the base model), int32 on the device, for the
-    one-launch GPU kernels (``kvserve_kernels.lora``); None on the CPU."""
+    one-call kernels (``lora_apply_``, ``kvserve_kernels.lora``); None when not asked for.
+    ``groups`` (the matmul path; computed on first use): (slot, rows) for every slot with rows
+    this step, rows as a ``slice`` when they are one run of the flat batch, else a LongTensor
+    of row indices on the device."""
 
-    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+    seq_slots: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    device: torch.device
     row_slots: torch.Tensor | None = None
 
     @staticmethod
@@ -27,9 +31,18 @@ class LoRABatch:
         runs under an adapter."""
         if all(s < 0 for s in seq_slots):
             return None
+        per_row = None
+        if row_slots:
+            per_row = torch.repeat_interleave(
+                torch.tensor(list(seq_slots), dtype=torch.int32),
+                torch.tensor(list(query_lens), dtype=torch.int64)).to(device, non_blocking=True)
+        return LoRABatch(tuple(seq_slots), tuple(query_lens), device, per_row)
+
+    @cached_property
+    def groups(self) -> tuple[tuple[int, slice | torch.Tensor], ...]:
         runs: dict[int, list[tuple[int, int]]] = {}
         row = 0
-        for slot, n in zip(seq_slots, query_lens, strict=True):
+        for slot, n in zip(self.seq_slots, self.query_lens, strict=True):
             if slot >= 0:
                 spans = runs.setdefault(slot, [])
                 if spans and spans[-1][1] == row:
@@ -43,10 +56,5 @@ class LoRABatch:
                 groups.append((slot, slice(*spans[0])))
             else:
                 idx = torch.cat([torch.arange(a, b) for a, b in spans])
-                groups.append((slot, idx.to(device, non_blocking=True)))
-        per_row = None
-        if row_slots:
-            per_row = torch.repeat_interleave(
-                torch.tensor(list(seq_slots), dtype=torch.int32),
-                torch.tensor(list(query_lens), dtype=torch.int64)).to(device, non_blocking=True)
-        return LoRABatch(tuple(groups), per_row)
+                groups.append((slot, idx.to(self.device, non_blocking=True)))
+        return tuple(groups)

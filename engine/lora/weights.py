@@ -230,16 +230,3 @@ class LoRAWeights:
         r = self.max_rank
         for part, (b, off) in enumerate(zip(self.stacked_b[key], self._offsets[key])):
             lora_expand(shrunk, b, row_slots, out, y_offset=part * r, out_offset=off)
-
-    def resident_bytes(self) -> int:
-        """Bytes of adapter weights held for the slots."""
-        n = 0
-        for slot in self._slots:
-            for c in slot.values():
-                n += c.a.numel() * c.a.element_size()
-                n += sum(p[4].numel() * p[4].element_size() for p in c.parts)
-        for a in self.stacked_a.values():
-            n += a.numel() * a.element_size()
-        for bs in self.stacked_b.values():
-            n += sum(b.numel() * b.element_size() for b in bs)
-        return n
