@@ -23,6 +23,7 @@ from engine.kv_cache.snapshot import KVGeometry, KVSnapshotter
 from engine.kv_events.wiring import attach as attach_kv_events
 from engine.kv_format.precision import kv_precision_warning
 from engine.loading.generation_defaults import generation_defaults
+from engine.loading.gguf_fields import release_gguf_readers
 from engine.loading.gguf_quant import gguf_source
 from engine.loading.loader import (
     default_generation_eos,
@@ -139,6 +140,7 @@ def assemble(core, config: EngineConfig) -> None:
     # can (engine/runner/logit_columns.py); off only to measure what it buys.
     core.restrict_logits_head = bool(getattr(core.runner, "restricts_logits", False))
     log_startup(core)
+    release_gguf_readers()  # the parsed GGUF's fields, read by every loading step above
     if core.runner.device.type == "cpu":
         release_freed_memory()  # loading's freed buffers back to the OS
 

@@ -31,6 +31,8 @@ from engine.params.sampling import SamplingParams
 from engine.request_output import RequestOutput
 from engine.stats import EngineStats
 
+IDLE_GRACE_S = 1.0  # idle this long after a step before the runner's idle work takes a turn
+
 logger = logging.getLogger("kvserve.async_engine")
 
 
@@ -446,17 +448,25 @@ class AsyncEngine:
                 bind()
             # Tensor parallel: while idle, ask the workers every `interval` seconds.
             interval = getattr(self.core, "health_check_interval", None)
+            # Idle work (the runner's background probe) starts IDLE_GRACE_S after a step.
+            runner = getattr(self.core, "runner", None)
+            idle_work, busy_at = hasattr(runner, "idle_work"), time.monotonic()
             while True:
                 with self._cond:
                     if not (self._inbox or self._aborts or self._stop or has_work
                             or self._tasks):
-                        self._cond.wait(interval)  # None: until notified
+                        self._cond.wait(interval if not idle_work else
+                                        max(busy_at + IDLE_GRACE_S - time.monotonic(), 0))
                     idle = not (self._inbox or self._aborts or self._stop or has_work)
+                if idle_work and (self._tasks or not idle):
+                    runner.suspend_idle_work()  # the model as it serves
                 if self._tasks:
                     self._run_tasks()
                 if idle:
                     if interval is not None:
                         self.core.check_health()  # outside the lock: may wait on a collective
+                    if idle_work and time.monotonic() >= busy_at + IDLE_GRACE_S:
+                        idle_work = runner.idle_work()
                     continue
                 with self._cond:
                     if self._stop:
@@ -475,7 +485,7 @@ class AsyncEngine:
                     else:
                         outputs = self.core.step()
                     self._deliver(outputs)
-                has_work = self.core.has_unfinished_requests()
+                has_work, busy_at = self.core.has_unfinished_requests(), time.monotonic()
                 stats = self.core.stats()
                 with self._cond:
                     self._stats = stats

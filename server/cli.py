@@ -23,6 +23,7 @@ from typing import Any
 
 from engine import envs
 from server.config_file import (
+    SERVE_DEFAULTS,
     ServerSettings,
     add_engine_arguments,
     add_server_arguments,
@@ -33,7 +34,7 @@ from server.exit_status import ENGINE_DIED_EXIT_STATUS
 
 logger = logging.getLogger("kvserve.cli")
 
-def _settings(args: argparse.Namespace):
+def _settings(args: argparse.Namespace, defaults: dict | None = None):
     # resolve() keeps only the option names it knows: the subcommand's own arguments drop out.
     flags = dict(vars(args))
     given = flags.pop("model_flag", None)  # --model / -m (vLLM's, llama.cpp's spelling)
@@ -49,11 +50,11 @@ def _settings(args: argparse.Namespace):
         flags["api_key"] = envs.api_key()
     if "allow_runtime_lora_updating" not in flags and envs.allow_runtime_lora_updating():
         flags["allow_runtime_lora_updating"] = True  # vLLM's environment-variable gate
-    return resolve(flags, getattr(args, "config", None))
+    return resolve(flags, getattr(args, "config", None), defaults)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    engine_config, settings = _settings(args)
+    engine_config, settings = _settings(args, SERVE_DEFAULTS)
     if args.print_config:
         import yaml
 

@@ -259,9 +259,12 @@ ENGINE_OPTIONS = [
            "vllm (none: OpenAI's defaults) or a directory holding a generation_config.json"),
     Option("cpu-probe", "cpu_probe", "engine", str,
            "the CPU start-up probes behind --dtype auto and --quantization auto: cached (reuse "
-           "this machine's measured verdict, measure once where there is none), force "
+           "this machine's measured verdict, measure once where there is none), background "
+           "(as cached, but the packed kernels' settings are measured after the ready line, "
+           "on idle steps, and switched in between requests), force "
            "(measure again and replace it), off (measure nothing: float32 and packed weights "
-           "with default kernels)", choices=CPU_PROBES),
+           "with default kernels) (default: background for kvserve serve, cached for "
+           "kvserve generate and the Python LLM)", choices=CPU_PROBES),
     Option("kv-cache-dtype", "kv_cache_dtype", "engine", kv_cache_dtype_name,
            "KV cache storage: auto (float16 on a CPU, else the model's dtype), float32 (the "
            "exact pool of a float32 model), float16 or bfloat16 (16-bit "
@@ -543,10 +546,18 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def resolve(flags: dict[str, Any], config_file: str | Path | None = None
-            ) -> tuple[EngineConfig, ServerSettings]:
-    """Merge defaults < file < flags into validated settings (ValueError on any bad value)."""
-    merged: dict[str, Any] = load_config_file(config_file) if config_file else {}
+# `kvserve serve`'s own defaults where they differ from EngineConfig's (which the offline LLM
+# keeps): the kernel settings' probe, where a machine has no verdict yet, runs after the ready
+# line on idle steps (engine/weight_prep/background.py) instead of before it.
+SERVE_DEFAULTS: dict[str, Any] = {"cpu_probe": "background"}
+
+
+def resolve(flags: dict[str, Any], config_file: str | Path | None = None,
+            defaults: dict[str, Any] | None = None) -> tuple[EngineConfig, ServerSettings]:
+    """Merge defaults < ``defaults`` < file < flags into validated settings (ValueError on any
+    bad value)."""
+    merged: dict[str, Any] = dict(defaults or {})
+    merged.update(load_config_file(config_file) if config_file else {})
     merged.update({k: v for k, v in flags.items() if k in _FIELDS})
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     server_fields = {f.name for f in dataclasses.fields(ServerSettings)}

@@ -33,7 +33,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "fp
 # Other spellings users bring: vLLM's "fp8" is e4m3.
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
-CPU_PROBES = ("cached", "force", "off")
+CPU_PROBES = ("cached", "background", "force", "off")
 # The packed linears' activations (engine/quantization/activation.py): auto (the faithful
 # kernels with float32 activations where built), bf16, float32, int8 (llama.cpp's groups).
 ACTIVATION_PRECISIONS = ("auto", "bf16", "float32", "int8")
@@ -139,7 +139,10 @@ class EngineConfig:
     activation_precision: str = "auto"
     batch_invariant: bool = True
     # The CPU start-up probes (dtype=auto, quantization=auto): reuse this machine's cached
-    # verdict ("cached"), measure again ("force") or measure nothing, defaults ("off").
+    # verdict ("cached"), measure again ("force") or measure nothing, defaults ("off");
+    # "background" (kvserve serve's default): as "cached", but quantization=auto's kernel
+    # settings, where not cached, are measured after start-up on idle steps
+    # (engine/weight_prep/background.py).
     cpu_probe: str = "cached"
     # Sampling defaults for fields a request leaves out (vLLM's --generation-config): "auto"
     # (the model's), "vllm" (none: OpenAI's) or a directory with a generation_config.json;

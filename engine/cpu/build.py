@@ -23,6 +23,8 @@ from pathlib import Path
 
 from engine import envs
 from engine.cache_dir import default_cache_dir
+from engine.cpu.pch import precompile
+from engine.cpu.pch import remove as remove_pch
 
 logger = logging.getLogger("kvserve.engine")
 DEFAULT_WAIT_S = 900.0  # a build takes 1.5-7 minutes on two cores; past this something is wrong
@@ -118,7 +120,7 @@ def _holder(lock_path: Path) -> str:
 
 def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None,
           cflags: Sequence[str] = (), ldflags: Sequence[str] = (), is_python_module: bool = True,
-          wait_s: float | None = None, root: Path | None = None):
+          wait_s: float | None = None, root: Path | None = None, pch: str | None = None):
     """The extension ``name`` from ``sources``: loaded straight from its folder when built,
     else compiled with torch's cpp_extension in a private temporary folder renamed into place
     when done. Returns the module, or the library's path when ``is_python_module`` is False (as
@@ -139,7 +141,9 @@ def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None
     * A process that finds the lock held logs whom it waits for (the holder's pid is in the
       lock file) every ``log_every_s`` and gives up after ``wait_s`` with
       :class:`BuildWaitTimeout`, whose message names the folder and the pid.
-    * While it compiles, a progress bar counts the object files done out of the sources."""
+    * While it compiles, a progress bar counts the object files done out of the sources.
+    * ``pch``: a header of ``include_dir`` precompiled first (``engine.cpu.pch``) for the
+      sources that include it first; removed before publishing."""
     sources = [Path(s) for s in sources]
     includes = [include_dir] if include_dir is not None else []
     key = build_key(sources, cflags, ldflags, includes)
@@ -162,12 +166,16 @@ def build(name: str, sources: Sequence[Path], *, include_dir: Path | None = None
                     "in %s", name, len(sources), folder)
         from torch.utils.cpp_extension import load as load_ext
 
+        if pch is not None:
+            precompile(name, src, pch, cflags)
         with _progress(tmp, len(sources)):
             out = load_ext(name=name, sources=[str(src / p.name) for p in sources],
                            extra_include_paths=[str(src)] if includes else None,
                            extra_cflags=list(cflags), extra_ldflags=list(ldflags),
                            build_directory=str(tmp), is_python_module=is_python_module,
                            verbose=False)
+        if pch is not None:
+            remove_pch(src, pch)
         library = next(tmp.glob("*.so"))
         (tmp / _DONE).write_text(library.name)
         shutil.rmtree(folder, ignore_errors=True)  # an unpublished leftover

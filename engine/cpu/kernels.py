@@ -49,7 +49,8 @@ def load():
     name = _NAME if march == "native" else f"{_NAME}_{march.replace('-', '_')}"
     try:
         _module = build(name, [_CSRC / s for s in _SOURCES], include_dir=_CSRC,
-                        cflags=["-O3", f"-march={march}", "-fopenmp"], ldflags=["-fopenmp"])
+                        cflags=["-O3", f"-march={march}", "-fopenmp"], ldflags=["-fopenmp"],
+                        pch="torch_lite.h")
     except BuildWaitTimeout:
         raise
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback

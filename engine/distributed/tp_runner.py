@@ -154,6 +154,12 @@ class TensorParallelRunner:
                 self.tp.ping()
         return None
 
+    def idle_work(self) -> bool:
+        return False  # no probe under tensor parallelism: ranks must agree without talking
+
+    def suspend_idle_work(self) -> None:
+        """Nothing put aside."""
+
     def check_health(self) -> None:
         """Raise ``WorkerDiedError`` when a rank is gone or does not answer in time."""
         with self._collectives("a liveness ping"):

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.loading import gguf_moe
+from engine.loading.gguf_fields import gguf_reader
 
 logger = logging.getLogger("kvserve.loader")
 
@@ -126,9 +127,8 @@ def is_complete(directory: Path) -> bool:
 
 def gguf_architecture(gguf_path: Path) -> str:
     """The file's ``general.architecture`` (read from its header only)."""
-    from gguf import GGUFReader
 
-    field = GGUFReader(gguf_path).fields.get("general.architecture")
+    field = gguf_reader(gguf_path).fields.get("general.architecture")
     if field is None:
         raise ValueError(f"{gguf_path} has no general.architecture in its metadata; is it a "
                          "model GGUF?")
@@ -281,11 +281,10 @@ class _StageLog:
 
 def _apply_gguf_overrides(gguf_path: Path, config) -> None:
     """Set what the file means but transformers' reader drops (Gemma: ``gguf_gemma``)."""
-    from gguf import GGUFReader
 
     from engine.loading.gguf_gemma import gemma_overrides
 
-    reader = GGUFReader(gguf_path)
+    reader = gguf_reader(gguf_path)
     for key, value in gemma_overrides(reader, gguf_architecture(gguf_path)).items():
         setattr(config, key, value)
 
@@ -308,7 +307,6 @@ class _GGUFTensors:
     map; a tied output projection is left out)."""
 
     def __init__(self, gguf_path: Path, config) -> None:
-        from gguf import GGUFReader
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
@@ -318,7 +316,7 @@ class _GGUFTensors:
         )
 
         self.parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
-        reader = GGUFReader(gguf_path)
+        reader = gguf_reader(gguf_path)
         field = reader.fields["general.architecture"]
         arch = bytes(field.parts[field.data[0]]).decode("utf-8")
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
@@ -448,18 +446,16 @@ def iter_gguf_tensors(model_dir: Path, names: list[str]) -> Iterator[tuple[str, 
 
 
 def _gguf_sampling(gguf_path: Path) -> dict[str, float]:
-    from gguf import GGUFReader
 
     from engine.loading.generation_defaults import gguf_sampling
 
-    return gguf_sampling(GGUFReader(gguf_path))
+    return gguf_sampling(gguf_reader(gguf_path))
 
 
 def _gguf_chat_template(gguf_path: Path) -> str | None:
     """The chat template from the GGUF metadata, for when transformers' tokenizer drops it."""
-    from gguf import GGUFReader
 
-    field = GGUFReader(gguf_path).fields.get("tokenizer.chat_template")
+    field = gguf_reader(gguf_path).fields.get("tokenizer.chat_template")
     if field is None:
         logger.info("%s carries no chat template: a built-in one is chosen when it loads "
                     "(engine/loading/builtin_templates.py; --chat-template overrides)",

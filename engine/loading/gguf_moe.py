@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.loading.gguf_fields import gguf_field
+from engine.loading.gguf_fields import gguf_field, gguf_reader
 from engine.quantization.formats import Packed
 from engine.quantization.gguf_blocks import SUPPORTED, from_gguf_blocks
 
@@ -32,9 +32,8 @@ _HF_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 def moe_config(gguf_path: Path, config):
     """The config of a mixture-of-experts GGUF, fixed as the module docstring says."""
-    from gguf import GGUFReader
 
-    reader = GGUFReader(gguf_path)
+    reader = gguf_reader(gguf_path)
     arch = gguf_field(reader, "general.architecture")
     experts = gguf_field(reader, f"{arch}.expert_count") or 0
     if arch == "qwen3moe":

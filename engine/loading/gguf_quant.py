@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.loading import gguf_convert
-from engine.loading.gguf_fields import gguf_field
+from engine.loading.gguf_fields import gguf_field, gguf_reader
 from engine.loading.gguf_moe import expert_packs
 from engine.loading.packed_policy import hf_name, is_packable
 from engine.quantization.formats import Packed
@@ -55,9 +55,8 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 def read_packed(path: Path) -> dict[str, Packed]:
     """Supported quantised linears of ``path`` as packed weights (see the module contract)."""
-    from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
     arch = gguf_field(reader, "general.architecture")
     heads = gguf_field(reader, f"{arch}.attention.head_count")
     kv_heads = gguf_field(reader, f"{arch}.attention.head_count_kv") or heads

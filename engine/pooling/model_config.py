@@ -16,6 +16,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.loading.gguf_fields import gguf_reader
+
 logger = logging.getLogger("kvserve.engine")
 
 # llama.cpp's enum llama_pooling_type (0 none: token embeddings, which kvserve does not serve)
@@ -84,9 +86,8 @@ def _sentence_transformers(model_dir: Path) -> ModelPooling | None:
 
 def _gguf(gguf_path: Path) -> ModelPooling | None:
     try:
-        from gguf import GGUFReader
 
-        reader = GGUFReader(str(gguf_path))
+        reader = gguf_reader(gguf_path)
         arch_field = reader.fields.get("general.architecture")
         arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
         field = reader.fields.get(f"{arch}.pooling_type")

@@ -15,6 +15,7 @@ timing (``float_memory_reason``). ``choose(timer=...)`` injects the timer (tests
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 
 import torch
@@ -93,7 +94,8 @@ def _choose_rows(model: nn.Module, q: QuantisedModules, rows: tuple[int, ...], f
     return Verdict("hybrid", ordered[wins_up_to - 1], probes, settings)
 
 
-def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, Setting]:
+def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS,
+                     on_setting=None) -> dict[str, Setting]:
     """Time and apply the quantised modules' settings: where the AVX-512 VNNI kernels are built
     and 4-bit weights exist, first the int8 tiles' instructions (:func:`probe_q4_tiles`: the
     same floats, only speed to choose by); then the dense path's panel dtype at the
@@ -113,69 +115,73 @@ def measure_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) ->
     (:func:`probe_q4_layout`); and where the AMX tiles are available, the blocked 4-bit
     layers (what batch-invariant mode serves) on a prefill chunk, int8 tiles against AMX
     tiles (:func:`probe_q4_amx`), and with AMX, whether decode batches of 16 take them too
-    (:func:`probe_q4_amx_from`)."""
+    (:func:`probe_q4_amx_from`). Each setting is applied as it is measured;
+    ``on_setting(setting)`` is then called with it (progress)."""
     settings: dict[str, Setting] = {}
+
+    def take(key: str, measure, repeats: int) -> str:
+        settings[key] = Setting.measured(key, confirmed_probe(measure, repeats))
+        apply_settings(q, Verdict("quant", None, {}, settings))
+        if on_setting is not None:
+            on_setting(settings[key])
+        return settings[key].value
+
     dense = [n for n in rows if n > DENSE_ROWS]
     if vnni_available() and any(m.is_q4 for m in _layer_leaves(q)):
         tile_rows = (BATCH_ROWS[-1], max(dense, default=DENSE_ROWS))
-        settings["q4_tiles"] = Setting.measured("q4_tiles", confirmed_probe(
-            lambda repeats: probe_q4_tiles(q, tile_rows, repeats), 3))
-        apply_settings(q, Verdict("quant", None, {}, settings))
+        take("q4_tiles", lambda repeats: probe_q4_tiles(q, tile_rows, repeats), 3)
     if dense:
-        settings["panel_dtype"] = Setting.measured("panel_dtype", confirmed_probe(
-            lambda repeats: probe_panels(q, max(dense), repeats), 2))
+        panels = getattr(torch, take("panel_dtype",
+                                     lambda repeats: probe_panels(q, max(dense), repeats), 2))
         if any(m.is_q4 for m in _layer_leaves(q)):
-            panels = getattr(torch, settings["panel_dtype"].value)
-            settings["q4_prefill"] = Setting.measured("q4_prefill", confirmed_probe(
-                lambda repeats: probe_q4_prefill(q, max(dense), panels, repeats), 2))
+            take("q4_prefill",
+                 lambda repeats: probe_q4_prefill(q, max(dense), panels, repeats), 2)
     for key, is_q4 in (("q4_kernel", True), ("q8_kernel", False)):
-        if vnni_available() and any(m.is_q4 == is_q4 and not getattr(m, "is_q5", False) for m in _leaf_modules(q)):
-            settings[key] = Setting.measured(key, confirmed_probe(
-                lambda repeats, is_q4=is_q4: probe_decode_kernels(q, is_q4, repeats=repeats), 3))
-    apply_settings(q, Verdict("quant", None, {}, settings))
+        if vnni_available() and any(m.is_q4 == is_q4 and not getattr(m, "is_q5", False)
+                                    for m in leaf_modules(q)):
+            take(key, lambda repeats, is_q4=is_q4: probe_decode_kernels(q, is_q4,
+                                                                        repeats=repeats), 3)
+    apply_settings(q, Verdict("quant", None, {}, settings))  # the 8-bit probes start from it
     if vnni_available() and _q8_leaves(q):  # against that kernel
-        settings["q8_batch"] = Setting.measured("q8_batch", confirmed_probe(
-            lambda repeats: probe_q8_batches(q, repeats=repeats), 3))
-        apply_settings(q, Verdict("quant", None, {}, settings))
+        take("q8_batch", lambda repeats: probe_q8_batches(q, repeats=repeats), 3)
     if interleaved_available() and _q8_leaves(q):  # against all of that
-        settings["q8_layout"] = Setting.measured("q8_layout", confirmed_probe(
-            lambda repeats: probe_q8_layout(q, repeats=repeats), 3))
-        apply_settings(q, Verdict("quant", None, {}, settings))
+        take("q8_layout", lambda repeats: probe_q8_layout(q, repeats=repeats), 3)
     if amx_available() and _interleaved_leaves(q):  # on that layout
-        settings["q8_tiles"] = Setting.measured("q8_tiles", confirmed_probe(
-            lambda repeats: probe_q8_tiles(q, repeats=repeats), 3))
-        apply_settings(q, Verdict("quant", None, {}, settings))
-        if settings["q8_tiles"].value == "amx":
-            settings["q8_amx_from"] = Setting.measured("q8_amx_from", confirmed_probe(
-                lambda repeats: probe_q8_amx_from(q, repeats=repeats), 3))
-            apply_settings(q, Verdict("quant", None, {}, settings))
-    if any(m.is_q4 for m in _leaf_modules(q)):  # against the decode kernel just chosen
-        settings["q4_batch"] = Setting.measured("q4_batch", confirmed_probe(
-            lambda repeats: probe_q4_batches(q, repeats=repeats), 3))
-        apply_settings(q, Verdict("quant", None, {}, settings))
-        settings["q4_layout"] = Setting.measured("q4_layout", confirmed_probe(
-            lambda repeats: probe_q4_layout(q, repeats=repeats), 3))
-        apply_settings(q, Verdict("quant", None, {}, settings))
+        if take("q8_tiles", lambda repeats: probe_q8_tiles(q, repeats=repeats), 3) == "amx":
+            take("q8_amx_from", lambda repeats: probe_q8_amx_from(q, repeats=repeats), 3)
+    if any(m.is_q4 for m in leaf_modules(q)):  # against the decode kernel just chosen
+        take("q4_batch", lambda repeats: probe_q4_batches(q, repeats=repeats), 3)
+        take("q4_layout", lambda repeats: probe_q4_layout(q, repeats=repeats), 3)
     if amx_available() and any(m.is_q4 for m in _layer_leaves(q)):
         prefill = max(dense, default=2 * DENSE_ROWS)
-        settings["q4_amx"] = Setting.measured("q4_amx", confirmed_probe(
-            lambda repeats: probe_q4_amx(q, prefill, repeats), 2))
-        apply_settings(q, Verdict("quant", None, {}, settings))
-        if settings["q4_amx"].value == "on":
-            settings["q4_amx_from"] = Setting.measured("q4_amx_from", confirmed_probe(
-                lambda repeats: probe_q4_amx_from(q, repeats=repeats), 3))
-            apply_settings(q, Verdict("quant", None, {}, settings))
+        if take("q4_amx", lambda repeats: probe_q4_amx(q, prefill, repeats), 2) == "on":
+            take("q4_amx_from", lambda repeats: probe_q4_amx_from(q, repeats=repeats), 3)
     return settings
+
+
+def planned_settings(q: QuantisedModules, rows: tuple[int, ...] = PROBE_ROWS) -> int:
+    """How many settings :func:`measure_settings` measures on ``q`` here at most (the AMX
+    thresholds counted: they follow an AMX win): a progress display's denominator."""
+    q4 = any(m.is_q4 for m in leaf_modules(q))
+    q4_layers = any(m.is_q4 for m in _layer_leaves(q))
+    q8 = bool(_q8_leaves(q))
+    dense = any(n > DENSE_ROWS for n in rows)
+    vnni, amx = vnni_available(), amx_available()
+    decode = [any(m.is_q4 == is_q4 and not getattr(m, "is_q5", False) for m in leaf_modules(q))
+              for is_q4 in (True, False)]
+    return sum((vnni and q4_layers, dense, dense and q4_layers, vnni and decode[0],
+                vnni and decode[1], vnni and q8, interleaved_available() and q8,
+                2 * (amx and interleaved_available() and q8), 2 * q4, 2 * (amx and q4_layers)))
 
 
 def apply_settings(q: QuantisedModules, verdict: Verdict) -> None:
     """Set every quantised module's panel dtype and decode kernels as ``verdict`` says."""
     choices = verdict.choices()
-    for m in _leaf_modules(q):
+    for m in leaf_modules(q):
         m.choose(**choices)
 
 
-def _leaf_modules(q: QuantisedModules) -> list[nn.Module]:
+def leaf_modules(q: QuantisedModules) -> list[nn.Module]:
     """Every ``QuantLinear`` of ``q`` (a ``QuantConcat``'s parts, the embedding's head)."""
     return [p for m in q.modules() for p in (m.parts if hasattr(m, "parts") else [m])]
 
@@ -222,6 +228,8 @@ def _perf_timer(run, side: int) -> float:
 
 
 _TIMER = [_perf_timer]  # the timer of the current choose() (a test injects its own)
+# Called before every timed pass: per thread and per greenlet (a context variable).
+_CHECKPOINT: contextvars.ContextVar = contextvars.ContextVar("probe_checkpoint", default=None)
 
 
 @contextlib.contextmanager
@@ -235,12 +243,27 @@ def _timer(timer):
         _TIMER[0] = saved
 
 
+@contextlib.contextmanager
+def checkpoints(fn):
+    """Call ``fn()`` before every timed pass run within the block (this thread, this greenlet):
+    where a probe measured beside serving (``engine.weight_prep.background``) hands the engine
+    its turn back; ``fn`` returns with the modules as the probe left them."""
+    token = _CHECKPOINT.set(fn)
+    try:
+        yield
+    finally:
+        _CHECKPOINT.reset(token)
+
+
 def _alternate(passes: tuple, repeats: int, prepare: tuple | None = None) -> ProbeResult:
     """Time the two zero-argument ``passes`` alternately, ``repeats`` times each after one
     warm-up each; ``float_s`` is the first's best run, ``quant_s`` the second's. ``prepare``:
     two zero-argument calls, each run (untimed) before every run of its pass."""
 
     def timed(side: int) -> float:
+        checkpoint = _CHECKPOINT.get()
+        if checkpoint is not None:
+            checkpoint()
         if prepare is not None:
             prepare[side]()
         return _TIMER[0](passes[side], side)
@@ -327,13 +350,13 @@ def probe_q4_batches(q: QuantisedModules, rows: tuple[int, ...] = BATCH_ROWS,
     """The 4-bit modules (the logits head among them, if 4-bit) on decode batches of ``rows``
     (the smallest the tiles may serve, and a larger one): their decode kernel (``float_s``)
     against the int8 tiles (``quant_s``). Left on the kernel."""
-    mods = [m for m in _leaf_modules(q) if m.is_q4]
+    mods = [m for m in leaf_modules(q) if m.is_q4]
     return _toggle(mods, rows, "q4_batch", "kernel", "tiles", repeats)
 
 
 def _q8_leaves(q: QuantisedModules) -> list[nn.Module]:
     """The 8-bit ``QuantLinear``s of ``q`` (the logits head among them, if 8-bit)."""
-    return [m for m in _leaf_modules(q) if not m.is_q4 and not getattr(m, "is_q5", False)]
+    return [m for m in leaf_modules(q) if not m.is_q4 and not getattr(m, "is_q5", False)]
 
 
 def probe_q8_batches(q: QuantisedModules, rows: tuple[int, ...] = LANES_BATCH_ROWS,
@@ -384,7 +407,7 @@ def probe_decode_kernels(q: QuantisedModules, is_q4: bool, rows: tuple[int, ...]
     step), on the ``base`` decode kernel (``float_s``) against the ``vnni`` one (``quant_s``):
     one pass at each of ``rows`` (a single stream and a batch of decodes; at one row a
     memory-bound weight can tie, and the batch then decides). Left on ``base``."""
-    mods = [m for m in _leaf_modules(q) if m.is_q4 == is_q4 and not getattr(m, "is_q5", False)]
+    mods = [m for m in leaf_modules(q) if m.is_q4 == is_q4 and not getattr(m, "is_q5", False)]
     return _toggle(mods, rows, "q4_kernel" if is_q4 else "q8_kernel", "base", "vnni",
                    repeats)
 
@@ -404,7 +427,7 @@ def probe_q4_layout(q: QuantisedModules, rows: tuple[int, ...] = DECODE_ROWS,
     """The 4-bit modules (the logits head among them, if 4-bit) at ``rows`` (a single stream
     and a batch of decodes) stored in the rows layout with their settings so far
     (``float_s``) against the blocked layout (``quant_s``). Left in the rows layout."""
-    mods = [m for m in _leaf_modules(q) if m.is_q4]
+    mods = [m for m in leaf_modules(q) if m.is_q4]
     return _toggle(mods, rows, "q4_layout", "rows", "blocked", repeats)
 
 

@@ -3,7 +3,7 @@
 Measuring again at every start costs seconds and, on a busy machine, can mislead, so every
 verdict is stored (one whose runs disagreed decided by their medians) and later starts reuse
 it. ``cpu_probe`` (``--cpu-probe``): ``cached`` (default) reuses an entry and measures where
-there is none, ``force`` measures again and replaces it, ``off`` neither measures nor reads
+there is none, ``background`` (``kvserve serve``'s default) too, but after the server is ready, ``force`` measures again and replaces it, ``off`` neither measures nor reads
 (the defaults serve); ``KVSERVE_QUANT_REPROBE=1`` is ``force``. The key covers everything the
 measurement depends on: the CPU (model name and flags), the torch threads and version, the CPU
 kernels' and the probe's sources, the instruction sets the paths may use
@@ -55,8 +55,8 @@ def _path(key: str) -> Path:
 
 def load(key: str, mode: str = "cached") -> dict | None:
     """The stored entry (``{"verdict": ..., "measured_at": ...}``), or None (also for ``mode``
-    ``force``/``off``, or ``KVSERVE_QUANT_REPROBE=1``)."""
-    if mode != "cached" or envs.quant_reprobe():
+    ``force``/``off``, or ``KVSERVE_QUANT_REPROBE=1``; ``background`` reads like ``cached``)."""
+    if mode not in ("cached", "background") or envs.quant_reprobe():
         return None
     try:
         return json.loads(_path(key).read_text())

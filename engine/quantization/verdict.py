@@ -84,12 +84,14 @@ def _kept(runs: tuple[float, ...]) -> list[float]:
 class Verdict:
     """Which path serves which row counts: ``mode`` is ``quant`` (every size), ``hybrid``
     (quantised up to ``float_above`` rows, float beyond) or ``float``; ``probes`` maps each
-    probed row count to its measurement."""
+    probed row count to its measurement. ``pending``: the settings are the defaults for now,
+    to be measured after start-up and cached under this key (``--cpu-probe background``)."""
 
     mode: str
     float_above: int | None
     probes: dict[int, ProbeResult]
     settings: dict[str, Setting] = field(default_factory=dict)
+    pending: str | None = None
 
     def setting(self, key: str) -> str:
         """The measured value of ``key`` (a :data:`SETTINGS` key), else its first option."""

@@ -128,6 +128,7 @@ class ModelRunner:
                                    dtype=self.dtype, files_dir=files_dir, tp_rank=tp is not None)
         self.quant_verdict = prepared.verdict
         self.linear_backend = prepared.linear_backend
+        self.background = prepared.background  # the kernel settings' probe, after start-up
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.invariance = None
         if config.batch_invariant and self.device.type == "cpu":  # before the decode stack
@@ -531,8 +532,26 @@ class ModelRunner:
     def check_health(self) -> None:
         """Nothing can die under a single-device runner: never raises."""
 
+    def idle_work(self) -> bool:
+        """A turn of the background probe (``engine.weight_prep.background``; its verdict
+        switched in and the decode stack rebuilt once it ends); True while turns remain."""
+        if self.background is not None and not self.background.idle_turn(self._restack):
+            self.quant_verdict = self.background.verdict or self.quant_verdict
+            self.background = None
+        return self.background is not None
+
+    def suspend_idle_work(self) -> None:
+        if self.background is not None:
+            self.background.suspend()
+
+    def _restack(self) -> None:
+        if self.model.decode_stack is not None:
+            self.model.decode_stack, _ = build_decode_stack(self.model)
+
     def close(self) -> None:
-        """Nothing to release: the pools go with the object."""
+        """Ends the background probe's thread; the pools go with the object."""
+        if self.background is not None:
+            self.background.close()
 
     def describe_kernels(self) -> str:
         return (f"attention {self.backend.name} | linears {self.linear_backend} | "

@@ -137,6 +137,13 @@ class Runner(Protocol):
     def health_check_interval(self) -> float | None:
         """Seconds between ``check_health`` calls while idle (None: nothing to check)."""
 
+    def idle_work(self) -> bool:
+        """While no request is unfinished: one bounded turn of work that only makes later
+        steps faster (a probe measured after start-up); True while some remains."""
+
+    def suspend_idle_work(self) -> None:
+        """Before any step or task: the model as it serves (idle work's changes put aside)."""
+
     def check_health(self) -> None:
         """Raise when the runner can no longer run a step (a tensor-parallel worker died)."""
 

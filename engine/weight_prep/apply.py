@@ -186,15 +186,21 @@ def packed_only_reason(packed: dict[str, Packed], ram_bytes: int | None = None) 
                                 ram_bytes)
 
 
-def adopt_packed_only(model: nn.Module, quantised: QuantisedModules, reason: str) -> Verdict:
+def adopt_packed_only(model: nn.Module, quantised: QuantisedModules, reason: str,
+                      cpu_probe: str = "cached") -> Verdict:
     """Swap every packed module in without probing float (:func:`packed_only_reason`); only
-    the packed modules' own settings are measured. Logged."""
-    settings = measure_settings(quantised)
+    the packed modules' own settings are measured, cached per machine as any verdict
+    (``cpu_probe`` as for :func:`adopt_if_faster`: ``background`` leaves them pending). Logged."""
+    if cpu_probe == "off":
+        verdict, how = Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
+    else:
+        verdict, how = _cached_or_probed(model, quantised, envs.quant_force(), cpu_probe,
+                                         float_allowed=False)
+    apply_settings(quantised, verdict)
     n = apply(model, quantised)
-    verdict = Verdict("quant", None, {}, settings)
     logger.info("quantization=auto: %d modules on packed weights for every batch size, "
                 "float weights never built (%s)", n,
-                "; ".join(t for t in (reason, verdict.describe()) if t))
+                "; ".join(t for t in (reason, verdict.describe(), how) if t))
     return verdict
 
 
@@ -283,8 +289,12 @@ def float_memory_reason(model: nn.Module, quantised: QuantisedModules,
 
 
 def _float_bytes(module: nn.Module) -> int:
+    """A float module's float32 weight bytes: its ``weight``, or, packed for the CPU
+    (``PackedLinear``, the weight held as panels), its shape's."""
     w = getattr(module, "weight", None)
-    return 0 if w is None else w.numel() * 4
+    if w is not None:
+        return w.numel() * 4
+    return 4 * getattr(module, "out_features", 0) * getattr(module, "in_features", 0)
 
 
 def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
@@ -294,7 +304,8 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
     when they lose there; log the verdict with its figures. ``KVSERVE_QUANT_FORCE=1`` uses the
     packed weights for every size whatever the probe says (tests). ``cpu_probe``
     (``--cpu-probe``): ``cached`` reuses this machine's verdict, ``force`` measures again, ``off``
-    measures nothing: packed weights at every size with each setting's default.
+    measures nothing: packed weights at every size with each setting's default;
+    ``background``: as ``cached``, but a missing verdict is measured after start-up.
 
     The quantised path is used for every row count where float did not measure clearly faster
     (a verdict noise cannot flip: ``probe``'s docstring), and float weights are kept only within
@@ -319,8 +330,8 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
     scope = ("every batch size" if verdict.float_above is None else
              f"up to {verdict.float_above} rows, float weights kept above (measured slower "
              "quantised there)")
-    logger.info("quantization=auto: %d modules on packed weights for %s (%s; %s)", n, scope,
-                verdict.describe(), how)
+    logger.info("quantization=auto: %d modules on packed weights for %s (%s)", n, scope,
+                "; ".join(t for t in (verdict.describe(), how) if t))
     return verdict
 
 
@@ -328,7 +339,9 @@ def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool
                       cpu_probe: str = "cached", float_allowed: bool = True,
                       timer=None) -> tuple[Verdict, str]:
     """This machine's cached verdict for these modules (``engine.quantization.probe_cache``;
-    not read when ``cpu_probe`` is ``force``), else a fresh :func:`choose` (``float_allowed``
+    not read when ``cpu_probe`` is ``force``), else, for ``background`` where float is not a
+    candidate, the defaults with :attr:`Verdict.pending` set (``engine.weight_prep.background``
+    measures them later), else a fresh :func:`choose` (``float_allowed``
     and ``timer`` passed on), cached only when its runs agreed (a busy machine's verdict, where
     undecided measurements kept the defaults, is measured again at the next start); and how
     it was obtained."""
@@ -341,6 +354,10 @@ def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool
                     "--cpu-probe force measures again")
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: measure
+    if cpu_probe == "background" and not float_allowed and not force:
+        return (Verdict("quant", None, {}, {}, pending=key),
+                "not yet measured on this machine: the default kernels serve until the probe, "
+                "run on idle steps once the server is ready, switches them")
     logger.info("start-up probe: measuring the packed kernels against float on this machine "
                 "(once per machine and model, 20-60 s; --cpu-probe off skips it)")
     verdict = choose(model, quantised, force=force, float_allowed=float_allowed, timer=timer)

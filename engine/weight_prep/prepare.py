@@ -34,6 +34,7 @@ from engine.weight_prep.apply import (
     packed_replacements,
     read_served_packed,
 )
+from engine.weight_prep.background import BackgroundProbe
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class PreparedWeights:
 
     verdict: Verdict | None
     linear_backend: str
+    background: BackgroundProbe | None = None  # verdict.pending: measured after start-up
 
 
 def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
@@ -54,9 +56,10 @@ def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
     tensors serve alone) into ``model`` (built on ``device`` in ``dtype``, storage allocated),
     put it in eval mode, quantise and pack its linears as ``config`` asks. ``files_dir``: the
     model's (converted) directory, whose GGUF source ``quantization="auto"`` reads.
-    ``tp_rank``: ``model`` is one tensor-parallel rank's shard. ValueError when the requested
-    quantisation cannot run here (``apply.packed_replacements``) or a packed weight does not
-    match its float copy."""
+    ``tp_rank``: ``model`` is one tensor-parallel rank's shard. A verdict left pending
+    (``--cpu-probe background``) comes with its :class:`BackgroundProbe`. ValueError when the
+    requested quantisation cannot run here (``apply.packed_replacements``) or a packed weight
+    does not match its float copy."""
     packed = read_served_packed(config, device, dtype, files_dir) if not tp_rank else None
     packed_only = packed_only_reason(packed) if packed else None
     if config.load_format == "dummy":
@@ -70,10 +73,10 @@ def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
         model.load_weights(weights)
     model.eval()
     verdict = None
-    quantised = None
+    quantised = served = None  # served: the packed modules swapped in (the probe's)
     if packed_only:
-        verdict = adopt_packed_only(model, build_quantised(model, packed, check=False),
-                                    packed_only)
+        served = build_quantised(model, packed, check=False)
+        verdict = adopt_packed_only(model, served, packed_only, config.cpu_probe)
     elif not tp_rank or config.quantization != "auto":  # auto keeps a rank's shards float
         quantised = packed_replacements(model, config, device, dtype, files_dir, packed)
     if quantised and config.quantization != "auto":  # explicit int4/int8: before packing
@@ -86,4 +89,7 @@ def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
     if verdict is not None and verdict.mode != "float":  # --activation-precision, logged
         apply_activation_precision(model, getattr(config, "activation_precision", "auto"),
                                    config.quantization)
-    return PreparedWeights(verdict, backend)
+    background = None
+    if verdict is not None and verdict.pending is not None:
+        background = BackgroundProbe(served or quantised, verdict.pending)
+    return PreparedWeights(verdict, backend, background)

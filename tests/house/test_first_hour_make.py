@@ -67,7 +67,8 @@ def test_make_run_installs_once_then_only_serves(checkout):
     assert "pip install" not in second and "engine.cpu.kernels" not in second, second
     assert "kvserve serve" in second and "install: up to date" in second
     # make test: the test extras once, then nothing either.
-    assert 'pip install -q -e ".[test,triton]"' in _plan(clone, env, "install-test")
+    assert 'pip install -q' in _plan(clone, env, "install-test")
+    assert '-e ".[test,triton]"' in _plan(clone, env, "install-test")
     (stamps / f"install-test-{test}").touch()
     assert "pip install" not in _plan(clone, env, "install-test")
 

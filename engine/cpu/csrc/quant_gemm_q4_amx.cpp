@@ -27,6 +27,7 @@
 // the slab's unpacked weights are read once per chunk. Within a block of 16 rows, group
 // g + 1's multiply is issued into the second set of tiles before group g's sums are stored and
 // scaled; the block's 16 accumulators stay in registers.
+#include "torch_lite.h"  // first: the build's precompiled header (engine/cpu/pch.py)
 #include "quant_amx.h"
 
 #include "torch_lite.h"

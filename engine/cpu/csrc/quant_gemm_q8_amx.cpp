@@ -21,6 +21,7 @@
 // fetched from memory for the first block and from cache after it); within a block group
 // h + 1's multiply is issued into the second set of tiles before group h's sums are stored
 // and scaled; the tile two ahead is prefetched into L2 meanwhile (prefetch_ahead.h).
+#include "torch_lite.h"  // first: the build's precompiled header (engine/cpu/pch.py)
 #include "quant_amx.h"
 
 #include "torch_lite.h"
