@@ -549,7 +549,7 @@ class ModelRunner:
             self.model.decode_stack, _ = build_decode_stack(self.model)
 
     def close(self) -> None:
-        """Ends the background probe's thread; the pools go with the object."""
+        """Ends the background probe (the model left as loaded); the pools go with the object."""
         if self.background is not None:
             self.background.close()
 

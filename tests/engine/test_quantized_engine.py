@@ -147,7 +147,8 @@ def test_packed_only_never_builds_the_float_weights(fixture, request, monkeypatc
     monkeypatch.setattr(prepare, "iter_dir_weights", spy)
     monkeypatch.setenv("KVSERVE_QUANT_PACKED_ONLY", "1")
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
-        lean = _llm(path, cache, monkeypatch, quantization="auto")
+        # force: measured again (the defaults, patched above), not a verdict another test cached
+        lean = _llm(path, cache, monkeypatch, quantization="auto", cpu_probe="force")
     runner = lean.engine.runner
     assert runner.quantized and runner.quant_verdict.probes == {}
     assert any("float weights never built (KVSERVE_QUANT_PACKED_ONLY=1" in r.getMessage()

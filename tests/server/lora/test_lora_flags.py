@@ -10,7 +10,7 @@ import yaml
 
 from engine.config.engine import EngineConfig
 from server.cli import _settings, build_parser, main
-from server.config_file import ServerSettings, resolve
+from server.config_file import SERVE_DEFAULTS, ServerSettings, resolve
 
 
 def _parse(*argv: str) -> tuple[EngineConfig, ServerSettings]:
@@ -45,7 +45,7 @@ def test_yaml_keys_take_both_forms_and_print_config_round_trips(tmp_path, capsys
     f.write_text("enable-lora: true\nlora-modules:\n  - sql=/a/sql\n"
                  "  - {name: chat, path: /a/chat}\nmax-lora-rank: 32\n"
                  "allow-runtime-lora-updating: true\n")
-    engine, server = resolve({}, f)
+    engine, server = resolve({}, f, SERVE_DEFAULTS)  # as `kvserve serve` reads it
     assert engine.lora_modules == (("sql", "/a/sql"), ("chat", "/a/chat"))
     assert engine.max_lora_rank == 32 and server.allow_runtime_lora_updating
     assert main(["serve", "--config", str(f), "--print-config"]) == 0
@@ -53,7 +53,7 @@ def test_yaml_keys_take_both_forms_and_print_config_round_trips(tmp_path, capsys
     assert data["lora-modules"] == ["sql=/a/sql", "chat=/a/chat"]
     again = tmp_path / "again.yaml"
     again.write_text(yaml.safe_dump(data))
-    assert resolve({}, again) == (engine, server)
+    assert resolve({}, again, SERVE_DEFAULTS) == (engine, server)
 
 
 def test_one_module_as_a_yaml_mapping(tmp_path):
