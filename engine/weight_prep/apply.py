@@ -191,11 +191,8 @@ def adopt_packed_only(model: nn.Module, quantised: QuantisedModules, reason: str
     """Swap every packed module in without probing float (:func:`packed_only_reason`); only
     the packed modules' own settings are measured, cached per machine as any verdict
     (``cpu_probe`` as for :func:`adopt_if_faster`: ``background`` leaves them pending). Logged."""
-    if cpu_probe == "off":
-        verdict, how = Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
-    else:
-        verdict, how = _cached_or_probed(model, quantised, envs.quant_force(), cpu_probe,
-                                         float_allowed=False)
+    verdict, how = _cached_or_probed(model, quantised, envs.quant_force(), cpu_probe,
+                                     float_allowed=False)
     apply_settings(quantised, verdict)
     n = apply(model, quantised)
     logger.info("quantization=auto: %d modules on packed weights for every batch size, "
@@ -314,11 +311,8 @@ def adopt_if_faster(model: nn.Module, quantised: QuantisedModules,
     none (``float``); the prefill panels in the dtype measured faster."""
     force = envs.quant_force()
     memory = float_memory_reason(model, quantised)
-    if cpu_probe == "off" and not force:
-        verdict, how = Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
-    else:
-        verdict, how = _cached_or_probed(model, quantised, force, cpu_probe,
-                                         float_allowed=memory is None)
+    verdict, how = _cached_or_probed(model, quantised, force, cpu_probe,
+                                     float_allowed=memory is None)
     if memory is not None:
         how = f"{how}; float not probed: {memory}"
     apply_settings(quantised, verdict)
@@ -344,7 +338,9 @@ def _cached_or_probed(model: nn.Module, quantised: QuantisedModules, force: bool
     measures them later), else a fresh :func:`choose` (``float_allowed``
     and ``timer`` passed on), cached only when its runs agreed (a busy machine's verdict, where
     undecided measurements kept the defaults, is measured again at the next start); and how
-    it was obtained."""
+    it was obtained. ``off`` (unless ``force``): the defaults, nothing measured or read."""
+    if cpu_probe == "off" and not force:
+        return Verdict("quant", None, {}, {}), "--cpu-probe off: not measured, defaults"
     key = probe_cache.cache_key(_signature(quantised) + f"\nfloat_allowed={float_allowed}")
     entry = None if force else probe_cache.load(key, cpu_probe)
     if entry is not None:
