@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="skip the run that kills redis-server mid-run")
     ap.add_argument("--hit-share", type=float, default=0.9,
                     help="a placement hit: at least this share of the prefix reported cached")
+    ap.add_argument("--router-args", default="",
+                    help="more arguments for every router, e.g. '--log-level debug'")
     ap.add_argument("--seed", type=int, default=58)
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--json", default=None, help="write every number here")
@@ -119,12 +121,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_router(module: str, policy: str, workers: list[str], log: Path, model: str):
+def running_router(module: str, policy: str, workers: list[str], log: Path, model: str,
+                   extra: tuple[str, ...] = ()):
     """``python -m MODULE`` on a free loopback port; yields its URL once its ``/v1/models``
     lists ``model`` (the replicas were discovered); SIGTERM on exit."""
     port = free_port()
     cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-port", str(free_port()), "--worker-urls", *workers, "--policy", policy]
+           "--prometheus-port", str(free_port()), "--worker-urls", *workers, "--policy", policy, *extra]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -188,7 +191,8 @@ def run_policy(key: str, replicas: list[str], sessions: list, args: argparse.Nam
     reset_replicas(replicas)
     before = remote_hit_blocks(replicas)
     log = logs / f"router-{phase}-{key}{'-kill' if kill else ''}.log"
-    with running_router(module, policy, replicas, log, args.served_name) as url:
+    with running_router(module, policy, replicas, log, args.served_name,
+                        tuple(args.router_args.split())) as url:
         records, wall = asyncio.run(_workload(url, args.served_name, sessions, args, kill))
     after = remote_hit_blocks(replicas) if kill is None else None
     s = summarize(records, wall, label, {"policy": key, "phase": phase})

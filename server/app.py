@@ -52,6 +52,7 @@ from server.protocol import (
     conversation,
 )
 from server.reasoning.formats import choose_reasoning
+from server.render_routes import add_routes as add_render_routes
 from server.responses.endpoint import add_routes as add_responses_routes
 from server.responses.store import ResponseStore
 from server.router_routes import add_routes as add_router_routes
@@ -216,6 +217,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     add_anthropic_routes(app, ctx)  # the Messages API (server/anthropic)
     add_embeddings_routes(app, ctx)  # /v1/embeddings, /v1/rerank, /v1/score (server/embeddings)
     add_router_routes(app, ctx, settings, version())  # what sglang-router / vllm-router probe
+    add_render_routes(app, ctx)  # vLLM's renderer API: a request's token ids (vllm-router)
     _log_lora(ctx)
     if settings.allow_runtime_lora_updating:
         from server.lora_routes import add_routes as add_lora_routes

@@ -39,8 +39,9 @@ from server.sse import event
 logger = logging.getLogger("kvserve.server")
 
 
-def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest
-                      ) -> list[tuple[str | None, list[int]]]:
+def tokenize_prompts(ctx: ServingContext, req: CompletionRequest
+                     ) -> list[tuple[str | None, list[int]]]:
+    """Each prompt of ``req`` with its token ids (a text prompt tokenised, ids as given)."""
     out: list[tuple[str | None, list[int]]] = []
     prompts = req.prompts()
     for p in prompts:
@@ -61,7 +62,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     model = ctx.check_model(req.model)
     ctx.check_limits(num_prompts=len(req.prompts()), n=req.n, priority=req.priority,
                      logprobs=req.logprobs)
-    prompts = await asyncio.to_thread(_tokenize_prompts, ctx, req)
+    prompts = await asyncio.to_thread(tokenize_prompts, ctx, req)
     try:
         params = req.sampling_params(
             max_tokens=req.max_tokens, logprobs=req.logprobs,

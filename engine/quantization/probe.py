@@ -234,9 +234,10 @@ _CHECKPOINT: contextvars.ContextVar = contextvars.ContextVar("probe_checkpoint",
 
 @contextlib.contextmanager
 def _timer(timer):
-    """Time every pass with ``timer`` (None: :func:`_perf_timer`) within the block."""
+    """Time every pass with ``timer`` within the block (None: the timer already in place,
+    :func:`_perf_timer` unless a test injected its own)."""
     saved = _TIMER[0]
-    _TIMER[0] = timer or _perf_timer
+    _TIMER[0] = timer or saved
     try:
         yield
     finally:

@@ -4,9 +4,9 @@ vllm-router (``kv_aware``, which also subscribes to the replicas' KV events, dec
 itself and places prompts by them: a prompt computed on one replica only, sent past the router,
 is then routed to that replica).
 
-Behind each router: no request the router made is answered 404 by kvserve (but vLLM's opt-in
-``/v1/completions/render``, after which vllm-router tokenizes through ``/tokenize``, as it does
-against vLLM itself), the model is registered under its served name (the router's
+Behind each router: no request the router made is answered 404 by kvserve (vllm-router renders
+each prompt through vLLM's ``/v1/completions/render`` and, reading kvserve's answer, never
+falls back to ``/tokenize``), the model is registered under its served name (the router's
 ``/v1/models``; sglang-router's log: its policy and tokenizer), completions go through, the
 router's ``/get_loads`` reads every replica's load (sglang-router; vllm-router reads another
 shape from the same path: -1), and the router's ``/flush_cache`` reaches every replica: a prompt
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "router-e2e-key"
 REQUEST_LINE = re.compile(r"kvserve\.server: ([A-Z]+) (\S+) (\d{3})[ :]")
-RENDER = {"/v1/completions/render", "/v1/chat/completions/render"}
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +181,10 @@ def test_vllm_router_kv_aware(replicas, tmp_path):
     assert "no block_size" not in text
     answers = _answers(*(lg for _, lg in replicas))
     probed = {path for _, path, _ in answers}
-    assert {"/get_server_info", "/kv_event_sources", "/flush_cache"} <= probed
-    assert [a for a in answers if a[2] == 404 and a[1] not in RENDER] == []
+    assert {"/get_server_info", "/kv_event_sources", "/flush_cache",
+            "/v1/completions/render"} <= probed
+    assert "/tokenize" not in probed  # the router read the rendered token ids
+    assert [a for a in answers if a[2] == 404] == []
 
 
 def test_sglang_router_with_the_api_key(tiny, tmp_path):
