@@ -11,7 +11,9 @@ servers see the same tokens), in two shapes: **shared**, every input starting wi
 kvserve runs with ``--task embed`` (last-token pooling, which shares the prefix cache) and 16
 sequences; llama-server with ``--embeddings --pooling last`` and 16 slots. Prints inputs/s,
 tokens/s, the prefix-cache share kvserve reports (``usage.prompt_tokens_details``) and, when a
-llama-server binary is found (``bash benchmarks/vs_llamacpp.sh`` builds one), the ratio.
+llama-server binary is found (``bash benchmarks/vs_llamacpp.sh`` builds one), the ratio and
+the lowest cosine between the two servers' vectors for four inputs (both did the same work).
+llama-server that dies at start-up is started again with ``--no-repack`` (as vs_llamacpp.sh).
 """
 
 from __future__ import annotations
@@ -70,6 +72,17 @@ def run(url: str, inputs: list[list[int]], concurrency: int) -> dict:
             "cached_share": cached / tokens}
 
 
+def vectors(url: str, inputs: list[list[int]]) -> list[list[float]]:
+    """Each input's embedding, one request at a time."""
+    return [httpx.post(f"{url}/v1/embeddings", json={"input": [ids]}, timeout=600
+                       ).json()["data"][0]["embedding"] for ids in inputs]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
@@ -97,16 +110,31 @@ def main(argv: list[str] | None = None) -> int:
                          *args.server_args],
                         log_dir / "kvserve-embeddings.log") as url:
         results["kvserve"] = {n: run(url, x, args.concurrency) for n, x in shapes.items()}
+        same = {"kvserve": vectors(url, shapes["unique"][:4])}
     binary = args.llama_server or find_llama_server()
+    llama_cmd: list[str] | None = None
     if binary is not None and binary.exists():
         port = free_port()
         cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                "--embeddings", "--pooling", "last", "-np", str(args.concurrency),
                "-c", str(args.concurrency * max(512, args.tokens + 16)), "-t", threads,
                "-ub", str(max(512, args.tokens)), "-b", "2048"]
-        with serving_process(cmd, port, log_dir / "llama-server-embeddings.log") as url:
-            results["llama-server"] = {n: run(url, x, args.concurrency)
-                                       for n, x in shapes.items()}
+        try:
+            with serving_process(cmd, port, log_dir / "llama-server-embeddings.log") as url:
+                results["llama-server"] = {n: run(url, x, args.concurrency)
+                                           for n, x in shapes.items()}
+                same["llama-server"] = vectors(url, shapes["unique"][:4])
+        except RuntimeError as exc:  # died at start-up, before serving
+            # As in vs_llamacpp.sh: on AMX (Sapphire Rapids) VMs llama-server dies at "threadpool
+            # init" in its AMX weight-repacking path; without repacking it serves (AVX-512 VNNI).
+            print(f"llama-server died at start-up ({exc}); retrying with --no-repack",
+                  file=sys.stderr)
+            cmd += ["--no-repack"]
+            with serving_process(cmd, port, log_dir / "llama-server-embeddings.log") as url:
+                results["llama-server"] = {n: run(url, x, args.concurrency)
+                                           for n, x in shapes.items()}
+                same["llama-server"] = vectors(url, shapes["unique"][:4])
+        llama_cmd = cmd
     else:
         print("llama-server not found (bash benchmarks/vs_llamacpp.sh builds one, or pass "
               "--llama-server PATH): kvserve only", file=sys.stderr)
@@ -117,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {server} | {name} | {r['inputs_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
                   f"{r['cached_share']:.0%} |")
     if "llama-server" in results:
+        agree = min(cosine(a, b) for a, b in zip(same["kvserve"], same["llama-server"]))
+        results["same_work_min_cosine"] = agree
+        print(f"the same vectors (4 inputs, both servers): lowest cosine {agree:.5f}")
         for name in shapes:
             ratio = (results["kvserve"][name]["tokens_per_s"]
                      / results["llama-server"][name]["tokens_per_s"])
@@ -124,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({"isa": isa(), "args": vars(args) | {
             "llama_server": str(binary) if binary else None, "out": str(args.out)},
+            "llama_server_cmd": llama_cmd,
             "results": results}, indent=1))
     return 0
 
