@@ -44,7 +44,7 @@ sys.path.insert(0, ".")
 import torch
 from engine.cpu.kernels import load
 from engine.kv_format.formats import kv_format, quantize_rows
-from engine.runner.model_runner import _zeros
+from engine.runner.cpu_pool import zeroed_pool as _zeros
 
 opts = json.loads(sys.argv[1])
 heads, kv_heads, dim, layers = opts["shape"]

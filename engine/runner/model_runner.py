@@ -46,6 +46,7 @@ from engine.models.rope import RotaryEmbedding
 from engine.quantization.packed_linear import PackedLinear
 from engine.runner.batch import ModelInput, build_model_input
 from engine.runner.cpu_memory import cpu_kv_budget
+from engine.runner.cpu_pool import fault_in_head, zeroed_pool
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.device import resolve_device, set_device_for_thread
 from engine.runner.device_input import HostToDeviceStager, to_device
@@ -65,34 +66,6 @@ from engine.weight_prep.prepare import prepare_weights
 
 logger = logging.getLogger("kvserve.engine")
 
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool. On a CPU it is an anonymous private mapping of its own: its pages are the
-    kernel's shared zero page until written, so an idle pool holds no resident memory and a
-    block costs memory once a request fills it, as llama.cpp's context does. (Not ``calloc``:
-    whether glibc hands back fresh pages or memsets recycled heap depends on the process's
-    allocation history; CI once saw a 128 MiB ``np.zeros`` become fully resident.)"""
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    if device.type != "cpu" or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import mmap
-
-    import numpy as np
-
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        # 2 MiB pages where the kernel allows them (as numpy asks for its large arrays): the
-        # attention kernels stride across the pool, and 4 KiB pages made decode slower
-        # (docs/decisions.md#kv-pool-huge-pages).
-        try:
-            pages.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    # the array (and the tensor through it) keeps the mapping alive
-    return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -276,8 +249,10 @@ class ModelRunner:
     def _allocate(self, num_blocks: int) -> None:
         shape, dtype = self._pool_shape(num_blocks), self.kv_format.storage_dtype
         # Zeroed, not empty: padded key slots are masked, but 0 * NaN garbage would still be NaN.
-        slots = [(_zeros(shape, dtype, self.device), _zeros(shape, dtype, self.device))
+        slots = [(zeroed_pool(shape, dtype, self.device), zeroed_pool(shape, dtype, self.device))
                  for _ in range(self.kv_layout.group_size)]
+        for pool in (t for pair in slots for t in pair):
+            fault_in_head(pool)
         # Hybrid: layer i stores into its slot's tensors, through its group's block table.
         self.kv_caches = [slots[s] for s in self.kv_layout.layer_slot]
         self._kv_slots = slots

@@ -38,12 +38,35 @@ def test_an_engine_start_parses_its_gguf_once(tmp_path, monkeypatch):
         pass  # converts (transformers reads the file too, with its own reader)
     opened = []
 
-    class Counting(gguf.GGUFReader):
-        def __init__(self, *args, **kwargs):
-            opened.append(args[0])
-            super().__init__(*args, **kwargs)
+    init = gguf.GGUFReader.__init__
 
-    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    def counting(self, *args, **kwargs):  # every reader, kvserve's subclass included
+        opened.append(args[0])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting)
     with LLM(str(path), max_model_len=64, cpu_probe="off") as llm:
         assert llm.engine.runner.quantized
     assert len(opened) == 1, opened
+
+
+def test_the_fast_reader_reads_what_gguf_py_reads(tmp_path):
+    """kvserve's reader (a plain view of the memory map under gguf-py's parser) gives the same
+    fields, contents and tensors as gguf-py's own."""
+    import numpy as np
+
+    path = tmp_path / "tiny.Q4.gguf"
+    _make_llama_gguf(path, tied=True, quantised=True)
+    ours, theirs = gguf_reader(path), gguf.GGUFReader(str(path))
+    release_gguf_readers()
+    assert type(ours) is not gguf.GGUFReader and isinstance(ours, gguf.GGUFReader)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].types == field.types and ours.fields[key].data == field.data
+        assert [(p.dtype, p.tobytes()) for p in ours.fields[key].parts] == \
+            [(p.dtype, p.tobytes()) for p in field.parts], key
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(np.asarray(a.data), np.asarray(b.data))
+               for a, b in zip(ours.tensors, theirs.tensors))

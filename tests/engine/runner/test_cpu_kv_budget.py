@@ -1,5 +1,6 @@
 """The CPU path's default KV budget follows the memory available (a share within a floor and a
-ceiling), ``auto`` KV pools are 16-bit on a CPU, and an idle pool holds no resident memory."""
+ceiling), ``auto`` KV pools are 16-bit on a CPU, an idle pool holds no resident memory, and a
+served pool's first blocks are written before the first request."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from engine.kv_format.formats import kv_format, resolve_kv_cache_dtype
 from engine.runner import cpu_memory
 from engine.runner.cpu_memory import CPU_KV_CEILING, CPU_KV_FLOOR, CPU_KV_SHARE, cpu_kv_budget
-from engine.runner.model_runner import _zeros
+from engine.runner.cpu_pool import zeroed_pool as _zeros
 
 GIB = 1024**3
 
@@ -66,3 +67,27 @@ def test_an_idle_cpu_pool_holds_no_resident_memory():
     pool[:64].fill_(1.0)  # written blocks become resident, the rest stay free
     assert float(pool[:64].sum()) == 64 * 16 * 8 * 128
     assert _rss_bytes() - before < 64 * 1024**2
+
+
+def _present(t: torch.Tensor, offset: int) -> bool:
+    """Whether the page holding byte ``offset`` of ``t`` is in memory (/proc/self/pagemap)."""
+    page = (t.data_ptr() + offset) // 4096
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(page * 8)
+        return bool(int.from_bytes(f.read(8), "little") >> 63)
+
+
+def test_the_pools_first_blocks_are_written_before_serving_and_the_rest_are_not(tmp_path):
+    """Issue 66 item 7: the first request after a start does not pay the pools' first page
+    faults (one per layer's K and V); the rest of each pool stays unbacked."""
+    from engine.llm import LLM
+    from engine.loading.tiny import make_tiny_model_dir
+    from engine.runner.cpu_pool import POOL_HEAD_BYTES
+
+    model = make_tiny_model_dir(tmp_path / "tiny", "llama", max_position_embeddings=256)
+    with LLM(str(model), dtype="float32", kv_cache_memory="64MiB", max_model_len=128) as llm:
+        pools = [t for pair in llm.engine.runner.kv_caches for t in pair]
+        assert pools and all(t.numel() * t.element_size() > 8 * 1024**2 for t in pools)
+        for t in pools:
+            assert _present(t, 0) and _present(t, POOL_HEAD_BYTES - 1)
+            assert not _present(t, t.numel() * t.element_size() - 1)
