@@ -76,6 +76,17 @@ def bf16_available() -> bool:
     return isa() == "avx512-bf16"
 
 
+def kernel_address(bits: int) -> int:
+    """The address of the C kernel for ``bits``-bit weights (4: ``kvf_gemm_q4``, 8:
+    ``kvf_gemm_q8``), which the C++ decode stack calls directly (its faithful StackLinear
+    kinds); the library stays loaded for the process's life."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the faithful packed kernels are not built")
+    fn = {4: lib.kvf_gemm_q4, 8: lib.kvf_gemm_q8}[bits]
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 

@@ -5,8 +5,8 @@ in the same order on the same tensors from C++ (saving the Python around them:
 docs/decisions.md#decode-stack), so its output is bit-identical to ``LlamaForCausalLM.forward``'s
 loop with the fused CPU ops and the torch backend's CPU decode kernel.
 ``build_decode_stack(model)`` returns one when the model can use it (no tensor parallelism, the
-fused CPU ops, float32, projections ``QuantLinear`` / ``QuantConcat`` / panel ``PackedLinear`` /
-``nn.Linear``; Llama-style, Gemma 2 / 3 or mixture-of-experts layers), else None and the reason.
+fused CPU ops, float32, projections ``QuantLinear`` (int8 or faithful activations) /
+``QuantConcat`` / panel ``PackedLinear`` / ``nn.Linear``; Llama-style, Gemma 2 / 3 or mixture-of-experts layers), else None and the reason.
 ``accepts`` then decides per step: every row a decode row in every KV group, at most ``max_rows``
 rows (beyond, the linears switch kernels), float32, float16, bfloat16, int8 or int4 KV pools (not
 fp8), no KV observer or fp8 scales; a hybrid KV cache gives each group's slots and tables.
@@ -40,7 +40,7 @@ NO_LIMIT = 1 << 62
 STACK_POOL_DTYPES = (*CPU_KERNEL_FLOAT_POOLS, torch.int8, torch.uint8)
 # StackLinear kinds (decode_stack_cpu.h)
 _FLOAT, _Q4, _Q4_VNNI, _Q8, _PANELS, _Q8_VNNI, _Q4_BLOCKED, _Q5 = 0, 1, 2, 3, 4, 5, 6, 8
-_Q8_INTERLEAVED = 9
+_Q8_INTERLEAVED, _FAITHFUL_Q4, _FAITHFUL_Q8 = 9, 10, 11
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,15 @@ def _linear(kernels, mod: nn.Module) -> _Linear | str:
             rows = min(rows, mod.float_above)
         return _Linear(kernels.StackLinear([p.spec for p in parts]), rows)
     if isinstance(mod, QuantLinear):
-        if mod.faithful:  # engine/cpu/kernels_faithful.py has no StackLinear kind yet
-            return "packed linear with faithful (bf16/float32) activations"
         rows = mod.dense_rows if mod.fallback is None else min(mod.dense_rows, mod.float_above)
+        if mod.faithful:  # the rows layouts (set_kernels), engine/cpu/kernels_faithful.py
+            from engine.cpu import kernels_faithful
+
+            bits = 4 if mod.is_q4 else 8
+            return _Linear(kernels.StackLinear(
+                _FAITHFUL_Q4 if bits == 4 else _FAITHFUL_Q8, mod.qs, mod.d, mod.m, mod.bias,
+                mod.out_features, fn=kernels_faithful.kernel_address(bits),
+                bf16=mod.kernels.activation == "bf16"), rows)
         if mod.is_q5:
             kind = _Q5
         elif mod.blocked:

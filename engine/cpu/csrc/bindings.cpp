@@ -94,9 +94,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackLinear>(m, "StackLinear", "one linear of a DecodeStack layer")
       .def(py::init<int64_t, torch::Tensor, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t,
-                    int64_t, bool>(),
+                    int64_t, bool, int64_t, bool>(),
            py::arg("kind"), py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bias"),
-           py::arg("out_features"), py::arg("tiles_from") = 0, py::arg("tiles_vnni") = false)
+           py::arg("out_features"), py::arg("tiles_from") = 0, py::arg("tiles_vnni") = false,
+           py::arg("fn") = 0, py::arg("bf16") = false)
       .def(py::init<std::vector<StackLinear>>(), py::arg("parts"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecodeStack")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps,

@@ -36,22 +36,32 @@
 
 #include "decode_stack_cpu.h"
 #include "kernels.h"
+#include "stack_faithful.h"
 #include "weight_prefetch.h"
 
 namespace kvserve_stack {
 
 StackLinear::StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d,
                          std::optional<at::Tensor> m, std::optional<at::Tensor> bias,
-                         int64_t out_features, int64_t tiles_from, bool tiles_vnni)
+                         int64_t out_features, int64_t tiles_from, bool tiles_vnni,
+                         int64_t fn, bool bf16)
     : kind(kind), w(std::move(w)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)),
-      out_features(out_features), tiles_from(tiles_from), tiles_vnni(tiles_vnni) {
-  TORCH_CHECK(kind >= kFloat && kind <= kQ8Interleaved && kind != kConcat,
+      out_features(out_features), tiles_from(tiles_from), tiles_vnni(tiles_vnni), fn(fn),
+      bf16(bf16) {
+  TORCH_CHECK(kind >= kFloat && kind <= kFaithfulQ8 && kind != kConcat,
               "StackLinear: unknown kind ", kind);
   const bool quant = kind != kFloat && kind != kPanels;
   TORCH_CHECK(!quant || this->d.has_value(), "StackLinear: a packed weight needs its scales");
-  TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni && kind != kQ4Blocked && kind != kQ5 ||
-                  this->m.has_value(),
+  TORCH_CHECK(kind != kQ4 && kind != kQ4Vnni && kind != kQ4Blocked && kind != kQ5 &&
+                  kind != kFaithfulQ4 || this->m.has_value(),
               "StackLinear: a 4-bit or 5-bit weight needs its mins");
+  const bool faithful = kind == kFaithfulQ4 || kind == kFaithfulQ8;
+  TORCH_CHECK(!faithful || fn != 0, "StackLinear: a faithful kind needs its kernel");
+  TORCH_CHECK(!faithful || (this->w.is_contiguous() && this->d->is_contiguous() &&
+                            this->d->scalar_type() == at::kFloat &&
+                            (!this->m.has_value() || (this->m->is_contiguous() &&
+                                                      this->m->scalar_type() == at::kFloat))),
+              "StackLinear: a faithful kind needs contiguous weights and float32 scales");
 }
 
 StackLinear::StackLinear(std::vector<StackLinear> parts)
@@ -95,6 +105,10 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
       break;
     case kQ8Interleaved:  // batched: on AMX tiles (the same floats)
       y = quant_gemm_q8_interleaved(x, w, *d, m, out_features, /*avx2=*/false, batched(x));
+      break;
+    case kFaithfulQ4:
+    case kFaithfulQ8:  // every row count on the one kernel (batch-invariant)
+      y = faithful_gemm(*this, x);
       break;
     default:  // kQ8
       y = batched(x) ? quant_gemm_q8_batch(x, w, *d, m) : quant_gemm_q8(x, w, *d, m);

@@ -17,9 +17,12 @@ namespace kvserve_stack {
 // panel kernel over pre-packed float panels; kQ5: 5-bit groups (quant_gemm_q5.cpp);
 // kQ8Interleaved: 8-bit groups stored interleaved (quant_gemm_q8_interleaved, every row count).
 // kConcat: the outputs of parts side by side (a projection whose parts differ in format).
+// kFaithfulQ4 / kFaithfulQ8: 4-bit / 8-bit groups in the rows layout times float32 or bf16
+// activations, by the faithful kernels (quant_faithful.cpp, a library of its own: fn is the
+// address of its kvf_gemm_q4 / kvf_gemm_q8, bf16 its last argument).
 enum Kind : int64_t {
   kFloat = 0, kQ4 = 1, kQ4Vnni = 2, kQ8 = 3, kPanels = 4, kQ8Vnni = 5, kQ4Blocked = 6,
-  kConcat = 7, kQ5 = 8, kQ8Interleaved = 9
+  kConcat = 7, kQ5 = 8, kQ8Interleaved = 9, kFaithfulQ4 = 10, kFaithfulQ8 = 11
 };
 
 // y = x @ W^T (+ bias). w: the float weight, the packed qs, or the panels; d/m: scales and
@@ -32,7 +35,8 @@ enum Kind : int64_t {
 struct StackLinear {
   StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d,
               std::optional<at::Tensor> m, std::optional<at::Tensor> bias,
-              int64_t out_features, int64_t tiles_from = 0, bool tiles_vnni = false);
+              int64_t out_features, int64_t tiles_from = 0, bool tiles_vnni = false,
+              int64_t fn = 0, bool bf16 = false);
   // A kConcat of parts (each a packed kind).
   explicit StackLinear(std::vector<StackLinear> parts);
   at::Tensor operator()(const at::Tensor& x) const;
@@ -48,6 +52,8 @@ struct StackLinear {
   int64_t out_features;
   int64_t tiles_from = 0;
   bool tiles_vnni = false;
+  int64_t fn = 0;     // the faithful kinds' kernel (a C function's address)
+  bool bf16 = false;  // the faithful kinds: bf16 activations
   std::vector<StackLinear> parts;
 };
 

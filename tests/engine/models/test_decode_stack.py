@@ -222,17 +222,40 @@ def test_stack_serves_blocked_4bit_weights(model_dirs, tiles):
     assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
 
 
-def test_mixed_format_projections(make_llama_gguf, tmp_path, monkeypatch):
+def _skip_without_faithful_kernels(activation: str) -> None:
+    from engine.cpu import kernels_faithful
+
+    if activation != "int8" and kernels_faithful.load() is None:
+        pytest.skip("the faithful kernels are not built here")
+
+
+@pytest.mark.parametrize("activation", ["float32", "bf16"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_stack_serves_faithful_activations(model_dirs, quantization, activation):
+    """The faithful kernels (float32 / bf16 activations) have stack kinds of their own: every
+    decode step runs the stack, bit-identical to the Python loop."""
+    _skip_without_faithful_kernels(activation)
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory="16MiB", quantization=quantization,
+              activation_precision=activation)
+    mods = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert mods and all(m.faithful and m.kernels.activation == activation for m in mods)
+    counts = _checked(llm)
+    llm.generate(PROMPTS, PARAMS)
+    assert counts["stack"] >= PARAMS.max_tokens - 1
+
+
+@pytest.mark.parametrize("activation", ["int8", "bf16"])
+def test_mixed_format_projections(make_llama_gguf, tmp_path, monkeypatch, activation):
     """A Q4_K_M-style GGUF: Q/K/V packed as Q4_K and Q6_K rows (a QuantConcat), down as Q5_K
-    (8-bit with mins), a Q6_K token table."""
+    (8-bit with mins), a Q6_K token table; on the int8 kinds and on the faithful ones."""
     from engine.quantization.linear import QuantConcat
 
+    _skip_without_faithful_kernels(activation)
     path = tmp_path / "tiny-llama.Q4_K_M.gguf"
     make_llama_gguf(path, tied=True, kquants=True)
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KVSERVE_QUANT_FORCE", "1")
-    # int8 activations: the int8 kinds in the stack (the faithful path has no stack kind yet)
-    llm = LLM(str(path), kv_cache_memory="16MiB", activation_precision="int8")
+    llm = LLM(str(path), kv_cache_memory="16MiB", activation_precision=activation)
     assert isinstance(llm.engine.runner.model.layers[0].qkv_proj, QuantConcat)
     counts = _checked(llm)
     llm.generate(PROMPTS, PARAMS)
