@@ -325,6 +325,8 @@ class DiskStore(QueuedWrites):
         self.health.wrote()
         self._active_end = offset + len(record)
         with self._lock:
+            if self._drop_active:  # cleared while this block was in hand: the segment goes
+                return
             self._tick += 1
             seg = self._segments.setdefault(name, _Segment(HEADER_BYTES, self._tick))
             seg.hashes.append(block_hash)
@@ -389,14 +391,13 @@ class DiskStore(QueuedWrites):
         with self._lock:
             active = self._active[1] if self._active is not None else None
             names = [n for n in self._segments if n != active]
-            if active is not None:
-                self._drop_active = True
+            self._drop_active = True  # also a block the writer has in hand (``_write``)
         dropped = 0
         if active is not None:  # forgotten now; the file goes when the writer is next awake
             dropped = self._count_indexed(active)
             self._forget_segment(active)
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait((None, None))  # wake an idle writer
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait((None, None))  # wake an idle writer
         for name in names:
             path = self.dir / name
             try:

@@ -11,6 +11,8 @@ files' near-tied logits and router scores cannot hold (docs/performance.md#gguf-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,8 +122,11 @@ def test_experts_too_big_for_float_stay_in_the_gguf(moe_gguf, tmp_path, monkeypa
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def trained_moe_gguf(request, tmp_path_factory):
-    """The tiny model of ``request.param`` trained 600 steps on docs/*.md (~20 s), as a GGUF,
-    with HF's forward over the file's weights and the tests' English text as token ids."""
+    """The tiny model of ``request.param`` trained 600 steps (~20 s) on a frozen copy of the
+    docs (tests/support/training_corpus.txt: docs/*.md as of commit 5538a7a; trained on the
+    docs as they are, the weights and so the agreement moved with every docs edit), as a
+    GGUF, with HF's forward over the file's weights and the tests' English text as token
+    ids."""
     from transformers import AutoModelForCausalLM
 
     from engine.cpu.kernels import load
@@ -137,7 +142,8 @@ def trained_moe_gguf(request, tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_moe_model(request.param).config,
                                              dtype=torch.float32)
-    model = train(model, docs_tokens(tok), steps=600)
+    corpus = Path(__file__).resolve().parents[3] / "tests" / "support" / "training_corpus.txt"
+    model = train(model, docs_tokens(tok, corpus.read_text()), steps=600)
     _, reference = write_moe_gguf(path, request.param, model)
     return path, root / "cache", reference
 

@@ -205,6 +205,38 @@ def test_full_queue_drops_instead_of_blocking(tmp_path, monkeypatch):
     s.close()
 
 
+@pytest.mark.parametrize("open_segment", [False, True])
+def test_a_block_in_the_writers_hands_goes_with_a_clear(tmp_path, monkeypatch, open_segment):
+    """``clear()`` while the writer holds a block it took from the queue before (no segment
+    open yet, or one open): that block is not indexed, its segment goes, none survives a
+    restart; blocks submitted after the clear are written."""
+    s = _store(tmp_path)
+    if open_segment:
+        fill(s, range(3))
+    taken, gate = threading.Event(), threading.Event()
+    real = s._write
+
+    def held(h, p):
+        if h == block_hash(10):
+            taken.set()
+            gate.wait(10)
+        real(h, p)
+
+    monkeypatch.setattr(s, "_write", held)
+    s.submit(block_hash(10), payload(block_hash(10)))
+    assert taken.wait(10)  # in the writer's hands
+    s.clear()
+    gate.set()
+    s.flush()
+    assert len(s) == 0 and readable(s, [10]) == 0
+    fill(s, range(20, 23))  # after the clear: written as usual
+    assert readable(s, range(20, 23)) == 3
+    s.close()
+    again = _store(tmp_path)
+    assert readable(again, [10]) == 0 and readable(again, range(20, 23)) == 3
+    again.close()
+
+
 _WRITER = """
 import hashlib, sys
 from engine.config.kv_disk import DiskTierConfig
