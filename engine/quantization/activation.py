@@ -6,9 +6,8 @@
   weights dequantised in registers, times float32 activations (AVX2/FMA) or bfloat16 ones
   (AVX-512 BF16's ``vdpbf16ps``; float32 where not built); batch-invariant as the int8 kernels.
 * ``auto`` (default): the faithful path wherever its decode is within :data:`MARGIN` of the
-  int8 path's, else ``int8`` (issue 65's rule; today ``int8``: the faithful kernels are outside
-  the margin and have no kind in the C++ decode stack; figures:
-  docs/performance.md#activation-precision). ``float32`` is the explicit way to the float
+  int8 path's, else ``int8`` (issue 65's rule; today ``int8``: the faithful kernels, in the C++
+  decode stack too, are outside the margin; figures: docs/performance.md#activation-precision). ``float32`` is the explicit way to the float
   model's answers on packed weights.
 
 5-bit weights (GGUF Q5_0/Q5_1) have no faithful kernel yet: they keep ``int8`` (logged).
@@ -73,9 +72,8 @@ def choose(requested: str, quantization: str = "auto") -> tuple[str, str]:
     if requested == "bf16":
         return "bf16", f"as requested: the faithful kernel ({isa}, {acts} activations)"
     return "int8", (f"auto: the int8 kernels; the faithful kernel ({isa}) answers like the "
-                    "float model (100% top-1 agreement on the embedded file, int8 96.5%) but "
-                    f"its decode is not yet within {MARGIN:.0%} of int8's (1.7-4x the CPU "
-                    "time, no C++ decode stack kind); --activation-precision float32 for it "
+                    "float model but its decode is not yet within "
+                    f"{MARGIN:.0%} of int8's; --activation-precision float32 (or bf16) for it "
                     "(docs/performance.md#activation-precision)")
 
 
