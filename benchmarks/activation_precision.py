@@ -8,7 +8,9 @@ pass over the same file (dequantised by ``gguf``), pooled over the ten held-out 
 by HF's tokenizer from the file, the ids fed to both); decode TPOT at 1 row and throughput at 16
 rows ((time of 1 + N generated tokens - time of 1 token) / N, greedy, ``ignore_eos``, the
 configurations interleaved, the best of ``--reps``); and the README's example ("What is the
-capital of France?", chat, temperature 0) answer.
+capital of France?", chat, temperature 0) answer, with its first token's top three
+probabilities. Every engine is built as ``kvserve serve`` builds it (float32 weights, the KV
+pool float16 on a CPU) but for its configuration's fields.
 
     PYTHONPATH=. python benchmarks/activation_precision.py [--tokens 128] [--decode 32]
         [--reps 2] [--cpu-probe off] [--configs NAME ...] [--no-timing] [--json OUT]
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -31,6 +34,7 @@ CONFIGS = {
     "float32 activations": {"activation_precision": "float32"},
     "bf16 activations": {"activation_precision": "bf16"},
     "int8 activations": {"activation_precision": "int8"},
+    "int8 activations, float32 KV": {"activation_precision": "int8", "kv_cache_dtype": "float32"},
     "quantization=none": {"quantization": "none"},
 }
 QUESTION = "What is the capital of France?"
@@ -100,14 +104,21 @@ def main() -> None:
     args = ap.parse_args()
     seqs = tokenise(args.tokens)
     ref = hf_reference(seqs)
-    llms = {name: LLM("smollm2", dtype="float32", kv_cache_memory="256MiB",
-                      cpu_probe=args.cpu_probe, **CONFIGS[name]) for name in args.configs}
+    # As served (no dtype given: float32 weights, the KV pool auto: float16 on a CPU), so the
+    # default row is the default; "float32 KV" isolates the pool's share.
+    llms = {name: LLM("smollm2", kv_cache_memory="256MiB", cpu_probe=args.cpu_probe,
+                      **CONFIGS[name]) for name in args.configs}
     rows: dict[str, dict] = {name: {} for name in llms}
     for name, llm in llms.items():
         rows[name]["agreement"] = agreement(top1(llm, seqs), ref)
         out = llm.chat([{"role": "user", "content": QUESTION}],
-                       SamplingParams(temperature=0, max_tokens=32))[0]
+                       SamplingParams(temperature=0, max_tokens=32, logprobs=3))[0]
         rows[name]["answer"] = out.outputs[0].text
+        first = out.outputs[0].logprobs[0]  # the answer's first token: a near-tie here
+        tok = llm.engine.tokenizer
+        rows[name]["first_token_top3"] = sorted(
+            ((tok.decode([t]), round(math.exp(getattr(lp, "logprob", lp)), 4))
+             for t, lp in first.items()), key=lambda kv: -kv[1])[:3]
         print(name, rows[name], flush=True)
     for rows_n in () if args.no_timing else (1, 16):
         best = dict.fromkeys(llms, float("inf"))
