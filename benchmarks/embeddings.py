@@ -119,21 +119,21 @@ def main(argv: list[str] | None = None) -> int:
                "--embeddings", "--pooling", "last", "-np", str(args.concurrency),
                "-c", str(args.concurrency * max(512, args.tokens + 16)), "-t", threads,
                "-ub", str(max(512, args.tokens)), "-b", "2048"]
-        try:
+        def measure_llama() -> None:
             with serving_process(cmd, port, log_dir / "llama-server-embeddings.log") as url:
                 results["llama-server"] = {n: run(url, x, args.concurrency)
                                            for n, x in shapes.items()}
                 same["llama-server"] = vectors(url, shapes["unique"][:4])
+
+        try:
+            measure_llama()
         except RuntimeError as exc:  # died at start-up, before serving
             # As in vs_llamacpp.sh: on AMX (Sapphire Rapids) VMs llama-server dies at "threadpool
             # init" in its AMX weight-repacking path; without repacking it serves (AVX-512 VNNI).
             print(f"llama-server died at start-up ({exc}); retrying with --no-repack",
                   file=sys.stderr)
             cmd += ["--no-repack"]
-            with serving_process(cmd, port, log_dir / "llama-server-embeddings.log") as url:
-                results["llama-server"] = {n: run(url, x, args.concurrency)
-                                           for n, x in shapes.items()}
-                same["llama-server"] = vectors(url, shapes["unique"][:4])
+            measure_llama()
         llama_cmd = cmd
     else:
         print("llama-server not found (bash benchmarks/vs_llamacpp.sh builds one, or pass "

@@ -127,7 +127,8 @@ def running_router(module: str, policy: str, workers: list[str], log: Path, mode
     lists ``model`` (the replicas were discovered); SIGTERM on exit."""
     port = free_port()
     cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-port", str(free_port()), "--worker-urls", *workers, "--policy", policy, *extra]
+           "--prometheus-port", str(free_port()), "--worker-urls", *workers, "--policy", policy,
+           *extra]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"

@@ -62,7 +62,8 @@ def add_routes(app: FastAPI, ctx: ServingContext) -> None:
                              for i, (_, ids) in enumerate(prompts)])
 
     @app.post("/v1/chat/completions/render")
-    async def render_chat(req: ChatCompletionRequest, raw: Request) -> JSONResponse:
+    async def render_chat_completion(req: ChatCompletionRequest, raw: Request
+                                     ) -> JSONResponse:
         model = ctx.check_model(req.model)
         prompt = await chat_prompt(ctx, req, request_id_of(raw), client_of(raw))
         return JSONResponse(_generate_request(new_id("chatcmpl"), model, prompt.ids,

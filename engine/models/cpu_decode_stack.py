@@ -6,7 +6,8 @@ docs/decisions.md#decode-stack), so its output is bit-identical to ``LlamaForCau
 loop with the fused CPU ops and the torch backend's CPU decode kernel.
 ``build_decode_stack(model)`` returns one when the model can use it (no tensor parallelism, the
 fused CPU ops, float32, projections ``QuantLinear`` (int8 or faithful activations) /
-``QuantConcat`` / panel ``PackedLinear`` / ``nn.Linear``; Llama-style, Gemma 2 / 3 or mixture-of-experts layers), else None and the reason.
+``QuantConcat`` / panel ``PackedLinear`` / ``nn.Linear``; Llama-style, Gemma 2 / 3 or
+mixture-of-experts layers), else None and the reason.
 ``accepts`` then decides per step: every row a decode row in every KV group, at most ``max_rows``
 rows (beyond, the linears switch kernels), float32, float16, bfloat16, int8 or int4 KV pools (not
 fp8), no KV observer or fp8 scales; a hybrid KV cache gives each group's slots and tables.

@@ -7,8 +7,8 @@
   (AVX-512 BF16's ``vdpbf16ps``; float32 where not built); batch-invariant as the int8 kernels.
 * ``auto`` (default): the faithful path wherever its decode is within :data:`MARGIN` of the
   int8 path's, else ``int8`` (issue 65's rule; today ``int8``: the faithful kernels, in the C++
-  decode stack too, are outside the margin; figures: docs/performance.md#activation-precision). ``float32`` is the explicit way to the float
-  model's answers on packed weights.
+  decode stack too, are outside the margin; figures: docs/performance.md#activation-precision).
+  ``float32`` is the explicit way to the float model's answers on packed weights.
 
 5-bit weights (GGUF Q5_0/Q5_1) have no faithful kernel yet: they keep ``int8`` (logged).
 The choice is logged at start with what was chosen and why."""
