@@ -7,13 +7,15 @@ pass over the same file (dequantised by ``gguf``), pooled over the ten held-out 
 ``loadgen.heldout_text.HELD_OUT`` (each its own sequence, cut to ``--tokens``; tokenised
 by HF's tokenizer from the file, the ids fed to both); decode TPOT at 1 row and throughput at 16
 rows ((time of 1 + N generated tokens - time of 1 token) / N, greedy, ``ignore_eos``, the
-configurations interleaved, the best of ``--reps``); and the README's example ("What is the
+configurations interleaved, the best of ``--reps``); prefill tokens/s of a fresh
+``--prefill``-token prompt (random ids, one output token; best of ``--reps``); which activation
+precision each engine serves (``auto``'s choice); and the README's example ("What is the
 capital of France?", chat, temperature 0) answer, with its first token's top three
 probabilities. Every engine is built as ``kvserve serve`` builds it (float32 weights, the KV
 pool float16 on a CPU) but for its configuration's fields.
 
     PYTHONPATH=. python benchmarks/activation_precision.py [--tokens 128] [--decode 32]
-        [--reps 2] [--cpu-probe off] [--configs NAME ...] [--no-timing] [--json OUT]
+        [--prefill 512] [--reps 2] [--cpu-probe off] [--configs NAME ...] [--no-timing] [--json OUT]
 """
 
 from __future__ import annotations
@@ -91,10 +93,28 @@ def decode_time(llm: LLM, rows: int, n: int) -> float:
     return (run(1 + n) - run(1)) / n
 
 
+def prefill_rate(llm: LLM, n: int, seed: int) -> float:
+    """Prompt tokens per second of one fresh ``n``-token prompt (random ids: no cache hit)."""
+    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    start = time.perf_counter()
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    return n / (time.perf_counter() - start)
+
+
+def served_activation(llm: LLM) -> str:
+    """The activation precision the engine's packed linears run (after ``auto``'s choice)."""
+    from engine.quantization.activation import packed_modules
+
+    mods = packed_modules(llm.engine.runner.model)
+    parts = [p for m in mods for p in getattr(m, "parts", [m])]
+    return "/".join(sorted({p.kernels.activation for p in parts})) or "none (float)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill rate")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--cpu-probe", default="off")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
@@ -110,6 +130,7 @@ def main() -> None:
                       **CONFIGS[name]) for name in args.configs}
     rows: dict[str, dict] = {name: {} for name in llms}
     for name, llm in llms.items():
+        rows[name]["activation"] = served_activation(llm)
         rows[name]["agreement"] = agreement(top1(llm, seqs), ref)
         out = llm.chat([{"role": "user", "content": QUESTION}],
                        SamplingParams(temperature=0, max_tokens=32, logprobs=3))[0]
@@ -130,6 +151,13 @@ def main() -> None:
                 rows[name]["tpot_1_ms"] = best[name] * 1e3
             else:
                 rows[name]["tok_s_16"] = 16 / best[name]
+    if not args.no_timing:
+        best = dict.fromkeys(llms, 0.0)
+        for rep in range(args.reps):
+            for name, llm in llms.items():
+                best[name] = max(best[name], prefill_rate(llm, args.prefill, rep))
+        for name in llms:
+            rows[name][f"prefill_{args.prefill}_tok_s"] = best[name]
     result = {"machine": machine_info(), "isa": isa(), "positions": sum(len(s) - 1 for s in seqs),
               "torch_threads": torch.get_num_threads(), "cpu_probe": args.cpu_probe,
               "configs": rows}

@@ -248,10 +248,11 @@ ENGINE_OPTIONS = [
     Option("quantization-group-size", "quantization_group_size", "engine", int,
            "input elements per scale for --quantization int4/int8 (32 or 128)"),
     Option("activation-precision", "activation_precision", "engine", str,
-           "activations of the packed quantised linears of a GGUF: auto (int8 until the "
-           "faithful kernels are within 25% of its decode speed), float32 (the faithful "
-           "kernels: answers like the float model, slower), bf16 (AVX-512 BF16), or int8 "
-           "(llama.cpp's int8 groups: faster, ~96% top-1 agreement with the float model)",
+           "activations of the packed quantised linears of a GGUF: auto (float32 where its "
+           "one-row decode measures within 25% of int8's at start, as on AVX-512; int8 "
+           "elsewhere), float32 (the faithful kernels: answers like the float model; slower "
+           "from 16 rows and in prefill), bf16 (AVX-512 BF16), or int8 (llama.cpp's int8 "
+           "groups: faster, ~96% top-1 agreement with the float model)",
            choices=ACTIVATION_PRECISIONS),
     Option("generation-config", "generation_config", "engine", str,
            "sampling defaults for fields a request leaves out: auto (the model's "

@@ -34,8 +34,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "fp
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 CPU_PROBES = ("cached", "background", "force", "off")
-# The packed linears' activations (engine/quantization/activation.py): auto (the faithful
-# kernels with float32 activations where built), bf16, float32, int8 (llama.cpp's groups).
+# The packed linears' activations (engine/quantization/activation.py): auto (float32 where
+# measured within its margin of int8, else int8), bf16, float32, int8 (llama.cpp's groups).
 ACTIVATION_PRECISIONS = ("auto", "bf16", "float32", "int8")
 # What the model is served for (engine.pooling; docs/embeddings.md). vLLM's spellings map
 # onto them: --runner pooling / --convert embed -> "embed", --convert classify -> "score".
@@ -133,9 +133,9 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str = "auto"
     quantization_group_size: int = 32
-    # Packed linears' activations: "auto" (the faithful kernels, float32 activations),
-    # "bf16", "float32" or "int8" (llama.cpp's per-group int8 rounding;
-    # engine/quantization/activation.py).
+    # Packed linears' activations: "auto" (the faithful kernels' float32 activations where
+    # measured within a margin of int8's decode, else int8), "bf16", "float32" or "int8"
+    # (llama.cpp's per-group int8 rounding; engine/quantization/activation.py).
     activation_precision: str = "auto"
     batch_invariant: bool = True
     # The CPU start-up probes (dtype=auto, quantization=auto): reuse this machine's cached

@@ -2,11 +2,12 @@
 float32 activations, the weights dequantised in registers (engine/cpu/csrc/quant_faithful.cpp).
 
 Where the int8 kernels of ``engine.cpu.kernels`` round each activation row to int8 per group of
-32, these keep the activations float32 (AVX2/FMA) or round them once to bfloat16 (AVX-512
-BF16's ``vdpbf16ps``): the float model's answers. One kernel serves every row count with the
-same per-row operations, so row ``r``'s output is bit-identical whatever the batch. The ISA is
-chosen when the library is compiled (``KVSERVE_CPU_MARCH``, default ``native``) and reported by
-:func:`isa`: ``avx512-bf16``, ``avx2`` (float32 activations) or ``scalar``.
+32, these keep the activations float32 (AVX-512F, AVX2/FMA) or round them once to bfloat16
+(AVX-512 BF16's ``vdpbf16ps``): the float model's answers. One kernel serves every row count
+with the same per-row operations, so row ``r``'s output is bit-identical whatever the batch.
+The ISA is chosen when the library is compiled (``KVSERVE_CPU_MARCH``, default ``native``) and
+reported by :func:`isa` (``avx512-bf16``, ``avx512``, ``avx2``, ``scalar``) and
+:func:`float32_isa`. Scales and mins are float32 or float16 (a GGUF's, kept at their size).
 
 The library is a plain C ABI without torch headers, built once per machine by
 ``engine.cpu.build`` under its own name (``kvserve_faithful_kernels``), so adding it never
@@ -26,7 +27,7 @@ from engine import envs
 logger = logging.getLogger("kvserve.engine")
 _SOURCE = Path(__file__).parent / "csrc" / "quant_faithful.cpp"
 _NAME = "kvserve_faithful_kernels"
-ISAS = {2: "avx512-bf16", 1: "avx2", 0: "scalar"}
+ISAS = {3: "avx512", 2: "avx512-bf16", 1: "avx2", 0: "scalar"}
 _lib = None
 _failed = False
 
@@ -46,7 +47,8 @@ def load():
     try:
         path = build(name, [_SOURCE], cflags=["-O3", f"-march={march}", "-fopenmp",
                                               "-ffp-contract=off"],
-                     ldflags=["-fopenmp"], is_python_module=False)
+                     ldflags=["-fopenmp"],
+                     is_python_module=False)
         lib = ctypes.CDLL(path)
     except BuildWaitTimeout:
         raise
@@ -69,6 +71,14 @@ def isa() -> str | None:
     """The instructions the faithful kernels were built for (module docstring), or None."""
     lib = load()
     return None if lib is None else ISAS[lib.kvf_isa()]
+
+
+def float32_isa() -> str | None:
+    """The instructions float32 activations run on: ``avx512`` (AVX-512F: a nibble's weight
+    looked up from a per-group table in one permute, 16 lanes), ``avx2`` or ``scalar``; None
+    when the kernels are not built."""
+    got = isa()
+    return "avx512" if got in ("avx512", "avx512-bf16") else got
 
 
 def bf16_available() -> bool:
@@ -95,8 +105,9 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
          bf16: bool = True) -> torch.Tensor:
     """``x [M, K] @ W.T`` (float32 ``[M, N]``, no bias) for a packed ``W`` in the rows layout:
     4-bit (``qs`` uint8 ``[N, K/2]``, ``d``/``m`` ``[N, K/32]``) or 8-bit (``qs`` int8
-    ``[N, K]``, ``d`` ``[N, K/S]``, ``m`` like it or None). ``bf16``: round the activations to
-    bfloat16 where :func:`bf16_available` (else float32 activations)."""
+    ``[N, K]``, ``d`` ``[N, K/S]``, ``m`` like it or None); ``d`` and ``m`` float32, or float16
+    both (a GGUF's scales, kept at their size: fewer bytes per decode step). ``bf16``: round the
+    activations to bfloat16 where :func:`bf16_available` (else float32 activations)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the faithful packed kernels are not built")
@@ -106,17 +117,45 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     out = torch.empty(rows, n, dtype=torch.float32)
     if rows == 0:
         return out
+    flags = scale_flags(d, m) | (FLAG_BF16 if bf16 else 0)
     if qs.dtype == torch.uint8:
         if qs.shape[1] * 2 != k or d.shape != (n, k // 32):
             raise ValueError(f"a 4-bit weight {tuple(qs.shape)} does not fit input width {k}")
         lib.kvf_gemm_q4(x.data_ptr(), rows, k, qs.data_ptr(), d.data_ptr(), _ptr(m), n,
-                        out.data_ptr(), int(bf16))
+                        out.data_ptr(), flags)
     else:
         if qs.shape[1] != k or k % d.shape[1] or k // d.shape[1] not in (16, 32):
             raise ValueError(f"an 8-bit weight {tuple(qs.shape)} does not fit input width {k}")
         lib.kvf_gemm_q8(x.data_ptr(), rows, k, qs.data_ptr(), d.data_ptr(), _ptr(m),
-                        k // d.shape[1], n, out.data_ptr(), int(bf16))
+                        k // d.shape[1], n, out.data_ptr(), flags)
     return out
+
+
+FLAG_BF16 = 1  # the C entry points' flags (quant_faithful.cpp)
+FLAG_HALF_SCALES = 2
+
+
+def scale_flags(d: torch.Tensor, m: torch.Tensor | None) -> int:
+    """The flag for scales ``d`` and mins ``m`` (contiguous, float32 or float16 both), or
+    ValueError."""
+    if d.dtype not in (torch.float32, torch.float16) or (m is not None and m.dtype != d.dtype):
+        raise ValueError(f"faithful kernels take float32 or float16 scales and mins of one "
+                         f"dtype, not {d.dtype} / {None if m is None else m.dtype}")
+    if not d.is_contiguous() or (m is not None and not m.is_contiguous()):
+        raise ValueError("faithful kernels take contiguous scales and mins")
+    return FLAG_HALF_SCALES if d.dtype == torch.float16 else 0
+
+
+def compact_scales(d: torch.Tensor, m: torch.Tensor | None):
+    """Rows-layout ``(d, m)`` as float16 where that is exact (a GGUF's scales), else as they
+    are: the faithful kernels read either."""
+    d16 = d.half()
+    if not torch.equal(d16.float(), d.float()):
+        return d, m
+    if m is None:
+        return d16, None
+    m16 = m.half()
+    return (d16, m16) if torch.equal(m16.float(), m.float()) else (d, m)
 
 
 if __name__ == "__main__":  # ``python -m engine.cpu.kernels_faithful``: build now

@@ -50,10 +50,11 @@ class _Linear:
     max_rows: int  # rows up to which the module itself would use this kernel
 
 
-def _linear(kernels, mod: nn.Module) -> _Linear | str:
-    """The C++ description of one projection, or why it has none."""
+def stack_linear(kernels, mod: nn.Module) -> _Linear | str:
+    """The C++ description of one projection (its ``spec``, a ``StackLinear``), or why it has
+    none."""
     if isinstance(mod, QuantConcat):
-        parts = [_linear(kernels, p) for p in mod.parts]
+        parts = [stack_linear(kernels, p) for p in mod.parts]
         if any(isinstance(p, str) for p in parts):
             return next(p for p in parts if isinstance(p, str))
         rows = min(p.max_rows for p in parts)
@@ -140,7 +141,7 @@ class CpuDecodeStack:
     def _spec(self, kernels, mod: nn.Module, where: str) -> object:
         """The StackLinear of ``mod`` (ValueError naming ``where`` if it has none); the
         stack's row limit shrinks to the linear's."""
-        lin = _linear(kernels, mod)
+        lin = stack_linear(kernels, mod)
         if isinstance(lin, str):
             raise ValueError(f"{where}: {lin}")
         self.max_rows = min(self.max_rows, lin.max_rows)

@@ -119,6 +119,10 @@ class QuantLinear(nn.Module):
             choice = replace(choice, q4_layout=old.q4_layout)
         if not self.is_q8:
             choice = replace(choice, q8_layout=old.q8_layout)
+        if self.d.dtype == torch.float16 and old.activation != "int8":
+            # the faithful kernels' float16 rows scales: float32 again for any other kernel
+            self.d = self.d.float()
+            self.m = None if self.m is None else self.m.float()
         if choice.q8_layout != old.q8_layout:
             if choice.q8_layout == "interleaved":
                 if not interleaved_available():
@@ -133,6 +137,10 @@ class QuantLinear(nn.Module):
                 self.qs, self.d, self.m = to_blocked(self.qs, self.d, self.m)
             else:
                 self.qs, self.d, self.m = from_blocked(self.qs, self.d, self.m, self.out_features)
+        if choice.activation != "int8":  # a GGUF's scales at their size: fewer bytes a step
+            from engine.cpu.kernels_faithful import compact_scales
+
+            self.d, self.m = compact_scales(self.d, self.m)
         self.kernels = choice
         self._gemm = self._decode_gemm()
 
@@ -203,6 +211,13 @@ class QuantLinear(nn.Module):
             return self._kernels.quant_dequant_q8(qs, d, m, torch.arange(rows.numel()), bf16)
         if self.blocked:
             return self._kernels.quant_dequant_q4_blocked(self.qs, self.d, self.m, rows, bf16)
+        if self.d.dtype == torch.float16:  # the faithful kernels' rows scales (set_kernels)
+            flat = rows.reshape(-1)
+            qs, d = self.qs.index_select(0, flat), self.d.index_select(0, flat).float()
+            m = None if self.m is None else self.m.index_select(0, flat).float()
+            dequant = self._kernels.quant_dequant_q4 if self.is_q4 else \
+                self._kernels.quant_dequant_q8
+            return dequant(qs, d, m, torch.arange(flat.numel()).view(rows.shape), bf16)
         if self.is_q4:
             return self._kernels.quant_dequant_q4(self.qs, self.d, self.m, rows, bf16)
         if self.is_q5:

@@ -26,6 +26,7 @@ from engine.models.moe_model import stacked_names
 from engine.quantization.activation import apply_activation_precision
 from engine.quantization.packed_linear import linear_backend, linear_weight_bytes
 from engine.quantization.probe import Verdict
+from engine.weight_prep.activation_measure import stack_passes
 from engine.weight_prep.apply import (
     adopt,
     adopt_packed_only,
@@ -88,7 +89,9 @@ def prepare_weights(model: nn.Module, config, weights, *, device: torch.device,
         verdict = adopt(model, quantised, config)
     if verdict is not None and verdict.mode != "float":  # --activation-precision, logged
         apply_activation_precision(model, getattr(config, "activation_precision", "auto"),
-                                   config.quantization)
+                                   config.quantization,
+                                   None if config.cpu_probe == "off" else stack_passes,
+                                   invariant=config.batch_invariant)
     background = None
     if verdict is not None and verdict.pending is not None:
         background = BackgroundProbe(served or quantised, verdict.pending)

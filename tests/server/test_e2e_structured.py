@@ -44,7 +44,9 @@ SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
                                       "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"}},
      "required": ["zip", "code"]},
-    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer"},
+    # (a bounded integer: an unbounded one lets a greedy tiny model write digits to max_tokens)
+    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": -999,
+                                                           "maximum": 999},
                                                           {"type": "boolean"}]}},
      "required": ["value"]},
     {"$defs": {"point": {"type": "object", "properties": {

@@ -99,6 +99,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("out_features"), py::arg("tiles_from") = 0, py::arg("tiles_vnni") = false,
            py::arg("fn") = 0, py::arg("bf16") = false)
       .def(py::init<std::vector<StackLinear>>(), py::arg("parts"));
+  m.def("time_stack_linears", &kvserve_stack::time_stack_linears,
+        "seconds of each pass calling linears[i](xs[i]) in order", py::arg("linears"),
+        py::arg("xs"), py::arg("passes"), nogil());
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecodeStack")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps,
                        StackLinear qkv, StackLinear o, std::optional<StackLinear> gate_up,

@@ -30,6 +30,7 @@
 
 #include <omp.h>
 
+#include <chrono>
 #include <exception>
 #include <optional>
 #include <vector>
@@ -58,10 +59,13 @@ StackLinear::StackLinear(int64_t kind, at::Tensor w, std::optional<at::Tensor> d
   const bool faithful = kind == kFaithfulQ4 || kind == kFaithfulQ8;
   TORCH_CHECK(!faithful || fn != 0, "StackLinear: a faithful kind needs its kernel");
   TORCH_CHECK(!faithful || (this->w.is_contiguous() && this->d->is_contiguous() &&
-                            this->d->scalar_type() == at::kFloat &&
-                            (!this->m.has_value() || (this->m->is_contiguous() &&
-                                                      this->m->scalar_type() == at::kFloat))),
-              "StackLinear: a faithful kind needs contiguous weights and float32 scales");
+                            (this->d->scalar_type() == at::kFloat ||
+                             this->d->scalar_type() == at::kHalf) &&
+                            (!this->m.has_value() ||
+                             (this->m->is_contiguous() &&
+                              this->m->scalar_type() == this->d->scalar_type()))),
+              "StackLinear: a faithful kind needs contiguous weights and float32 or float16 "
+              "scales (mins of the same dtype)");
 }
 
 StackLinear::StackLinear(std::vector<StackLinear> parts)
@@ -206,6 +210,19 @@ at::Tensor moe_forward(const StackMoe& M, const at::Tensor& x) {
 }
 
 }  // namespace
+
+std::vector<double> time_stack_linears(const std::vector<StackLinear>& linears,
+                                       const std::vector<at::Tensor>& xs, int64_t passes) {
+  TORCH_CHECK(linears.size() == xs.size(), "time_stack_linears: one input per linear");
+  std::vector<double> out;
+  for (int64_t p = 0; p < passes; p++) {
+    const auto start = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < linears.size(); i++) linears[i](xs[i]);
+    out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                      .count());
+  }
+  return out;
+}
 
 }  // namespace kvserve_stack
 

@@ -57,6 +57,12 @@ struct StackLinear {
   std::vector<StackLinear> parts;
 };
 
+// Seconds of each of `passes` passes, each calling linears[i](xs[i]) for every i in order:
+// the linears as a decode step calls them, timed without Python between the calls
+// (--activation-precision auto's measurement, engine/weight_prep/activation_measure.py).
+std::vector<double> time_stack_linears(const std::vector<StackLinear>& linears,
+                                       const std::vector<at::Tensor>& xs, int64_t passes);
+
 // A mixture-of-experts MLP (engine/models/moe.py MoeBlock with the grouped path): the
 // router [E, H] applied as F.linear, softmax in float32, top_k (renormalised when normalise),
 // then each expert that got rows runs gate_up, SiLU x up and down on those rows only, weighted

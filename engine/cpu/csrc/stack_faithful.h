@@ -12,10 +12,11 @@
 namespace kvserve_stack {
 
 // The faithful kernels' C ABI (quant_faithful.cpp's kvf_gemm_q4 / kvf_gemm_q8).
-using FaithfulQ4 = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*,
-                            const float*, int64_t, float*, int);
-using FaithfulQ8 = void (*)(const float*, int64_t, int64_t, const int8_t*, const float*,
-                            const float*, int64_t, int64_t, float*, int);
+// Their flags: 1 = bf16 activations, 2 = float16 scales and mins (else float32).
+using FaithfulQ4 = void (*)(const float*, int64_t, int64_t, const uint8_t*, const void*,
+                            const void*, int64_t, float*, int);
+using FaithfulQ8 = void (*)(const float*, int64_t, int64_t, const int8_t*, const void*,
+                            const void*, int64_t, int64_t, float*, int);
 
 // y = x @ W^T for a faithful kind, as engine/cpu/kernels_faithful.py gemm calls it.
 inline at::Tensor faithful_gemm(const StackLinear& L, const at::Tensor& x) {
@@ -25,17 +26,17 @@ inline at::Tensor faithful_gemm(const StackLinear& L, const at::Tensor& x) {
   const int64_t M = xf.size(0), K = xf.size(1), N = L.w.size(0);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y;
-  const float* m = L.m.has_value() ? L.m->data_ptr<float>() : nullptr;
+  const void* m = L.m.has_value() ? L.m->data_ptr() : nullptr;
+  const int flags = (L.bf16 ? 1 : 0) | (L.d->scalar_type() == at::kHalf ? 2 : 0);
   if (L.kind == kFaithfulQ4) {
     TORCH_CHECK(L.w.size(1) * 2 == K, "StackLinear: a 4-bit weight of another input width");
     reinterpret_cast<FaithfulQ4>(L.fn)(xf.data_ptr<float>(), M, K, L.w.data_ptr<uint8_t>(),
-                                       L.d->data_ptr<float>(), m, N, y.data_ptr<float>(),
-                                       L.bf16 ? 1 : 0);
+                                       L.d->data_ptr(), m, N, y.data_ptr<float>(), flags);
   } else {
     TORCH_CHECK(L.w.size(1) == K, "StackLinear: an 8-bit weight of another input width");
     reinterpret_cast<FaithfulQ8>(L.fn)(xf.data_ptr<float>(), M, K, L.w.data_ptr<int8_t>(),
-                                       L.d->data_ptr<float>(), m, K / L.d->size(1), N,
-                                       y.data_ptr<float>(), L.bf16 ? 1 : 0);
+                                       L.d->data_ptr(), m, K / L.d->size(1), N,
+                                       y.data_ptr<float>(), flags);
   }
   return y;
 }

@@ -79,6 +79,30 @@ def test_matches_dequantise_then_matmul_at_every_row_count(fmt, bf16):
         assert torch.equal(got, full[:rows]), rows  # batch-invariant: bit for bit
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1/q4_k", "q8_0", "q6_k", "q2_k"])
+@pytest.mark.parametrize("bf16", PATHS)
+def test_float16_scales_give_the_float32_scales_bits(fmt, bf16):
+    """A GGUF's float16 scales, kept at their size (``compact_scales``), multiply exactly as
+    their float32 copies do: the same bits, at decode and prefill row counts."""
+    g = torch.Generator().manual_seed(11)
+    w = FORMATS[fmt](70, 192, g)
+    d16 = w.d.half()
+    m16 = None if w.m is None else w.m.half()
+    d32, m32 = d16.float(), None if m16 is None else m16.float()
+    assert kf.compact_scales(d32, m32)[0].dtype == torch.float16
+    for rows in (1, 3, 4, 5, 9, 40):
+        x = torch.randn(rows, 192, generator=g)
+        assert torch.equal(kf.gemm(x, w.qs, d16, m16, bf16=bf16),
+                           kf.gemm(x, w.qs, d32, m32, bf16=bf16)), rows
+
+
+def test_scales_that_float16_cannot_hold_stay_float32():
+    d = torch.tensor([[0.1, 1e-9]])
+    assert kf.compact_scales(d, None)[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="one dtype"):
+        kf.scale_flags(d.half(), d)
+
+
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (33, 160), (100, 576), (257, 1536)])
 @pytest.mark.parametrize("fmt", ["q4_1/q4_k", "q8_0", "q6_k"])
 @pytest.mark.parametrize("bf16", PATHS)
@@ -151,7 +175,9 @@ def test_activation_precision_is_validated_and_chosen():
     with pytest.raises(ValueError, match="activation_precision"):
         EngineConfig(activation_precision="fp8")
     assert choose("int8")[0] == "int8"
-    # auto keeps int8 until the faithful decode is within the margin (activation.py)
-    assert choose("auto")[0] == "int8" and "faithful" in choose("auto")[1]
+    # auto's documented default: the faithful float32 kernel where it is the AVX-512 one
+    # (within the margin of int8's decode there), int8 elsewhere (activation.py)
+    want = "float32" if kf.float32_isa() == "avx512" else "int8"
+    assert choose("auto")[0] == want and "faithful" in choose("auto")[1]
     assert choose("float32")[0] == "float32" and choose("bf16")[0] == "bf16"
     assert choose("auto", "int4")[0] == "int8"
