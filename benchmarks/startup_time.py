@@ -18,6 +18,7 @@ instruction sets. The timings are wall-clock: say which load they ran under.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -74,9 +75,10 @@ def _get(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int,
 PROBE_DONE = re.compile(r"start-up probe \(background\): (done in|.*the default kernels stay)")
 
 
-def one_start(kvserve: list[str], env: dict[str, str], log: Path, limit_s: float) -> dict:
-    """Start the server, wait for /health, ask the question, read RSS, wait for the background
-    probe's verdict (when one runs), stop it."""
+@contextlib.contextmanager
+def serving(kvserve: list[str], env: dict[str, str], log: Path, limit_s: float):
+    """``kvserve serve`` on a free port, its output in ``log``: yields ``(base URL, process,
+    t0)`` once /health answers 200 (``t0``: the monotonic time of the command), stops it after."""
     port = free_port()
     t0 = time.monotonic()
     with open(log, "w") as out:
@@ -95,6 +97,19 @@ def one_start(kvserve: list[str], env: dict[str, str], log: Path, limit_s: float
             except OSError:
                 pass
             time.sleep(0.2)
+        yield base, proc, t0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def one_start(kvserve: list[str], env: dict[str, str], log: Path, limit_s: float) -> dict:
+    """Start the server, wait for /health, ask the question, read RSS, wait for the background
+    probe's verdict (when one runs), stop it."""
+    with serving(kvserve, env, log, limit_s) as (base, proc, t0):
         health = time.monotonic() - t0
         _, answer = _get(base + "/v1/chat/completions", QUESTION, timeout=600)
         first = time.monotonic() - t0
@@ -113,12 +128,6 @@ def one_start(kvserve: list[str], env: dict[str, str], log: Path, limit_s: float
                 "first_request_s": first - health, "later_request_s": sorted(later)[len(later) // 2],
                 "probe_done_s": probe, "phases": _phases(log.read_text()),
                 "answer": answer["choices"][0]["message"]["content"]}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _phases(log: str) -> str:

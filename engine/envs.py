@@ -49,6 +49,8 @@ DECODE_CONFIG = "KVSERVE_DECODE_CONFIG"
 PREFILL_CONFIG = "KVSERVE_PREFILL_CONFIG"
 API_KEY = "KVSERVE_API_KEY"
 ALLOW_RUNTIME_LORA_UPDATING = "KVSERVE_ALLOW_RUNTIME_LORA_UPDATING"
+GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 
 # What limits the instructions the measured paths use: our kernels' build target and the caps
 # on PyTorch's own (ATen's vectorised ops, oneDNN's matmuls, MKL's dense float32 matmuls). The
@@ -117,6 +119,14 @@ VARIABLES: tuple[EnvVar, ...] = (
            "oneDNN's instruction-set cap; part of the probe verdict's key", ours=False),
     EnvVar("MKL_ENABLE_INSTRUCTIONS", "unset",
            "MKL's instruction-set cap; part of the probe verdict's key", ours=False),
+    EnvVar(GOMP_SPINCOUNT, "3000 under `kvserve` (libgomp's own: 300000)",
+           "how many times a waiting OpenMP thread spins before it sleeps; `kvserve` sets "
+           "3000 before torch loads unless this or `OMP_WAIT_POLICY` is set "
+           "(engine/cpu/omp_spin.py: libgomp's default spinning stalls requests for seconds "
+           "on cores that other processes share)", ours=False),
+    EnvVar(OMP_WAIT_POLICY, "unset",
+           "OpenMP's wait policy; when set, `kvserve` leaves `GOMP_SPINCOUNT` alone",
+           ours=False),
     EnvVar("CXX", "c++", "the C++ compiler; part of the CPU kernels' build key", ours=False),
     EnvVar("CUDA_VISIBLE_DEVICES", "unset",
            "empty or `-1` hides every GPU; kvserve says so when `--device cuda` finds none",

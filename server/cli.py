@@ -22,6 +22,8 @@ import time
 from typing import Any
 
 from engine import envs
+from engine.cpu.omp_spin import bound_spinning
+from engine.cpu.omp_spin import describe as describe_spinning
 from server.config_file import (
     SERVE_DEFAULTS,
     ServerSettings,
@@ -80,7 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # The port first: a taken one fails now, not after loading the model (as vLLM does).
     sock = bind_socket(settings.host, settings.port)
-    logger.info("kvserve %s: loading %s", version(), engine_config.model or "the embedded model")
+    logger.info("kvserve %s: loading %s (%s)", version(),
+                engine_config.model or "the embedded model", describe_spinning())
     from engine.async_engine import AsyncEngine
 
     with StartupPhases() as phases:
@@ -368,6 +371,7 @@ def _register_plugins(sub: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_spinning()  # before torch loads its OpenMP runtime (engine/cpu/omp_spin.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

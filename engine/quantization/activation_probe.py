@@ -12,7 +12,10 @@ The rule (:func:`decide`): the faithful kernel when its kept runs (the slowest q
 dropped, as the start-up probe does) are all within ``1 + margin`` of int8's fastest kept run;
 int8 when they are all beyond ``1 + margin`` of int8's slowest kept run; otherwise no verdict
 (the caller's documented default). A stall only adds time, so a side whose true time is within
-the margin can only lose to a stall on every one of its runs while the other side had none.
+the margin can only lose to a stall on every one of its runs while the other side had none; a
+burst of load can do that to one measurement, so a verdict against the documented default
+stands only when a second, independent measurement agrees with it: the two measurements' runs
+are decided together (:func:`confirmed`), and a burst over one of them leaves no verdict.
 The packed linears are most of a one-row decode step but not all of it (attention, norms,
 sampling cost the same on either side), so the step's ratio is nearer 1 than this pass's."""
 
@@ -45,6 +48,11 @@ class ActivationMeasure:
         """The faithful side's best pass over int8's."""
         return min(self.faithful_runs) / min(self.int8_runs)
 
+    def merged(self, other: ActivationMeasure) -> ActivationMeasure:
+        """Both measurements' runs, side by side."""
+        return ActivationMeasure(self.faithful_runs + other.faithful_runs,
+                                 self.int8_runs + other.int8_runs)
+
     def describe(self) -> str:
         return (f"one-row pass of the packed linears: float32 {min(self.faithful_runs) * 1e3:.2f}"
                 f" ms, int8 {min(self.int8_runs) * 1e3:.2f} ms ({self.ratio:.2f}x)")
@@ -75,6 +83,19 @@ def sampled_parts(mods: list[nn.Module]) -> list[QuantLinear]:
             out.append(part)
             total += size
     return out
+
+
+def confirmed(measure_once: Callable[[], ActivationMeasure], default: str,
+               margin: float) -> tuple[ActivationMeasure, str | None]:
+    """The measurement and its verdict (:func:`decide`), measuring again when the first verdict
+    is not ``default``: the second measurement's runs join the first's and are decided
+    together, so a verdict against the default needs both to separate the same way."""
+    got = measure_once()
+    verdict = decide(got, margin)
+    if verdict is not None and verdict != default:
+        got = got.merged(measure_once())
+        verdict = decide(got, margin)
+    return got, verdict
 
 
 PassTimer = Callable[[list[QuantLinear], dict[int, torch.Tensor], int], list[float]]

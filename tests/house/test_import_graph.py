@@ -312,8 +312,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("engine.cpu", "kvserve_kernels", "engine.kv_format"),
     # 4. the scheduler's per-request state
     ("engine.request",),
-    # 5. libraries the model and the sampler are built from
-    ("engine.quantization", "engine.attention", "engine.sampling", "engine.lora"),
+    # 5. libraries the model and the sampler are built from (vision: Gemma 3's image encoder)
+    ("engine.quantization", "engine.attention", "engine.sampling", "engine.lora",
+     "engine.vision"),
     # 6. the architectures (with TP's rank state), and the step's messages
     ("engine.models", "engine.step"),
     # 7. KV bookkeeping, checkpoints, pooling, per-request finishing

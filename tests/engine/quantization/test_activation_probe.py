@@ -14,6 +14,7 @@ from engine.cpu import kernels_faithful as kf
 from engine.quantization.activation import MARGIN, apply_activation_precision, choose
 from engine.quantization.activation_probe import (
     ActivationMeasure,
+    confirmed,
     decide,
     measure,
     sampled_parts,
@@ -99,3 +100,33 @@ def test_unmeasured_auto_is_the_documented_default():
     want = "float32" if kf.float32_isa() == "avx512" else "int8"
     assert got == want == choose("auto")[0]
     assert all(m.kernels.activation == want for m in mods)
+
+
+def test_a_burst_over_one_measurement_leaves_the_default():
+    """A burst of load over the faithful side of one measurement (every run 1.9x: what a busy
+    start measured once in eight) is not a verdict: the second measurement disagrees, the
+    runs decided together do not separate, and the documented default stands. Two
+    measurements that agree are one."""
+    calm = ActivationMeasure((1.05, 1.06, 1.05, 1.07), (1.0, 1.01, 1.0, 1.02))
+    burst = ActivationMeasure((1.9, 1.95, 1.92, 1.9), (1.0, 1.01, 1.0, 1.02))
+    slow = ActivationMeasure((1.8, 1.82, 1.85, 1.8), (1.0, 1.0, 1.01, 1.0))
+    assert decide(burst, MARGIN) == "int8"
+
+    def sequence(*ms):
+        it = iter(ms)
+        calls = []
+
+        def once():
+            calls.append(1)
+            return next(it)
+        return once, calls
+
+    once, calls = sequence(burst, calm)
+    got, verdict = confirmed(once, "float32", MARGIN)
+    assert verdict is None and len(calls) == 2 and len(got.faithful_runs) == 8
+    once, calls = sequence(burst, slow)
+    assert confirmed(once, "float32", MARGIN)[1] == "int8"  # truly slower: int8, measured twice
+    once, calls = sequence(calm)
+    assert confirmed(once, "float32", MARGIN)[1] == "float32" and len(calls) == 1
+    once, calls = sequence(calm, burst)  # on AVX2 the default is int8: float32 needs two too
+    assert confirmed(once, "int8", MARGIN)[1] is None

@@ -1,0 +1,1 @@
+"""Gemma 3 image input: decoding, preprocessing, the SigLIP tower and the projector to text."""
