@@ -132,7 +132,8 @@ class HybridKVCacheManager:
         for g, m in enumerate(self.groups):
             state = m._state_for(group_key(seq_id, g), extra_keys)
             if len(state.hashes) < max_blocks:
-                extend_block_hashes(state.hashes, token_ids, bs, max_blocks, state.extra)
+                extend_block_hashes(state.hashes, token_ids, bs, max_blocks, state.extra,
+                                    state.media)
             hashes = state.hashes[:max_blocks]
             hashes_by_group.append(hashes)
             flags = [self.pool.cached.get(h) for h in hashes]

@@ -18,7 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.kv_cache.block_pool import BlockPool, EvictCallback, KVBlock
-from engine.kv_cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
+from engine.kv_cache.hashing import (
+    BlockHash,
+    encode_extra_keys,
+    extend_block_hashes,
+    split_media,
+)
 from engine.kv_cache.host.blocks import SwapCostModel
 from engine.kv_cache.host.tier import HostTier
 from engine.kv_cache.host_swap import HostSwap
@@ -116,9 +121,10 @@ class KVCacheManager(HostSwap):
         """``(chain,)``: the chained block hashes of ``token_ids``' full blocks before its last
         token, as ``find_prefix`` looks them up (this manager's salt included). No state."""
         chain: list[BlockHash] = []
+        plain, media = split_media(extra_keys)
         extend_block_hashes(chain, token_ids, self.block_size,
                             max(0, (len(token_ids) - 1) // self.block_size),
-                            encode_extra_keys(extra_keys) + self._salt)
+                            encode_extra_keys(plain) + self._salt, media)
         return (chain,)
 
     def block_hashes(self, seq_id: str) -> list[BlockHash]:
@@ -158,7 +164,7 @@ class KVCacheManager(HostSwap):
         hashes = state.hashes
         if len(hashes) < max_blocks:
             # Hash the whole prompt at once (cheaper per block); commit() reuses these.
-            extend_block_hashes(hashes, token_ids, bs, max_blocks, state.extra)
+            extend_block_hashes(hashes, token_ids, bs, max_blocks, state.extra, state.media)
         cached = self.pool.cached
         block_ids: list[int] = []
         for i in range(max_blocks):
@@ -363,7 +369,7 @@ class KVCacheManager(HostSwap):
             self._reset_hashes(state, extra_keys)
         hashes = state.hashes
         if len(hashes) < num_full:
-            extend_block_hashes(hashes, token_ids, bs, num_full, state.extra)
+            extend_block_hashes(hashes, token_ids, bs, num_full, state.extra, state.media)
         pool = self.pool
         blocks = pool.blocks
         events = pool.events  # KV cache events: a block's tokens, before it is announced
@@ -549,6 +555,7 @@ class KVCacheManager(HostSwap):
         return state
 
     def _reset_hashes(self, state: _SeqState, extra_keys: tuple) -> None:
-        state.extra = encode_extra_keys(extra_keys) + self._salt
+        plain, state.media = split_media(extra_keys)
+        state.extra = encode_extra_keys(plain) + self._salt
         state.extra_keys = extra_keys
         state.hashes = []

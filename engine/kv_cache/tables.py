@@ -61,5 +61,6 @@ class _SeqState:
     hashes: list[BlockHash] = field(default_factory=list)
     extra_keys: tuple = ()
     extra: bytes = b""
+    media: tuple = ()  # the media spans of extra_keys (hashing.split_media), per block
     num_committed: int = 0  # table entries commit() has already dealt with
     num_released: int = 0  # leading table entries given back (RELEASED), sliding window
