@@ -39,6 +39,8 @@ from server.connections import ConnectionTracker
 from server.embeddings.endpoint import add_routes as add_embeddings_routes
 from server.errors import APIError, bad_request, install_error_handlers
 from server.http_framing import FramingMiddleware
+from server.media.check import checked_images
+from server.media.collect import chat_image_refs
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from server.openapi_errors import install as install_openapi_errors
@@ -117,7 +119,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                          model_root=engine.config.model,
                          stream_timeout=settings.stream_timeout,
                          trust_request_chat_template=settings.trust_request_chat_template,
-                         enable_auto_tool_choice=settings.enable_auto_tool_choice)
+                         enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                         media=settings.media_settings())
     ctx.prompt_bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     template = template_source(engine.tokenizer)
     ctx.tool_format, why = choose_format(template, settings.tool_call_parser)
@@ -238,7 +241,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
-        ctx.check_model(req.model)
+        model = ctx.check_model(req.model)
+        await checked_images(chat_image_refs, req.messages or [], ctx.media, model=model,
+                             takes_images=ctx.takes_images)
         # Off the event loop: a megabyte of text takes the tokenizer a second or more.
         return JSONResponse(await asyncio.to_thread(_tokenize, ctx, req))
 

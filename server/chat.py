@@ -37,6 +37,8 @@ from engine.params.sampling import SamplingParams
 from engine.request_output import RequestOutput
 from server.errors import bad_request
 from server.logprobs import chat_logprobs
+from server.media.check import checked_images
+from server.media.collect import ImageInput, chat_image_refs
 from server.prompt_bound import check_chars, released_after
 from server.protocol import ChatCompletionRequest
 from server.reasoning.fields import reasoning_tokens
@@ -131,9 +133,16 @@ class ChatPrompt:
 
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str,
-                      client: str = "") -> ChatPrompt:
+                      client: str = "", images: list[ImageInput] | None = None) -> ChatPrompt:
     """Render, tokenise and constrain a chat request (400 on anything wrong with it): what
-    ``/v1/chat/completions`` and ``/v1/responses`` share up to submitting."""
+    ``/v1/chat/completions`` and ``/v1/responses`` share up to submitting. Its images are
+    checked first (server/media: a refused image, or any image while the model takes none,
+    is the API's error naming the field); a route that checked them in its own API's shape
+    (Responses, Messages) passes ``images``."""
+    if images is None:
+        images = await checked_images(chat_image_refs, req.messages, ctx.media,
+                                      model=ctx.check_model(req.model),
+                                      takes_images=ctx.takes_images)
     top = req.top_logprobs or 0
     ctx.check_limits(num_prompts=1, n=req.n, priority=req.priority,
                      logprobs=top if req.logprobs else None, logprobs_param="top_logprobs")

@@ -31,7 +31,9 @@ from engine.config.engine import (
     kv_cache_dtype_name,
     parse_bytes,
 )
+from engine.config.json_object import json_text
 from engine.config.kv_disk import WRITE_POLICIES as DISK_WRITE_POLICIES
+from server.media.limits import MediaSettings, parse_limit_mm
 from server.reasoning.formats import FORMATS as REASONING_FORMATS
 from server.tools.formats import PARSER_NAMES as TOOL_CALL_PARSERS
 
@@ -65,6 +67,10 @@ class ServerSettings:
     steps (0: no such cap; why the defaults: engine/profiling.py).
     ``allow_runtime_lora_updating`` mounts the LoRA load/unload routes
     (server/lora_routes.py; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+    Images in requests (server/media): ``allowed_local_media_path`` (directories ``file://``
+    URLs may read under), ``allowed_media_domains`` (hosts ``http(s)://`` image URLs may be
+    fetched from) and ``limit_mm_per_prompt`` (``{"image": N}``, JSON text or a mapping: images
+    per request), validated together as ``media_settings()``.
     """
 
     host: str = "127.0.0.1"
@@ -92,8 +98,27 @@ class ServerSettings:
     profiler_max_seconds: float = 30.0
     profiler_max_iters: int = 1000
     allow_runtime_lora_updating: bool = False
+    allowed_local_media_path: tuple[str, ...] | list[str] | str | None = None
+    allowed_media_domains: tuple[str, ...] | list[str] | str | None = None
+    limit_mm_per_prompt: dict[str, Any] | str | None = None
+
+    def media_settings(self) -> MediaSettings:
+        """The image options as ``MediaSettings`` (server/media/limits.py)."""
+        return MediaSettings(allowed_local_media_path=self.allowed_local_media_path or (),
+                             allowed_media_domains=self.allowed_media_domains or (),
+                             max_images_per_request=parse_limit_mm(self.limit_mm_per_prompt))
 
     def __post_init__(self) -> None:
+        for name in ("allowed_local_media_path", "allowed_media_domains"):
+            value = getattr(self, name)
+            if isinstance(value, (str, list)):
+                object.__setattr__(self, name, (value,) if isinstance(value, str)
+                                   else tuple(value))
+        limit = self.limit_mm_per_prompt
+        if limit is not None:  # normalised to a mapping, as a config file holds it
+            object.__setattr__(self, "limit_mm_per_prompt",
+                               {"image": parse_limit_mm(limit)})
+        self.media_settings()  # ValueError naming the option
         if self.reasoning_parser is not None and \
                 self.reasoning_parser not in (*REASONING_FORMATS, "none"):
             raise ValueError(f"reasoning-parser must be one of {', '.join(REASONING_FORMATS)} "
@@ -102,12 +127,7 @@ class ServerSettings:
             raise ValueError(f"reasoning-budget must be an integer >= -1 (-1: unbounded); got "
                              f"{self.reasoning_budget!r}")
         kwargs = self.default_chat_template_kwargs
-        if isinstance(kwargs, str):
-            try:
-                kwargs = json.loads(kwargs)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"default-chat-template-kwargs is not valid JSON: {exc.msg} "
-                                 f"(e.g. '{{\"enable_thinking\": false}}')") from None
+        kwargs = json_text(kwargs, "default-chat-template-kwargs", '{"enable_thinking": false}')
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"default-chat-template-kwargs must be a JSON object; got "
                              f"{kwargs!r}")
@@ -452,6 +472,17 @@ SERVER_OPTIONS = [
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING; also $KVSERVE_ALLOW_RUNTIME_LORA_UPDATING): a "
            "client may then make the server read any adapter path it can see; behind "
            "--api-key when one is set (default: off, the routes answer 404)", boolean=True),
+    Option("allowed-local-media-path", "allowed_local_media_path", "server", str,
+           "directories whose files requests may send as file:// image URLs (symlinks and .. "
+           "resolved; a file outside them is refused) (default: none, every file:// URL is "
+           "refused)", nullable=True, nargs="+"),
+    Option("allowed-media-domains", "allowed_media_domains", "server", str,
+           "hosts that http(s):// image URLs may be fetched from (10 s timeout, same-host "
+           "redirects only, at most 20MiB) (default: none, every http(s) image URL is "
+           "refused: send data: URLs)", nullable=True, nargs="+"),
+    Option("limit-mm-per-prompt", "limit_mm_per_prompt", "server", _json_object,
+           'images one request may hold, as a JSON object (vLLM\'s format), e.g. \'{"image": '
+           "4}'; more is a 400 (default: 4)", nullable=True),
 ]
 _BY_NAME = {o.name: o for o in ENGINE_OPTIONS + SERVER_OPTIONS}
 _BY_NAME["model"] = Option("model", "model", "engine", str, "model path or name",

@@ -75,7 +75,7 @@ _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id "
               "lists",
     "stop": "must be a string or a list of strings",
-    "content": "must be a string or a list of text parts",
+    "content": "must be a string or a list of content parts",
 }
 
 

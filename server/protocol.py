@@ -3,10 +3,12 @@
 Unknown fields are accepted and ignored (``extra="allow"``), as OpenAI's clients send fields
 that a server may not know. No string anywhere in a body may hold a lone UTF-16 surrogate
 (JSON's ``"\\ud800"``): it is not text, and no tokenizer or JSON encoder takes it (400). Fields that
-would change the meaning of a request and that we do not implement (``suffix``, non-text
-content, ...) are rejected with a clear 400 instead of being silently dropped, and so are an
+would change the meaning of a request and that we do not implement (``suffix``, audio or
+file content, ...) are rejected with a clear 400 instead of being silently dropped, and so are an
 empty ``cache_salt`` (it would share the prefix cache with unsalted requests) and empty stop
-strings. Chat requests
+strings. Chat content parts are text and, in user messages, ``image_url`` (its shape checked
+here; what it points at by server/media, whose gate refuses images for a model that takes
+none); other part types (``input_audio``, ``file``, ...) are refused. Chat requests
 take function ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (validated by
 server/tools/request.py), assistant messages with ``tool_calls`` and ``tool`` messages
 answering them. Responses are plain dicts built in completions.py / chat.py.
@@ -23,6 +25,7 @@ from pydantic import (
     Field,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -310,22 +313,74 @@ class ChatMessage(_Body):
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, v: Any) -> Any:
+    def _parts(cls, v: Any, info: ValidationInfo) -> Any:
         if isinstance(v, list):
+            role = info.data.get("role")
             for part in v:
-                kind = part.get("type")
-                if kind != "text":
-                    raise ValueError(f"only text content parts are supported; got type {kind!r}")
-                if not isinstance(part.get("text"), str):
-                    raise ValueError("a text content part needs a string 'text'")
+                _check_part(part, role)
         return v
 
+    @property
+    def has_images(self) -> bool:
+        """Whether the content holds an ``image_url`` part."""
+        return isinstance(self.content, list) and any(
+            part.get("type") == "image_url" for part in self.content)
+
+    def text_chars(self) -> int:
+        """Characters of the message's text (its text parts; images not counted)."""
+        if self.content is None:
+            return 0
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p["text"]) for p in self.content if p.get("type") == "text")
+
     def text(self) -> str:
+        """The message's text: its content, or its text parts joined by newlines. A message
+        with images has no text-only form: ``RuntimeError`` (images reach the model only through
+        server/media, whose gate refuses them before any text-only code runs)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
+        if self.has_images:
+            raise RuntimeError("a message with image_url parts reached text-only code: its "
+                               "images must go through server/media (the gate refuses them "
+                               "for a text-only model)")
         return "\n".join(part["text"] for part in self.content)
+
+
+_PART_TYPES = ("text", "image_url")
+_DETAILS = ("auto", "low", "high")
+
+
+def _check_part(part: Any, role: str | None) -> None:
+    """A chat content part's shape (ValueError saying what is wrong): ``{"type": "text",
+    "text": str}``, or in a user message ``{"type": "image_url", "image_url": {"url": str,
+    "detail"?: auto|low|high}}`` (``"image_url": str`` accepted too). What the image URL
+    points at is checked later (server/media)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        return
+    if kind != "image_url":
+        raise ValueError(f"content part type {kind!r} is not supported: parts are text and "
+                         f"(in user messages) image_url")
+    if role != "user":
+        raise ValueError(f"image_url parts are only allowed in user messages, not in a "
+                         f"{role} message")
+    image = part.get("image_url")
+    if isinstance(image, dict):
+        if not isinstance(image.get("url"), str) or not image["url"]:
+            raise ValueError("an image_url content part needs image_url.url (a data: or "
+                             "http(s) URL string)")
+        detail = image.get("detail")
+        if detail is not None and detail not in _DETAILS:
+            raise ValueError(f"image_url.detail must be one of {', '.join(_DETAILS)}; got "
+                             f"{detail!r}")
+    elif not isinstance(image, str) or not image:
+        raise ValueError("an image_url content part needs image_url: {\"url\": ...} (a data: "
+                         "or http(s) URL string)")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -408,7 +463,7 @@ class TokenizeRequest(_Request):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         chars = len(self.prompt) if self.prompt is not None else \
-            sum(len(m.text()) for m in self.messages or [])
+            sum(m.text_chars() for m in self.messages or [])
         if chars > MAX_TOKENIZE_CHARS:
             raise FieldError("prompt" if self.prompt is not None else "messages",
                              f"{chars} characters; /tokenize takes at most "

@@ -39,6 +39,7 @@ from engine.request_output import RequestOutput
 from engine.scheduling.admission import FieldValueError, check_limits, check_priority
 from engine.structured.compile_queue import CompileQueueFullError
 from server.errors import APIError, bad_request, internal_error
+from server.media.limits import MediaSettings
 from server.metrics import ServerMetrics
 from server.middleware import bounded_traceback
 from server.prompt_bound import PromptBound
@@ -72,6 +73,10 @@ class ServingContext:
     reasoning_budget: int | None = None  # --reasoning-budget: thought tokens (None: unbounded)
     # Text prompts that surely exceed max_model_len, refused before tokenising (prompt_bound.py).
     prompt_bound: PromptBound | None = None
+    # Images in requests (server/media): where they may come from, how many and how large, and
+    # whether the served model takes them (none does yet: the gate refuses every image).
+    media: MediaSettings = field(default_factory=MediaSettings)
+    takes_images: bool = False
 
     @property
     def tokenizer(self) -> Any:

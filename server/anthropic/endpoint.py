@@ -1,6 +1,8 @@
 """The Messages API's routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
-Both are served by the chat machinery: the Anthropic body becomes a ``/v1/chat/completions``
+Both check the request's images first (server/media: a refused image, or any image while the
+model takes none, is a 400 naming ``messages.<i>.content.<j>.source...``). Both are served by
+the chat machinery: the Anthropic body becomes a ``/v1/chat/completions``
 request (server.anthropic.request) and goes through ``server.chat.chat_prompt`` (template,
 tools, tool-call constraint, whether the output starts inside a thought); the engine's output is
 written as Anthropic's message or event stream (server.anthropic.writer). ``count_tokens``
@@ -29,6 +31,8 @@ from server.anthropic.request import CountTokensRequest, MessagesRequest
 from server.anthropic.writer import MessageDraft, MessageEvents, new_message_id
 from server.chat import chat_prompt
 from server.errors import APIError, bad_request, format_validation_errors
+from server.media.check import checked_images
+from server.media.collect import ImageInput, anthropic_image_refs
 from server.protocol import ChatCompletionRequest
 from server.serving import (
     ServingContext,
@@ -67,20 +71,28 @@ def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise bad_request(_renamed(message) or message, _renamed(param)) from None
 
 
-async def _prompt(ctx: ServingContext, chat: ChatCompletionRequest, xrid: str, raw: Request
-                  ) -> Any:
+async def _prompt(ctx: ServingContext, chat: ChatCompletionRequest, xrid: str, raw: Request,
+                  images: list[ImageInput]) -> Any:
     try:
-        return await chat_prompt(ctx, chat, xrid, client_of(raw))
+        return await chat_prompt(ctx, chat, xrid, client_of(raw), images)
     except APIError as exc:
         exc.message, exc.param = _renamed(exc.message) or exc.message, _renamed(exc.param)
         raise
 
 
+async def _images(ctx: ServingContext, req: CountTokensRequest, model: str
+                  ) -> list[ImageInput]:
+    """The request's images, checked in the Messages API's names (server/media)."""
+    return await checked_images(anthropic_image_refs, req.messages, ctx.media, model=model,
+                                takes_images=ctx.takes_images)
+
+
 async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request) -> Response:
     xrid = request_id_of(raw)
     model = ctx.check_model(req.model)
+    images = await _images(ctx, req, model)
     chat = _chat_request(req.chat_body())
-    prompt = await _prompt(ctx, chat, xrid, raw)
+    prompt = await _prompt(ctx, chat, xrid, raw, images)
     mid = new_message_id()
     params, clamped = prompt.params, False
     room = ctx.engine.max_model_len - len(prompt.ids)
@@ -106,8 +118,9 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
 async def count_tokens(ctx: ServingContext, req: CountTokensRequest, raw: Request
                        ) -> dict[str, int]:
     xrid = request_id_of(raw)
-    ctx.check_model(req.model)
-    prompt = await _prompt(ctx, _chat_request(req.chat_body(counting=True)), xrid, raw)
+    images = await _images(ctx, req, ctx.check_model(req.model))
+    prompt = await _prompt(ctx, _chat_request(req.chat_body(counting=True)), xrid, raw,
+                           images)
     return {"input_tokens": len(prompt.ids)}
 
 

@@ -8,7 +8,10 @@ and ``tool_choice`` -> function tools, ``thinking`` -> the template's ``enable_t
 the chat request's ``thinking_token_budget``, ``output_config.format`` -> ``response_format``,
 the sampling fields and kvserve's extras (``PASSTHROUGH``) as they are.
 
-Refused with a 400: image, document and other non-text blocks, server tools (``web_search``,
+Image blocks in user messages (``source`` ``base64`` or ``url``) become the chat API's
+``image_url`` parts; the route checks them (server/media) and refuses images for a model that
+takes none, naming ``messages.<i>.content.<j>.source...``. Refused with a 400: document and
+other non-text blocks (and images elsewhere: assistant messages, tool results), server tools (``web_search``,
 ``bash``, ... any ``type`` but ``custom``), ``system`` or other roles in ``messages``, a
 ``tool_result`` that answers no earlier ``tool_use``. Other fields (``cache_control``,
 ``service_tier``, ``container``, ``mcp_servers``, ...) are accepted and ignored."""
@@ -21,6 +24,8 @@ from typing import Any, Literal
 from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from server.field_error import FieldError
+from server.media.collect import anthropic_source_ref
+from server.media.errors import MediaError
 from server.protocol import _Body, _Request
 
 # kvserve's own sampling fields a Messages request may carry along (as extra body fields).
@@ -152,7 +157,8 @@ def chat_messages(system: str | list[dict[str, Any]] | None,
     """The conversation as ``/v1/chat/completions`` messages:
 
     * ``system`` (a string or text blocks) -> a first ``system`` message;
-    * a ``user`` message's text blocks -> a ``user`` message (blocks joined by newlines); each
+    * a ``user`` message's text and image blocks -> a ``user`` message (text parts, images as
+      ``image_url`` parts; a text-only one's blocks joined by newlines when rendered); each
       ``tool_result`` block -> a ``tool`` message answering its ``tool_use_id`` (its text; with
       ``is_error`` prefixed ``Error: ``);
     * an ``assistant`` message's text -> its content, each ``tool_use`` block -> a tool call
@@ -186,7 +192,7 @@ def chat_messages(system: str | list[dict[str, Any]] | None,
 def _user_messages(blocks: list[dict[str, Any]], where: str, calls: set[str]
                    ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    texts: list[dict[str, str]] = []
+    texts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.{j}"
         if block.get("type") == "tool_result":
@@ -194,11 +200,23 @@ def _user_messages(blocks: list[dict[str, Any]], where: str, calls: set[str]
                 out.append({"role": "user", "content": texts})
                 texts = []
             out.append(_tool_message(block, at, calls))
+        elif block.get("type") == "image":
+            texts.append(_image_part(block, at))
         else:
             texts.append({"type": "text", "text": _text_of(block, at)})
     if texts or not out:
         out.append({"role": "user", "content": texts})
     return out
+
+
+def _image_part(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image block as the chat API's ``image_url`` part (a base64 source as a data: URL);
+    its shape checked here, what it holds by server/media."""
+    try:
+        ref = anthropic_source_ref(block.get("source"), f"{at}.source")
+    except MediaError as exc:
+        raise FieldError(exc.field, exc.message) from None
+    return {"type": "image_url", "image_url": {"url": ref.ref}}
 
 
 def _tool_message(block: dict[str, Any], at: str, calls: set[str]) -> dict[str, Any]:

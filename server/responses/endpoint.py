@@ -1,7 +1,9 @@
 """The Responses API's routes: ``POST /v1/responses``, ``GET`` and ``DELETE
 /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
-``POST`` serves the request through the chat machinery (server.chat.chat_prompt: template,
+``POST`` checks the input's images first (server/media: a refused image, or any image while
+the model takes none, is a 400 naming ``input.<i>.content.<j>...``), then serves the request
+through the chat machinery (server.chat.chat_prompt: template,
 tools, constraints), continuing the stored conversation of ``previous_response_id`` (404 when
 no stored response has that id: never stored, evicted, deleted, or the server restarted). With
 ``store`` (the default) the finished response is kept (server.responses.store) under its id;
@@ -24,6 +26,8 @@ from pydantic import ValidationError
 
 from server.chat import chat_prompt
 from server.errors import APIError, bad_request, format_validation_errors
+from server.media.check import checked_images
+from server.media.collect import responses_image_refs
 from server.protocol import ChatCompletionRequest
 from server.responses.items import chat_messages, item_id
 from server.responses.request import ResponsesRequest
@@ -58,6 +62,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         if prev is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         history = prev.context
+    images = await checked_images(responses_image_refs, req.input, ctx.media, model=model,
+                                  takes_images=ctx.takes_images)
     _check_results(history, req.items)
     try:
         chat = ChatCompletionRequest.model_validate(req.chat_body(chat_messages(history)))
@@ -66,7 +72,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         raise bad_request(message, _as_input(param)) from None
     rid = item_id("resp")
     try:
-        prompt = await chat_prompt(ctx, chat, xrid, client_of(raw))
+        prompt = await chat_prompt(ctx, chat, xrid, client_of(raw), images)
         streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, rid,
                                   chat.priority, xrid, model=model)
     except APIError as exc:

@@ -4,8 +4,10 @@ conversation the chat template renders: :func:`chat_messages`), and a finished o
 into output items (:func:`output_items`).
 
 Normalised items are the API's own shapes, each with an ``id`` (kept when given): what
-``GET /v1/responses/{id}/input_items`` lists. Text parts only: images, files and audio are
-refused, each break a ``FieldError`` naming ``input.<i>...``."""
+``GET /v1/responses/{id}/input_items`` lists. Text parts, and ``input_image`` parts in user
+messages (their shape only: server/media checks what they point at, and refuses images for a
+model that takes none); files and audio are refused, each break a ``FieldError`` naming
+``input.<i>...``."""
 
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ def read_input(value: Any) -> list[dict[str, Any]]:
 
     * a string ``input``: one user message;
     * a message, ``{"role": "user"|"system"|"developer"|"assistant", "content": str | [parts]}``
-      (``"type": "message"`` optional); text parts only (``input_text``, ``output_text``,
-      ``text``, ``refusal``): images, files and audio are refused;
+      (``"type": "message"`` optional); text parts (``input_text``, ``output_text``,
+      ``text``, ``refusal``) and, in a user message, ``input_image`` parts (``image_url`` or
+      ``file_id``, ``detail``; kept as parts); files and audio are refused;
     * ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the model made;
     * ``{"type": "function_call_output", "call_id", "output"}``: its result (text, or parts);
     * ``{"type": "reasoning", "content": [{"type": "reasoning_text", "text"}], "summary":
@@ -57,7 +60,11 @@ def _item(raw: Any, where: str) -> dict[str, Any] | None:
         role = raw.get("role")
         if role not in ROLES:
             raise FieldError(f"{where}.role", f"must be one of {', '.join(ROLES)}")
-        return _message(role, _text(raw.get("content"), f"{where}.content"), raw.get("id"))
+        content = raw.get("content")
+        if role == "user" and isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+            return _image_message(content, f"{where}.content", raw.get("id"))
+        return _message(role, _text(content, f"{where}.content"), raw.get("id"))
     if kind == "function_call":
         call_id, name = _string(raw, "call_id", where), _string(raw, "name", where)
         arguments = _string(raw, "arguments", where)
@@ -92,17 +99,36 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise FieldError(where, "must be a string or a list of text parts")
-    texts = []
+    return "\n".join(_part_text(part, f"{where}.{j}") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, at: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS:
+        raise FieldError(f"{at}.type", f"only text content (and input_image in user "
+                                       f"messages) is supported; got {kind!r}")
+    text = part.get("refusal" if kind == "refusal" else "text")
+    if not isinstance(text, str):
+        raise FieldError(f"{at}.text", "must be a string")
+    return text
+
+
+def _image_message(content: list[Any], where: str, given_id: Any) -> dict[str, Any]:
+    """A user message with images: its parts kept in order, text as ``input_text`` and images
+    as ``input_image`` (shape only: what they point at is checked by server/media)."""
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise FieldError(f"{where}.{j}.type", f"only text content is supported; got "
-                                                  f"{kind!r}")
-        text = part.get("refusal" if kind == "refusal" else "text")
-        if not isinstance(text, str):
-            raise FieldError(f"{where}.{j}.text", "must be a string")
-        texts.append(text)
-    return "\n".join(texts)
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url, file_id = part.get("image_url"), part.get("file_id")
+            if not isinstance(url, str) and not isinstance(file_id, str):
+                raise FieldError(f"{where}.{j}.image_url", "an input_image part needs "
+                                                           "image_url (a URL string)")
+            kept = {k: part[k] for k in ("image_url", "file_id", "detail") if k in part}
+            parts.append({"type": "input_image", **kept})
+        else:
+            parts.append({"type": "input_text", "text": _part_text(part, f"{where}.{j}")})
+    return {"type": "message", "id": given_id if isinstance(given_id, str) and given_id
+            else item_id("msg"), "role": "user", "status": "completed", "content": parts}
 
 
 def _reasoning(raw: dict[str, Any], where: str) -> dict[str, Any] | None:
@@ -131,7 +157,24 @@ def _message(role: str, text: str, given_id: Any) -> dict[str, Any]:
 
 
 def message_text(item: dict[str, Any]) -> str:
-    return "\n".join(p.get("text", p.get("refusal", "")) for p in item["content"])
+    return "\n".join(p.get("text", p.get("refusal", "")) for p in item["content"]
+                     if p.get("type") != "input_image")
+
+
+def _chat_content(item: dict[str, Any]) -> str | list[dict[str, Any]]:
+    """A message item's chat content: its text, or with images the chat API's parts."""
+    if not any(p.get("type") == "input_image" for p in item["content"]):
+        return message_text(item)
+    parts: list[dict[str, Any]] = []
+    for p in item["content"]:
+        if p.get("type") != "input_image":
+            parts.append({"type": "text", "text": p["text"]})
+        elif isinstance(p.get("image_url"), str):
+            image = {"url": p["image_url"], **({"detail": p["detail"]} if "detail" in p else {})}
+            parts.append({"type": "image_url", "image_url": image})
+        else:  # server/media refuses a file_id before a conversation is written
+            raise ValueError("an input_image with a file_id has no chat form")
+    return parts
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -147,7 +190,7 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         extra = {"reasoning_content": thought} if thought is not None else {}
         if kind == "message":
-            out.append({"role": item["role"], "content": message_text(item),
+            out.append({"role": item["role"], "content": _chat_content(item),
                         **(extra if item["role"] == "assistant" else {})})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",

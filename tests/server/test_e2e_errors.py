@@ -61,7 +61,7 @@ def test_errors_while_a_long_stream_is_in_flight(real_server):
                  code="model_not_found")
     assert_error(post("/v1/chat/completions", {"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
-        400, contains="only text")
+        400, param="messages.0.content.0.image_url.url", contains="data: URL")
     assert_error(post("/v1/completions", {"prompt": "x"}, headers={}), 401,
                  code="invalid_api_key")
     assert_error(post("/v1/completions", {"prompt": "x"},

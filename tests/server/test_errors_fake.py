@@ -56,7 +56,11 @@ BAD_CHATS = [
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]}, 400,
      "messages.0.tool_call_id", "matches no tool call"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages.0.content", "only text"),
+     400, "messages.0.content", "image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     400, "messages.0.content", "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "ftp://x/y.png"}}]}]}, 400, "messages.0.content.0.image_url.url", "data: URL"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages", "chat template"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None,
      "logprobs"),

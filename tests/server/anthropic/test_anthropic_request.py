@@ -95,6 +95,10 @@ def test_a_failed_tool_result_says_so():
 @pytest.mark.parametrize("fields,where", [
     ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content.0.source.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+     "messages.0.content.0.type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image", "source": {}}]}]},
      "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_9", "content": "1"}]}]},

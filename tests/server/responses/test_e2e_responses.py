@@ -200,7 +200,7 @@ def test_bad_input_is_a_clear_4xx_and_the_server_serves_on(real_server):
                  contains="call_x")
     assert_error(post(input=[{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x"}]}]), 400,
-        param="input.0.content.0.type", contains="text")
+        param="input.0.content.0.image_url", contains="--allowed-media-domains")
     assert_error(post(input="word " * 3000), 400, param="input", contains="1024")  # context
     many = [{"type": "function", "name": f"f{i}"} for i in range(1000)]
     assert_error(post(tools=many), 400, param="tools", contains="128")

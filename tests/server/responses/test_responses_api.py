@@ -49,7 +49,11 @@ def test_input_items_are_normalised_with_ids():
 @pytest.mark.parametrize("value,param", [
     (42, "input"),
     ([{"role": "robot", "content": "x"}], "input.0.role"),
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
+    ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}],
+     "input.0.content.0.type"),
+    ([{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                   {"type": "input_image"}]}], "input.0.content.1.image_url"),
+    ([{"role": "assistant", "content": [{"type": "input_image", "image_url": "u"}]}],
      "input.0.content.0.type"),
     ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input.0.call_id"),
     ([{"type": "function_call_output", "call_id": "c", "output": 3}], "input.0.output"),
