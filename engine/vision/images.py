@@ -21,35 +21,16 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from engine.vision.config import VisionConfig
+from engine.vision.limits import ImageError, ImageLimits
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _RESCALE = 1 / 255
-
-
-class ImageError(ValueError):
-    """An image a request sent cannot be used; the message names what is wrong with it."""
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """How large an image a request may send: ``max_bytes`` of encoded data and
-    ``max_pixels`` of declared width x height (both positive ints)."""
-
-    max_bytes: int = 20 * 1024 * 1024
-    max_pixels: int = 40_000_000
-
-    def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ImageLimits.{name} must be a positive int, got {value!r}")
 
 
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:

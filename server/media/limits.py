@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.json_object import json_text
-from engine.vision.images import ImageLimits
+from engine.vision.limits import ImageLimits
 
 DEFAULT_MAX_IMAGES = 4
 MODALITIES = ("image",)

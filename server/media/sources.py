@@ -11,7 +11,8 @@ Three kinds of reference, anything else refused:
   directory allowed: every ``file://`` URL is refused.
 * ``http://`` and ``https://``: fetched only when the host is one of
   ``allowed_media_domains`` (none by default: every such URL refused), directly (no proxy
-  from the environment), within ``fetch_timeout`` seconds, reading at most
+  from the environment), within ``fetch_timeout`` seconds in all (a server that drips its
+  answer is cut off too), reading at most
   ``image_limits.max_bytes`` (more: 413); a redirect is followed only to the same host,
   at most ``MAX_REDIRECTS`` times; any answer but 200 is refused.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -163,10 +165,14 @@ def _http(ref: str, settings: MediaSettings) -> bytes:
                 raise MediaError(413, f"the image is {int(length)} bytes, over the limit of "
                                       f"{max_bytes}")
             chunks, size = [], 0
+            deadline = time.monotonic() + settings.fetch_timeout  # in all, not per read
             while chunk := response.read(_CHUNK):
                 size += len(chunk)
                 if size > max_bytes:
                     raise MediaError(413, f"the image is over the limit of {max_bytes} bytes")
+                if time.monotonic() > deadline:
+                    raise MediaError(400, f"fetching the image took over "
+                                          f"{settings.fetch_timeout:g} s")
                 chunks.append(chunk)
     except MediaError:
         raise

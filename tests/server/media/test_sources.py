@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -101,6 +102,9 @@ def test_a_file_over_the_byte_limit_is_413(media_dirs):
     _refused(f"file://{allowed}/sub/a.png", small, 413)
 
 
+_CHUNK_SENT = 70 * 1024  # more than one read of the fetcher's, so every read returns at once
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         if self.path == "/img.png":
@@ -111,6 +115,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", "http://localhost:1/img.png")
             self.end_headers()
+            return
+        elif self.path == "/drip.png":  # a byte every 50 ms, each read well within timeout
+            self.send_response(200)
+            self.end_headers()
+            try:
+                for _ in range(100):
+                    self.wfile.write(b"x" * _CHUNK_SENT)
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:  # the client gave up: what the test wants
+                pass
             return
         elif self.path == "/here":
             self.send_response(302)
@@ -166,3 +181,12 @@ def test_a_fetched_body_over_the_byte_limit_is_413(image_server):
 @pytest.mark.parametrize("ref", ["x", "ftp://h/a.png", "javascript:alert(1)", "", "/etc/x"])
 def test_other_references_are_refused(ref):
     _refused(ref, MediaSettings(), 400)
+
+
+def test_a_dripping_server_is_cut_off_by_the_whole_fetchs_deadline(image_server):
+    """Each read returns within the timeout; the fetch as a whole may not outlast it."""
+    settings = MediaSettings(allowed_media_domains=("127.0.0.1",), fetch_timeout=0.5,
+                             image_limits=ImageLimits(max_bytes=20 * 1024 * 1024))
+    start = time.monotonic()
+    _refused(f"{image_server}/drip.png", settings, 400, "took over 0.5 s")
+    assert time.monotonic() - start < 3
