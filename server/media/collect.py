@@ -17,7 +17,7 @@ limit a 413) and keyed by ``engine.vision.images.hash_image``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,23 +55,29 @@ def _content(message: Any) -> Any:
         getattr(message, "content", None)
 
 
-def chat_image_refs(messages: Iterable[Any]) -> list[ImageRef]:
-    """The ``image_url`` parts of chat messages (``ChatMessage`` objects or dicts)."""
-    refs = []
-    for i, message in enumerate(messages):
-        content = _content(message)
+def _parts(items: Iterable[Any], kind: str) -> Iterator[tuple[int, int, dict]]:
+    """``(i, j, part)`` for each dict part of type ``kind`` in the list content of each of
+    ``items`` (messages or input items, objects or dicts)."""
+    for i, item in enumerate(items):
+        content = _content(item)
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "image_url":
-                continue
-            where = f"messages.{i}.content.{j}.image_url"
-            value = part.get("image_url")
-            if isinstance(value, dict):
-                value, where = value.get("url"), f"{where}.url"
-            if not isinstance(value, str):
-                raise MediaError(400, "an image_url part needs a URL string", where)
-            refs.append(ImageRef(where, value))
+            if isinstance(part, dict) and part.get("type") == kind:
+                yield i, j, part
+
+
+def chat_image_refs(messages: Iterable[Any]) -> list[ImageRef]:
+    """The ``image_url`` parts of chat messages (``ChatMessage`` objects or dicts)."""
+    refs = []
+    for i, j, part in _parts(messages, "image_url"):
+        where = f"messages.{i}.content.{j}.image_url"
+        value = part.get("image_url")
+        if isinstance(value, dict):
+            value, where = value.get("url"), f"{where}.url"
+        if not isinstance(value, str):
+            raise MediaError(400, "an image_url part needs a URL string", where)
+        refs.append(ImageRef(where, value))
     return refs
 
 
@@ -81,41 +87,26 @@ def responses_image_refs(value: Any) -> list[ImageRef]:
     if not isinstance(value, list):
         return []
     refs = []
-    for i, item in enumerate(value):
-        content = item.get("content") if isinstance(item, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "input_image":
-                continue
-            where = f"input.{i}.content.{j}"
-            url = part.get("image_url")
-            if isinstance(url, dict):  # lenient: the chat API's nested shape
-                url = url.get("url")
-            if part.get("file_id") is not None and url is None:
-                raise MediaError(400, "file_id is not supported: this server has no Files "
-                                      "API; send image_url (a data: URL)", f"{where}.file_id")
-            if not isinstance(url, str):
-                raise MediaError(400, "an input_image part needs image_url (a URL string)",
-                                 f"{where}.image_url")
-            refs.append(ImageRef(f"{where}.image_url", url))
+    for i, j, part in _parts(value, "input_image"):
+        where = f"input.{i}.content.{j}"
+        url = part.get("image_url")
+        if isinstance(url, dict):  # lenient: the chat API's nested shape
+            url = url.get("url")
+        if part.get("file_id") is not None and url is None:
+            raise MediaError(400, "file_id is not supported: this server has no Files "
+                                  "API; send image_url (a data: URL)", f"{where}.file_id")
+        if not isinstance(url, str):
+            raise MediaError(400, "an input_image part needs image_url (a URL string)",
+                             f"{where}.image_url")
+        refs.append(ImageRef(f"{where}.image_url", url))
     return refs
 
 
 def anthropic_image_refs(messages: Iterable[Any]) -> list[ImageRef]:
     """The ``image`` blocks of Anthropic messages (``AnthropicMessage`` objects or dicts); a
     base64 source becomes a data: URL of its media type."""
-    refs = []
-    for i, message in enumerate(messages):
-        content = _content(message)
-        if not isinstance(content, list):
-            continue
-        for j, block in enumerate(content):
-            if not isinstance(block, dict) or block.get("type") != "image":
-                continue
-            refs.append(anthropic_source_ref(block.get("source"),
-                                             f"messages.{i}.content.{j}.source"))
-    return refs
+    return [anthropic_source_ref(block.get("source"), f"messages.{i}.content.{j}.source")
+            for i, j, block in _parts(messages, "image")]
 
 
 def anthropic_source_ref(source: Any, where: str) -> ImageRef:
