@@ -42,6 +42,7 @@ from engine.spec_decode.factory import build_proposer
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.structured.jump_forward import JumpForward
 from engine.structured.state import StructuredOutputs
+from engine.vision.prompt_format import ImagePromptFormat
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -126,6 +127,11 @@ def assemble(core, config: EngineConfig) -> None:
         max_cache_tokens=(eviction.max_cache_tokens(config.block_size)
                           if eviction is not None else None))
     # Pooling requests (engine.pooling): the task resolved, the pooling rule, head ids.
+    # Images (Gemma 3): the prompt's image markers, when the runner loaded an image encoder.
+    vision = getattr(core.runner, "vision", None)
+    core.image_format = (ImagePromptFormat.for_gemma3(core.hf_config, core.tokenizer,
+                                                      vision.tokens_per_image)
+                         if vision is not None else None)
     core.pooling = served_pooling(config.task, core.files.path, core.hf_config,
                                   core.model_name, core.tokenizer,
                                   core.runner.arch.hidden_size, gguf_source(core.files.path))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.config.engine import EngineConfig
+from engine.params.prompt_image import PromptImage
 from engine.params.sampling import SamplingParams
 from engine.request_output import RequestOutput
 from engine.stats import EngineStats
@@ -74,6 +75,7 @@ class _Pending:
     prompt: str | None
     priority: int
     arrival_time: float
+    images: tuple[PromptImage, ...] = ()
 
 
 class RequestStream:
@@ -264,18 +266,19 @@ class AsyncEngine:
         return snap if fresh is None else snap.replace(structured=fresh(snap.structured))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                      priority: int = 0) -> None:
+                      priority: int = 0, images: tuple[PromptImage, ...] = ()) -> None:
         """Raise ValueError (a 400) if this request can never be served: the core's checks
         (``engine.scheduling.admission.check_request``: priority under fcfs, ``params.n`` above the caps,
         prompt, ids, lengths, pool). Pure; callable from any thread."""
-        self.core.check_request(prompt_token_ids, params, priority=priority)
+        self.core.check_request(prompt_token_ids, params, priority=priority, images=images)
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None, *, prompt: str | None = None,
-               priority: int = 0, validated: bool = False) -> RequestStream:
+               priority: int = 0, validated: bool = False,
+               images: tuple[PromptImage, ...] = ()) -> RequestStream:
         """Queue a request for the engine thread; raises before anything is queued.
         ``validated``: the caller has just run :meth:`check_request` on these same arguments
         (the server does, for every prompt of a request before submitting any): not checked
@@ -293,7 +296,7 @@ class AsyncEngine:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
         prompt_token_ids = list(prompt_token_ids)
         if not validated:
-            self.check_request(prompt_token_ids, params, priority=priority)
+            self.check_request(prompt_token_ids, params, priority=priority, images=images)
         request_id = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
         with self._cond:
@@ -307,17 +310,18 @@ class AsyncEngine:
             stream = RequestStream(self, request_id, loop)
             self._streams[request_id] = stream
             self._inbox.append(_Pending(request_id, prompt_token_ids, params, prompt, priority,
-                                        time.time()))
+                                        time.time(), tuple(images)))
             self._inbox_seqs += params.n
             self._cond.notify()
         return stream
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, *, prompt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, images: tuple[PromptImage, ...] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs; closing or cancelling the consumer aborts the request."""
         stream = self.submit(prompt_token_ids, params, request_id, prompt=prompt,
-                             priority=priority)
+                             priority=priority, images=images)
         try:
             async for out in stream:
                 yield out
@@ -533,7 +537,8 @@ class AsyncEngine:
             try:
                 self.core.add_request(p.request_id, p.prompt_token_ids, p.params,
                                       prompt=p.prompt, arrival_time=p.arrival_time,
-                                      priority=p.priority, validated=True)  # by submit
+                                      priority=p.priority, validated=True,  # by submit
+                                      images=p.images)
             except Exception as exc:  # a bad request must not stop the engine
                 if not isinstance(exc, ValueError):
                     logger.exception("add_request failed for %s", p.request_id)

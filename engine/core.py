@@ -28,8 +28,10 @@ from engine.adapters import Adapters
 from engine.assembly import assemble
 from engine.config.engine import EngineConfig
 from engine.core_stats import engine_stats
+from engine.kv_cache.hashing import media_key
 from engine.kv_cache.reset import cache_tiers, reset_prefix_cache
 from engine.kv_cache.snapshot import KVSnapshot
+from engine.params.prompt_image import PromptImage
 from engine.params.sampling import SamplingParams
 from engine.pooling.accumulate import add_rows, finish_vector
 from engine.postprocess.builder import (
@@ -91,10 +93,21 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                      priority: int = 0) -> None:
+                      priority: int = 0, images: tuple[PromptImage, ...] = ()) -> None:
         """Raise ValueError (user-facing) if this request can never be served. Pure; see
-        ``engine.scheduling.admission.check_request``."""
+        ``engine.scheduling.admission.check_request``; ``images`` must sit on the prompt's
+        image placeholders (``engine.vision.prompt_format``), and only a vision model takes
+        them."""
         check_request(self.config, self.limits, prompt_token_ids, params, priority)
+        fmt = self.image_format
+        if images and fmt is None:
+            raise ValueError(f"model {self.model_name} does not take images")
+        if fmt is not None:
+            fmt.check(tuple(images), prompt_token_ids)
+            budget = self.config.max_num_batched_tokens
+            if images and fmt.tokens_per_image > budget:
+                raise ValueError(f"an image takes {fmt.tokens_per_image} tokens, more than "
+                                 f"one step computes (max_num_batched_tokens {budget})")
         if params.lora_name is not None:
             if self.adapters is None:
                 raise ValueError("this engine serves no LoRA adapters (start it with "
@@ -103,7 +116,8 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0, validated: bool = False) -> None:
+                    priority: int = 0, validated: bool = False,
+                    images: tuple[PromptImage, ...] = ()) -> None:
         """Queue a request. ValueError (user-facing) for one that can never be served, unless
         ``validated``: the caller ran :meth:`check_request` on these same arguments
         (``AsyncEngine.submit`` does, on its own thread)."""
@@ -111,7 +125,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
         if not validated:
-            self.check_request(prompt_token_ids, params, priority=priority)
+            self.check_request(prompt_token_ids, params, priority=priority, images=images)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = Request(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
@@ -122,6 +136,10 @@ class EngineCore:
             req.cache_extra_keys = (("salt", params.cache_salt),)
         if self.adapters is not None:
             self.adapters.resolve(req)  # its lora_id, and its adapter in its KV keys
+        if images:  # each image's content keys the blocks its placeholders touch
+            req.images = tuple(sorted(images, key=lambda i: i.offset))
+            req.cache_extra_keys = (*req.cache_extra_keys, media_key(
+                [(i.offset, i.length, i.key) for i in req.images]))
         for i in range(params.n):
             generator = None
             if params.seed is not None:

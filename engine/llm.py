@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from engine.chat_template import render_chat
 from engine.config.engine import EngineConfig
 from engine.core import EngineCore
+from engine.params.prompt_image import PromptImage
 from engine.params.sampling import SamplingParams
 from engine.request_output import RequestOutput
 
@@ -57,8 +58,11 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+                 use_tqdm: bool = False,
+                 images: Seq[Seq[PromptImage]] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        ``images``: per prompt, the images on its image placeholders (a vision model's;
+        ``engine.params.prompt_image``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None:
@@ -67,14 +71,17 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"got images for {len(images)} prompts, not {len(prompts)}")
         ids = []
-        for prompt, p in zip(prompts, params):
+        for k, (prompt, p) in enumerate(zip(prompts, params)):
             if isinstance(prompt, str):
                 token_ids, text = self.tokenizer.encode(prompt), prompt
             else:
                 token_ids, text = list(prompt), None
             rid = str(next(self._ids))
-            self.engine.add_request(rid, token_ids, p, prompt=text)
+            self.engine.add_request(rid, token_ids, p, prompt=text,
+                                    images=tuple(images[k]) if images is not None else ())
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.params.prompt_image import PromptImage
 from engine.params.sampling import SamplingParams
 from engine.request_output import PositionLogprobs, RequestMetrics
 
@@ -75,6 +76,8 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cache_extra_keys: tuple = ()
+    # The prompt's images (engine.params.prompt_image), by offset; () for a text prompt.
+    images: tuple[PromptImage, ...] = ()
     # The LoRA adapter it runs under (engine.adapters; 0: the base model), fixed on arrival.
     lora_id: int = 0
     error: str | None = None  # why the engine ended it, when an internal error did

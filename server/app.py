@@ -41,6 +41,7 @@ from server.errors import APIError, bad_request, install_error_handlers
 from server.http_framing import FramingMiddleware
 from server.media.check import checked_images
 from server.media.collect import chat_image_refs
+from server.media.prompt import image_prompts
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from server.openapi_errors import install as install_openapi_errors
@@ -120,7 +121,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                          stream_timeout=settings.stream_timeout,
                          trust_request_chat_template=settings.trust_request_chat_template,
                          enable_auto_tool_choice=settings.enable_auto_tool_choice,
-                         media=settings.media_settings())
+                         media=settings.media_settings(),
+                         image_prompts=image_prompts(engine))
     ctx.prompt_bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     template = template_source(engine.tokenizer)
     ctx.tool_format, why = choose_format(template, settings.tool_call_parser)
@@ -274,8 +276,10 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
         try:
             messages, _ = tool_conversation(conversation(req.messages), None, ctx.tool_format,
                                             ctx.tools_native)
+            images = ctx.image_prompts is not None and any(m.has_images for m in req.messages)
             text, ids = render_chat(tok, messages,
-                                    add_generation_prompt=req.add_generation_prompt)
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    expand=ctx.image_prompts.expand if images else None)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
     else:

@@ -33,6 +33,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.chat_template import render_chat
+from engine.params.prompt_image import PromptImage
 from engine.params.sampling import SamplingParams
 from engine.request_output import RequestOutput
 from server.errors import bad_request
@@ -130,6 +131,7 @@ class ChatPrompt:
     params: SamplingParams
     tools: ToolSet | None
     thinking: bool = False  # the prompt opened a thought: the output starts inside it
+    images: tuple[PromptImage, ...] = ()  # placed on the prompt's image tokens
 
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str,
@@ -161,8 +163,11 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_kwargs=kwargs,
-            check_text=lambda t: check_chars(ctx.prompt_bound, len(t), "messages"))
+            check_text=lambda t: check_chars(ctx.prompt_bound, len(t), "messages"),
+            expand=ctx.image_prompts.expand if images else None)
         await released_after(len(text))
+        placed = (await asyncio.to_thread(ctx.image_prompts.place, images, ids)
+                  if images else ())
         params = req.sampling_params(max_tokens=req.max_new_tokens,
                                      logprobs=top if req.logprobs else None,
                                      defaults=ctx.sampling_defaults)
@@ -183,7 +188,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, xrid: str
     await check_constraint(ctx, params, xrid, client)
     expected = tools if tools is not None and tools.calls_expected else None
     thinking = ctx.reasoning is not None and ctx.reasoning.starts_thinking(text)
-    return ChatPrompt(text, ids, params, expected, thinking)
+    return ChatPrompt(text, ids, params, expected, thinking, placed)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request
@@ -193,7 +198,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt = await chat_prompt(ctx, req, xrid, client_of(raw))
     cid = new_id("chatcmpl")
     streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, cid,
-                              req.priority, xrid, model=model)
+                              req.priority, xrid, model=model, images=prompt.images)
     with aborted_on_error(streams):
         logger.info("request_id=%s %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", xrid,
                     cid, len(prompt.ids), req.n, req.max_new_tokens, bool(req.stream))

@@ -224,6 +224,9 @@ def _json_object(value: Any) -> Any:
 ENGINE_OPTIONS = [
     Option("tokenizer", "tokenizer", "engine", str, "tokenizer path (default: the model's)",
            nullable=True),
+    Option("mmproj", "mmproj", "engine", str,
+           "llama.cpp's image-encoder GGUF (mmproj) of a Gemma 3 model: serve its images "
+           "(an HF Gemma3ForConditionalGeneration directory needs none)", nullable=True),
     Option("chat-template", "chat_template", "engine", str,
            "chat template to use instead of the model's: a file path, the template text, or a "
            "built-in one (gemma, llama3, chatml, mistral; chosen by itself for a model that "

@@ -348,6 +348,16 @@ class ChatMessage(_Body):
                                "for a text-only model)")
         return "\n".join(part["text"] for part in self.content)
 
+    def template_content(self) -> str | list[dict[str, str]]:
+        """The content as the chat template gets it: :meth:`text`, or for a message with
+        images its parts in order, text as ``{"type": "text", "text": ...}`` and each image as
+        ``{"type": "image"}`` (HF's convention; the template writes the model's image marker,
+        server/media/prompt.py expands it)."""
+        if not self.has_images:
+            return self.text()
+        return [{"type": "image"} if p.get("type") == "image_url" else
+                {"type": "text", "text": p["text"]} for p in self.content]
+
 
 _PART_TYPES = ("text", "image_url")
 _DETAILS = ("auto", "low", "high")
@@ -437,7 +447,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                             "content": m.text()}
+                             "content": m.template_content()}
         if m.tool_calls:
             d["tool_calls"] = [c.model_dump(include={"id", "type", "function"})
                                for c in m.tool_calls]

@@ -34,12 +34,14 @@ from engine.async_engine import (
     RequestAbortedError,
     RequestStream,
 )
+from engine.params.prompt_image import PromptImage
 from engine.params.sampling import SamplingParams
 from engine.request_output import RequestOutput
 from engine.scheduling.admission import FieldValueError, check_limits, check_priority
 from engine.structured.compile_queue import CompileQueueFullError
 from server.errors import APIError, bad_request, internal_error
 from server.media.limits import MediaSettings
+from server.media.prompt import ImagePrompts
 from server.metrics import ServerMetrics
 from server.middleware import bounded_traceback
 from server.prompt_bound import PromptBound
@@ -74,9 +76,13 @@ class ServingContext:
     # Text prompts that surely exceed max_model_len, refused before tokenising (prompt_bound.py).
     prompt_bound: PromptBound | None = None
     # Images in requests (server/media): where they may come from, how many and how large, and
-    # whether the served model takes them (none does yet: the gate refuses every image).
+    # how the served model takes them (None: a text-only model; the gate refuses every image).
     media: MediaSettings = field(default_factory=MediaSettings)
-    takes_images: bool = False
+    image_prompts: ImagePrompts | None = None
+
+    @property
+    def takes_images(self) -> bool:
+        return self.image_prompts is not None
 
     @property
     def tokenizer(self) -> Any:
@@ -206,13 +212,13 @@ def engine_error(exc: BaseException, ctx: ServingContext, request_id: str) -> AP
 
 def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
                params: SamplingParams, base_id: str, priority: int = 0, *,
-               model: str) -> list[RequestStream]:
+               model: str, images: tuple[PromptImage, ...] = ()) -> list[RequestStream]:
     """Validate every prompt (``engine.check_request``, once: ``submit`` does not repeat it),
     then submit them all; on any failure nothing stays submitted. ``model`` is the name
     ``ctx.check_model`` returned: every request runs under the LoRA adapter it names
     (``SamplingParams.lora_name``), or the base model; an adapter unloaded since the check is
     the 404 ``model_not_found``. The one place where a request's ``model`` reaches its
-    params."""
+    params. ``images``: the prompt's images (one prompt), placed by ``server.media.prompt``."""
     engine = ctx.engine
     lora = ctx.lora_of(model)
     if lora != params.lora_name:
@@ -221,7 +227,7 @@ def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
         raise model_not_found(lora, ctx.served_model_names, adapters)
     for i, (_, ids) in enumerate(prompts):
         try:
-            engine.check_request(ids, params)
+            engine.check_request(ids, params, images=images)
         except ValueError as exc:
             field = getattr(exc, "field", None)  # a sampling field's fault, not the prompt's
             where = f"prompt {i}: " if len(prompts) > 1 and field is None else ""
@@ -231,7 +237,8 @@ def submit_all(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
     try:
         for i, (text, ids) in enumerate(prompts):
             streams.append(engine.submit(ids, params, f"{base_id}-{i}", prompt=text,
-                                         priority=priority, validated=True))  # just above
+                                         priority=priority, validated=True,  # just above
+                                         images=images))
     except BaseException:
         for s in streams:
             s.abort()
@@ -422,11 +429,12 @@ async def check_constraint(ctx: ServingContext, params: SamplingParams, request_
 
 def submit_or_error(ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
                     params: SamplingParams, base_id: str, priority: int,
-                    request_id: str, *, model: str) -> list[RequestStream]:
+                    request_id: str, *, model: str, images: tuple[PromptImage, ...] = ()
+                    ) -> list[RequestStream]:
     """``submit_all`` (``model``: what ``ctx.check_model`` returned), with any failure mapped
     to its HTTP error."""
     try:
-        return submit_all(ctx, prompts, params, base_id, priority, model=model)
+        return submit_all(ctx, prompts, params, base_id, priority, model=model, images=images)
     except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
         raise engine_error(exc, ctx, request_id) from None
 

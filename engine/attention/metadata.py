@@ -7,8 +7,9 @@ may cache derived tensors on ``meta.backend_state``, never touching the KV pools
 the step's new keys/values into their slots (``meta.slot_mapping``; slot -1 skipped), quantised
 per the pool's format (``engine/kv_format/formats.py``; ``kv_scales`` the layer's fp8 per-head
 scales, None meaning 1.0), then returns ``[T, H, D]`` where token ``i`` of sequence ``b`` attends
-causally to keys ``0 .. pos`` of that sequence, ``pos = seq_lens[b] - q_len[b] + i``, restricted
-to the last ``sliding_window`` keys when set.
+causally to keys ``0 .. pos`` of that sequence, ``pos = seq_lens[b] - q_len[b] + i``, and, when
+``pos`` lies in an image span of ``meta.bidirectional``, to every key of that span (later ones
+included), restricted to the last ``sliding_window`` keys when set (Triton refuses spans).
 Hybrid KV cache: the step's metadata is group 0's, and ``layer_metas[i]`` the one layer ``i``
 attends with (:meth:`AttentionMetadata.for_layer`); backends are unchanged. Sequences are
 ordered decodes first (``q_len == 1``), then prefills/chunks; ``meta.num_decodes`` says how many
@@ -48,6 +49,12 @@ class AttentionMetadata:
     backend_state: dict[str, Any] = field(default_factory=dict)
     # Hybrid KV cache: per layer, the metadata of its group (None: one group, this one).
     layer_metas: list[AttentionMetadata] | None = None
+    # Image spans attended both ways (Gemma 3): (sequence index b, first, end) with key
+    # positions; a query of sequence b at a position in [first, end) also attends to every
+    # key of [first, end), later ones included (within a sliding window's reach as well:
+    # mask = window AND (causal OR span)). The scheduler never splits a span across steps,
+    # so every key of a span a query sits in is in the pool or in this step.
+    bidirectional: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -71,7 +78,7 @@ def with_group_tables(meta: AttentionMetadata, slot_mappings: list[torch.Tensor]
             max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes,
             num_decode_tokens=meta.num_decode_tokens, query_lens_cpu=meta.query_lens_cpu,
             seq_lens_cpu=meta.seq_lens_cpu, all_slots_valid=meta.all_slots_valid,
-            decode_num_splits=meta.decode_num_splits)
+            decode_num_splits=meta.decode_num_splits, bidirectional=meta.bidirectional)
         for s, t in zip(slot_mappings, block_tables)]
     meta.layer_metas = [groups[g] for g in layer_group]
     return groups[1:]

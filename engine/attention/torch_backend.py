@@ -11,7 +11,12 @@ of its own over keys ``0 .. start + j`` (stored first): exactly a one-token deco
 position, so speculative greedy output equals one-token decoding. With ``batch_invariant = True``
 (``engine.models.batch_invariant``) every CPU row of the step joins the decode group, prompts
 and prefix hits included: each query row's attention is the decode kernel's over keys ``0 ..
-its position``, the same reduction however the prompt arrived or whatever rows run beside it."""
+its position``, the same reduction however the prompt arrived or whatever rows run beside it.
+Bidirectional image spans (``meta.bidirectional``, Gemma 3): a sequence with a span that lets
+one of this step's queries see a later key takes the prefill path (the decode group, invariant
+one included, stops before it), its mask ``(causal OR same span) AND window``, the span part
+built once per step; spans wholly before the step's queries are causal already and change
+nothing."""
 
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ class _PrefillSeq:
     seq_len: int
     query_pos: torch.Tensor  # [q_len, 1]
     key_pos: torch.Tensor  # [1, seq_len]
+    same_span: torch.Tensor | None = None  # [q_len, seq_len] bool: query and key in one span
 
 
 class TorchAttentionBackend:
@@ -90,12 +96,14 @@ class TorchAttentionBackend:
         device = meta.block_tables.device
         nd = meta.num_decodes
         q_lens = meta.query_lens_cpu
+        spans = _step_spans(meta) if meta.bidirectional else {}
         ns = nd  # sequences in the decode group: the decodes, then the short ones after them
         # A whole prompt (nothing cached) keeps the prefill path: SDPA over its exact K/V.
         if self.batch_invariant and device.type == "cpu":
-            ns = meta.num_seqs  # every row a decode row (module docstring)
+            # every row a decode row (module docstring), up to the first sequence with a span
+            ns = min(spans, default=meta.num_seqs)
         while (ns < meta.num_seqs and q_lens[ns] <= SMALL_QUERY_ROWS
-               and meta.seq_lens_cpu[ns] > q_lens[ns]):
+               and meta.seq_lens_cpu[ns] > q_lens[ns] and ns not in spans):
             ns += 1
         state["decode"] = _decode_group(meta, nd, ns) if ns else None
         prefills = []
@@ -110,6 +118,8 @@ class TorchAttentionBackend:
                 seq_len=seq_len,
                 query_pos=torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1),
                 key_pos=torch.arange(seq_len, device=device).unsqueeze(0),
+                same_span=_same_span(spans[b], seq_len - q_len, seq_len, device)
+                if b in spans else None,
             ))
             start += q_len
         state["prefills"] = prefills
@@ -150,8 +160,10 @@ class TorchAttentionBackend:
             if seq.seq_len == hi - lo and sliding_window is None:
                 # A whole prompt with nothing cached before it: its keys are this step's own
                 # K/V, so skip the gather and let SDPA's causal kernel run without a mask
-                # (over an 8-bit pool too, as vLLM does: the exact K/V are at hand).
-                out[lo:hi] = _sdpa_4d(q[lo:hi], k[lo:hi], v[lo:hi], None, scale, softcap)
+                # (over an 8-bit pool too, as vLLM does: the exact K/V are at hand); with
+                # image spans under an explicit mask.
+                mask = None if seq.same_span is None else _prefill_mask(seq, masks, i, None)
+                out[lo:hi] = _sdpa_4d(q[lo:hi], k[lo:hi], v[lo:hi], mask, scale, softcap)
                 continue
             out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, seq, masks, i, scale,
                                        sliding_window, kv, softcap)
@@ -201,16 +213,53 @@ class TorchAttentionBackend:
     @staticmethod
     def _prefill(q, k_cache, v_cache, seq: _PrefillSeq, masks, idx, scale, window,
                  kv: _KVReader, softcap: float | None = None):
-        mask = masks.get(idx)
-        if mask is None:
-            valid = seq.key_pos <= seq.query_pos
-            if window is not None:
-                valid &= seq.key_pos > seq.query_pos - window
-            mask = masks[idx] = valid
+        mask = _prefill_mask(seq, masks, idx, window)
         kvh, w = k_cache.shape[-2:]
         keys = kv.keys(gather_blocks(k_cache, seq.blocks).view(-1, kvh, w)[: seq.seq_len])
         vals = kv.values(gather_blocks(v_cache, seq.blocks).view(-1, kvh, w)[: seq.seq_len])
         return _sdpa_4d(q, keys, vals, mask, scale, softcap)
+
+
+def _prefill_mask(seq: _PrefillSeq, masks: dict, idx: int, window: int | None) -> torch.Tensor:
+    """Prefill sequence ``idx``'s ``[q_len, seq_len]`` mask (True = attend), cached in
+    ``masks`` (the window's): ``(causal OR same span) AND window``."""
+    mask = masks.get(idx)
+    if mask is None:
+        mask = seq.key_pos <= seq.query_pos
+        if seq.same_span is not None:
+            mask = mask | seq.same_span
+        if window is not None:
+            mask &= seq.key_pos > seq.query_pos - window
+        masks[idx] = mask
+    return mask
+
+
+def _step_spans(meta: AttentionMetadata) -> dict[int, list[tuple[int, int]]]:
+    """Per sequence index, the spans of ``meta.bidirectional`` through which a query of this
+    step sees a later key (a query position ``p`` in ``[first, end)`` with ``p < end - 1``);
+    the others are covered by the causal mask. Raises ``ValueError`` when such a span ends
+    past the sequence's keys (the scheduler split it)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for b, first, end in meta.bidirectional:
+        seq_len = meta.seq_lens_cpu[b]
+        lo = max(first, seq_len - meta.query_lens_cpu[b])  # the span's first query position
+        if lo >= min(end - 1, seq_len):
+            continue
+        if end > seq_len:
+            raise ValueError(f"image span [{first}, {end}) of sequence {b} ends past its "
+                             f"{seq_len} keys: a span must not be split across steps")
+        spans.setdefault(b, []).append((first, end))
+    return spans
+
+
+def _same_span(spans: list[tuple[int, int]], q_start: int, seq_len: int,
+               device: torch.device) -> torch.Tensor:
+    """``[seq_len - q_start, seq_len]`` bool: query position ``q_start + i`` and key position
+    ``j`` lie in one of ``spans`` (each ``(first, end)`` with ``end <= seq_len``)."""
+    same = torch.zeros(seq_len - q_start, seq_len, dtype=torch.bool, device=device)
+    for first, end in spans:
+        same[max(first, q_start) - q_start:end - q_start, first:end] = True
+    return same
 
 
 def _cpu_decode(kernel, fmt: KVFormat, q, k_cache, v_cache, group: _DecodeGroup, scale, window,

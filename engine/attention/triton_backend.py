@@ -11,7 +11,9 @@ keys and values before ``store_kv`` (in float32, as ``quantize_rows`` does, so t
 are the PyTorch backend's), attends with the rotated queries and rotates the output back. Under
 ``calculate_kv_scales`` the layer's ``kv_scales`` are an int4 pool's per-channel key smoothing
 ``s`` (engine/kv_format/calibration.py): ``k / s`` is stored and ``q * s`` attends.
-On a CPU the kernels only run under ``TRITON_INTERPRET=1`` (slow; used by the tests)."""
+On a CPU the kernels only run under ``TRITON_INTERPRET=1`` (slow; used by the tests).
+Bidirectional image spans (``meta.bidirectional``, Gemma 3) are refused: ``prepare`` and
+``forward`` raise ``NotImplementedError`` when any is given."""
 
 from __future__ import annotations
 
@@ -51,10 +53,20 @@ class _TritonStepState:
     prefill: _PrefillPart | None
 
 
+def _refuse_bidirectional(meta: AttentionMetadata) -> None:
+    """Raise ``NotImplementedError`` when ``meta`` carries bidirectional image spans: the
+    kernels' masks are causal only."""
+    if meta.bidirectional:
+        raise NotImplementedError(
+            "the triton attention backend has causal masks only: image spans attended both "
+            "ways need the torch attention backend (--attention-backend torch)")
+
+
 class TritonAttentionBackend:
     name = "triton"
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        _refuse_bidirectional(meta)
         nd = meta.num_decodes
         decode = prefill = None
         if nd:
@@ -84,6 +96,7 @@ class TritonAttentionBackend:
         """Store this step's K/V (quantised into an 8-bit or int4 pool), then attend; returns a
         fresh contiguous ``[T, H, D]``. ``softcap`` (Gemma 2): scores soft-capped in the
         kernels."""
+        _refuse_bidirectional(meta)
         state: _TritonStepState = meta.backend_state["triton"]
         int4 = kv_quant_kind(k_cache) == 3
         v_smooth = None

@@ -115,6 +115,8 @@ class EngineConfig:
     tokenizer: str | None = None
     # --chat-template: a file, a built-in's name or the text (engine/loading/builtin_templates.py)
     chat_template: str | None = None
+    # --mmproj: llama.cpp's image-encoder GGUF for a Gemma 3 model (engine/vision/mmproj.py)
+    mmproj: str | None = None
     # the name the API reports, or several (vLLM's list): the first is reported, all accepted
     served_model_name: str | tuple[str, ...] | None = None
     dtype: str = "auto"

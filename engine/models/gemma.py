@@ -11,8 +11,9 @@ over each head's q and k before RoPE, sliding-window layers with their own RoPE 
 mask, the backends' ``softcap``) and final logits too. Both run in the C++ decode stack
 (engine/models/cpu_decode_stack.py), bit-identical to :meth:`GemmaDecoderLayer.forward`.
 Weights load from HF names, also a ``Gemma3ForConditionalGeneration`` checkpoint's text part
-(``model.language_model.*`` / ``language_model.model.*``); its vision tower, if present, is
-skipped (kvserve serves text only)."""
+(``model.language_model.*`` / ``language_model.model.*``); its vision tower is loaded apart
+(engine/vision). ``forward(..., image_embeds=(rows, embeddings))`` puts the image encoder's
+embeddings in place of those rows' scaled token embeddings (HF's ``masked_scatter``)."""
 
 from __future__ import annotations
 
@@ -113,9 +114,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend: AttentionBackend, ops: TorchLayerOps | None = None) -> torch.Tensor:
+                backend: AttentionBackend, ops: TorchLayerOps | None = None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
+        if image_embeds is not None:
+            rows, values = image_embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         rope = self.rotary.cos_sin(positions, x.dtype, meta.max_seq_len - 1)
         local = rope
         if self.arch.rope_local is not None:

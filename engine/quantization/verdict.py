@@ -32,7 +32,8 @@ class ProbeResult:
         """``"quant"`` or ``"float"`` when that side is clearly faster: its kept runs
         (:func:`_kept`: the slowest quarter dropped) all beat the other side's kept runs by
         more than :data:`SEPARATION` (a stall only adds time, so a side whose true time is
-        within that margin of the other's can never win, however noisy the runs); None
+        within that margin of the other's, less the runs' own jitter, wins only if every
+        kept run of the other side stalled); None
         when the two ranges overlap (no verdict: the caller's documented default holds). A
         result without runs (a cached figure) compares its two figures."""
         if self.undecided:

@@ -20,6 +20,7 @@ import torch
 
 from engine.step.output import PromptLogitRows
 from engine.step.plan import StepPlan
+from engine.vision.embedder import ImageRows
 
 
 @dataclass
@@ -56,6 +57,10 @@ class ModelInput:
     pool_rows: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
     # Each sequence's LoRA slot (-1: base); empty when no chunk runs under an adapter.
     lora_slots: tuple[int, ...] = ()
+    # Image placeholders computed this step (their rows take the encoder's embeddings) and
+    # the spans they attend both ways: (sequence index, first, end) positions.
+    image_rows: tuple[ImageRows, ...] = ()
+    bidirectional: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +73,8 @@ class ModelInput:
     @property
     def is_pure_decode(self) -> bool:
         """Every sequence decodes one token and only sampled rows need logits."""
-        return self.num_decodes == self.num_seqs and not self.prompt_rows and not self.pool_rows
+        return (self.num_decodes == self.num_seqs and not self.prompt_rows and not self.pool_rows
+                and not self.image_rows)
 
 
 def build_model_input(plan: StepPlan) -> ModelInput:
@@ -87,6 +93,8 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     prompt_top_k = 0
     num_decodes = 0
     pool_rows: list[tuple[int, int, int, tuple[int, ...]]] = []
+    image_rows: list[ImageRows] = []
+    spans: list[tuple[int, int, int]] = []
     for i, s in enumerate(plan.seqs):
         start, n = s.start, len(s.token_ids)
         if n == 1 and num_decodes == i:
@@ -105,6 +113,11 @@ def build_model_input(plan: StepPlan) -> ModelInput:
             p = s.pool
             pool_rows.append((i, flat_start + p.first - start, flat_start + p.last - start,
                               p.head_token_ids))
+        for image in s.images:  # the chunk's rows among the image's placeholders
+            lo, hi = max(start, image.offset), min(start + n, image.end)
+            image_rows.append(ImageRows(flat_start + lo - start, image, lo - image.offset,
+                                        hi - lo))
+            spans.append((i, image.offset, image.end))
         span = s.prompt_logits
         if span is not None:
             first, last = span.first, span.last
@@ -165,6 +178,8 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         pool_rows=tuple(pool_rows),
         lora_slots=(tuple(s.lora_slot for s in plan.seqs)
                     if any(s.lora_slot >= 0 for s in plan.seqs) else ()),
+        image_rows=tuple(image_rows),
+        bidirectional=tuple(spans),
     )
 
 

@@ -86,7 +86,7 @@ def to_device(inp: ModelInput, stager: HostToDeviceStager,
         block_size=inp.block_size, max_query_len=max(inp.query_lens),
         max_seq_len=max(inp.seq_lens_list), num_decodes=inp.num_decodes,
         num_decode_tokens=inp.num_decodes, query_lens_cpu=inp.query_lens,
-        seq_lens_cpu=inp.seq_lens_list, all_slots_valid=True)
+        seq_lens_cpu=inp.seq_lens_list, all_slots_valid=True, bidirectional=inp.bidirectional)
     group_metas: list[AttentionMetadata] = []
     if extra and layer_group:
         n = len(inp.extra_slot_mappings)

@@ -61,6 +61,8 @@ from engine.sampling.prompt_logprobs import (
 from engine.step.output import StepOutput
 from engine.step.plan import KeyShift, StepPlan
 from engine.triton_import import import_torch_dynamo_without_triton, triton_wanted
+from engine.vision.checkpoint import load_embedder
+from engine.vision.embedder import ImageEmbedder
 from engine.weight_prep.apply import serves_packed_gguf
 from engine.weight_prep.prepare import prepare_weights
 
@@ -155,6 +157,17 @@ class ModelRunner:
         self._host_copier: HostTierCopier | None = None
         self._stager = HostToDeviceStager(self.device)
         self.graphs: DecodeGraphs | None = None
+        # The image encoder and its cache when the checkpoint is a vision model (Gemma 3),
+        # and the attention backend attends an image's tokens both ways (the torch one).
+        self.vision: ImageEmbedder | None = None
+        if config.mmproj and not str(self.arch.model_type).startswith("gemma3"):
+            raise ValueError(f"--mmproj gives a Gemma 3 model its images; this model is "
+                             f"{self.arch.model_type!r}")
+        if tp is None and self.backend.name == "torch":
+            self.vision = load_embedder(hf_config, files_dir, self.device, config.mmproj)
+        elif getattr(hf_config, "vision_config", None) is not None or config.mmproj:
+            logger.info("images: not served (%s)", "tensor parallelism" if tp is not None
+                        else f"the {self.backend.name} attention backend")
 
     @property
     def weight_bytes(self) -> int:
@@ -478,7 +491,15 @@ class ModelRunner:
         dev = to_device(inp, self._stager, self._layer_group)
         for meta in dev.group_metas:  # hybrid KV cache: groups 1.. (group 0's is prepared
             self.backend.prepare(meta)  # by the model)
-        hidden = self._forward(dev.input_ids, dev.positions, dev.meta)
+        if inp.image_rows:
+            if self.vision is None:
+                raise RuntimeError("a step computes image placeholders but this runner has "
+                                   "no image encoder")
+            images = self.vision.rows(inp.image_rows, self.device)
+            hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta,
+                                self.backend, image_embeds=images)
+        else:
+            hidden = self._forward(dev.input_ids, dev.positions, dev.meta)
         sample_logits, restricted = restricted_logits(
             self.model, hidden[dev.sample_indices], self.model.arch.vocab_size, sample_columns)
         prompt = None

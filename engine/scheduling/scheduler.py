@@ -24,6 +24,7 @@ from engine.kv_cache.manager import PrefixHit
 from engine.lora.slots import LoRASlots
 from engine.pooling.span import pool_span
 from engine.request import Request, SeqStatus, Sequence
+from engine.scheduling.image_chunks import chunk_images, fit_chunk
 from engine.scheduling.kv_setup import KVPool, build_kv
 from engine.scheduling.preemption import pick_victim
 from engine.scheduling.prompt_span import prompt_logit_span
@@ -89,7 +90,8 @@ class Scheduler:
        (arrival only under fcfs) while the budget, the sequence cap (``max_num_seqs``) and the
        pool allow. A swapped-out sequence is swapped back in and resumes where it stopped. Any
        other admission first looks up the prefix cache (device, then host); the rest of its
-       tokens is its prefill, chunked to the budget. Samples 2..n of a request are parked
+       tokens is its prefill, chunked to the budget, never ending inside an image's span
+       (``engine.scheduling.image_chunks``). Samples 2..n of a request are parked
        outside the queue until sample 1 has computed the prompt (then they share its full
        blocks), so they cost nothing per step while they wait.
     3. Speculative decoding (``speculative_config``; ``engine.scheduling.speculation``): before
@@ -248,7 +250,11 @@ class Scheduler:
                 continue
             if self.stream is not None:  # jump a recomputation's gap, evict the middle
                 self.stream.before_chunk(seq)
-            num_new = min(self._remaining(seq, seq.num_computed_tokens), budget)
+            remaining = self._remaining(seq, seq.num_computed_tokens)
+            num_new = fit_chunk(seq.request.images, seq.num_computed_tokens,
+                                min(remaining, budget), remaining)
+            if not num_new:  # the rest of an image's span waits for a step with room
+                continue
             draft = drafts.get(seq.seq_id)
             if draft:
                 draft = self.kv.fit_draft(seq.seq_id, seq.num_tokens, draft, budget,
@@ -288,7 +294,9 @@ class Scheduler:
                                        self._cached(seq), table(seq.seq_id), s.sample,
                                        prompt_logit_span(s.seq, s.start, s.num_new_tokens),
                                        pool=pool_span(seq, start, s.num_new_tokens),
-                                       lora_slot=seq.lora_slot))
+                                       lora_slot=seq.lora_slot,
+                                       images=chunk_images(seq.request.images, start,
+                                                           s.num_new_tokens)))
             if self.hybrid:  # every KV group's table (engine.kv_cache.hybrid)
                 tables = kv.group_tables(seq.seq_id)
                 chunks[-1].block_table, chunks[-1].extra_tables = tables[0], tables[1:]
@@ -379,10 +387,12 @@ class Scheduler:
             start = prefix.num_tokens
             if self.stream is not None:  # a recomputation resuming past the evicted gap
                 start = self.stream.resume_point(seq.seq_id, start)
-            num_new = self._remaining(seq, start)
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            remaining = self._remaining(seq, start)
+            if remaining > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = fit_chunk(seq.request.images, start, min(remaining, budget), remaining)
+            if not num_new:  # an image's span waits for a step with room for all of it
+                break
             cached = self.stream.cache_pos(seq.seq_id, start) if self.stream else start
             if self.kv.allocate(seq.seq_id, cached + num_new, prefix) is None:
                 self._unpin_lora(seq)
@@ -400,10 +410,13 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Resume swapped ``seq`` (at the head of the queue) with its next tokens; returns how
         many it computes this step, or None if it cannot run now (it keeps waiting)."""
-        num_new = self._remaining(seq, seq.num_computed_tokens)
-        if num_new > budget and not self.config.enable_chunked_prefill:
+        remaining = self._remaining(seq, seq.num_computed_tokens)
+        if remaining > budget and not self.config.enable_chunked_prefill:
             return None
-        num_new = min(num_new, budget)
+        num_new = fit_chunk(seq.request.images, seq.num_computed_tokens,
+                            min(remaining, budget), remaining)
+        if not num_new:
+            return None
         if self.kv.swap_in(seq.seq_id, self._cached(seq) + num_new) is None:
             return None
         self.waiting.pop()

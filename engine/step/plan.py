@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.params.prompt_image import PromptImage
+
 
 @dataclass(frozen=True, slots=True)
 class PromptLogitSpan:
@@ -73,6 +75,10 @@ class SeqChunk:
     pool: PoolSpan | None = None
     # The LoRA slot the chunk runs under (engine.lora; -1: the base model).
     lora_slot: int = -1
+    # The prompt's images whose placeholders this chunk computes (some or all of them): their
+    # rows take the encoder's embeddings, their spans attend both ways. The scheduler never
+    # ends a chunk inside an image's span.
+    images: tuple[PromptImage, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

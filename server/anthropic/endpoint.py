@@ -99,7 +99,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     if 0 < room < req.max_tokens:  # max_tokens is a cap: the context window ends it first
         params, clamped = params.clone(max_tokens=room), True
     streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], params, mid, chat.priority,
-                              xrid, model=model)
+                              xrid, model=model, images=prompt.images)
     with aborted_on_error(streams):
         logger.info("request_id=%s %s: %d prompt tokens, max_tokens=%d, stream=%s", xrid, mid,
                     len(prompt.ids), req.max_tokens, req.stream)

@@ -74,7 +74,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     try:
         prompt = await chat_prompt(ctx, chat, xrid, client_of(raw), images)
         streams = submit_or_error(ctx, [(prompt.text, prompt.ids)], prompt.params, rid,
-                                  chat.priority, xrid, model=model)
+                                  chat.priority, xrid, model=model, images=prompt.images)
     except APIError as exc:
         exc.param = _as_input(exc.param)
         raise

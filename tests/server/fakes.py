@@ -96,7 +96,9 @@ class FakeCore:
         self.generation_tokens = 0
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                      priority: int = 0) -> None:
+                      priority: int = 0, images: tuple = ()) -> None:
+        if images:
+            raise ValueError("the fake model does not take images")
         check_priority(self.config, priority)
         check_num_seqs(self.config, params.n)
         n = len(prompt_token_ids)
@@ -112,9 +114,9 @@ class FakeCore:
                              f"prompt, {max_tokens} for the completion).")
 
     def add_request(self, request_id, prompt_token_ids, params, *, prompt=None,
-                    arrival_time=None, priority=0, validated=False) -> None:
+                    arrival_time=None, priority=0, validated=False, images=()) -> None:
         if not validated:
-            self.check_request(prompt_token_ids, params)
+            self.check_request(prompt_token_ids, params, images=images)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = _Req(request_id, list(prompt_token_ids), params,

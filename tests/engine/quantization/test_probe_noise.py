@@ -58,25 +58,33 @@ def _model_and_modules() -> tuple[nn.Module, QuantisedModules]:
     return model, q
 
 
+JITTER = 0.02  # every run: up to 2% over its true time
+
+
 def _noisy_timer(rng: random.Random, true_s: tuple[float, float], stall_p: float = 0.3,
                  stall_max: float = 10.0):
     """Each run: its side's true time, plus (with probability ``stall_p``) a stall of up to
     ``stall_max`` times it, plus a little jitter; stalls only ever add time."""
     def timer(run, side: int) -> float:
-        t = true_s[side] * (1 + 0.02 * rng.random())
+        t = true_s[side] * (1 + JITTER * rng.random())
         if rng.random() < stall_p:
             t += true_s[side] * stall_max * rng.random()
         return t
     return timer
 
 
-@pytest.mark.parametrize("float_advantage", [0.0, 0.02, SEPARATION * 0.99])
+@pytest.mark.parametrize("float_advantage", [0.0, 0.02, (SEPARATION - JITTER) * 0.99])
 def test_noise_never_inflates_a_packed_file(float_advantage):
     """Float truly faster by less than the separation margin (or not at all), runs stalled at
-    random up to 10x: across many seeds the packed weights serve every row count."""
+    random up to 10x: across many seeds the packed weights serve every row count. The margin
+    is relative to the faster side (``decision``: ``max(f) * (1 + SEPARATION) < min(q)``), so
+    float's true time is ``1 / (1 + advantage)`` of the packed one's, and the advantage stays
+    under the margin less the runs' jitter, which can make up the rest on every run of the
+    slower side (at ``1 - 0.0495`` float's clean runs won at 64 rows under some seeds, on an
+    AVX2 machine whose probes draw the random runs in another order: 5 of 200 seeds)."""
     model, q = _model_and_modules()
     for seed in range(40):
-        timer = _noisy_timer(random.Random(seed), (1.0 - float_advantage, 1.0))
+        timer = _noisy_timer(random.Random(seed), (1.0 / (1.0 + float_advantage), 1.0))
         verdict = choose(model, q, timer=timer)
         assert verdict.mode == "quant", (seed, verdict.describe())
         assert verdict.float_above is None

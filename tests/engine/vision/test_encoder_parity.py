@@ -8,30 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+from transformers import Gemma3Config
 
 from engine.vision.config import VisionConfig
 from engine.vision.encoder import ImageEncoder
 from engine.vision.weights import LAYOUTS, find_layout, load_image_encoder
+from tests.engine.vision.hf_vision_reference import tiny_hf_vision_model
 
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def hf_model():
-    config = Gemma3Config(
-        text_config=dict(vocab_size=300, hidden_size=48, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=24, sliding_window=16),
-        vision_config=dict(image_size=64, patch_size=8, hidden_size=32, intermediate_size=40,
-                           num_hidden_layers=2, num_attention_heads=2, vision_use_head=False),
-        mm_tokens_per_image=16)
-    torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # HF zero-initialises the projector and the RMSNorm: randomise all
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    return model
+    return tiny_hf_vision_model()
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,9 @@ class LoRAFakeCore(FakeCore):
         self.adapters = adapters
         self.loras: list[str | None] = []
 
-    def check_request(self, prompt_token_ids, params, *, priority: int = 0) -> None:
-        super().check_request(prompt_token_ids, params, priority=priority)
+    def check_request(self, prompt_token_ids, params, *, priority: int = 0,
+                      images: tuple = ()) -> None:
+        super().check_request(prompt_token_ids, params, priority=priority, images=images)
         if params.lora_name is not None and (self.adapters is None or
                                              params.lora_name not in self.adapters.names):
             raise ValueError(f"LoRA adapter {params.lora_name!r} is not loaded")
