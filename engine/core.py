@@ -137,7 +137,7 @@ class EngineCore:
         if self.adapters is not None:
             self.adapters.resolve(req)  # its lora_id, and its adapter in its KV keys
         if images:  # each image's content keys the blocks its placeholders touch
-            req.images = tuple(sorted(images, key=lambda i: i.offset))
+            req.images = tuple(images)  # in prompt order: check_request pairs them with the runs
             req.cache_extra_keys = (*req.cache_extra_keys, media_key(
                 [(i.offset, i.length, i.key) for i in req.images]))
         for i in range(params.n):

@@ -414,8 +414,14 @@ class ModelRunner:
                     (ops or self.model.ops).name)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+                 meta: AttentionMetadata,
+                 image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The eager forward pass; ``image_embeds`` (a vision model's step with image
+        placeholders): the rows the encoder's embeddings replace."""
+        if image_embeds is None:
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend,
+                          image_embeds=image_embeds)
 
     def _warm_up(self) -> None:
         """Run steps of the shapes serving will see (a long prefill, short prefills after
@@ -491,15 +497,13 @@ class ModelRunner:
         dev = to_device(inp, self._stager, self._layer_group)
         for meta in dev.group_metas:  # hybrid KV cache: groups 1.. (group 0's is prepared
             self.backend.prepare(meta)  # by the model)
+        images = None
         if inp.image_rows:
             if self.vision is None:
                 raise RuntimeError("a step computes image placeholders but this runner has "
                                    "no image encoder")
             images = self.vision.rows(inp.image_rows, self.device)
-            hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta,
-                                self.backend, image_embeds=images)
-        else:
-            hidden = self._forward(dev.input_ids, dev.positions, dev.meta)
+        hidden = self._forward(dev.input_ids, dev.positions, dev.meta, images)
         sample_logits, restricted = restricted_logits(
             self.model, hidden[dev.sample_indices], self.model.arch.vocab_size, sample_columns)
         prompt = None

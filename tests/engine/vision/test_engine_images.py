@@ -10,6 +10,8 @@ cache: the same image again is a prefix hit, a different image after the same te
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -142,7 +144,7 @@ def test_the_encoder_runs_once_per_distinct_image(llm):
     vision.cache._entries.clear()
     before = vision.images_encoded
     a, b = _picture(21), _picture(22)
-    png = Image.open(__import__("io").BytesIO(_png(a)))
+    png = Image.open(io.BytesIO(_png(a)))
     prompts = [_prompt(llm, ["One:", None], [a]), _prompt(llm, ["Two:", None], [b]),
                _prompt(llm, ["Three:", None], [png])]
     assert prompts[0][1][0].key == prompts[2][1][0].key
@@ -154,8 +156,6 @@ def test_the_encoder_runs_once_per_distinct_image(llm):
 
 
 def _png(image: Image.Image) -> bytes:
-    import io
-
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
